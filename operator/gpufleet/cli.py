@@ -1,0 +1,18 @@
+"""The `gpufleet` command."""
+from __future__ import annotations
+
+import click
+
+from .commands import crd, run
+from .devcluster.commands import dev
+
+
+@click.group()
+@click.version_option(package_name="gpufleet")
+def main() -> None:
+    """gpufleet: a Kubernetes operator for GPU LLM inference fleets."""
+
+
+main.add_command(dev)
+main.add_command(run)
+main.add_command(crd)

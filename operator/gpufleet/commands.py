@@ -1,0 +1,62 @@
+"""`gpufleet run` (the operator) and `gpufleet crd` (print the generated CRD)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import click
+
+
+@click.command()
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
+              help="Kubeconfig path; default $KUBECONFIG, then in-cluster, then ~/.kube/config.")
+@click.option("--namespace", "namespaces", multiple=True,
+              help="Watch only these namespaces (repeatable); default: cluster-wide.")
+@click.option("--metrics-port", default=9090, show_default=True, type=int,
+              help="Port of the operator's /metrics and /healthz; 0 disables.")
+@click.option("--metrics-host", default="0.0.0.0", show_default=True)
+@click.option("--liveness", "liveness_endpoint", default=None,
+              help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz.")
+@click.option("--worker-limit", default=20, show_default=True, type=int,
+              help="Most InferenceServices reconciled at once.")
+@click.option("--peering/--standalone", default=False, show_default=True,
+              help="kopf peering so several operator replicas never reconcile at once "
+                   "(needs the chart's KopfPeering resources).")
+@click.option("--fleet-loops/--no-fleet-loops", default=True, show_default=True,
+              help="Run the autoscaler and audits besides reconciliation.")
+@click.option("-v", "--verbose", is_flag=True)
+def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, peering,
+        fleet_loops, verbose) -> None:
+    """Run the operator."""
+    import kopf
+
+    from . import handlers  # noqa: F401  (registers the handlers)
+    from .kube.config import KubeConfig
+    from .runtime import OperatorRuntime
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    config = KubeConfig.auto(kubeconfig)
+    runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
+    if fleet_loops:
+        from .fleet import register_loops
+        register_loops(runtime)
+    memo = kopf.Memo(runtime=runtime, worker_limit=worker_limit)
+    asyncio.run(kopf.operator(
+        clusterwide=not namespaces, namespaces=list(namespaces), standalone=not peering,
+        peering_name="gpufleet" if peering else None, liveness_endpoint=liveness_endpoint, memo=memo))
+
+
+@click.command()
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Write to this file instead of stdout.")
+def crd(output) -> None:
+    """Print the InferenceService CRD generated from the API types."""
+    from .api.crd import render_yaml
+    text = render_yaml()
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text)
+    else:
+        click.echo(text, nl=False)

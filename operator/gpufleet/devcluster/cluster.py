@@ -1,0 +1,346 @@
+"""Start, stop and inspect the local control plane.
+
+Components run as detached processes (their own sessions, so they outlive the
+``gpufleet dev up`` that started them) with logs in the state directory. The
+state file records ports, pids and log paths; ``status`` and ``down`` read it,
+and a component whose pid is gone is reported as crashed with its log path.
+Each ``up`` starts from an empty etcd, so every run sees the same fleet.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from . import binaries, pki
+
+Progress = Callable[[str], None]
+
+SERVICE_CIDR = "10.96.0.0/16"
+# kwok hands out pod IPs from this range. All of 127.0.0.0/8 is loopback on
+# Linux, so a local process can listen on a simulated pod's own address.
+POD_CIDR = "127.64.0.0/16"
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+class ClusterError(Exception):
+    pass
+
+
+class AlreadyRunning(ClusterError):
+    pass
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("GPUFLEET_DEV_DIR", Path.home() / ".gpufleet" / "dev"))
+
+
+def kubeconfig_path() -> Path:
+    return state_dir() / "kubeconfig"
+
+
+@dataclasses.dataclass
+class FleetSpec:
+    """The simulated GPU fleet registered by ``up``."""
+    nodes: int = 4
+    gpus_per_node: int = 8
+    gpu_product: str = "NVIDIA-H100-80GB-HBM3"
+    gpu_memory_mib: int = 81559
+    node_pool: str = "gpu"
+    cpu_nodes: int = 1
+
+
+# --- process bookkeeping -------------------------------------------------------
+
+
+def _alive(pid: int | None, binary: str | None = None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return False
+    return binary is None or Path(cmd).name == Path(binary).name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_state() -> dict | None:
+    f = state_dir() / "state.json"
+    if not f.exists():
+        return None
+    return json.loads(f.read_text())
+
+
+def _write_state(state: dict) -> None:
+    f = state_dir() / "state.json"
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.rename(f)
+
+
+def component_status(state: dict) -> dict[str, dict]:
+    out = {}
+    for name in COMPONENTS:
+        proc = state.get("processes", {}).get(name)
+        if not proc:
+            continue
+        out[name] = {"pid": proc["pid"], "log": proc["log"],
+                     "running": _alive(proc["pid"], proc["binary"])}
+    return out
+
+
+def is_running() -> bool:
+    state = read_state()
+    return bool(state) and any(c["running"] for c in component_status(state).values())
+
+
+def _spawn(name: str, argv: list[str], logs: Path) -> dict:
+    log = logs / f"{name}.log"
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    return {"pid": proc.pid, "log": str(log), "binary": argv[0], "argv": argv}
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float, state: dict, watch: tuple[str, ...]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in watch:
+            proc = state["processes"][name]
+            if not _alive(proc["pid"], proc["binary"]):
+                raise ClusterError(f"{name} exited while waiting for {what}; log {proc['log']}:\n"
+                                   f"{_tail(proc['log'])}")
+        try:
+            if check():
+                return
+        except Exception:  # not up yet; the component's own log says why if it never comes
+            pass
+        time.sleep(0.2)
+    raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {state_dir() / 'logs'}")
+
+
+def _https_ok(url: str, pki_dir: Path) -> bool:
+    ctx = ssl.create_default_context(cafile=str(pki_dir / "ca.crt"))
+    ctx.load_cert_chain(str(pki_dir / "admin.crt"), str(pki_dir / "admin.key"))
+    with urllib.request.urlopen(url, context=ctx, timeout=2) as r:
+        return r.status == 200
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return r.status == 200
+
+
+def write_kubeconfig(path: Path, server: str, pki_dir: Path, user: str) -> None:
+    path.write_text(f"""apiVersion: v1
+kind: Config
+clusters:
+- name: gpufleet-local
+  cluster:
+    server: {server}
+    certificate-authority: {pki_dir / 'ca.crt'}
+users:
+- name: {user}
+  user:
+    client-certificate: {pki_dir / (user + '.crt')}
+    client-key: {pki_dir / (user + '.key')}
+contexts:
+- name: gpufleet-local
+  context:
+    cluster: gpufleet-local
+    user: {user}
+current-context: gpufleet-local
+""")
+    path.chmod(0o600)
+
+
+# --- lifecycle -----------------------------------------------------------------
+
+
+def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
+    fleet = fleet or FleetSpec()
+    if is_running():
+        raise AlreadyRunning(f"the local control plane is already running (state in {state_dir()}); "
+                             f"use `gpufleet dev status`, or `gpufleet dev down` first")
+    started = time.monotonic()
+    bins = binaries.ensure_control_plane(progress)
+    root = state_dir()
+    for sub in ("etcd-data", "logs", "kubeconfigs"):
+        shutil.rmtree(root / sub, ignore_errors=True)
+    logs = root / "logs"
+    logs.mkdir(parents=True)
+    (root / "kubeconfigs").mkdir()
+    pki_dir = root / "pki"
+    pki.ensure_pki(pki_dir)
+
+    ports = {"etcd": _free_port(), "etcd-peer": _free_port(), "apiserver": _free_port(),
+             "controller-manager": _free_port(), "scheduler": _free_port(), "kwok": _free_port()}
+    server = f"https://127.0.0.1:{ports['apiserver']}"
+    state = {"server": server, "ports": ports, "processes": {}, "fleet": dataclasses.asdict(fleet),
+             "kubeconfig": str(kubeconfig_path()), "versions": {
+                 "kubernetes": binaries.KUBERNETES_VERSION, "etcd": binaries.ETCD_VERSION,
+                 "kwok": binaries.KWOK_VERSION}}
+    procs = state["processes"]
+
+    def record():
+        _write_state(state)
+
+    try:
+        progress("starting etcd")
+        etcd_url = f"http://127.0.0.1:{ports['etcd']}"
+        procs["etcd"] = _spawn("etcd", [
+            str(bins["etcd"]), "--name=gpufleet", f"--data-dir={root / 'etcd-data'}",
+            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls=http://127.0.0.1:{ports['etcd-peer']}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{ports['etcd-peer']}",
+            f"--initial-cluster=gpufleet=http://127.0.0.1:{ports['etcd-peer']}",
+            "--unsafe-no-fsync", "--quota-backend-bytes=4294967296", "--log-level=warn",
+        ], logs)
+        record()
+        _wait("etcd", lambda: _http_ok(f"{etcd_url}/health"), 30, state, ("etcd",))
+
+        progress("starting kube-apiserver")
+        procs["kube-apiserver"] = _spawn("kube-apiserver", [
+            str(bins["kube-apiserver"]), f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={ports['apiserver']}",
+            f"--tls-cert-file={pki_dir / 'apiserver.crt'}", f"--tls-private-key-file={pki_dir / 'apiserver.key'}",
+            f"--client-ca-file={pki_dir / 'ca.crt'}",
+            f"--service-account-key-file={pki_dir / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki_dir / 'sa.key'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            "--api-audiences=https://kubernetes.default.svc.cluster.local",
+            "--authorization-mode=RBAC", f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # Pods that request nvidia.com/gpu tolerate the GPU nodes' taint, as on real clusters.
+            "--enable-admission-plugins=ExtendedResourceToleration",
+            "--allow-privileged=true", "--profiling=false", "--v=1",
+        ], logs)
+        record()
+        _wait("kube-apiserver /readyz", lambda: _https_ok(f"{server}/readyz", pki_dir), 90, state,
+              ("etcd", "kube-apiserver"))
+
+        write_kubeconfig(kubeconfig_path(), server, pki_dir, "admin")
+        kc = {}
+        for user in ("controller-manager", "scheduler", "kwok"):
+            kc[user] = root / "kubeconfigs" / f"{user}.kubeconfig"
+            write_kubeconfig(kc[user], server, pki_dir, user)
+
+        progress("starting kube-controller-manager, kube-scheduler and kwok")
+        procs["kube-controller-manager"] = _spawn("kube-controller-manager", [
+            str(bins["kube-controller-manager"]), f"--kubeconfig={kc['controller-manager']}",
+            f"--authentication-kubeconfig={kc['controller-manager']}",
+            f"--authorization-kubeconfig={kc['controller-manager']}",
+            "--bind-address=127.0.0.1", f"--secure-port={ports['controller-manager']}",
+            f"--service-account-private-key-file={pki_dir / 'sa.key'}",
+            f"--root-ca-file={pki_dir / 'ca.crt'}", "--use-service-account-credentials=true",
+            f"--cluster-signing-cert-file={pki_dir / 'ca.crt'}", f"--cluster-signing-key-file={pki_dir / 'ca.key'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}", "--leader-elect=false",
+            "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route",
+            "--concurrent-deployment-syncs=10", "--concurrent-replicaset-syncs=10",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--v=1",
+        ], logs)
+        procs["kube-scheduler"] = _spawn("kube-scheduler", [
+            str(bins["kube-scheduler"]), f"--kubeconfig={kc['scheduler']}",
+            f"--authentication-kubeconfig={kc['scheduler']}", f"--authorization-kubeconfig={kc['scheduler']}",
+            "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}", "--leader-elect=false",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--v=1",
+        ], logs)
+        procs["kwok"] = _spawn("kwok", [
+            str(bins["kwok"]), f"--kubeconfig={kc['kwok']}", "--manage-all-nodes=false",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            f"--cidr={POD_CIDR}", "--node-ip=127.0.0.1", f"--server-address=127.0.0.1:{ports['kwok']}",
+        ], logs)
+        record()
+
+        from . import fleet as fleet_mod
+        progress(f"registering {fleet.nodes} simulated GPU nodes x {fleet.gpus_per_node} nvidia.com/gpu "
+                 f"({fleet.gpu_product}) and {fleet.cpu_nodes} CPU node(s)")
+        _wait("the simulated nodes to be Ready and the default ServiceAccount to exist",
+              lambda: fleet_mod.register_and_check(str(kubeconfig_path()), fleet), 60, state,
+              COMPONENTS)
+    except BaseException:
+        down(progress=lambda _m: None)
+        raise
+    state["ready_seconds"] = round(time.monotonic() - started, 1)
+    record()
+    return state
+
+
+def down(progress: Progress = print) -> list[str]:
+    """Stop every recorded component; returns the names stopped."""
+    state = read_state()
+    if not state:
+        return []
+    stopped = []
+    procs = state.get("processes", {})
+    for name in reversed(COMPONENTS):
+        proc = procs.get(name)
+        if proc and _alive(proc["pid"], proc["binary"]):
+            try:
+                os.killpg(proc["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            stopped.append(name)
+    deadline = time.monotonic() + 15
+    for name in stopped:
+        proc = procs[name]
+        while _alive(proc["pid"], proc["binary"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(proc["pid"], proc["binary"]):
+            os.killpg(proc["pid"], signal.SIGKILL)
+    for name in stopped:
+        progress(f"stopped {name}")
+    (state_dir() / "state.json").unlink(missing_ok=True)
+    shutil.rmtree(state_dir() / "etcd-data", ignore_errors=True)
+    return stopped
+
+
+def status_report() -> tuple[bool, str]:
+    """(healthy, human-readable report)."""
+    state = read_state()
+    if not state:
+        return False, "the local control plane is not running (start it with `gpufleet dev up`)"
+    comps = component_status(state)
+    lines = [f"API server: {state['server']}", f"kubeconfig: export KUBECONFIG={state['kubeconfig']}",
+             "versions: " + ", ".join(f"{k} {v}" for k, v in state.get("versions", {}).items())]
+    healthy = True
+    for name in COMPONENTS:
+        c = comps.get(name)
+        if not c:
+            lines.append(f"  {name:<24} not started")
+            healthy = False
+        elif c["running"]:
+            lines.append(f"  {name:<24} running   pid {c['pid']:<8} log {c['log']}")
+        else:
+            healthy = False
+            lines.append(f"  {name:<24} CRASHED   (was pid {c['pid']}) log {c['log']}; last lines:")
+            lines += ["      " + ln for ln in _tail(c["log"], 8).splitlines()]
+    return healthy, "\n".join(lines)

@@ -1,0 +1,218 @@
+"""The one async client for the Kubernetes API (aiohttp, no globals).
+
+Server-side apply with a single field manager is the write path; reads are
+plain GET/LIST. Kinds are resolved to URL paths through API discovery, cached
+per client. A transport can be injected (``session``) so tests need no socket.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator
+
+import aiohttp
+
+from .config import KubeConfig
+from .errors import ApiError, NotFound, error_for
+
+log = logging.getLogger(__name__)
+
+FIELD_MANAGER = "gpufleet"
+
+
+class KubeClient:
+    def __init__(self, config: KubeConfig, *, timeout: float = 30.0,
+                 session: aiohttp.ClientSession | None = None):
+        self.config = config
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session = session
+        self._resources: dict[tuple[str, str], tuple[str, bool]] = {}
+        self._discovery_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> "KubeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                base_url=self.config.server,
+                connector=aiohttp.TCPConnector(ssl=self.config.ssl_context(), limit=32),
+                timeout=self._timeout,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def request(self, method: str, path: str, *, params: dict | None = None,
+                      body: Any = None, content_type: str = "application/json",
+                      timeout: float | None = None) -> dict:
+        headers = {"Accept": "application/json"}
+        token = self.config.bearer_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        kwargs = {}
+        if timeout is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
+        async with self._http().request(method, path, params=params, data=data,
+                                        headers=headers, **kwargs) as resp:
+            text = await resp.text()
+            try:
+                payload = json.loads(text) if text else {}
+            except ValueError:
+                payload = {}
+            if resp.status >= 400:
+                raise error_for(resp.status, payload if isinstance(payload, dict) else {}, text)
+            return payload
+
+    # --- discovery -----------------------------------------------------------------
+
+    async def resource(self, api_version: str, kind: str) -> tuple[str, bool]:
+        """(plural, namespaced) for a kind, via discovery."""
+        key = (api_version, kind)
+        if key not in self._resources:
+            async with self._discovery_lock:
+                if key not in self._resources:
+                    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+                    try:
+                        doc = await self.request("GET", base)
+                    except NotFound:
+                        raise NotFound(404, "NotFound", f"API {api_version} is not served") from None
+                    for r in doc.get("resources", []):
+                        if "/" not in r["name"]:
+                            self._resources[(api_version, r["kind"])] = (r["name"], r["namespaced"])
+                    if key not in self._resources:
+                        raise NotFound(404, "NotFound", f"kind {kind} is not served by {api_version}")
+        return self._resources[key]
+
+    def forget_discovery(self) -> None:
+        self._resources.clear()
+
+    async def path(self, api_version: str, kind: str, namespace: str | None = None,
+                   name: str | None = None, subresource: str | None = None) -> str:
+        plural, namespaced = await self.resource(api_version, kind)
+        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        parts = [base]
+        if namespaced and namespace:
+            parts.append(f"namespaces/{namespace}")
+        parts.append(plural)
+        if name:
+            parts.append(name)
+        if subresource:
+            parts.append(subresource)
+        return "/".join(parts)
+
+    async def has_kind(self, api_version: str, kind: str) -> bool:
+        try:
+            await self.resource(api_version, kind)
+            return True
+        except NotFound:
+            return False
+
+    # --- verbs ---------------------------------------------------------------------
+
+    async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None,
+                  subresource: str | None = None) -> dict:
+        return await self.request("GET", await self.path(api_version, kind, namespace, name, subresource))
+
+    async def get_or_none(self, api_version: str, kind: str, name: str,
+                          namespace: str | None = None) -> dict | None:
+        try:
+            return await self.get(api_version, kind, name, namespace)
+        except NotFound:
+            return None
+
+    async def list(self, api_version: str, kind: str, namespace: str | None = None, *,
+                   label_selector: str | None = None, field_selector: str | None = None) -> list[dict]:
+        params = {}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
+        doc = await self.request("GET", await self.path(api_version, kind, namespace), params=params)
+        items = doc.get("items", [])
+        for item in items:  # LIST strips these; put them back so items are self-describing
+            item.setdefault("apiVersion", api_version)
+            item.setdefault("kind", kind)
+        return items
+
+    async def apply(self, obj: dict, *, field_manager: str = FIELD_MANAGER, force: bool = True,
+                    subresource: str | None = None) -> dict:
+        """Server-side apply: the object as this manager wants it, nothing else."""
+        meta = obj["metadata"]
+        path = await self.path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"], subresource)
+        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
+        return await self.request("PATCH", path, params=params, body=obj,
+                                  content_type="application/apply-patch+yaml")
+
+    async def create(self, obj: dict) -> dict:
+        meta = obj["metadata"]
+        path = await self.path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
+        return await self.request("POST", path, body=obj)
+
+    async def merge_patch(self, api_version: str, kind: str, name: str, patch: dict,
+                          namespace: str | None = None, subresource: str | None = None) -> dict:
+        path = await self.path(api_version, kind, namespace, name, subresource)
+        return await self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
+
+    async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None, *,
+                     propagation: str = "Background", grace_period_seconds: int | None = None) -> bool:
+        """Delete; False when it was already gone."""
+        body: dict = {"propagationPolicy": propagation}
+        if grace_period_seconds is not None:
+            body["gracePeriodSeconds"] = grace_period_seconds
+        try:
+            await self.request("DELETE", await self.path(api_version, kind, namespace, name), body=body)
+            return True
+        except NotFound:
+            return False
+
+    async def watch(self, api_version: str, kind: str, namespace: str | None = None, *,
+                    timeout_seconds: int = 60, label_selector: str | None = None) -> AsyncIterator[dict]:
+        params = {"watch": "true", "timeoutSeconds": str(timeout_seconds)}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        path = await self.path(api_version, kind, namespace)
+        headers = {}
+        token = self.config.bearer_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        async with self._http().get(path, params=params, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=timeout_seconds + 10)) as resp:
+            if resp.status >= 400:
+                text = await resp.text()
+                raise error_for(resp.status, None, text)
+            async for line in resp.content:
+                if line.strip():
+                    yield json.loads(line)
+
+    async def event(self, involved: dict, *, reason: str, message: str, type_: str = "Normal",
+                    component: str = "gpufleet-operator") -> None:
+        """Record a core/v1 Event about an object (best effort)."""
+        from datetime import datetime, timezone
+        meta = involved["metadata"]
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        ns = meta.get("namespace") or "default"
+        ev = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": ns},
+            "involvedObject": {"apiVersion": involved["apiVersion"], "kind": involved["kind"],
+                               "name": meta["name"], "namespace": ns, "uid": meta.get("uid")},
+            "reason": reason, "message": message[:1000], "type": type_,
+            "source": {"component": component},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "reportingComponent": component, "reportingInstance": component,
+        }
+        try:
+            await self.request("POST", f"/api/v1/namespaces/{ns}/events", body=ev)
+        except ApiError as e:
+            log.warning("could not record event %s on %s: %s", reason, meta["name"], e)

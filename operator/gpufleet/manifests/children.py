@@ -1,0 +1,163 @@
+"""Pure builders: InferenceService → the child objects the operator applies.
+
+Each returns a complete object for server-side apply (apiVersion, kind,
+metadata with owner reference, spec), so applying it twice is a no-op and a
+hand edit to a field we manage is put back.
+"""
+from __future__ import annotations
+
+from ..api.v1alpha1 import InferenceServiceSpec
+from ..isolation import placement
+from . import guard_config, names
+
+CONFIG_DIR = "/etc/gpufleet"
+DRAIN_SLACK_SECONDS = 30
+
+
+def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
+    service = isvc["metadata"]["name"]
+    labels = names.common_labels(service)
+    labels.update(extra_labels or {})
+    return {"name": name, "namespace": isvc["metadata"]["namespace"], "labels": labels,
+            "ownerReferences": [names.owner_reference(isvc)]}
+
+
+def build_configmap(isvc: dict, spec: InferenceServiceSpec) -> tuple[dict, str]:
+    """The guard ConfigMap and the hash of its content (rolls the pods when it changes)."""
+    meta = isvc["metadata"]
+    rendered = guard_config.render(guard_config.build_guard_config(meta["name"], meta["namespace"], spec))
+    cm = {"apiVersion": "v1", "kind": "ConfigMap",
+          "metadata": _meta(isvc, names.configmap_name(meta["name"])),
+          "data": {"guard.json": rendered}}
+    return cm, guard_config.config_hash(rendered)
+
+
+def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, engine volumeMounts, engine env) for the weight source."""
+    src = spec.model.source
+    volumes, mounts, env = [], [], []
+    if src.pvc:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": guard_config.MODEL_MOUNT, "readOnly": True})
+    hf = src.hugging_face
+    if hf and hf.credentials_secret_ref:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": hf.credentials_secret_ref.name, "key": hf.credentials_secret_ref.key}}})
+    if hf and hf.revision:
+        env.append({"name": "GPUFLEET_MODEL_REVISION", "value": hf.revision})
+    return volumes, mounts, env
+
+
+def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
+    return spec.admission.request_timeout_seconds + DRAIN_SLACK_SECONDS
+
+
+def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_hash: str) -> dict:
+    service = isvc["metadata"]["name"]
+    model_label = names.model_label(spec.model.name)
+    pod_labels = {**names.common_labels(service), names.LABEL_MODEL: model_label,
+                  names.LABEL_ISOLATION: spec.isolation.mode}
+    gpus = placement.gpu_resources(spec)
+    res = spec.resources
+    model_volumes, model_mounts, model_env = _model_volume(spec)
+    config_mount = {"name": "guard-config", "mountPath": CONFIG_DIR, "readOnly": True}
+    config_arg = f"{CONFIG_DIR}/guard.json"
+    drain = {"exec": {"command": ["gpufleet-engine", "drain-wait", "--config", config_arg]}}
+    engine = {
+        "name": "vllm",
+        "image": spec.engine.image,
+        "command": ["gpufleet-engine", "vllm", "--config", config_arg],
+        "ports": [{"name": "vllm", "containerPort": names.ENGINE_PORT}],
+        "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *model_env],
+        "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus},
+                      "limits": {"memory": str(res.memory), **gpus}},
+        "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache"},
+                         {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
+        # vLLM must outlive the guard's drain, or in-flight requests die with it.
+        "lifecycle": {"preStop": drain},
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    guard = {
+        "name": "guard",
+        "image": spec.engine.image,
+        "command": ["gpufleet-engine", "serve", "--config", config_arg],
+        "ports": [{"name": "http", "containerPort": names.GUARD_PORT}],
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
+        "volumeMounts": [config_mount],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2,
+                           "failureThreshold": 2, "timeoutSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 3, "timeoutSeconds": 5},
+        # Model download and load can take many minutes; liveness waits for it.
+        "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5,
+                         "failureThreshold": 360},
+        "lifecycle": {"preStop": drain},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "runAsUser": 65532, "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec = {
+        "containers": [engine, guard],
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "nodeSelector": placement.node_selector(spec),
+        "tolerations": placement.tolerations(spec),
+        "volumes": [
+            {"name": "guard-config", "configMap": {"name": names.configmap_name(service)}},
+            {"name": "cache", "emptyDir": {}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+            *model_volumes,
+        ],
+        "enableServiceLinks": False,
+    }
+    aff = placement.affinity(spec, service)
+    if aff:
+        pod_spec["affinity"] = aff
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(isvc, names.deployment_name(service)),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": names.selector_labels(service)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": pod_labels,
+                             "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(isvc: dict) -> dict:
+    service = isvc["metadata"]["name"]
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(isvc, names.service_name(service)),
+        "spec": {"type": "ClusterIP", "selector": names.selector_labels(service),
+                 "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]},
+    }
+
+
+def build_pdb(isvc: dict) -> dict:
+    service = isvc["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _meta(isvc, names.pdb_name(service)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(service)}},
+    }
+
+
+def build_podmonitor(isvc: dict) -> dict:
+    service = isvc["metadata"]["name"]
+    relabel = [{"sourceLabels": [f"__meta_kubernetes_pod_label_{names.LABEL_SERVICE.replace('.', '_').replace('/', '_')}"],
+                "targetLabel": "service"}]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+        "metadata": _meta(isvc, names.podmonitor_name(service)),
+        "spec": {
+            "selector": {"matchLabels": names.selector_labels(service)},
+            "podMetricsEndpoints": [
+                {"port": "http", "path": "/metrics", "interval": "15s", "relabelings": relabel},
+                {"port": "vllm", "path": "/metrics", "interval": "15s", "relabelings": relabel},
+            ],
+        },
+    }

@@ -1,0 +1,1 @@
+"""Pure decisions: observed state → desired children, replicas and status."""

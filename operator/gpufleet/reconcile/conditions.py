@@ -1,0 +1,45 @@
+"""Conditions in the Kubernetes API conventions' shape, keyed by type."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+ISOLATED = "Isolated"
+SCALING = "Scaling"
+FRAGMENTATION_OK = "FragmentationOK"
+
+
+def now_iso(now: datetime | None = None) -> str:
+    return (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type_: str, status: bool | str, reason: str, message: str = "", *,
+              generation: int | None = None) -> dict:
+    if isinstance(status, bool):
+        status = "True" if status else "False"
+    c = {"type": type_, "status": status, "reason": reason, "message": message}
+    if generation is not None:
+        c["observedGeneration"] = generation
+    return c
+
+
+def merge(previous: list[dict], updates: list[dict], now: str) -> list[dict]:
+    """New conditions replace old ones of the same type; lastTransitionTime only
+    moves when the status changes. Types not updated are kept."""
+    by_type = {c["type"]: c for c in previous or []}
+    for u in updates:
+        old = by_type.get(u["type"])
+        ltt = old["lastTransitionTime"] if old and old.get("status") == u["status"] and \
+            old.get("lastTransitionTime") else now
+        by_type[u["type"]] = {**u, "lastTransitionTime": ltt}
+    order = [READY, PROGRESSING, DEGRADED, ISOLATED, SCALING, FRAGMENTATION_OK]
+    return sorted(by_type.values(), key=lambda c: (order.index(c["type"]) if c["type"] in order else 99, c["type"]))
+
+
+def get(conditions: list[dict] | None, type_: str) -> dict | None:
+    for c in conditions or []:
+        if c.get("type") == type_:
+            return c
+    return None

@@ -1,0 +1,113 @@
+"""Status derived from what is observed (level-based, pure)."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..api.v1alpha1 import InferenceServiceSpec
+from ..manifests import names
+from . import conditions as c
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What the API server shows about one InferenceService's children."""
+    deployment: dict | None
+    pods: list[dict]
+
+
+def unschedulable_pods(pods: list[dict]) -> list[tuple[str, str]]:
+    """(pod name, scheduler message) for pods the scheduler cannot place."""
+    out = []
+    for p in pods:
+        if p.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        for cond in p.get("status", {}).get("conditions", []) or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                    and cond.get("reason") == "Unschedulable":
+                out.append((p["metadata"]["name"], cond.get("message", "")))
+    return out
+
+
+def _deployment_counts(dep: dict | None) -> tuple[int, int, int, bool]:
+    """(replicas, ready, updated, rollout observed) from a Deployment."""
+    if not dep:
+        return 0, 0, 0, False
+    st = dep.get("status", {})
+    observed = st.get("observedGeneration", 0) >= dep["metadata"].get("generation", 0)
+    return st.get("replicas", 0), st.get("readyReplicas", 0), st.get("updatedReplicas", 0), observed
+
+
+def derive_status(*, service: str, namespace: str, generation: int, spec: InferenceServiceSpec,
+                  desired: int, observed: Observed, previous: dict, now: str) -> dict:
+    replicas, ready, updated, rollout_seen = _deployment_counts(observed.deployment)
+    stuck = unschedulable_pods(observed.pods)
+    updates = []
+
+    if ready == 0:
+        if stuck:
+            reason, msg = "Unschedulable", f"no replica can be placed: {stuck[0][1]}"
+        elif desired == 0:
+            reason, msg = "ScaledToZero", "spec.replicas is 0"
+        else:
+            reason, msg = "EngineStarting", f"0/{desired} replicas ready; engines are loading the model"
+        updates.append(c.condition(c.READY, False, reason, msg, generation=generation))
+    elif ready < desired:
+        updates.append(c.condition(c.READY, True, "PartiallyReady", f"{ready}/{desired} replicas ready",
+                                   generation=generation))
+    else:
+        updates.append(c.condition(c.READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready",
+                                   generation=generation))
+
+    if stuck:
+        updates.append(c.condition(c.PROGRESSING, False, "InsufficientCapacity",
+                                   f"{len(stuck)} replica(s) unschedulable: {stuck[0][1]}",
+                                   generation=generation))
+    elif not rollout_seen or updated < desired or replicas > desired:
+        updates.append(c.condition(c.PROGRESSING, True, "RollingOut",
+                                   f"{updated}/{desired} replicas on the current revision",
+                                   generation=generation))
+    else:
+        updates.append(c.condition(c.PROGRESSING, False, "RolloutComplete",
+                                   f"all {desired} replicas on the current revision", generation=generation))
+
+    if desired > 0 and ready < desired:
+        why = f"{len(stuck)} unschedulable" if stuck else "not ready yet"
+        updates.append(c.condition(c.DEGRADED, True, "ReplicasUnavailable",
+                                   f"{desired - ready} of {desired} replicas unavailable ({why})",
+                                   generation=generation))
+    else:
+        updates.append(c.condition(c.DEGRADED, False, "AsExpected", "", generation=generation))
+
+    # Verification by the isolation audit overrides this with what it finds on the nodes.
+    if not c.get(previous.get("conditions"), c.ISOLATED) or \
+            c.get(previous.get("conditions"), c.ISOLATED)["reason"] in ("Enforced", "SharedByRequest"):
+        if spec.isolation.mode == "Shared":
+            updates.append(c.condition(c.ISOLATED, False, "SharedByRequest",
+                                       "isolation.mode is Shared: other models may run on the same nodes",
+                                       generation=generation))
+        else:
+            updates.append(c.condition(c.ISOLATED, True, "Enforced",
+                                       f"{spec.isolation.mode}: required pod anti-affinity keeps other models "
+                                       f"off this service's nodes", generation=generation))
+
+    return {
+        "observedGeneration": generation,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "desiredReplicas": desired,
+        "selector": names.selector_string(service),
+        "endpoint": names.endpoint(service, namespace),
+        "conditions": c.merge(previous.get("conditions", []), updates, now),
+    }
+
+
+def invalid_status(*, generation: int, problems: list[str], previous: dict, now: str) -> dict:
+    msg = "; ".join(problems)
+    return {
+        "observedGeneration": generation,
+        "conditions": c.merge(previous.get("conditions", []), [
+            c.condition(c.READY, False, "InvalidSpec", msg, generation=generation),
+            c.condition(c.PROGRESSING, False, "InvalidSpec", "fix the spec; nothing is rolled out until then",
+                        generation=generation),
+        ], now),
+    }

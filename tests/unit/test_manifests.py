@@ -1,0 +1,131 @@
+"""Builders: spec → Deployment, Service, PDB, ConfigMap, PodMonitor."""
+import json
+
+import pytest
+
+from gpufleet.api import parse_spec
+from gpufleet.manifests import children, guard_config, names
+from gpufleet.reconcile.desired import desired_children
+from gpufleet.reconcile.validation import validate
+
+ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "generation": 3}}
+
+
+def spec(**over):
+    base = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}}
+    base.update(over)
+    return parse_spec(base)
+
+
+def deployment(s, replicas=2):
+    cm, h = children.build_configmap(ISVC, s)
+    return children.build_deployment(ISVC, s, replicas, h)
+
+
+def test_children_have_deterministic_names_and_an_owner():
+    objs = desired_children(ISVC, spec(), 1, with_podmonitor=True)
+    assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
+        ("ConfigMap", "chat-guard"), ("Deployment", "chat-engine"), ("Service", "chat"),
+        ("PodDisruptionBudget", "chat-engine"), ("PodMonitor", "chat-engine")]
+    for o in objs:
+        ref, = o["metadata"]["ownerReferences"]
+        assert ref["uid"] == "u-1" and ref["controller"] is True
+    assert desired_children(ISVC, spec(), 1, with_podmonitor=True) == objs  # pure and stable
+
+
+def test_deployment_runs_vllm_and_guard_with_gpus_and_probes_on_the_guard():
+    d = deployment(spec(resources={"gpusPerReplica": 2}, engine={"tensorParallelSize": 2}))
+    pod = d["spec"]["template"]["spec"]
+    vllm, guard = pod["containers"]
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "nvidia.com/gpu" not in guard["resources"]["limits"]
+    assert guard["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert guard["ports"][0]["containerPort"] == names.GUARD_PORT
+    assert d["spec"]["replicas"] == 2
+
+
+def test_grace_period_covers_the_request_timeout_and_both_containers_drain():
+    d = deployment(spec(admission={"requestTimeoutSeconds": 120}))
+    pod = d["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 150
+    for c in pod["containers"]:
+        assert "drain-wait" in c["lifecycle"]["preStop"]["exec"]["command"]
+
+
+def test_dedicated_isolation_repels_other_models_on_the_node():
+    d = deployment(spec())
+    term, = d["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    exprs = term["labelSelector"]["matchExpressions"]
+    own = d["spec"]["template"]["metadata"]["labels"][names.LABEL_MODEL]
+    assert {"key": names.LABEL_MODEL, "operator": "NotIn", "values": [own]} in exprs
+
+
+def test_exclusive_isolation_repels_every_managed_pod_and_shared_has_none():
+    ex = deployment(spec(isolation={"mode": "Exclusive"}))
+    term, = ex["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchExpressions"] == [{"key": names.LABEL_MODEL, "operator": "Exists"}]
+    assert "affinity" not in deployment(spec(isolation={"mode": "Shared"}))["spec"]["template"]["spec"]
+
+
+def test_pool_product_and_mig_become_scheduling_constraints():
+    d = deployment(spec(isolation={"nodePool": "a100", "tolerations": [{"key": "team", "value": "ml",
+                                                                       "effect": "NoSchedule"}]},
+                        resources={"gpuProduct": "NVIDIA-A100-SXM4-80GB", "migProfile": "1g.10gb"}))
+    pod = d["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpufleet.dev/node-pool": "a100", "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+    assert {"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/mig-1g.10gb"] == "1"
+
+
+def test_config_change_changes_the_pod_template_hash():
+    a = deployment(spec())
+    b = deployment(spec(admission={"kvWatermarkPercent": 20}))
+    key = names.ANNOTATION_CONFIG_HASH
+    assert a["spec"]["template"]["metadata"]["annotations"][key] != \
+        b["spec"]["template"]["metadata"]["annotations"][key]
+
+
+def test_guard_config_is_derived_from_the_spec():
+    s = spec(model={"name": "m", "maxModelLen": 8192, "servedName": "chat"},
+             admission={"kvWatermarkPercent": 20, "overLengthPolicy": "TruncateLeft"},
+             engine={"kvCache": {"blockSize": 32}})
+    cfg = guard_config.build_guard_config("chat", "ml", s)
+    assert cfg["kvWatermarkPercent"] == 20 and cfg["blockSize"] == 32
+    assert cfg["maxContextTokens"] == 8192  # defaults to the model length
+    assert cfg["overLengthPolicy"] == "TruncateLeft"
+    assert cfg["servedModelName"] == "chat"
+    assert cfg["engine"]["gpuMemoryUtilization"] == 0.9
+    assert cfg["defaultClassByRoute"]["/v1/chat/completions"] == "interactive"
+    json.loads(guard_config.render(cfg))
+
+
+def test_pvc_source_is_mounted_read_only_and_hf_token_comes_from_a_secret():
+    s = spec(model={"name": "m", "source": {"pvc": {"claimName": "weights", "path": "/llama"}}})
+    d = deployment(s)
+    vol = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "model"][0]
+    assert vol["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    assert guard_config.model_location(s) == "/models/llama"
+    s2 = spec(model={"name": "m", "source": {"huggingFace": {"credentialsSecretRef": {"name": "hf"}}}})
+    env = deployment(s2)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--port=9000"], "spec.engine.extraArgs[0]: --port is managed"),
+    (["--enable-chunked-prefill", "--tensor-parallel-size", "2"],
+     "spec.engine.extraArgs[1]: --tensor-parallel-size is managed by gpufleet; remove it and set "
+     "spec.engine.tensorParallelSize"),
+])
+def test_managed_engine_flags_are_refused_with_the_fix(args, fragment):
+    problems = validate(spec(engine={"extraArgs": args}))
+    assert any(fragment in p for p in problems), problems
+
+
+def test_model_label_is_a_valid_label_value():
+    v = names.model_label("meta-llama/Llama-3.1-405B-Instruct-FP8:with-a-very-long-suffix-that-goes-on")
+    assert len(v) <= 63 and all(ch.isalnum() or ch in "-_." for ch in v)
+    assert names.model_label("a/b") != names.model_label("a-b")

@@ -1,0 +1,80 @@
+"""Status derivation from observed children (no cluster)."""
+from gpufleet.api import parse_spec
+from gpufleet.reconcile import conditions as c
+from gpufleet.reconcile.replicas import target_replicas
+from gpufleet.reconcile.status import Observed, derive_status, invalid_status
+
+SPEC = parse_spec({"model": {"name": "m"}, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}})
+
+
+def dep(replicas, ready, updated=None, gen=1, seen=1):
+    return {"metadata": {"generation": gen}, "status": {
+        "replicas": replicas, "readyReplicas": ready, "updatedReplicas": replicas if updated is None else updated,
+        "observedGeneration": seen}}
+
+
+def pending(name, msg):
+    return {"metadata": {"name": name}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": msg}]}}
+
+
+def derive(observed, desired=2, previous=None, now="2026-01-01T00:00:00Z"):
+    return derive_status(service="chat", namespace="ml", generation=4, spec=SPEC, desired=desired,
+                         observed=observed, previous=previous or {}, now=now)
+
+
+def cond(status, t):
+    return c.get(status["conditions"], t)
+
+
+def test_all_ready():
+    st = derive(Observed(dep(2, 2), []))
+    assert cond(st, "Ready")["status"] == "True" and cond(st, "Ready")["reason"] == "AllReplicasReady"
+    assert cond(st, "Progressing")["reason"] == "RolloutComplete"
+    assert cond(st, "Degraded")["status"] == "False"
+    assert st["observedGeneration"] == 4 and st["selector"].startswith("app.kubernetes.io/name=gpufleet-engine")
+    assert st["endpoint"] == "http://chat.ml.svc:80/v1"
+
+
+def test_unschedulable_replica_says_why():
+    msg = "0/5 nodes are available: 4 node(s) didn't match pod anti-affinity rules."
+    st = derive(Observed(dep(2, 1, updated=2), [pending("chat-engine-x", msg)]))
+    assert cond(st, "Ready")["reason"] == "PartiallyReady"
+    assert cond(st, "Degraded")["status"] == "True" and "1 unschedulable" in cond(st, "Degraded")["message"]
+    assert cond(st, "Progressing")["reason"] == "InsufficientCapacity"
+    assert msg in cond(st, "Progressing")["message"]
+    none_ready = derive(Observed(dep(1, 0), [pending("p", msg)]), desired=1)
+    assert cond(none_ready, "Ready")["status"] == "False" and cond(none_ready, "Ready")["reason"] == "Unschedulable"
+
+
+def test_rollout_in_progress():
+    st = derive(Observed(dep(3, 2, updated=1, gen=2, seen=2), []))
+    assert cond(st, "Progressing")["status"] == "True" and cond(st, "Progressing")["reason"] == "RollingOut"
+
+
+def test_transition_time_moves_only_when_status_changes():
+    first = derive(Observed(dep(2, 2), []), now="2026-01-01T00:00:00Z")
+    same = derive(Observed(dep(2, 2), []), previous=first, now="2026-01-01T01:00:00Z")
+    assert cond(same, "Ready")["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    down = derive(Observed(dep(2, 0), []), previous=same, now="2026-01-01T02:00:00Z")
+    assert cond(down, "Ready")["lastTransitionTime"] == "2026-01-01T02:00:00Z"
+
+
+def test_verified_isolation_is_not_overwritten_by_reconcile():
+    prev = {"conditions": [{"type": "Isolated", "status": "False", "reason": "ViolationFound",
+                            "message": "pod x", "lastTransitionTime": "t"}]}
+    st = derive(Observed(dep(2, 2), []), previous=prev)
+    assert cond(st, "Isolated")["reason"] == "ViolationFound"
+
+
+def test_invalid_spec_status():
+    st = invalid_status(generation=7, problems=["spec.engine.extraArgs[0]: --port is managed"], previous={},
+                        now="t")
+    assert cond(st, "Ready")["reason"] == "InvalidSpec" and "--port" in cond(st, "Ready")["message"]
+
+
+def test_target_replicas_manual_and_auto():
+    manual = parse_spec({"model": {"name": "m"}, "autoscaling": {"mode": "Manual"}, "replicas": 3})
+    assert target_replicas(manual, {}) == 3
+    assert target_replicas(SPEC, {}) == 1
+    assert target_replicas(SPEC, {"desiredReplicas": 9}) == 3
