@@ -51,3 +51,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
         elif "/tests/e2e/" in path:
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def crds_installed(control_plane):
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(root / "crds"))
+    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                          "crd/inferenceservices.serving.gpufleet.dev")
+    return True
+
+
+@pytest.fixture(scope="session")
+def operator(control_plane, crds_installed, tmp_path_factory):
+    """The operator, running as its own process for the whole session."""
+    from tests.support.operator import OperatorProcess
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    proc = OperatorProcess(control_plane.kubeconfig, log).start()
+    yield proc
+    proc.stop()

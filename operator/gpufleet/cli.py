@@ -5,6 +5,7 @@ import click
 
 from .commands import crd, run
 from .devcluster.commands import dev
+from .planning.commands import plan
 
 
 @click.group()
@@ -16,3 +17,8 @@ def main() -> None:
 main.add_command(dev)
 main.add_command(run)
 main.add_command(crd)
+main.add_command(plan)
+
+
+if __name__ == "__main__":
+    main()

@@ -37,6 +37,8 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if not verbose:  # kopf logs every handler success at INFO: one line per pod event
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     config = KubeConfig.auto(kubeconfig)
     runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
     if fleet_loops:

@@ -124,8 +124,13 @@ def openapi(cls) -> dict:
     props, required = {}, []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        s = _type_schema(tp)
-        s["description"] = f.metadata["description"]
+        extra = f.metadata.get("schema", {})
+        # int-or-string (Kubernetes quantities) carries no type of its own.
+        s = {} if extra.get("x_kubernetes_int_or_string") else _type_schema(tp)
+        # A nested type's own docstring adds to the field's one-liner, so
+        # `kubectl explain` on the field teaches the whole concept.
+        nested_doc = s.get("description") if "properties" in s else None
+        s["description"] = f.metadata["description"] + (f" {nested_doc}" if nested_doc else "")
         s.update(_schema_keywords(f.metadata.get("schema", {})))
         default = _default_value(f)
         if default is dataclasses.MISSING:
@@ -133,8 +138,9 @@ def openapi(cls) -> dict:
             if not optional:
                 required.append(api_name(f))
         elif default is not None:
-            # Nested objects default to their own defaults ({} is expanded by the apiserver).
-            s["default"] = {} if dataclasses.is_dataclass(default) else to_api(default)
+            # Nested objects default to their fully expanded defaults: the API server
+            # checks CEL rules against defaults before it would expand a bare {}.
+            s["default"] = to_api(default)
         props[api_name(f)] = s
     out = {"type": "object", "properties": props}
     if required:

@@ -145,9 +145,29 @@ def build(component: Component, progress: Progress = print) -> Path:
     return component.dir
 
 
+KWOK_STAGE_FILES = ("node/fast/node-initialize.yaml", "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+                    "pod/fast/pod-ready.yaml", "pod/fast/pod-complete.yaml", "pod/fast/pod-delete.yaml")
+
+
+def ensure_kwok_stages() -> Path:
+    """kwok's default node and pod lifecycle stages ship as YAML in its module,
+    not in the binary: keep a copy beside the cached binary."""
+    dest = KWOK.dir / "stages"
+    if all((dest / Path(f).name).exists() for f in KWOK_STAGE_FILES):
+        return dest
+    out = subprocess.run(["go", "mod", "download", "-json", f"sigs.k8s.io/kwok@{KWOK.version}"],
+                         check=True, capture_output=True, text=True, env=_go_env(), cwd=cache_root())
+    src = Path(json.loads(out.stdout)["Dir"]) / "kustomize" / "stage"
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in KWOK_STAGE_FILES:
+        shutil.copyfile(src / f, dest / Path(f).name)
+    return dest
+
+
 def ensure_control_plane(progress: Progress = print) -> dict[str, Path]:
     for c in CONTROL_PLANE:
         build(c, progress)
+    ensure_kwok_stages()
     return {
         "etcd": ETCD.binary("etcd"),
         "kube-apiserver": KUBERNETES.binary("kube-apiserver"),

@@ -57,6 +57,8 @@ class FleetSpec:
     gpu_memory_mib: int = 81559
     node_pool: str = "gpu"
     cpu_nodes: int = 1
+    # Nodes whose engine pods are backed by real local vLLM processes (pool "local").
+    engine_nodes: int = 0
 
 
 # --- process bookkeeping -------------------------------------------------------
@@ -273,8 +275,13 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
             "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}", "--leader-elect=false",
             "--kube-api-qps=200", "--kube-api-burst=400", "--v=1",
         ], logs)
+        from .fleet import engine_node_names
+        from .kwok_stages import compose
+        stages = root / "kwok-stages.yaml"
+        stages.write_text(compose(binaries.ensure_kwok_stages(), engine_node_names(fleet)))
         procs["kwok"] = _spawn("kwok", [
-            str(bins["kwok"]), f"--kubeconfig={kc['kwok']}", "--manage-all-nodes=false",
+            str(bins["kwok"]), f"--kubeconfig={kc['kwok']}", f"--config={stages}",
+            "--node-lease-duration-seconds=40", "--manage-all-nodes=false",
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
             f"--cidr={POD_CIDR}", "--node-ip=127.0.0.1", f"--server-address=127.0.0.1:{ports['kwok']}",
         ], logs)

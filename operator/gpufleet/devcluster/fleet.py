@@ -10,6 +10,7 @@ from ..kube.config import KubeConfig
 from ..kube.errors import NotFound
 
 POOL_LABEL = "gpufleet.dev/node-pool"
+LOCAL_ENGINE_POOL = "local"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
 
@@ -41,9 +42,17 @@ def build_node(name: str, *, gpus: int, product: str, memory_mib: int, pool: str
 def fleet_nodes(fleet) -> list[dict]:
     nodes = [build_node(f"gpu-node-{i}", gpus=fleet.gpus_per_node, product=fleet.gpu_product,
                         memory_mib=fleet.gpu_memory_mib, pool=fleet.node_pool) for i in range(fleet.nodes)]
+    nodes += [build_node(name, gpus=fleet.gpus_per_node, product=fleet.gpu_product,
+                         memory_mib=fleet.gpu_memory_mib, pool=LOCAL_ENGINE_POOL)
+              for name in engine_node_names(fleet)]
     nodes += [build_node(f"cpu-node-{i}", gpus=0, product="", memory_mib=0, pool="system")
               for i in range(fleet.cpu_nodes)]
     return nodes
+
+
+def engine_node_names(fleet) -> list[str]:
+    from .kwok_stages import ENGINE_NODE_PREFIX
+    return [f"{ENGINE_NODE_PREFIX}{i}" for i in range(getattr(fleet, "engine_nodes", 0))]
 
 
 async def _register_and_check(kubeconfig: str, fleet) -> bool:

@@ -63,19 +63,20 @@ class ModelProfile:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_element
 
 
-_DATASHEET = "NVIDIA datasheet; memory as nvidia-smi reports it"
 
+# Memory as nvidia-smi reports it (what vLLM's utilization share applies to);
+# bandwidth and dense bf16 FLOP/s from NVIDIA's datasheets.
 BUILTIN_GPUS: tuple[GpuProfile, ...] = (
-    GpuProfile("H100-80GB", 81559 * MIB, 3.35e12, 989e12, f"built-in (H100 SXM5, {_DATASHEET})",
+    GpuProfile("H100-80GB", 81559 * MIB, 3.35e12, 989e12, "built-in: H100 SXM5 datasheet",
                ("NVIDIA-H100-80GB-HBM3", "H100", "H100-SXM", "H100-SXM5-80GB")),
-    GpuProfile("H200", 143771 * MIB, 4.8e12, 989e12, f"built-in (H200 SXM, {_DATASHEET})",
+    GpuProfile("H200", 143771 * MIB, 4.8e12, 989e12, "built-in: H200 SXM datasheet",
                ("NVIDIA-H200", "H200-141GB")),
-    GpuProfile("A100-80GB", 81920 * MIB, 2.039e12, 312e12, f"built-in (A100 SXM4 80GB, {_DATASHEET})",
+    GpuProfile("A100-80GB", 81920 * MIB, 2.039e12, 312e12, "built-in: A100 SXM4 80GB datasheet",
                ("NVIDIA-A100-SXM4-80GB", "A100-SXM4-80GB", "A100")),
-    GpuProfile("L4", 23034 * MIB, 300e9, 121e12, f"built-in (L4, {_DATASHEET})", ("NVIDIA-L4",)),
+    GpuProfile("L4", 23034 * MIB, 300e9, 121e12, "built-in: L4 datasheet", ("NVIDIA-L4",)),
 )
 
-_CONFIG = "built-in (Hugging Face config.json and parameter count)"
+_CONFIG = "built-in: Hugging Face config.json"
 
 BUILTIN_MODELS: tuple[ModelProfile, ...] = (
     ModelProfile("Llama-3.1-8B", 8_030_261_248, 32, 8, 128, _CONFIG, max_context_tokens=131072),

