@@ -68,6 +68,6 @@ def operator(control_plane, crds_installed, tmp_path_factory):
     """The operator, running as its own process for the whole session."""
     from tests.support.operator import OperatorProcess
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    proc = OperatorProcess(control_plane.kubeconfig, log).start()
+    proc = OperatorProcess(control_plane.kubeconfig, log, ("--audit-interval-seconds", "2")).start()
     yield proc
     proc.stop()

@@ -4,8 +4,11 @@ The guard admits a request only if, after granting its whole block budget,
 at least the watermark of blocks stays free. Two views of "used" are combined
 and the larger one wins:
 
-- vLLM's view: blocks in use at the last metrics read plus the budgets of
-  requests admitted since then (vLLM has not reported them yet);
+- vLLM's view: blocks in use at the last metrics read, plus the budgets of
+  requests admitted since then (vLLM has not reported them yet), minus the
+  budgets of requests finished since then (vLLM frees their blocks at once;
+  waiting for the next read would leave the pool idle for up to a poll
+  interval after every completion);
 - the guard's ledger: the full budgets (prompt + max_tokens) of every request
   it has in flight. vLLM only counts blocks a request holds *now*, while a
   decoding request keeps growing to its budget; admitting against vLLM's view
@@ -65,12 +68,12 @@ class KvLedger:
         self.snapshot: KvSnapshot | None = None
         self._reserved: dict[object, int] = {}
         self._reserved_total = 0
-        self._promised_since_read = 0
+        self._delta_since_read = 0
 
     def observe(self, snapshot: KvSnapshot) -> None:
         """A fresh metrics read: its usage already includes what was promised before it."""
         self.snapshot = snapshot
-        self._promised_since_read = 0
+        self._delta_since_read = 0
 
     @property
     def known(self) -> bool:
@@ -96,7 +99,7 @@ class KvLedger:
         """Free blocks as the guard sees them (may be negative when over-committed)."""
         if self.snapshot is None:
             return 0
-        seen_by_vllm = self.snapshot.used_blocks + self._promised_since_read
+        seen_by_vllm = max(0, self.snapshot.used_blocks + self._delta_since_read)
         return self.snapshot.total_blocks - max(seen_by_vllm, self._reserved_total)
 
     def evaluate(self, cost: int) -> Decision:
@@ -117,7 +120,7 @@ class KvLedger:
         if decision.admitted:
             self._reserved[key] = cost
             self._reserved_total += cost
-            self._promised_since_read += cost
+            self._delta_since_read += cost
         return decision
 
     def release(self, key: object) -> None:
@@ -125,3 +128,4 @@ class KvLedger:
         cost = self._reserved.pop(key, None)
         if cost is not None:
             self._reserved_total -= cost
+            self._delta_since_read -= cost

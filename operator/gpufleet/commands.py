@@ -24,9 +24,13 @@ import click
                    "(needs the chart's KopfPeering resources).")
 @click.option("--fleet-loops/--no-fleet-loops", default=True, show_default=True,
               help="Run the autoscaler and audits besides reconciliation.")
+@click.option("--fleet-interval-seconds", default=1.0, show_default=True, type=float,
+              help="How often each service's replicas are read for autoscaling.")
+@click.option("--audit-interval-seconds", default=30.0, show_default=True, type=float,
+              help="How often the cluster-wide stranded-GPU and isolation audits run.")
 @click.option("-v", "--verbose", is_flag=True)
 def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, peering,
-        fleet_loops, verbose) -> None:
+        fleet_loops, fleet_interval_seconds, audit_interval_seconds, verbose) -> None:
     """Run the operator."""
     import kopf
 
@@ -41,9 +45,10 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     config = KubeConfig.auto(kubeconfig)
     runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
+    runtime.fleet_interval = fleet_interval_seconds
     if fleet_loops:
         from .fleet import register_loops
-        register_loops(runtime)
+        register_loops(runtime, audit_interval=audit_interval_seconds)
     memo = kopf.Memo(runtime=runtime, worker_limit=worker_limit)
     asyncio.run(kopf.operator(
         clusterwide=not namespaces, namespaces=list(namespaces), standalone=not peering,

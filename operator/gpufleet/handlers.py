@@ -107,6 +107,42 @@ async def engine_pod_changed(body, namespace, memo: kopf.Memo, **_) -> None:
         _rt(memo).trigger(namespace, service)
 
 
+@kopf.index("", "v1", "pods", labels={names.LABEL_NAME: names.ENGINE_APP})
+def engine_pods(name, namespace, labels, status, meta, **_):
+    """Engine pods by (namespace, service), kept current from the watch stream."""
+    service = labels.get(names.LABEL_SERVICE)
+    if not service:
+        return None
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []) or [])
+    return {(namespace, service): {"name": name, "ip": status.get("podIP"), "ready": ready,
+                                   "deleting": bool(meta.get("deletionTimestamp"))}}
+
+
+@kopf.daemon(t.GROUP, t.VERSION, t.PLURAL, cancellation_timeout=5)
+async def fleet_daemon(stopped, body, namespace, name, memo: kopf.Memo, engine_pods: kopf.Index, **_) -> None:
+    """Per-service loop: replica metrics → autoscaling, status metrics, fragmentation audits."""
+    from .fleet.service_loop import ServiceLoop
+    rt = _rt(memo)
+    if not rt.fleet_enabled:
+        return
+    loop = ServiceLoop(rt, namespace, name)
+    while not stopped:
+        try:
+            pods = list(engine_pods.get((namespace, name), []))
+            await loop.tick(_plain(body), pods)
+        except ApiError as e:
+            log.warning("fleet loop for %s/%s: %s", namespace, name, e)
+        except Exception:
+            log.exception("fleet loop for %s/%s crashed; continuing", namespace, name)
+        await stopped.wait(rt.fleet_interval)
+
+
+def _plain(body) -> dict:
+    """A detached plain-dict copy of kopf's live body."""
+    import copy
+    return copy.deepcopy(dict(body))
+
+
 def debounce_worker_delay() -> float:
     return 0.2
 

@@ -28,7 +28,10 @@ class OperatorRuntime:
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._web: web.AppRunner | None = None
-        self.loops: list = []  # extra background loops (autoscaler, audits) registered before start
+        self.loops: list = []  # extra background loops (cluster audits) registered before start
+        self.fleet_enabled = False
+        self.fleet_interval = 1.0  # seconds between replica reads (autoscaler fast path)
+        self.reader = None
 
     def trigger(self, namespace: str, name: str) -> None:
         self._pending.add((namespace, name))
@@ -72,4 +75,6 @@ class OperatorRuntime:
                 await task
         if self._web:
             await self._web.cleanup()
+        if self.reader is not None:
+            await self.reader.close()
         await self.kube.close()

@@ -102,3 +102,58 @@ async def test_exclusive_takes_the_whole_node(control_plane, operator, kube, nam
         ready = c.get((obj.get("status") or {}).get("conditions"), "Ready") or {}
         return ready.get("reason") == "Unschedulable"
     await wait_for(pending_y, timeout=60, what="model y to stay Unschedulable next to Exclusive x")
+
+
+async def test_an_unmanaged_gpu_pod_on_a_dedicated_node_is_reported(control_plane, operator, kube, namespace,
+                                                                     pool):
+    apply = lambda obj: control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+    apply(service("guarded", "org/model-g", pool, replicas=1, gpus=2))
+
+    async def placed():
+        pods = await pods_by_node(kube, namespace, "guarded")
+        return [p for p in pods if p["status"].get("phase") == "Running"]
+    node = (await wait_for(placed, timeout=60, what="the dedicated replica Running"))[0]["spec"]["nodeName"]
+
+    async def verified():
+        obj = await kube.get(API, "InferenceService", "guarded", namespace)
+        return (c.get((obj.get("status") or {}).get("conditions"), "Isolated") or {}).get("reason") == "Verified"
+    await wait_for(verified, timeout=30, what="Isolated=True Verified by the isolation audit")
+
+    # Someone bypasses the scheduler and puts a GPU job straight onto the node.
+    await kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "rogue-job", "namespace": namespace},
+                       "spec": {"nodeName": node, "containers": [{"name": "c", "image": "registry.invalid/cuda:12",
+                                "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                                "tolerations": [{"operator": "Exists"}]}})
+
+    async def violated():
+        obj = await kube.get(API, "InferenceService", "guarded", namespace)
+        iso = c.get((obj.get("status") or {}).get("conditions"), "Isolated") or {}
+        return obj if iso.get("status") == "False" else None
+    obj = await wait_for(violated, timeout=30, what="Isolated=False naming the rogue pod")
+    iso = c.get(obj["status"]["conditions"], "Isolated")
+    assert iso["reason"] == "ViolationFound"
+    assert f"{namespace}/rogue-job on {node}: unmanaged GPU pod" in iso["message"]
+    assert obj["status"]["isolationViolations"] == [f"{namespace}/rogue-job on {node}: unmanaged GPU pod"]
+    events = await kube.list("v1", "Event", namespace, field_selector="involvedObject.name=guarded")
+    assert any(e["reason"] == "IsolationViolated" and "rogue-job" in e["message"] for e in events)
+    metrics = operator.metrics_text()
+    assert f'gpufleet_isolation_violations{{namespace="{namespace}",service="guarded"}} 1.0' in metrics
+
+    await kube.delete("v1", "Pod", "rogue-job", namespace, grace_period_seconds=0)
+    await wait_for(verified, timeout=30, what="Isolated back to Verified after the rogue pod left")
+
+
+async def test_stranded_gpus_are_counted_per_pool(control_plane, operator, kube, namespace, pool):
+    apply = lambda obj: control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+    # 6-GPU replicas on 8-GPU nodes: each node keeps 2 GPUs nobody can use.
+    apply(service("wide", "org/model-w", pool, replicas=3, gpus=6))
+
+    async def strands():
+        for line in operator.metrics_text().splitlines():
+            if line.startswith(f'gpufleet_stranded_gpus{{gpu_product="NVIDIA-H100-80GB-HBM3",node_pool="{pool}"}}'):
+                return float(line.split()[-1]) == 6.0
+        return False
+    await wait_for(strands, timeout=60, what=f"6 stranded GPUs reported for pool {pool}",
+                   describe=lambda: [ln for ln in operator.metrics_text().splitlines() if "stranded" in ln])
+    events = await kube.list("v1", "Event", "default", field_selector=f"involvedObject.name={pool}-0")
+    assert any(e["reason"] == "StrandedGPUs" and "needs 6 GPUs, 2 free" in e["message"] for e in events)

@@ -150,7 +150,8 @@ def plan(ctx: click.Context, log_path, log_format, skip_invalid, prometheus_url,
             sources["kv_bytes_per_element"] = "--kv-cache-dtype fp8"
         if log_path:
             with click.open_file(log_path, encoding="utf-8") as f:
-                log = parse_request_log(f, name=log_path, format=log_format, skip_invalid=skip_invalid)
+                log = parse_request_log(f, name="<stdin>" if log_path == "-" else log_path, format=log_format,
+                                        skip_invalid=skip_invalid)
             result = plan_from_log(log, gpu_profile, model_profile, settings, window_seconds=rps_window,
                                    sources=sources)
         else:

@@ -40,7 +40,6 @@ class Plan:
         """JSON-ready: non-finite numbers become null."""
         out = _finite(dataclasses.asdict(self))
         out["fleet"]["decode_per_prefill"] = _finite(self.fleet.decode_per_prefill)
-        out["replica"]["kv_bytes_per_token"] = self.model.kv_bytes_per_token
         return out
 
 

@@ -69,7 +69,8 @@ def test_profile_file_adds_and_overrides():
     assert (gpu.memory_bytes, gpu.hbm_bytes_per_s, gpu.dense_flops) == (192 * GIB, 5.3e12, 1.307e15)
     assert gpu.source == "profile file fleet.yaml"
     qwen = profiles.model("Qwen/Qwen2.5-7B-Instruct")
-    assert (qwen.params, qwen.kv_bytes_per_token, qwen.max_context_tokens) == (7_620_000_000, 2 * 28 * 4 * 128 * 2, 32768)
+    assert (qwen.params, qwen.kv_bytes_per_token, qwen.max_context_tokens) == (
+        7_620_000_000, 2 * 28 * 4 * 128 * 2, 32768)
     assert profiles.model("Llama-3.1-8B").weights_bytes == 8030261248
     assert profiles.gpu("H100-80GB").name == "H100-80GB"       # built-ins remain
 

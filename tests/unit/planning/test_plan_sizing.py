@@ -111,7 +111,7 @@ def test_ttft_slo_that_no_replica_count_meets(round_gpu, round_model, round_sett
 
 def test_itl_slo_unreachable_even_at_batch_one(round_gpu, round_model, round_settings):
     s = dataclasses.replace(round_settings, itl_p99_seconds=0.01)      # reading the weights takes 40 ms
-    with pytest.raises(SizingError, match=r"one decode step takes 40.0 ms.*10 ms ITL p99 SLO; change --tensor-parallel"):
+    with pytest.raises(SizingError, match=r"one decode step takes 40.0 ms.*10 ms ITL p99 SLO; change --tensor"):
         size_replica(round_gpu, round_model, s, PROMPT, OUTPUT)
 
 

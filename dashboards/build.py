@@ -1,0 +1,535 @@
+"""Build gpufleet's Grafana dashboards.
+
+The JSON files next to this script are generated: edit this script, then run
+
+    python dashboards/build.py            # rewrite the JSON files
+    python dashboards/build.py --check    # exit 1 if they are out of date
+
+Queries use only metrics from docs/metrics.md and the recording rules in
+rules/gpufleet.rules.yaml; tests/unit/observability checks both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+
+Panel = dict[str, Any]
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+GRID_WIDTH = 24
+SERVICE_DASHBOARD_UID = "gpufleet-service"
+
+# Latency objectives apply to every class but `background` (see the rules).
+LATENCY_CLASSES = 'class!="background"'
+# Series drawn as dashed reference lines rather than data.
+REFERENCE_SERIES = "/objective|watermark|admission limit|threshold/"
+
+
+# --- panels -----------------------------------------------------------------
+
+def target(expr: str, legend: str = "", *, instant: bool = False) -> dict[str, Any]:
+    """One Prometheus query; refIds are assigned by the panel."""
+    return {
+        "datasource": DATASOURCE,
+        "expr": expr,
+        "legendFormat": legend,
+        "range": not instant,
+        "instant": instant,
+        **({"format": "table"} if instant else {}),
+    }
+
+
+def _with_ref_ids(targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"refId": chr(ord("A") + i), **t} for i, t in enumerate(targets)]
+
+
+def _thresholds(*steps: tuple[float, str]) -> dict[str, Any]:
+    return {"mode": "absolute", "steps": [{"color": "green", "value": None}]
+            + [{"color": color, "value": value} for value, color in steps]}
+
+
+def timeseries(title: str, description: str, targets: list[dict[str, Any]], *, unit: str,
+               max_value: float | None = None, threshold: float | None = None,
+               stack: bool = False) -> Panel:
+    custom: dict[str, Any] = {
+        "drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if not stack else 30,
+        "showPoints": "never", "spanNulls": False,
+        "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+        "thresholdsStyle": {"mode": "dashed" if threshold is not None else "off"},
+    }
+    defaults: dict[str, Any] = {"unit": unit, "min": 0, "custom": custom,
+                                "color": {"mode": "palette-classic"}}
+    if max_value is not None:
+        defaults["max"] = max_value
+    defaults["thresholds"] = _thresholds((threshold, "red")) if threshold is not None else _thresholds()
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "targets": _with_ref_ids(targets),
+        "fieldConfig": {
+            "defaults": defaults,
+            "overrides": [{
+                "matcher": {"id": "byRegexp", "options": REFERENCE_SERIES},
+                "properties": [
+                    {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                    {"id": "custom.fillOpacity", "value": 0},
+                    {"id": "custom.lineWidth", "value": 2},
+                    {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
+                ],
+            }],
+        },
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def stat(title: str, description: str, targets: list[dict[str, Any]], *, unit: str,
+         steps: tuple[tuple[float, str], ...] = ()) -> Panel:
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "targets": _with_ref_ids(targets),
+        "fieldConfig": {
+            "defaults": {"unit": unit, "color": {"mode": "thresholds"}, "thresholds": _thresholds(*steps)},
+            "overrides": [],
+        },
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value", "graphMode": "area", "justifyMode": "auto",
+            "orientation": "auto", "textMode": "auto",
+        },
+    }
+
+
+def services_table(title: str, description: str, columns: list[tuple[str, str, str]]) -> Panel:
+    """One row per service; columns are (header, instant query, unit)."""
+    targets = [target(expr, instant=True) for _, expr, _ in columns]
+    refs = [chr(ord("A") + i) for i in range(len(columns))]
+    rename = {f"Value #{ref}": header for ref, (header, _, _) in zip(refs, columns)}
+    order = {"namespace": 0, "service": 1, **{header: i + 2 for i, (header, _, _) in enumerate(columns)}}
+    overrides: list[dict[str, Any]] = [
+        {"matcher": {"id": "byName", "options": header}, "properties": [{"id": "unit", "value": unit}]}
+        for header, _, unit in columns
+    ]
+    overrides.append({
+        "matcher": {"id": "byName", "options": "service"},
+        "properties": [{"id": "links", "value": [{
+            "title": "Open the service dashboard",
+            "url": (f"/d/{SERVICE_DASHBOARD_UID}?var-datasource=${{datasource}}"
+                    "&var-namespace=${__data.fields.namespace}&var-service=${__value.raw}&${__url_time_range}"),
+        }]}],
+    })
+    return {
+        "type": "table",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "targets": _with_ref_ids(targets),
+        "transformations": [
+            {"id": "merge", "options": {}},
+            {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": rename,
+                                           "indexByName": order}},
+        ],
+        "fieldConfig": {"defaults": {"custom": {"align": "auto"}}, "overrides": overrides},
+        "options": {"showHeader": True, "sortBy": [{"displayName": "namespace", "desc": False}]},
+    }
+
+
+class Grid:
+    """Lays panels out left to right in rows of GRID_WIDTH columns and numbers them."""
+
+    def __init__(self) -> None:
+        self.panels: list[Panel] = []
+        self._x = 0
+        self._y = 0
+        self._line_height = 0
+
+    def _newline(self) -> None:
+        self._y += self._line_height
+        self._x = 0
+        self._line_height = 0
+
+    def _place(self, panel: Panel, w: int, h: int) -> None:
+        if self._x + w > GRID_WIDTH:
+            self._newline()
+        panel["id"] = len(self.panels) + 1
+        panel["gridPos"] = {"h": h, "w": w, "x": self._x, "y": self._y}
+        self.panels.append(panel)
+        self._x += w
+        self._line_height = max(self._line_height, h)
+
+    def row(self, title: str) -> None:
+        self._newline()
+        self._place({"type": "row", "title": title, "collapsed": False, "panels": []}, GRID_WIDTH, 1)
+        self._newline()
+
+    def add(self, panel: Panel, w: int, h: int = 8) -> None:
+        self._place(panel, w, h)
+
+
+# --- dashboard frame --------------------------------------------------------
+
+def _query_variable(name: str, label: str, query: str, *, multi: bool) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "definition": query,
+        "query": {"query": query, "refId": f"{name}-variable"},
+        "refresh": 2,
+        "sort": 1,
+        "multi": multi,
+        "includeAll": multi,
+        **({"allValue": ".+"} if multi else {}),
+        "current": {},
+        "options": [],
+        "hide": 0,
+    }
+
+
+def _variables(*, multi: bool) -> list[dict[str, Any]]:
+    namespace_match = 'namespace=~"$namespace"'
+    return [
+        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+         "current": {}, "options": [], "refresh": 1, "hide": 0},
+        _query_variable("namespace", "Namespace",
+                        "label_values(gpufleet_service_desired_replicas, namespace)", multi=multi),
+        _query_variable("service", "Service",
+                        f"label_values(gpufleet_service_desired_replicas{{{namespace_match}}}, service)",
+                        multi=multi),
+    ]
+
+
+def _scaling_annotation(direction: str, selector: str, title: str, color: str) -> dict[str, Any]:
+    return {
+        "name": f"Scaled {direction}",
+        "datasource": DATASOURCE,
+        "enable": True,
+        "hide": False,
+        "iconColor": color,
+        "expr": (f'sum by (namespace, service) (increase(gpufleet_autoscaler_decisions_total'
+                 f'{{{selector}, direction="{direction}"}}[2m])) > 0'),
+        "step": "1m",
+        "titleFormat": title,
+        "textFormat": "autoscaler decision",
+        "tagKeys": "namespace,service",
+    }
+
+
+def _dashboard(uid: str, title: str, description: str, grid: Grid, *, multi: bool,
+               annotations: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["gpufleet"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "1m",
+        "timezone": "",
+        "links": [{"title": "gpufleet dashboards", "type": "dashboards", "tags": ["gpufleet"],
+                   "asDropdown": True, "includeVars": True, "keepTime": True}],
+        "templating": {"list": _variables(multi=multi)},
+        "annotations": {"list": annotations},
+        "panels": grid.panels,
+    }
+
+
+# --- fleet overview ---------------------------------------------------------
+
+def fleet_overview() -> dict[str, Any]:
+    sel = 'namespace=~"$namespace", service=~"$service"'
+    ttft_vs_objective = (
+        f"histogram_quantile(0.99, namespace_service_le:gpufleet_guard_ttft_seconds_bucket:rate1h{{{sel}}})"
+        " / on (namespace, service) namespace_service:gpufleet_slo_ttft_p99_seconds:objective")
+    itl_vs_objective = (
+        f"histogram_quantile(0.99, namespace_service_le:gpufleet_guard_itl_seconds_bucket:rate1h{{{sel}}})"
+        " / on (namespace, service) namespace_service:gpufleet_slo_itl_p99_seconds:objective")
+    gpus_in_use = (f"gpufleet_service_ready_replicas{{{sel}}}"
+                   f" * on (namespace, service) gpufleet_service_gpus_per_replica{{{sel}}}")
+
+    g = Grid()
+    g.row("Fleet")
+    g.add(stat("Services", "InferenceServices the operator manages.",
+               [target(f"count(gpufleet_service_desired_replicas{{{sel}}})")], unit="none"), 4, 4)
+    g.add(stat("Replicas ready / desired", "Ready engine replicas against what the operator wants.",
+               [target(f"sum(gpufleet_service_ready_replicas{{{sel}}})", "ready"),
+                target(f"sum(gpufleet_service_desired_replicas{{{sel}}})", "desired")], unit="none"), 4, 4)
+    g.add(stat("GPUs in use", "GPUs held by ready replicas (replicas × GPUs per replica).",
+               [target(f"sum({gpus_in_use})")], unit="none"), 4, 4)
+    g.add(stat("Stranded GPUs", "Free GPUs that no InferenceService can use (all node pools).",
+               [target("sum(gpufleet_stranded_gpus) or vector(0)")], unit="none", steps=((1, "orange"),)), 4, 4)
+    g.add(stat("Refused (HTTP 429)", "Requests per second the guards refuse for lack of KV blocks or queue room.",
+               [target(f"sum(namespace_service:gpufleet_guard_shed:rate5m{{{sel}}}) or vector(0)")],
+               unit="reqps", steps=((0.01, "orange"),)), 4, 4)
+    g.add(stat("Services missing a latency SLO",
+               "Services whose TTFT or inter-token p99 over the last hour is above the objective.",
+               [target(f"count(({ttft_vs_objective}) > 1 or on (namespace, service) ({itl_vs_objective}) > 1)"
+                       " or vector(0)")], unit="none", steps=((1, "red"),)), 4, 4)
+
+    g.row("Services")
+    g.add(services_table(
+        "Services", "One row per service; click a service for its dashboard. Latency columns are the "
+        "last hour's p99 divided by the objective: above 100% misses the SLO.",
+        [
+            ("Ready", f"max by (namespace, service) (gpufleet_service_ready_replicas{{{sel}}})", "none"),
+            ("Desired", f"max by (namespace, service) (gpufleet_service_desired_replicas{{{sel}}})", "none"),
+            ("Max", f"max by (namespace, service) (gpufleet_service_max_replicas{{{sel}}})", "none"),
+            ("KV cache", f"namespace_service:gpufleet_kv_cache_usage:ratio{{{sel}}}", "percentunit"),
+            ("Refused", f"namespace_service:gpufleet_guard_shed:ratio_rate5m{{{sel}}}", "percentunit"),
+            ("TTFT p99 / objective", ttft_vs_objective, "percentunit"),
+            ("ITL p99 / objective", itl_vs_objective, "percentunit"),
+            ("Fragmentation", f"max by (namespace, service) (gpufleet_fragmentation_ratio{{{sel}}})",
+             "percentunit"),
+        ]), 24, 9)
+
+    g.row("Capacity")
+    g.add(timeseries("Ready replicas", "Ready engine replicas per service.",
+                     [target(f"max by (namespace, service) (gpufleet_service_ready_replicas{{{sel}}})",
+                             "{{namespace}}/{{service}}")], unit="none", stack=True), 12)
+    g.add(timeseries("GPUs in use and stranded",
+                     "GPUs held by each service's ready replicas, and free GPUs nothing can use.",
+                     [target(gpus_in_use, "{{namespace}}/{{service}}"),
+                      target("sum by (node_pool, gpu_product) (gpufleet_stranded_gpus)",
+                             "stranded: {{node_pool}} {{gpu_product}}")], unit="none"), 12)
+    g.add(timeseries("KV-cache usage", "Mean KV-cache usage per service; the autoscaler scales out above "
+                     "the service's high watermark (GpufleetKVCacheNearFull).",
+                     [target(f"namespace_service:gpufleet_kv_cache_usage:ratio{{{sel}}}",
+                             "{{namespace}}/{{service}}")], unit="percentunit", max_value=1), 12)
+    g.add(timeseries("GPU memory fragmentation", "Worst replica's fragmentation per service, from the "
+                     "audit (1 − largest allocatable block / free memory).",
+                     [target(f"max by (namespace, service) (gpufleet_fragmentation_ratio{{{sel}}})",
+                             "{{namespace}}/{{service}}")], unit="percentunit", max_value=1), 12)
+
+    g.row("Traffic and SLOs")
+    g.add(timeseries("Requests", "Finished requests per second per service (all outcomes).",
+                     [target(f"namespace_service:gpufleet_guard_requests:rate5m{{{sel}}}",
+                             "{{namespace}}/{{service}}")], unit="reqps"), 12)
+    g.add(timeseries("Refused (HTTP 429)", "Share of requests refused for lack of KV blocks or queue "
+                     "room (GpufleetRequestsShed above 5%).",
+                     [target(f"namespace_service:gpufleet_guard_shed:ratio_rate5m{{{sel}}}",
+                             "{{namespace}}/{{service}}")], unit="percentunit", threshold=0.05), 12)
+    g.add(timeseries("TTFT p99 / objective (1h)", "Last hour's time-to-first-token p99 over the "
+                     "service's objective; above 100% the SLO is missed.",
+                     [target(ttft_vs_objective, "{{namespace}}/{{service}}")], unit="percentunit",
+                     threshold=1), 12)
+    g.add(timeseries("ITL p99 / objective (1h)", "Last hour's inter-token latency p99 over the "
+                     "service's objective; above 100% the SLO is missed.",
+                     [target(itl_vs_objective, "{{namespace}}/{{service}}")], unit="percentunit",
+                     threshold=1), 12)
+
+    g.row("Operator")
+    g.add(timeseries("Reconcile errors", "Failed reconciliations per second per service "
+                     "(GpufleetReconcileErrors).",
+                     [target(f"sum by (namespace, service) (rate(gpufleet_reconcile_errors_total{{{sel}}}"
+                             "[$__rate_interval]))", "{{namespace}}/{{service}}")], unit="ops"), 8)
+    g.add(timeseries("Reconcile latency", "Operator reconcile latency, all services.",
+                     [target(f"histogram_quantile({q}, sum by (le) (rate(gpufleet_reconcile_duration_seconds_bucket"
+                             "[$__rate_interval])))", f"p{round(q * 100)}") for q in (0.5, 0.99)], unit="s"), 8)
+    g.add(timeseries("Replica metric read errors", "Failed reads of replica metrics: the autoscaler "
+                     "is blind for these services.",
+                     [target(f"sum by (namespace, service) (rate(gpufleet_metrics_read_errors_total{{{sel}}}"
+                             "[$__rate_interval]))", "{{namespace}}/{{service}}")], unit="ops"), 8)
+
+    return _dashboard(
+        "gpufleet-fleet", "gpufleet / Fleet overview",
+        "All InferenceServices: replicas, GPUs in use and stranded, refusals and SLO status.",
+        g, multi=True,
+        annotations=[_scaling_annotation("up", sel, "{{namespace}}/{{service}} scaled up", "green"),
+                     _scaling_annotation("down", sel, "{{namespace}}/{{service}} scaled down", "blue")])
+
+
+# --- one service ------------------------------------------------------------
+
+def _quantiles(histogram: str, selector: str, by: str = "le") -> list[dict[str, Any]]:
+    return [target(f"histogram_quantile({q}, sum by ({by}) (rate({histogram}_bucket{{{selector}}}"
+                   "[$__rate_interval])))", f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)]
+
+
+def _quantiles_by_class(histogram: str, selector: str) -> list[dict[str, Any]]:
+    return [target(f"histogram_quantile(0.95, sum by (class, le) (rate({histogram}_bucket{{{selector}}}"
+                   "[$__rate_interval])))", "{{class}}")]
+
+
+def service() -> dict[str, Any]:
+    sel = 'namespace="$namespace", service="$service"'
+    latency_sel = f"{sel}, {LATENCY_CLASSES}"
+
+    def vs_objective(histogram: str, objective: str) -> str:
+        return (f"histogram_quantile(0.99, namespace_service_le:{histogram}_bucket:rate1h{{{sel}}})"
+                f" / on (namespace, service) namespace_service:{objective}:objective{{{sel}}}")
+
+    g = Grid()
+    g.row("Overview")
+    g.add(stat("Replicas ready / desired", "Ready engine replicas against what the autoscaler wants.",
+               [target(f"max(gpufleet_service_ready_replicas{{{sel}}})", "ready"),
+                target(f"max(gpufleet_service_desired_replicas{{{sel}}})", "desired")], unit="none"), 4, 4)
+    g.add(stat("KV-cache usage", "Mean KV-cache usage over the replicas.",
+               [target(f"namespace_service:gpufleet_kv_cache_usage:ratio{{{sel}}}")], unit="percentunit",
+               steps=((0.8, "orange"), (0.9, "red"))), 4, 4)
+    g.add(stat("TTFT p99 / objective (1h)", "Above 100% the time-to-first-token SLO is missed.",
+               [target(vs_objective("gpufleet_guard_ttft_seconds", "gpufleet_slo_ttft_p99_seconds"))],
+               unit="percentunit", steps=((1, "red"),)), 4, 4)
+    g.add(stat("ITL p99 / objective (1h)", "Above 100% the inter-token latency SLO is missed.",
+               [target(vs_objective("gpufleet_guard_itl_seconds", "gpufleet_slo_itl_p99_seconds"))],
+               unit="percentunit", steps=((1, "red"),)), 4, 4)
+    g.add(stat("Refused (HTTP 429)", "Share of requests refused for lack of KV blocks or queue room.",
+               [target(f"namespace_service:gpufleet_guard_shed:ratio_rate5m{{{sel}}} or vector(0)")],
+               unit="percentunit", steps=((0.01, "orange"), (0.05, "red"))), 4, 4)
+    g.add(stat("Fragmentation", "Worst replica's GPU memory fragmentation from the last audit.",
+               [target(f"max(gpufleet_fragmentation_ratio{{{sel}}})")], unit="percentunit",
+               steps=((0.25, "orange"),)), 4, 4)
+
+    g.row("Latency (as clients see it; all classes but background)")
+    g.add(timeseries("Time to first token", "TTFT quantiles and the p99 objective.",
+                     _quantiles("gpufleet_guard_ttft_seconds", latency_sel)
+                     + [target(f"namespace_service:gpufleet_slo_ttft_p99_seconds:objective{{{sel}}}",
+                               "p99 objective")], unit="s"), 8)
+    g.add(timeseries("Inter-token latency", "Gap between streamed tokens: quantiles and the p99 objective.",
+                     _quantiles("gpufleet_guard_itl_seconds", latency_sel)
+                     + [target(f"namespace_service:gpufleet_slo_itl_p99_seconds:objective{{{sel}}}",
+                               "p99 objective")], unit="s"), 8)
+    g.add(timeseries("End-to-end latency", "Whole-request latency of admitted requests.",
+                     _quantiles("gpufleet_guard_request_seconds", latency_sel), unit="s"), 8)
+
+    g.row("Throughput")
+    g.add(timeseries("Tokens per second", "Prompt tokens read and tokens generated by the engines.",
+                     [target(f"sum(rate(vllm:prompt_tokens_total{{{sel}}}[$__rate_interval]))", "prompt"),
+                      target(f"sum(rate(vllm:generation_tokens_total{{{sel}}}[$__rate_interval]))", "generated")],
+                     unit="short"), 8)
+    g.add(timeseries("Requests by outcome", "Finished requests per second at the guard.",
+                     [target(f"sum by (outcome) (rate(gpufleet_guard_requests_total{{{sel}}}[$__rate_interval]))",
+                             "{{outcome}}")], unit="reqps", stack=True), 8)
+    g.add(timeseries("Refusals by reason", "kv_watermark, queue_full and queue_timeout are HTTP 429 "
+                     "(shedding); context_length is the client's; draining and engine_down are outages.",
+                     [target(f"sum by (reason) (rate(gpufleet_guard_rejections_total{{{sel}}}[$__rate_interval]))",
+                             "{{reason}}")], unit="reqps", stack=True), 8)
+
+    g.row("KV cache")
+    g.add(timeseries("KV-cache usage against the watermarks",
+                     "Per replica. Above the high watermark the autoscaler scales out, below the low one "
+                     "it scales in; above the admission limit the guard answers HTTP 429.",
+                     [target(f"vllm:kv_cache_usage_perc{{{sel}}}", "{{pod}}"),
+                      target(f"namespace_service:gpufleet_kv_high_watermark:ratio{{{sel}}}", "high watermark"),
+                      target(f"max(gpufleet_service_kv_low_watermark_ratio{{{sel}}})", "low watermark"),
+                      target(f"1 - max(gpufleet_guard_kv_watermark_blocks{{{sel}}}"
+                             f" / gpufleet_guard_kv_total_blocks{{{sel}}})", "admission limit")],
+                     unit="percentunit", max_value=1), 8)
+    g.add(timeseries("Free KV blocks", "Free blocks as the guard counts them, and the reserve it keeps.",
+                     [target(f"gpufleet_guard_kv_free_blocks{{{sel}}}", "free {{pod}}"),
+                      target(f"max(gpufleet_guard_kv_watermark_blocks{{{sel}}})", "admission limit (reserve)")],
+                     unit="short"), 8)
+    g.add(timeseries("Preemptions", "Sequences vLLM evicted for lack of KV blocks; should be ~0 "
+                     "when admission works.",
+                     [target(f"sum(rate(vllm:num_preemptions_total{{{sel}}}[$__rate_interval]))", "preemptions")],
+                     unit="ops"), 8)
+
+    g.row("Queueing and batching")
+    g.add(timeseries("Queue time p95 by class", "Time from arrival to dispatch to vLLM.",
+                     _quantiles_by_class("gpufleet_guard_queue_seconds", sel), unit="s"), 8)
+    g.add(timeseries("Queue share of latency by class", "Share of end-to-end latency spent queued "
+                     "(GpufleetQueueTimeHigh above 40%, background excluded).",
+                     [target(f"namespace_service_class:gpufleet_guard_queue_share:ratio_rate15m{{{sel}}}",
+                             "{{class}}")], unit="percentunit", threshold=0.4), 8)
+    g.add(timeseries("Queue depth by class", "Requests waiting in the guard's queues.",
+                     [target(f"sum by (class) (gpufleet_guard_queue_depth{{{sel}}})", "{{class}}")],
+                     unit="short", stack=True), 8)
+    g.add(timeseries("Batch fill", "Requests dispatched to vLLM over the guard's concurrency limit, "
+                     "per replica.",
+                     [target(f"gpufleet_guard_in_flight{{{sel}}} / gpufleet_guard_max_concurrency{{{sel}}}",
+                             "{{pod}}")], unit="percentunit", max_value=1), 8)
+    g.add(timeseries("Engine scheduler", "Requests running and waiting inside vLLM, and tokens per "
+                     "engine step.",
+                     [target(f"sum(vllm:num_requests_running{{{sel}}})", "running"),
+                      target(f"sum(vllm:num_requests_waiting{{{sel}}})", "waiting"),
+                      target(f"sum(rate(vllm:iteration_tokens_total_sum{{{sel}}}[$__rate_interval]))"
+                             f" / sum(rate(vllm:iteration_tokens_total_count{{{sel}}}[$__rate_interval]))",
+                             "tokens per step")], unit="short"), 8)
+    g.add(timeseries("Prefix-cache hit rate", "Share of prompt tokens served from the prefix cache.",
+                     [target(f"sum(rate(vllm:prefix_cache_hits_total{{{sel}}}[$__rate_interval]))"
+                             f" / sum(rate(vllm:prefix_cache_queries_total{{{sel}}}[$__rate_interval]))",
+                             "hit rate")], unit="percentunit", max_value=1), 8)
+
+    g.row("Scaling and fleet health")
+    g.add(timeseries("Replicas", "Desired and ready replicas within the spec's bounds; scaling "
+                     "decisions are annotated.",
+                     [target(f"max(gpufleet_service_desired_replicas{{{sel}}})", "desired"),
+                      target(f"max(gpufleet_service_ready_replicas{{{sel}}})", "ready"),
+                      target(f"max(gpufleet_service_min_replicas{{{sel}}})", "min"),
+                      target(f"max(gpufleet_service_max_replicas{{{sel}}})", "max"),
+                      target(f"max(gpufleet_service_crashlooping_replicas{{{sel}}})", "crash-looping")],
+                     unit="none"), 8)
+    g.add(timeseries("GPU memory fragmentation", "Worst replica's fragmentation from the audit, and "
+                     "the threshold (GpufleetFragmentationHigh).",
+                     [target(f"max(gpufleet_fragmentation_ratio{{{sel}}})", "fragmentation"),
+                      target(f"namespace_service:gpufleet_fragmentation_threshold:ratio{{{sel}}}", "threshold")],
+                     unit="percentunit", max_value=1), 8)
+    g.add(timeseries("Isolation and reconciliation", "Foreign pods on the service's reserved nodes, "
+                     "and failed reconciliations per second.",
+                     [target(f"max(gpufleet_isolation_violations{{{sel}}})", "foreign pods"),
+                      target(f"sum(rate(gpufleet_reconcile_errors_total{{{sel}}}[$__rate_interval]))",
+                             "reconcile errors/s")], unit="short"), 8)
+
+    return _dashboard(
+        SERVICE_DASHBOARD_UID, "gpufleet / Service",
+        "One InferenceService: latency against its SLOs, throughput, KV cache against its watermarks, "
+        "queueing, batching, prefix caching, preemptions, fragmentation and scaling.",
+        g, multi=False,
+        annotations=[_scaling_annotation("up", sel, "Scaled up", "green"),
+                     _scaling_annotation("down", sel, "Scaled down", "blue")])
+
+
+# --- output -----------------------------------------------------------------
+
+DASHBOARDS: dict[str, Callable[[], dict[str, Any]]] = {
+    "gpufleet-fleet-overview.json": fleet_overview,
+    "gpufleet-service.json": service,
+}
+
+
+def render(dashboard: dict[str, Any]) -> str:
+    return json.dumps(dashboard, indent=2, ensure_ascii=False) + "\n"
+
+
+def build_all() -> dict[str, str]:
+    """File name → JSON text, for every dashboard."""
+    return {name: render(build()) for name, build in DASHBOARDS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the committed JSON is out of date")
+    parser.add_argument("--out", type=Path, default=HERE, help="directory to write (default: next to this script)")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, text in build_all().items():
+        path = args.out / name
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(name)
+        else:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
+    if stale:
+        print(f"out of date: {', '.join(stale)}; run python dashboards/build.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Token counting the way vLLM counts, and left-truncation.
+
+Completions prompts are tokenized with special tokens added; chat messages
+are rendered with the model's chat template (generation prompt added) and
+tokenized without adding special tokens again. That mirrors vLLM's OpenAI
+server, so the guard's count matches the ``usage.prompt_tokens`` vLLM returns.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completions prompt."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ...
+
+    def chat_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        """Token ids of a chat conversation with the generation prompt."""
+
+
+class HfTokenizer:
+    """A ``transformers`` tokenizer (the model's own, from its folder or id)."""
+
+    def __init__(self, hf_tokenizer: Any):
+        self._tok = hf_tokenizer
+
+    @classmethod
+    def load(cls, name_or_path: str) -> "HfTokenizer":
+        from transformers import AutoTokenizer  # heavy import; only the real server pays it
+
+        return cls(AutoTokenizer.from_pretrained(name_or_path))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text, add_special_tokens=True)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def chat_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        text = self._tok.apply_chat_template(messages, tokenize=False, **template_kwargs)
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+
+def keep_last(ids: Sequence[int], keep: int) -> list[int]:
+    """The newest ``keep`` tokens: left-truncation keeps the end of the context."""
+    if keep <= 0:
+        return []
+    return list(ids[-keep:])
+
+
+def truncate_text_left(tokenizer: Tokenizer, text: str, drop: int) -> str:
+    """``text`` without roughly its first ``drop`` tokens (as counted standalone)."""
+    ids = tokenizer.encode(text)
+    if drop >= len(ids):
+        return ""
+    return tokenizer.decode(ids[drop:])

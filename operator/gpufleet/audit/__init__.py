@@ -1,0 +1,1 @@
+"""Fleet audits (pure): fragmentation, stranded GPUs."""

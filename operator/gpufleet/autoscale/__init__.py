@@ -1,0 +1,1 @@
+"""KV-watermark autoscaling: replica signals → scaling decisions (pure)."""

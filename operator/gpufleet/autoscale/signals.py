@@ -1,0 +1,93 @@
+"""One replica's signals, parsed from the vLLM and guard /metrics text."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Counted as shedding: the guard refused new work to protect admitted work.
+SHED_REASONS = {"kv_watermark", "queue_timeout", "queue_full"}
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSample:
+    pod: str
+    ok: bool
+    error: str | None = None
+    kv_usage: float | None = None        # 0..1
+    engine_waiting: float = 0.0          # vLLM's own queue
+    engine_running: float = 0.0
+    guard_queued: float = 0.0            # waiting in the guard's queues
+    guard_in_flight: float = 0.0
+    shed_total: float = 0.0              # cumulative guard rejections that mean "overloaded"
+    ttft_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's TTFT
+
+    @property
+    def load(self) -> float:
+        """For choosing the replica to remove on scale-in: busy KV and requests."""
+        return (self.kv_usage or 0.0) + self.engine_running + self.engine_waiting + self.guard_in_flight
+
+
+def _samples(text: str):
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            yield s.name, s.labels, s.value
+
+
+def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
+    kv = {}
+    waiting = running = queued = in_flight = shed = 0.0
+    ttft: dict[float, float] = {}
+    for name, labels, value in _samples(engine_text):
+        if name in KV_USAGE:
+            kv.setdefault(name, value)
+        elif name == "vllm:num_requests_waiting":
+            waiting += value
+        elif name == "vllm:num_requests_running":
+            running += value
+    for name, labels, value in _samples(guard_text):
+        if name == "gpufleet_guard_queue_depth":
+            queued += value
+        elif name == "gpufleet_guard_in_flight":
+            in_flight += value
+        elif name == "gpufleet_guard_rejections_total" and labels.get("reason") in SHED_REASONS:
+            shed += value
+        elif name == "gpufleet_guard_ttft_seconds_bucket":
+            le = float(labels["le"])
+            ttft[le] = ttft.get(le, 0.0) + value
+    usage = next((kv[n] for n in KV_USAGE if n in kv), None)
+    return ReplicaSample(pod=pod, ok=True, kv_usage=usage, engine_waiting=waiting, engine_running=running,
+                         guard_queued=queued, guard_in_flight=in_flight, shed_total=shed,
+                         ttft_buckets=tuple(sorted(ttft.items())))
+
+
+def quantile_from_buckets(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus-style histogram_quantile over cumulative (le, count) pairs."""
+    if not buckets:
+        return None
+    total = buckets[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def bucket_delta(new: tuple, old: tuple) -> list[tuple[float, float]]:
+    """Observations between two cumulative snapshots (a reset counts from zero)."""
+    old_map = dict(old)
+    out = []
+    for le, count in new:
+        before = old_map.get(le, 0.0)
+        out.append((le, count - before if count >= before else count))
+    return out

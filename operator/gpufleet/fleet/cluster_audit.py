@@ -1,0 +1,112 @@
+"""Cluster-wide audits on a timer: stranded GPUs and isolation verification."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..api import SpecError, parse_spec
+from ..api import v1alpha1 as t
+from ..audit.stranded import find_stranded, node_inventory
+from ..isolation.verify import violations_for
+from ..kube.errors import ApiError
+from ..manifests import names
+from ..reconcile import conditions as cond
+
+log = logging.getLogger(__name__)
+
+
+async def collect(kube) -> tuple[list[dict], list[dict], list[dict]]:
+    nodes, pods, services = await asyncio.gather(
+        kube.list("v1", "Node"), kube.list("v1", "Pod"), kube.list(t.API_VERSION, t.KIND))
+    return nodes, pods, services
+
+
+def parsed_specs(services: list[dict]) -> list[tuple[dict, object]]:
+    out = []
+    for s in services:
+        try:
+            out.append((s, parse_spec(s.get("spec"))))
+        except SpecError:
+            continue
+    return out
+
+
+def audit_report(nodes, pods, services) -> dict:
+    """Everything `gpufleet audit` prints; pure."""
+    specs = parsed_specs(services)
+    stranded = find_stranded(node_inventory(nodes, pods), [s for _, s in specs])
+    isolation = {}
+    for obj, spec in specs:
+        meta = obj["metadata"]
+        v = violations_for(meta["name"], meta["namespace"], spec.isolation.mode,
+                           names.model_label(spec.model.name), pods)
+        isolation[(meta["namespace"], meta["name"])] = v
+    return {"stranded": stranded, "isolation": isolation, "specs": specs}
+
+
+class ClusterAuditor:
+    def __init__(self, runtime, interval: float = 15.0):
+        self.rt = runtime
+        self.interval = interval
+        self._stranded_seen: set[str] = set()
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except ApiError as e:
+                log.warning("cluster audit failed: %s", e)
+            except Exception:
+                log.exception("cluster audit crashed")
+            await asyncio.sleep(self.interval)
+
+    async def run_once(self) -> dict:
+        nodes, pods, services = await collect(self.rt.kube)
+        report = audit_report(nodes, pods, services)
+        await self._publish_stranded(report["stranded"], nodes)
+        for obj, spec in report["specs"]:
+            meta = obj["metadata"]
+            await self._publish_isolation(obj, spec, report["isolation"][(meta["namespace"], meta["name"])])
+        return report
+
+    async def _publish_stranded(self, stranded, nodes) -> None:
+        totals: dict[tuple[str, str], int] = {}
+        for n in nodes:  # zero every known pool/product so a cleared condition shows as 0
+            labels = n["metadata"].get("labels", {})
+            if "nvidia.com/gpu.product" in labels:
+                totals[(labels.get(names.LABEL_POOL, ""), labels["nvidia.com/gpu.product"])] = 0
+        for s in stranded:
+            totals[(s.pool, s.product)] = totals.get((s.pool, s.product), 0) + s.free
+        for (pool, product), free in totals.items():
+            self.rt.metrics.stranded.labels(pool, product).set(free)
+        now = {s.node for s in stranded}
+        by_name = {n["metadata"]["name"]: n for n in nodes}
+        for s in stranded:
+            if s.node not in self._stranded_seen and s.node in by_name:
+                await self.rt.kube.event(by_name[s.node], reason="StrandedGPUs", type_="Warning",
+                                         message=f"{s.free} free GPU(s) no InferenceService can use: {s.why}")
+        self._stranded_seen = now
+
+    async def _publish_isolation(self, obj, spec, violations) -> None:
+        meta = obj["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        self.rt.metrics.isolation_violations.labels(ns, name).set(len(violations))
+        status = obj.get("status") or {}
+        if spec.isolation.mode == "Shared":
+            return
+        listed = [f"{v.pod} on {v.node}: {v.why}" for v in violations]
+        if violations:
+            new = cond.condition(cond.ISOLATED, False, "ViolationFound", "; ".join(listed)[:1000])
+        else:
+            new = cond.condition(cond.ISOLATED, True, "Verified",
+                                 f"{spec.isolation.mode}: no foreign pods on this service's nodes")
+        old = cond.get(status.get("conditions"), cond.ISOLATED) or {}
+        if old.get("reason") == new["reason"] and old.get("message") == new["message"] and \
+                status.get("isolationViolations", []) == listed:
+            return
+        conds = cond.merge(status.get("conditions", []), [new], cond.now_iso())
+        await self.rt.controller.write_status(obj, {"conditions": conds, "isolationViolations": listed})
+        if violations:
+            await self.rt.kube.event(obj, reason="IsolationViolated", type_="Warning", message="; ".join(listed))
+        elif old.get("reason") == "ViolationFound":
+            await self.rt.kube.event(obj, reason="IsolationRestored", message=new["message"])

@@ -1,0 +1,52 @@
+"""Read a replica's vLLM and guard endpoints (the fast path: direct to the pod,
+bounded concurrency, short timeouts)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from ..autoscale.signals import ReplicaSample, parse_replica
+from ..manifests import names
+
+
+class ReplicaReader:
+    def __init__(self, *, timeout: float = 1.5, concurrency: int = 32,
+                 guard_port: int = names.GUARD_PORT, engine_port: int = names.ENGINE_PORT):
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._sem = asyncio.Semaphore(concurrency)
+        self._session: aiohttp.ClientSession | None = None
+        self.guard_port = guard_port
+        self.engine_port = engine_port
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session:
+            await self._session.close()
+
+    async def _get(self, url: str) -> str:
+        async with self._sem:
+            async with self._http().get(url) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{url} answered {r.status}")
+                return await r.text()
+
+    async def sample(self, pod: str, ip: str) -> ReplicaSample:
+        try:
+            engine, guard = await asyncio.gather(
+                self._get(f"http://{ip}:{self.engine_port}/metrics"),
+                self._get(f"http://{ip}:{self.guard_port}/metrics"))
+            return parse_replica(pod, engine, guard)
+        except Exception as e:  # any failure: the replica is unreadable, never "idle"
+            return ReplicaSample(pod=pod, ok=False, error=f"{type(e).__name__}: {e}"[:200])
+
+    async def audit(self, pod: str, ip: str) -> tuple[dict | None, str | None]:
+        try:
+            return json.loads(await self._get(f"http://{ip}:{self.guard_port}/audit")), None
+        except Exception as e:
+            return None, f"{type(e).__name__}: {e}"[:200]

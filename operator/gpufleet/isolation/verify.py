@@ -1,0 +1,40 @@
+"""Isolation verification: what actually runs on the nodes a Dedicated or
+Exclusive service occupies. Pure: pods in, violations out."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..manifests import names
+from ..audit.stranded import pod_gpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    node: str
+    pod: str          # namespace/name of the offending pod
+    why: str
+
+
+def violations_for(service: str, namespace: str, mode: str, model_label: str, pods: list[dict]) -> list[Violation]:
+    if mode not in ("Dedicated", "Exclusive"):
+        return []
+    mine = [p for p in pods if p["metadata"].get("namespace") == namespace
+            and p["metadata"].get("labels", {}).get(names.LABEL_SERVICE) == service
+            and p.get("spec", {}).get("nodeName")]
+    nodes = {p["spec"]["nodeName"] for p in mine}
+    out = []
+    for p in pods:
+        node = p.get("spec", {}).get("nodeName")
+        if node not in nodes or p in mine or p.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        labels = p["metadata"].get("labels", {})
+        ref = f"{p['metadata'].get('namespace')}/{p['metadata']['name']}"
+        other_model = labels.get(names.LABEL_MODEL)
+        if other_model:
+            if mode == "Exclusive" and labels.get(names.LABEL_SERVICE) != service:
+                out.append(Violation(node, ref, "another managed service on an Exclusive node"))
+            elif other_model != model_label:
+                out.append(Violation(node, ref, f"model {other_model} on a node Dedicated to {model_label}"))
+        elif pod_gpus(p) > 0:
+            out.append(Violation(node, ref, "unmanaged GPU pod"))
+    return sorted(out, key=lambda v: (v.node, v.pod))

@@ -1,0 +1,86 @@
+"""The scaling policy on synthetic replica samples."""
+from gpufleet.autoscale.policy import PolicyState, Thresholds, decide, least_loaded
+from gpufleet.autoscale.signals import ReplicaSample
+
+TH = Thresholds(min_replicas=1, max_replicas=4, kv_high=0.8, kv_low=0.4, queue_depth=8,
+                up_stabilization_s=0, down_stabilization_s=30, max_step=2)
+
+
+def s(pod, kv, waiting=0.0, shed=0.0, ok=True):
+    return ReplicaSample(pod=pod, ok=ok, kv_usage=kv, engine_waiting=waiting, shed_total=shed,
+                         error=None if ok else "timeout")
+
+
+def run(samples, current=1, ready=None, state=PolicyState(), now=100.0, th=TH):
+    return decide(th, current=current, ready=current if ready is None else ready, samples=samples,
+                  state=state, now=now)
+
+
+def test_kv_above_high_watermark_scales_out_at_once():
+    d, _, _ = run([s("a", 0.85)])
+    assert d.target == 2 and d.reason == "KVHighWatermark"
+
+
+def test_step_is_sized_to_the_overload_but_bounded():
+    d, _, _ = run([s("a", 1.0), s("b", 1.0)], current=2)
+    assert d.target == 3  # ceil(2 * 1.0 / 0.8) = 3
+    big = Thresholds(**{**TH.__dict__, "max_replicas": 20, "max_step": 2})
+    d, _, _ = run([s(f"p{i}", 1.0) for i in range(8)], current=8, th=big)
+    assert d.target == 10
+
+
+def test_never_above_max():
+    d, _, _ = run([s("a", 0.99)] * 4, current=4)
+    assert d is None
+
+
+def test_shedding_scales_out_even_with_moderate_kv():
+    _, state, _ = run([s("a", 0.5, shed=10)])
+    d, _, _ = run([s("a", 0.5, shed=14)], state=state, now=101)
+    assert d.target == 2 and d.reason == "Shedding"
+
+
+def test_queue_depth_scales_out():
+    d, _, _ = run([s("a", 0.5, waiting=12)])
+    assert d.reason == "QueueDepth"
+
+
+def test_no_second_scale_out_while_new_replicas_start():
+    d, _, _ = run([s("a", 0.95)], current=2, ready=1)
+    assert d is None
+
+
+def test_scale_in_only_after_the_stabilization_window():
+    d, state, _ = run([s("a", 0.1), s("b", 0.1)], current=2, now=100)
+    assert d is None
+    d, state, _ = run([s("a", 0.1), s("b", 0.1)], current=2, state=state, now=120)
+    assert d is None
+    d, state, _ = run([s("a", 0.1), s("b", 0.1)], current=2, state=state, now=131)
+    assert d.target == 1 and d.reason == "KVLowWatermark"
+
+
+def test_a_blip_resets_the_scale_in_window():
+    _, state, _ = run([s("a", 0.1), s("b", 0.1)], current=2, now=100)
+    _, state, _ = run([s("a", 0.5), s("b", 0.5)], current=2, state=state, now=120)
+    d, _, _ = run([s("a", 0.1), s("b", 0.1)], current=2, state=state, now=140)
+    assert d is None
+
+
+def test_unreadable_replica_is_never_taken_for_idle():
+    _, state, obs = run([s("a", 0.1), s("b", None, ok=False)], current=2, now=100)
+    d, _, obs = run([s("a", 0.1), s("b", None, ok=False)], current=2, state=state, now=200)
+    assert d is None and obs.unreadable == ["b"]
+
+
+def test_nothing_readable_means_no_decision():
+    d, _, _ = run([s("a", None, ok=False)], current=2, now=100)
+    assert d is None
+
+
+def test_out_of_bounds_is_corrected():
+    d, _, _ = run([s("a", 0.5)], current=6)
+    assert d.target == 4 and d.reason == "OutOfBounds"
+
+
+def test_least_loaded_replica_is_chosen_for_removal():
+    assert least_loaded([s("a", 0.6), s("b", 0.2), s("c", None, ok=False)]) == "b"

@@ -1,0 +1,52 @@
+"""Parsing replica metrics the way vLLM and the guard expose them."""
+from gpufleet.autoscale.signals import bucket_delta, parse_replica, quantile_from_buckets
+
+VLLM = """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.625
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 5.0
+"""
+OLD_VLLM = """# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+"""
+GUARD = """# TYPE gpufleet_guard_rejections_total counter
+gpufleet_guard_rejections_total{class="interactive",reason="kv_watermark"} 4.0
+gpufleet_guard_rejections_total{class="standard",reason="context_length"} 9.0
+gpufleet_guard_rejections_total{class="background",reason="queue_timeout"} 1.0
+# TYPE gpufleet_guard_queue_depth gauge
+gpufleet_guard_queue_depth{class="interactive"} 2.0
+gpufleet_guard_queue_depth{class="background"} 1.0
+# TYPE gpufleet_guard_ttft_seconds histogram
+gpufleet_guard_ttft_seconds_bucket{class="interactive",le="0.1"} 50.0
+gpufleet_guard_ttft_seconds_bucket{class="interactive",le="1.0"} 99.0
+gpufleet_guard_ttft_seconds_bucket{class="interactive",le="+Inf"} 100.0
+gpufleet_guard_ttft_seconds_count{class="interactive"} 100.0
+gpufleet_guard_ttft_seconds_sum{class="interactive"} 12.0
+"""
+
+
+def test_parse_replica():
+    r = parse_replica("p", VLLM, GUARD)
+    assert r.kv_usage == 0.625 and r.engine_waiting == 3 and r.engine_running == 5
+    assert r.guard_queued == 3
+    assert r.shed_total == 5  # context-length rejections are the client's fault, not overload
+    assert dict(r.ttft_buckets)[1.0] == 99
+
+
+def test_renamed_kv_metric_of_older_engines_is_understood():
+    assert parse_replica("p", OLD_VLLM, "").kv_usage == 0.25
+
+
+def test_quantiles_from_buckets():
+    buckets = [(0.1, 50.0), (1.0, 99.0), (float("inf"), 100.0)]
+    assert quantile_from_buckets(buckets, 0.5) == 0.1
+    assert abs(quantile_from_buckets(buckets, 0.9) - (0.1 + 0.9 * 40 / 49)) < 1e-9
+    assert quantile_from_buckets([(1.0, 0.0)], 0.99) is None
+
+
+def test_bucket_delta_handles_counter_reset():
+    assert bucket_delta(((1.0, 10.0),), ((1.0, 4.0),)) == [(1.0, 6.0)]
+    assert bucket_delta(((1.0, 3.0),), ((1.0, 40.0),)) == [(1.0, 3.0)]
