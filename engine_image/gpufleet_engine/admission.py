@@ -107,10 +107,9 @@ class KvLedger:
         mark = self.watermark
         if self.snapshot is None:
             return Decision(False, cost, free, mark)
-        if not self._reserved and cost <= free:
-            # Nothing of ours is decoding, so the watermark protects no one:
-            # a request bigger than (pool - watermark) would otherwise be
-            # refused forever.
+        if not self._reserved and free == self.snapshot.total_blocks and cost <= free:
+            # The pool is idle, so the watermark protects no one: a request
+            # bigger than (pool - watermark) would otherwise be refused forever.
             return Decision(True, cost, free, mark)
         return Decision(free - cost >= mark, cost, free, mark)
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 OVER_LENGTH_POLICIES = ("Reject", "TruncateLeft")
 RUNTIMES = ("vllm", "vllm-cpu")
-PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions")
+PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 class ConfigError(ValueError):
@@ -53,7 +53,7 @@ class EngineConfig:
     dtype: str = "auto"
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: vLLM's own choice
     quantization: str | None = None
     speculative: SpeculativeConfig | None = None
     num_gpu_blocks_override: int | None = None
@@ -125,9 +125,12 @@ def parse(raw: Any) -> GuardConfig:
         if name not in class_names:
             r.problems.append(f"defaultClassByRoute[{route!r}]: class {name!r} is not in queueClasses "
                               f"({', '.join(sorted(class_names))}); add it there or name an existing class")
+    builtin = _default_routes()
     for route in PROXIED_ROUTES:
         if route not in routes and classes:
-            routes[route] = min(classes, key=lambda c: c.level).name
+            # An unmapped route gets its built-in class if configured, else the first level.
+            routes[route] = builtin[route] if builtin[route] in class_names else \
+                min(classes, key=lambda c: c.level).name
 
     cfg = dict(
         served_model_name=served or "",
@@ -135,7 +138,7 @@ def parse(raw: Any) -> GuardConfig:
         service=r.string("service", default=""),
         namespace=r.string("namespace", default=""),
         listen_host=r.string("listenHost", default="0.0.0.0"),
-        listen_port=r.integer("listenPort", default=8080, low=1, high=65535),
+        listen_port=r.integer("listenPort", default=8080, low=0, high=65535),
         engine_url=r.string("engineUrl", default="http://127.0.0.1:8000"),
         block_size=r.integer("blockSize", default=engine.block_size if engine else 32, low=1),
         kv_watermark_percent=r.integer("kvWatermarkPercent", default=15, low=0, high=99),
@@ -179,7 +182,8 @@ def parse(raw: Any) -> GuardConfig:
 
 
 def _default_routes() -> dict[str, str]:
-    return {"/v1/chat/completions": "interactive", "/v1/completions": "standard"}
+    return {"/v1/chat/completions": "interactive", "/v1/completions": "standard",
+            "/v1/embeddings": "background"}
 
 
 def _parse_classes(r: "_Reader") -> list[QueueClass]:
@@ -241,7 +245,7 @@ def _parse_engine(e: "_Reader", problems: list[str]) -> EngineConfig | None:
         dtype=e.string("dtype", default="auto"),
         enable_prefix_caching=e.boolean("enablePrefixCaching", default=True),
         max_num_seqs=e.integer("maxNumSeqs", default=256, low=1),
-        max_num_batched_tokens=e.integer("maxNumBatchedTokens", default=8192, low=1),
+        max_num_batched_tokens=e.integer("maxNumBatchedTokens", default=None, low=1),
         quantization=e.string("quantization", default=None),
         speculative=speculative,
         num_gpu_blocks_override=blocks,

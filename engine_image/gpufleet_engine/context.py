@@ -16,6 +16,7 @@ from .tokens import Tokenizer, keep_last, truncate_text_left
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 
 # Request fields that change how vLLM renders a chat; passed to the template
 # so the count matches.
@@ -74,6 +75,8 @@ def prepare(route: str, body: Any, tokenizer: Tokenizer, limits: Limits) -> Prep
         return _prepare_chat(body, tokenizer, limits, max_key, requested, sequences, stream)
     if route == COMPLETIONS:
         return _prepare_completions(body, tokenizer, limits, max_key, requested, sequences, stream)
+    if route == EMBEDDINGS:
+        return _prepare_embeddings(body, tokenizer, limits)
     raise InvalidRequest(f"the guard does not admit requests for {route}")
 
 
@@ -155,6 +158,29 @@ def _prepare_completions(body, tokenizer, limits, max_key, requested, sequences,
     return Prepared(forwarded, counts, max_tokens, sequences, stream, truncated, changed)
 
 
+def _prepare_embeddings(body, tokenizer, limits) -> Prepared:
+    """Embeddings only prefill: the cost is the input's blocks, the limit applies to the input alone."""
+    inputs = _completion_prompts(body.get("input"))
+    out: list[str | list[int]] = []
+    counts: list[int] = []
+    truncated = 0
+    for item in inputs:
+        ids = list(item) if isinstance(item, list) else tokenizer.encode(item)
+        if len(ids) > limits.max_context_tokens:
+            if not limits.truncate_left:
+                raise ContextTooLong(len(ids), 0, limits.max_context_tokens)
+            truncated += len(ids) - limits.max_context_tokens
+            ids = keep_last(ids, limits.max_context_tokens)
+            out.append(ids)
+        else:
+            out.append(item)
+        counts.append(len(ids))
+    forwarded = body
+    if truncated:
+        forwarded = {**body, "input": out if _is_batch(body.get("input")) else out[0]}
+    return Prepared(forwarded, counts, 0, 1, False, truncated, bool(truncated))
+
+
 def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
@@ -169,7 +195,7 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
             return list(prompt)
         if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
             return [list(p) for p in prompt]
-    raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids "
+    raise InvalidRequest("prompt (or input) must be a string, a list of strings, a list of token ids "
                          "or a list of lists of token ids")
 
 

@@ -55,13 +55,14 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
         "--dtype", "float32" if cpu and engine.dtype == "auto" else engine.dtype,
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
         "--max-num-seqs", str(engine.max_num_seqs),
-        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
         # The guard logs requests; vLLM's per-request access log doubles the noise.
         "--disable-uvicorn-access-log",
     ]
     if not cpu:
         argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size),
                  "--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    if engine.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
     if engine.quantization:
         argv += ["--quantization", engine.quantization]
     if engine.speculative:

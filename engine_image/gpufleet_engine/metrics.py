@@ -42,6 +42,9 @@ class GuardMetrics:
                                          buckets=_REQUEST_BUCKETS, registry=r)
         self.queue_depth = Gauge("gpufleet_guard_queue_depth", "Requests waiting in the guard's queue.",
                                  ["class"], registry=r)
+        self.max_concurrency = Gauge("gpufleet_guard_max_concurrency",
+                                     "Most requests the guard dispatches to vLLM at once (maxConcurrency).",
+                                     registry=r)
         self.in_flight = Gauge("gpufleet_guard_in_flight", "Requests dispatched to vLLM and not finished.",
                                registry=r)
         self.kv_free_blocks = Gauge("gpufleet_guard_kv_free_blocks",

@@ -6,6 +6,7 @@ import click
 from .commands import crd, run
 from .devcluster.commands import dev
 from .planning.commands import plan
+from gpufleet_engine.cli import engine
 
 
 @click.group()
@@ -18,6 +19,7 @@ main.add_command(dev)
 main.add_command(run)
 main.add_command(crd)
 main.add_command(plan)
+main.add_command(engine)
 
 
 if __name__ == "__main__":

