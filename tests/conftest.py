@@ -19,7 +19,8 @@ def control_plane():
     if not healthy:
         if cluster.read_state():
             cluster.down(progress=lambda _m: None)  # a crashed leftover: start clean
-        cluster.up(progress=lambda m: print(f"[control plane] {m}", flush=True))
+        cluster.up(cluster.FleetSpec(engine_nodes=2),
+                   progress=lambda m: print(f"[control plane] {m}", flush=True))
         started = True
     state = cluster.read_state()
     yield ControlPlane(kubeconfig=state["kubeconfig"], server=state["server"])

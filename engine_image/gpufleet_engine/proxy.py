@@ -156,6 +156,11 @@ class Guard:
 
     async def _admit_and_forward(self, request: web.Request, route: str, queue_class: QueueClass,
                                  arrived: float) -> web.StreamResponse:
+        if not self.ledger.evaluate(1).admitted:
+            # Not even a one-block request fits: refuse before parsing and
+            # tokenizing. Under overload most traffic is retries, and the CPU
+            # they would cost belongs to the engine.
+            return self._refuse(queue_class, self.scheduler.kv_rejection(1))
         raw = await request.read()
         try:
             prepared = await self._prepare(raw, route)

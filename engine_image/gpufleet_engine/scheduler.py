@@ -56,10 +56,16 @@ class Scheduler:
         self._on_change = on_change or (lambda: None)
         self.running = 0
 
+    def kv_rejection(self, cost: int) -> Rejection:
+        """The refusal for a request of ``cost`` blocks that does not fit now."""
+        decision = self.ledger.evaluate(cost)
+        return self._kv_rejection(cost, decision.free_blocks, decision.watermark)
+
     def _kv_rejection(self, cost: int, free: int, watermark: int) -> Rejection:
+        need = f"it needs {cost} blocks" if cost > 1 else "it needs at least one block"
         return Rejection(
             "kv_watermark", 429,
-            f"The KV cache is too full to admit this request now: it needs {cost} blocks, "
+            f"The KV cache is too full to admit this request now: {need}, "
             f"{free} are free and {watermark} are kept free for requests in flight. "
             f"Retry later.", self.retry_after)
 

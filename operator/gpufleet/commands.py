@@ -58,10 +58,11 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
 @click.command()
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
               help="Write to this file instead of stdout.")
-def crd(output) -> None:
+@click.option("--markdown", is_flag=True, help="The field reference (docs/api.md) instead of the YAML.")
+def crd(output, markdown) -> None:
     """Print the InferenceService CRD generated from the API types."""
-    from .api.crd import render_yaml
-    text = render_yaml()
+    from .api.crd import render_markdown, render_yaml
+    text = render_markdown() if markdown else render_yaml()
     if output:
         with open(output, "w") as fh:
             fh.write(text)

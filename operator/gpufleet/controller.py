@@ -17,7 +17,7 @@ from .metrics import OperatorMetrics
 from .reconcile import conditions as cond
 from .reconcile.desired import desired_children
 from .reconcile.replicas import target_replicas
-from .reconcile.status import Observed, derive_status, invalid_status, unschedulable_pods
+from .reconcile.status import Observed, crashlooping_pods, derive_status, invalid_status, unschedulable_pods
 from .reconcile.validation import validate
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Controller:
             await self.write_status(isvc, status)
             self.metrics.desired_replicas.labels(ns, name).set(replicas)
             self.metrics.ready_replicas.labels(ns, name).set(status["readyReplicas"])
+            self.metrics.crashlooping.labels(ns, name).set(len(crashlooping_pods(observed.pods)))
             self.metrics.reconcile_total.labels("InferenceService", "ok").inc()
         except ApiError:
             self.metrics.reconcile_errors.labels(ns, name).inc()

@@ -35,6 +35,10 @@ class OperatorMetrics:
                                              registry=r)
         self.stranded = Gauge("gpufleet_stranded_gpus", "Free GPUs no InferenceService can use.",
                               ["node_pool", "gpu_product"], registry=r)
+        self.gpus_per_replica = Gauge("gpufleet_service_gpus_per_replica", "GPUs one replica requests.", SVC,
+                                      registry=r)
+        self.crashlooping = Gauge("gpufleet_service_crashlooping_replicas",
+                                  "Engine pods with a container in CrashLoopBackOff.", SVC, registry=r)
         self.isolation_violations = Gauge("gpufleet_isolation_violations", "Foreign pods on reserved nodes.", SVC,
                                           registry=r)
 
@@ -48,12 +52,13 @@ class OperatorMetrics:
         self.slo_itl.labels(*lbl).set(spec.slo.itl_p99_milliseconds / 1000)
         self.slo_availability.labels(*lbl).set(float(spec.slo.availability_percent) / 100)
         self.fragmentation_threshold.labels(*lbl).set(spec.audit.fragmentation.threshold_percent / 100)
+        self.gpus_per_replica.labels(*lbl).set(spec.resources.gpus_per_replica)
 
     def forget_service(self, namespace: str, service: str) -> None:
         for m in (self.desired_replicas, self.ready_replicas, self.min_replicas, self.max_replicas, self.kv_usage,
                   self.kv_high, self.kv_low, self.slo_ttft, self.slo_itl, self.slo_availability,
                   self.fragmentation, self.fragmentation_threshold, self.isolation_violations,
-                  self.reconcile_errors, self.read_errors):
+                  self.reconcile_errors, self.read_errors, self.gpus_per_replica, self.crashlooping):
             try:
                 m.remove(namespace, service)
             except KeyError:

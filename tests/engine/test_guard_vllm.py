@@ -153,17 +153,17 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     chunks = [c async for c in stream]
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
 
-    # One long request holds 35 of the 64 blocks; a 20-block request would leave
-    # 9 < the 10-block watermark, so it is refused until the long one is done.
+    # One long request holds 32 of the 64 blocks; a 24-block request would leave
+    # 8 < the 10-block watermark, so it is refused until the long one is done.
     hog = asyncio.create_task(strict.completions.create(
-        model="tiny", prompt=token_ids(900, 400), max_tokens=200, extra_body={"ignore_eos": True}))
+        model="tiny", prompt=token_ids(800, 400), max_tokens=200, extra_body={"ignore_eos": True}))
     await asyncio.sleep(0.5)
     with pytest.raises(openai.RateLimitError) as e:
-        await strict.completions.create(model="tiny", prompt=token_ids(600, 401), max_tokens=40)
+        await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=40)
     assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
     assert e.value.body["code"] == "kv_watermark"
     # The client's own retry (honouring retry-after-ms) gets through once the hog is done.
-    late = await patient.completions.create(model="tiny", prompt=token_ids(600, 402), max_tokens=40)
+    late = await patient.completions.create(model="tiny", prompt=token_ids(700, 402), max_tokens=40)
     assert late.usage.completion_tokens > 0
     assert (await hog).usage.completion_tokens == 200
     await strict.close()
@@ -193,7 +193,7 @@ async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_pa
 
             async def stream(i: int):
                 body = {"model": "tiny", "prompt": token_ids(64, 500 + i), "max_tokens": 128,
-                        "ignore_eos": True, "stream": True}
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                 async with s.post(url + "/v1/completions", json=body) as r:
                     return r.status, await r.text()
 
@@ -212,4 +212,5 @@ async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_pa
             guard.kill()
     for status, text in results:
         assert status == 200 and text.endswith("data: [DONE]\n\n")
-        assert sum(1 for e in events(text) if isinstance(e, dict)) == 128
+        usage = [e for e in events(text) if isinstance(e, dict) and e.get("usage")][-1]["usage"]
+        assert usage["completion_tokens"] == 128

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from gpufleet.api import SpecError, parse_spec, to_api
-from gpufleet.api.crd import build_crd, render_yaml
+from gpufleet.api.crd import build_crd, render_markdown, render_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_committed_crd_matches_the_types():
     committed = (ROOT / "crds" / "inferenceservices.serving.gpufleet.dev.yaml").read_text()
     assert committed == render_yaml(), "crds/ drifted from the API types: run `gpufleet crd -o crds/...`"
+
+
+def test_api_reference_matches_the_types():
+    assert (ROOT / "docs" / "api.md").read_text() == render_markdown(), "run `gpufleet crd --markdown -o docs/api.md`"
 
 
 def test_short_manifest_gets_every_default():

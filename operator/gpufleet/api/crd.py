@@ -84,3 +84,47 @@ def build_crd() -> dict:
 def render_yaml() -> str:
     header = "# Generated from operator/gpufleet/api/v1alpha1.py by `gpufleet crd`. Do not edit.\n"
     return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+
+
+def render_markdown() -> str:
+    """docs/api.md: every spec field with type, default and description."""
+    spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rows = []
+
+    def walk(schema: dict, path: str) -> None:
+        for name, sub in schema.get("properties", {}).items():
+            p = f"{path}.{name}"
+            kind = sub.get("type", "int-or-string")
+            if kind == "array" and sub.get("items", {}).get("type") == "object":
+                kind = "[]object"
+            default = sub.get("default")
+            default_s = "" if default is None or isinstance(default, (dict, list)) and len(str(default)) > 40 \
+                else f"`{default}`"
+            extra = f" One of: {', '.join(map(str, sub['enum']))}." if "enum" in sub else ""
+            desc = " ".join(sub.get("description", "").split()) + extra
+            rows.append(f"| `{p}` | {kind} | {default_s} | {desc} |")
+            if "properties" in sub:
+                walk(sub, p)
+            elif sub.get("items", {}).get("properties"):
+                walk(sub["items"], p + "[]")
+    walk(spec, "spec")
+    rules = []
+
+    def collect(schema: dict, path: str) -> None:
+        for r in schema.get("x-kubernetes-validations", []):
+            rules.append(f"- `{path}`: {r['message']}")
+        for name, sub in schema.get("properties", {}).items():
+            collect(sub, f"{path}.{name}")
+    collect(spec, "spec")
+    return "\n".join([
+        "# InferenceService API (serving.gpufleet.dev/v1alpha1)", "",
+        "Generated from `operator/gpufleet/api/v1alpha1.py` (`gpufleet crd --markdown`); "
+        "`kubectl explain inferenceservice.spec --recursive` shows the same descriptions.", "",
+        "Numbers follow the API conventions: integer percentages (`kvWatermarkPercent: 15`), durations as "
+        "`...Seconds`/`...Milliseconds` integers, string enums, references as `...Ref`.", "",
+        "| field | type | default | description |", "|---|---|---|---|", *rows, "",
+        "## Cross-field rules (checked by the API server)", "", *rules, "",
+        "## Checked by the operator (reported as `Ready=False, reason=InvalidSpec`)", "",
+        "- `spec.engine.extraArgs` may not set flags gpufleet manages (port, model, parallelism, KV and "
+        "batching); the message names the typed field to use instead.",
+        "- `spec.engine.runtime: vllm-cpu` serves unquantized weights with `kvCache.dtype: auto` only.", ""])

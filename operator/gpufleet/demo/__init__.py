@@ -1,0 +1,1 @@
+"""The local demo: load against a real engine behind the operator, and a report."""

@@ -1,0 +1,76 @@
+"""`gpufleet audit`: the cluster's stranded GPUs and isolation, computed now,
+plus each service's last fragmentation audit; `--service` asks the operator
+for a fresh fragmentation audit (annotation) and waits for it."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from datetime import datetime, timezone
+
+import click
+
+from ..api import v1alpha1 as t
+from ..kube.client import KubeClient
+from ..kube.config import KubeConfig
+from ..manifests import names
+from .cluster_audit import audit_report, collect
+
+
+async def _request_fragmentation(kube: KubeClient, namespace: str, service: str, timeout: float) -> dict:
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    await kube.merge_patch(t.API_VERSION, t.KIND, service, {"metadata": {"annotations": {
+        names.ANNOTATION_AUDIT_REQUEST: stamp}}}, namespace)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        obj = await kube.get(t.API_VERSION, t.KIND, service, namespace)
+        if names.ANNOTATION_AUDIT_REQUEST not in (obj["metadata"].get("annotations") or {}):
+            return (obj.get("status") or {}).get("fragmentation") or {}
+        await asyncio.sleep(0.5)
+    raise click.ClickException(f"no audit result within {timeout:.0f}s: is the operator running?")
+
+
+async def _audit(kubeconfig, namespace, service, timeout) -> int:
+    async with KubeClient(KubeConfig.auto(kubeconfig)) as kube:
+        if service:
+            frag = await _request_fragmentation(kube, namespace, service, timeout)
+            click.echo(f"fragmentation of {namespace}/{service}: {frag.get('verdict')} "
+                       f"(worst {frag.get('worstReplica') or '-'} {frag.get('percent', '-')}%) — "
+                       f"{frag.get('recommendation', '')}")
+        nodes, pods, services = await collect(kube)
+        report = audit_report(nodes, pods, services)
+    problems = 0
+    click.echo("\nStranded GPUs (free, but no InferenceService can use them):")
+    if not report["stranded"]:
+        click.echo("  none")
+    for s in report["stranded"]:
+        problems += 1
+        click.echo(f"  {s.node:<20} pool={s.pool:<10} {s.product:<26} free={s.free}  {s.why}")
+    click.echo("\nIsolation:")
+    for obj, spec in report["specs"]:
+        meta = obj["metadata"]
+        v = report["isolation"][(meta["namespace"], meta["name"])]
+        verdict = "shared by request" if spec.isolation.mode == "Shared" else ("OK" if not v else "VIOLATED")
+        click.echo(f"  {meta['namespace']}/{meta['name']:<24} {spec.isolation.mode:<10} {verdict}")
+        for x in v:
+            problems += 1
+            click.echo(f"      {x.pod} on {x.node}: {x.why}")
+    click.echo("\nFragmentation (last audit per service):")
+    for obj, _spec in report["specs"]:
+        f = (obj.get("status") or {}).get("fragmentation") or {}
+        meta = obj["metadata"]
+        click.echo(f"  {meta['namespace']}/{meta['name']:<24} {f.get('verdict', 'not yet audited'):<15} "
+                   f"{f.get('recommendation', '')}")
+        problems += f.get("verdict") == "AboveThreshold"
+    return problems
+
+
+@click.command()
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None)
+@click.option("-n", "--namespace", default="default", show_default=True)
+@click.option("--service", default=None, help="Run a fresh fragmentation audit of this InferenceService first.")
+@click.option("--timeout", default=30.0, show_default=True)
+def audit(kubeconfig, namespace, service, timeout) -> None:
+    """Stranded GPUs, isolation and fragmentation across the cluster (exit 1 when something is wrong)."""
+    problems = asyncio.run(_audit(kubeconfig, namespace, service, timeout))
+    sys.exit(1 if problems else 0)

@@ -1,0 +1,74 @@
+"""`helm install` into the local control plane; the operator, running under the
+chart's ServiceAccount and RBAC, reconciles a sample (RBAC is sufficient) and
+is denied what it should not do (RBAC is narrow)."""
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpufleet.devcluster.binaries import ensure_helm
+from gpufleet.kube.config import KubeConfig
+from tests.support.operator import OperatorProcess
+from tests.support.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE_NS = "gpufleet-system"
+SA = f"system:serviceaccount:{RELEASE_NS}:gpufleet-operator"
+
+
+@pytest.fixture(scope="module")
+def installed(control_plane, crds_installed):
+    helm = str(ensure_helm(progress=print))
+    env = control_plane.env()
+    subprocess.run([helm, "uninstall", "gpufleet", "-n", RELEASE_NS], env=env, capture_output=True)
+    out = subprocess.run([helm, "install", "gpufleet", str(ROOT / "charts" / "gpufleet"), "-n", RELEASE_NS,
+                          "--create-namespace", "--wait=false"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    yield out.stdout
+    subprocess.run([helm, "uninstall", "gpufleet", "-n", RELEASE_NS], env=env, capture_output=True)
+
+
+def test_install_prints_notes_and_creates_the_operator(control_plane, installed):
+    assert "kubectl get inferenceservices -w" in installed
+    dep = control_plane.kubectl("-n", RELEASE_NS, "get", "deployment", "gpufleet-operator", "-o", "yaml").stdout
+    assert yaml.safe_load(dep)["spec"]["template"]["spec"]["serviceAccountName"] == "gpufleet-operator"
+
+
+@pytest.mark.parametrize("verb, resource, allowed", [
+    ("patch", "deployments.apps", "yes"), ("create", "pods/eviction", "yes"), ("list", "nodes", "yes"),
+    ("patch", "inferenceservices.serving.gpufleet.dev/status", "yes"),
+    ("list", "secrets", "no"), ("delete", "deployments.apps", "no"), ("create", "pods", "no"),
+    ("update", "clusterroles.rbac.authorization.k8s.io", "no"), ("delete", "nodes", "no"),
+])
+def test_rbac_is_narrow(control_plane, installed, verb, resource, allowed):
+    out = control_plane.kubectl("auth", "can-i", verb, resource, "--as", SA, "-A", check=False)
+    assert out.stdout.strip() == allowed, f"{verb} {resource}: {out.stdout} {out.stderr}"
+
+
+async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, installed, kube, namespace,
+                                                                 tmp_path):
+    token = control_plane.kubectl("-n", RELEASE_NS, "create", "token", "gpufleet-operator",
+                                  "--duration=1h").stdout.strip()
+    ca = KubeConfig.from_file(control_plane.kubeconfig).ca_file
+    kc = tmp_path / "operator.kubeconfig"
+    kc.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "c", "cluster": {"server": control_plane.server, "certificate-authority": ca}}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}]}))
+    op = OperatorProcess(str(kc), tmp_path / "operator.log", ("--namespace", namespace)).start()
+    try:
+        sample = yaml.safe_load((ROOT / "samples" / "chat.yaml").read_text())
+        control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(sample))
+
+        async def ready():
+            obj = await kube.get("serving.gpufleet.dev/v1alpha1", "InferenceService", "chat", namespace)
+            conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
+            return conds.get("Ready", {}).get("status") == "True"
+        await wait_for(ready, timeout=60, what="the sample Ready under the chart's RBAC",
+                       describe=lambda: op.log_tail(20))
+        log = (tmp_path / "operator.log").read_text()
+        assert "403" not in log and "Forbidden" not in log, op.log_tail(40)
+    finally:
+        op.stop()

@@ -1,0 +1,95 @@
+"""The Helm chart: lint, golden `helm template` output, values validation,
+least-privilege RBAC, and the copies of generated assets it embeds."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpufleet.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "gpufleet"
+GOLDEN = Path(__file__).parent / "golden"
+KUBE_VERSION = KUBERNETES_VERSION.lstrip("v")
+ALL_ON = ["--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.prometheusRule.enabled=true",
+          "--set", "dashboards.enabled=true"]
+
+
+@pytest.fixture(scope="module")
+def helm():
+    return str(ensure_helm(progress=lambda m: print(m)))
+
+
+def template(helm, *args, check=True):
+    return subprocess.run([helm, "template", "gpufleet", str(CHART), "--namespace", "gpufleet-system",
+                           "--kube-version", KUBE_VERSION, *args],
+                          capture_output=True, text=True, check=check)
+
+
+def test_lint_strict(helm):
+    out = subprocess.run([helm, "lint", "--strict", "--kube-version", KUBE_VERSION, str(CHART), *ALL_ON],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("name, args", [("default", []), ("all-on", ALL_ON)])
+def test_golden_template(helm, name, args):
+    got = template(helm, *args).stdout
+    golden = GOLDEN / f"{name}.yaml"
+    if not golden.exists() or "--update-golden" in sys.argv:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(got)
+    assert got == golden.read_text(), f"helm template drifted from {golden}; review and delete it to regenerate"
+
+
+def test_chart_copies_of_generated_assets_are_current():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "sync_chart.py"), "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "replicaCount=0"], "at '/replicaCount': minimum: got 0, want 1"),
+    (["--set", "operator.logLevel=loud"], "at '/operator/logLevel': value must be one of 'info', 'debug'"),
+    (["--set", "monitoring.runbookBaseURL=docs"], "at '/monitoring/runbookBaseURL': 'docs' does not match pattern"),
+    (["--set", "replicaCount=2"], "replicaCount > 1 needs peering.enabled=true"),
+    (["--set", "watchNamespace=ml"], "additional properties 'watchNamespace' not allowed"),
+])
+def test_bad_values_are_rejected_with_a_clear_message(helm, args, message):
+    out = template(helm, *args, check=False)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr
+
+
+def test_rbac_has_no_wildcards_and_cannot_read_secrets(helm):
+    docs = [d for d in yaml.safe_load_all(template(helm).stdout) if d]
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+        assert "secrets" not in rule["resources"]
+
+
+def test_operator_pod_is_hardened(helm):
+    docs = [d for d in yaml.safe_load_all(template(helm).stdout) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert c["resources"]["requests"] and c["livenessProbe"] and c["readinessProbe"]
+
+
+def test_monitoring_objects_when_enabled(helm):
+    docs = [d for d in yaml.safe_load_all(template(helm, *ALL_ON).stdout) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"ServiceMonitor", "PrometheusRule"} <= kinds
+    sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts and all(r["annotations"]["runbook_url"].endswith(".md") for r in alerts)
+    dashboards = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["labels"].get("grafana_dashboard")]
+    assert len(dashboards) == len(list((ROOT / "dashboards").glob("*.json")))

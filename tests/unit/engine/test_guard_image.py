@@ -1,0 +1,41 @@
+"""The engine image's Dockerfile: pinned base, real sources, the commands the operator's pod runs."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from gpufleet.api.v1alpha1 import DEFAULT_ENGINE_IMAGE
+from gpufleet.manifests import children
+from gpufleet.api import parse_spec
+
+from gpufleet_engine.cli import engine
+
+IMAGE_DIR = Path(__file__).resolve().parents[3] / "engine_image"
+DOCKERFILE = (IMAGE_DIR / "Dockerfile").read_text()
+
+
+def test_the_base_image_is_pinned_to_the_vllm_version_the_operator_names():
+    version = re.search(r"^ARG VLLM_VERSION=(v\d+\.\d+\.\d+)$", DOCKERFILE, re.M).group(1)
+    assert re.search(r"^FROM vllm/vllm-openai:\$\{VLLM_VERSION\}$", DOCKERFILE, re.M)
+    assert DEFAULT_ENGINE_IMAGE.endswith(f"-vllm{version[1:]}")
+
+
+def test_everything_the_dockerfile_copies_exists():
+    for source in re.findall(r"^COPY (\S+) ", DOCKERFILE, re.M):
+        assert (IMAGE_DIR / source).exists(), source
+    assert "exec python3 -m gpufleet_engine" in (IMAGE_DIR / "bin" / "gpufleet-engine").read_text()
+
+
+def test_the_commands_of_the_operators_pod_exist_in_the_image_cli():
+    pod = children.build_deployment(
+        {"metadata": {"name": "chat", "namespace": "ml", "uid": "u"}, "apiVersion": "v", "kind": "k"},
+        parse_spec({"model": {"name": "m"}}), 1, "hash")["spec"]["template"]["spec"]
+    commands = [c["command"] for c in pod["containers"]]
+    commands += [c["lifecycle"]["preStop"]["exec"]["command"] for c in pod["containers"]]
+    for command in commands:
+        assert command[0] == "gpufleet-engine"
+        result = CliRunner().invoke(engine, [command[1], "--help"])
+        assert result.exit_code == 0, (command, result.output)
+        assert "--config" in result.output
