@@ -76,6 +76,7 @@ def _ensure(target: Path, build) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared read-only
     try:
         build(tmp)
         (tmp / ".complete").write_text("ok\n")

@@ -91,7 +91,8 @@ class Guard:
     def engine_stats(self, stats: VllmStats) -> None:
         self.stats = stats
         self.ledger.observe(stats.kv_snapshot())
-        if stats.block_size and stats.block_size != self.config.block_size and self.engine_up is False:
+        first_read = not self.engine_up  # warn once per (re)connection, not every poll
+        if first_read and stats.block_size and stats.block_size != self.config.block_size:
             log.warning("vLLM reports block size %d, guard.json says %d; using vLLM's",
                         stats.block_size, self.config.block_size)
         self.engine_up = True

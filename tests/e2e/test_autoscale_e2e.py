@@ -10,7 +10,7 @@ import yaml
 
 from gpufleet.demo.load import EndpointLoad
 from gpufleet.reconcile import conditions as c
-from tests.support.operator import OperatorProcess
+from gpufleet.devcluster.operator_process import OperatorProcess
 from tests.support.waiting import wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"

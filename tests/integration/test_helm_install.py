@@ -9,7 +9,7 @@ import yaml
 
 from gpufleet.devcluster.binaries import ensure_helm
 from gpufleet.kube.config import KubeConfig
-from tests.support.operator import OperatorProcess
+from gpufleet.devcluster.operator_process import OperatorProcess
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +39,15 @@ def test_install_prints_notes_and_creates_the_operator(control_plane, installed)
     ("patch", "deployments.apps", "yes"), ("create", "pods/eviction", "yes"), ("list", "nodes", "yes"),
     ("patch", "inferenceservices.serving.gpufleet.dev/status", "yes"),
     ("list", "secrets", "no"), ("delete", "deployments.apps", "no"), ("create", "pods", "no"),
+    ("update", "inferenceservices.serving.gpufleet.dev", "no"), ("create", "pods/exec", "no"),
     ("update", "clusterroles.rbac.authorization.k8s.io", "no"), ("delete", "nodes", "no"),
 ])
 def test_rbac_is_narrow(control_plane, installed, verb, resource, allowed):
-    out = control_plane.kubectl("auth", "can-i", verb, resource, "--as", SA, "-A", check=False)
+    args = [verb, resource]
+    if "/" in resource:
+        res, sub = resource.split("/")
+        args = [verb, res, f"--subresource={sub}"]
+    out = control_plane.kubectl("auth", "can-i", *args, "--as", SA, "-A", check=False)
     assert out.stdout.strip() == allowed, f"{verb} {resource}: {out.stdout} {out.stderr}"
 
 

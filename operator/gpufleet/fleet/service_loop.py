@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 TTFT_WINDOW_S = 60
+FIRST_AUDIT_DELAY_S = 15
 
 
 class ServiceLoop:
@@ -33,7 +34,7 @@ class ServiceLoop:
         self.ns, self.name = namespace, name
         self.state = policy.PolicyState()
         self.ttft_history: collections.deque = collections.deque()
-        self.last_audit = 0.0
+        self.last_audit: float | None = None
 
     # --- reading ---------------------------------------------------------------
 
@@ -132,7 +133,10 @@ class ServiceLoop:
         requested = (body.get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_AUDIT_REQUEST)
         if requested:
             return True
-        return now - self.last_audit >= spec.audit.fragmentation.interval_seconds
+        interval = spec.audit.fragmentation.interval_seconds
+        if self.last_audit is None:  # first audit soon after start, then on the interval
+            self.last_audit = now - interval + FIRST_AUDIT_DELAY_S
+        return now - self.last_audit >= interval
 
     async def audit(self, body, spec, ready, now: float) -> None:
         self.last_audit = now

@@ -1,4 +1,4 @@
-"""Run the real operator (`gpufleet run`) as a subprocess against the local control plane."""
+"""Run the real operator (`gpufleet run`) as a subprocess: tests, benchmarks and the demo."""
 from __future__ import annotations
 
 import os

