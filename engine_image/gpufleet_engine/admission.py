@@ -1,26 +1,29 @@
 """KV-block admission arithmetic. Pure: no clock, no I/O.
 
-The guard admits a request only if, after granting its whole block budget,
-at least the watermark of blocks stays free. Two views of "used" are combined
-and the larger one wins:
+A request costs its whole block budget, ceil((prompt + max_tokens) / block
+size) per sequence, and is admitted only if both views agree:
 
-- vLLM's view: blocks in use at the last metrics read, plus the budgets of
-  requests admitted since then (vLLM has not reported them yet), minus the
-  budgets of requests finished since then (vLLM frees their blocks at once;
-  waiting for the next read would leave the pool idle for up to a poll
-  interval after every completion);
-- the guard's ledger: the full budgets (prompt + max_tokens) of every request
-  it has in flight. vLLM only counts blocks a request holds *now*, while a
-  decoding request keeps growing to its budget; admitting against vLLM's view
-  alone lets the pool run dry mid-decode and forces preemptions.
-
-vLLM's view still matters for blocks the guard does not know about (requests
-that bypassed it, a guard restart with requests still running).
+- vLLM's view keeps the watermark free: blocks in use at the last metrics
+  read, plus the budgets of requests admitted since (vLLM has not reported
+  them yet), minus the budgets of requests finished since (vLLM frees their
+  blocks at once; waiting for the next read would idle the pool for up to a
+  poll interval after every completion). After the new request's budget,
+  at least ``watermark`` blocks must stay free. This view also sees blocks
+  the guard does not know about (requests that bypassed it, a guard restart).
+- the guard's ledger guarantees the decodes it admitted: the full budgets of
+  all its in-flight requests must fit in the pool. vLLM only reports what a
+  request holds *now*, while a decode keeps growing to its budget; admitting
+  on the current view alone can run the pool dry mid-decode and force
+  preemptions.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+# vLLM keeps one block of the pool back (its null block): a pool of N blocks
+# serves N - 1.
+RESERVED_BY_ENGINE = 1
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,9 @@ def watermark_blocks(total_blocks: int, percent: int) -> int:
 class Decision:
     admitted: bool
     cost: int
-    free_blocks: int      # free as seen before this request
+    free_blocks: int      # free in vLLM's view before this request
     watermark: int
-
-    @property
-    def free_after(self) -> int:
-        return self.free_blocks - self.cost
+    unreserved_blocks: int  # pool capacity not promised to the guard's in-flight requests
 
 
 class KvLedger:
@@ -84,6 +84,10 @@ class KvLedger:
         return self.snapshot.total_blocks if self.snapshot else 0
 
     @property
+    def capacity(self) -> int:
+        return max(0, self.total_blocks - RESERVED_BY_ENGINE)
+
+    @property
     def watermark(self) -> int:
         return watermark_blocks(self.total_blocks, self.watermark_percent)
 
@@ -96,25 +100,30 @@ class KvLedger:
         return len(self._reserved)
 
     def free_blocks(self) -> int:
-        """Free blocks as the guard sees them (may be negative when over-committed)."""
+        """Free blocks in vLLM's view, corrected for what the guard admitted and finished since the read."""
         if self.snapshot is None:
             return 0
-        seen_by_vllm = max(0, self.snapshot.used_blocks + self._delta_since_read)
-        return self.snapshot.total_blocks - max(seen_by_vllm, self._reserved_total)
+        used = max(0, self.snapshot.used_blocks + self._delta_since_read)
+        return max(0, self.snapshot.total_blocks - used)
+
+    def unreserved_blocks(self) -> int:
+        return self.capacity - self._reserved_total
 
     def evaluate(self, cost: int) -> Decision:
         free = self.free_blocks()
         mark = self.watermark
+        unreserved = self.unreserved_blocks()
         if self.snapshot is None:
-            return Decision(False, cost, free, mark)
-        if not self._reserved and free == self.snapshot.total_blocks and cost <= free:
+            return Decision(False, cost, free, mark, unreserved)
+        fits = cost <= unreserved
+        if not self._reserved and free == self.snapshot.total_blocks:
             # The pool is idle, so the watermark protects no one: a request
             # bigger than (pool - watermark) would otherwise be refused forever.
-            return Decision(True, cost, free, mark)
-        return Decision(free - cost >= mark, cost, free, mark)
+            return Decision(fits, cost, free, mark, unreserved)
+        return Decision(fits and free - cost >= mark, cost, free, mark, unreserved)
 
     def try_admit(self, key: object, cost: int) -> Decision:
-        """Reserve ``cost`` blocks for ``key`` if that keeps the watermark free."""
+        """Reserve ``cost`` blocks for ``key`` if both views allow it."""
         decision = self.evaluate(cost)
         if decision.admitted:
             self._reserved[key] = cost

@@ -11,7 +11,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 OUTCOMES = ("ok", "rejected", "invalid", "timeout", "cancelled", "error")
 REASONS = ("kv_watermark", "queue_timeout", "queue_full", "context_length", "draining",
-           "engine_down", "invalid_request")
+           "engine_down", "invalid_request")  # docs/metrics.md lists the same
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -49,6 +49,8 @@ class GuardMetrics:
                                registry=r)
         self.kv_free_blocks = Gauge("gpufleet_guard_kv_free_blocks",
                                     "Free KV blocks as the guard sees them.", registry=r)
+        self.kv_reserved_blocks = Gauge("gpufleet_guard_kv_reserved_blocks",
+                                        "Full block budgets of the guard's in-flight requests.", registry=r)
         self.kv_total_blocks = Gauge("gpufleet_guard_kv_total_blocks", "KV blocks in vLLM's pool.",
                                      registry=r)
         self.kv_watermark_blocks = Gauge("gpufleet_guard_kv_watermark_blocks",

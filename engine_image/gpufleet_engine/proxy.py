@@ -110,6 +110,7 @@ class Guard:
             m.queue_depth.labels(c.name).set(self.queue.depth(c.name))
         m.in_flight.set(self.scheduler.running)
         m.kv_free_blocks.set(self.ledger.free_blocks())
+        m.kv_reserved_blocks.set(self.ledger.reserved_blocks)
         m.kv_total_blocks.set(self.ledger.total_blocks)
         m.kv_watermark_blocks.set(self.ledger.watermark)
         m.engine_up.set(1 if self.engine_up else 0)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .admission import KvLedger
+from .admission import Decision, KvLedger
 from .config import QueueClass
 from .queues import Entry, MultiLevelQueue, QueueFull
 
@@ -58,22 +58,23 @@ class Scheduler:
 
     def kv_rejection(self, cost: int) -> Rejection:
         """The refusal for a request of ``cost`` blocks that does not fit now."""
-        decision = self.ledger.evaluate(cost)
-        return self._kv_rejection(cost, decision.free_blocks, decision.watermark)
+        return self._kv_rejection(self.ledger.evaluate(cost))
 
-    def _kv_rejection(self, cost: int, free: int, watermark: int) -> Rejection:
-        need = f"it needs {cost} blocks" if cost > 1 else "it needs at least one block"
-        return Rejection(
-            "kv_watermark", 429,
-            f"The KV cache is too full to admit this request now: {need}, "
-            f"{free} are free and {watermark} are kept free for requests in flight. "
-            f"Retry later.", self.retry_after)
+    def _kv_rejection(self, d: Decision) -> Rejection:
+        need = f"it needs {d.cost} blocks" if d.cost > 1 else "it needs at least one block"
+        if d.cost > d.unreserved_blocks:
+            why = f"only {max(0, d.unreserved_blocks)} are not promised to requests in flight"
+        else:
+            why = f"{d.free_blocks} are free and {d.watermark} are kept free for requests in flight"
+        return Rejection("kv_watermark", 429,
+                         f"The KV cache is too full to admit this request now: {need}, {why}. Retry later.",
+                         self.retry_after)
 
     async def acquire(self, cost: int, queue_class: QueueClass) -> Grant:
         arrived = self._clock()
         decision = self.ledger.evaluate(cost)
         if not decision.admitted:
-            raise self._kv_rejection(cost, decision.free_blocks, decision.watermark)
+            raise self._kv_rejection(decision)
         if self.running < self.max_concurrency and len(self.queue) == 0:
             grant = Grant(cost, queue_class, 0.0)
             self.ledger.try_admit(grant, cost)  # cannot fail: evaluated above, nothing ran in between
@@ -129,8 +130,7 @@ class Scheduler:
             grant = Grant(waiter.cost, entry.queue_class, entry.waited(now))
             decision = self.ledger.try_admit(grant, waiter.cost)
             if not decision.admitted:
-                waiter.future.set_exception(
-                    self._kv_rejection(waiter.cost, decision.free_blocks, decision.watermark))
+                waiter.future.set_exception(self._kv_rejection(decision))
                 continue
             self.running += 1
             waiter.future.set_result(grant)

@@ -19,7 +19,7 @@ API = "serving.gpufleet.dev/v1alpha1"
 def tiny_service():
     return {"apiVersion": API, "kind": "InferenceService", "metadata": {"name": "tiny"}, "spec": {
         "model": {"name": "tiny-llama", "maxModelLen": 1024},
-        "engine": {"runtime": "vllm-cpu", "dtype": "float32", "maxNumSeqs": 16,
+        "engine": {"runtime": "vllm-cpu", "dtype": "float32", "maxNumSeqs": 16, "extraArgs": ["--enforce-eager"],
                    "kvCache": {"blockSize": 32, "numBlocksOverride": 64, "cpuKvCacheSpaceGiB": 1}},
         "isolation": {"nodePool": "local", "tolerations": [
             {"key": "gpufleet.dev/local-engine", "operator": "Exists", "effect": "NoSchedule"}]},

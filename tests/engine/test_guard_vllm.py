@@ -153,18 +153,24 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     chunks = [c async for c in stream]
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
 
-    # One long request holds 32 of the 64 blocks; a 24-block request would leave
-    # 8 < the 10-block watermark, so it is refused until the long one is done.
+    # One long request holds 26 of the 64 blocks and may grow to 32; a 29-block
+    # request would leave at most 38 - 29 = 9 < the 10-block watermark, so it is
+    # refused until the long one is done.
     hog = asyncio.create_task(strict.completions.create(
         model="tiny", prompt=token_ids(800, 400), max_tokens=200, extra_body={"ignore_eos": True}))
     await asyncio.sleep(0.5)
     with pytest.raises(openai.RateLimitError) as e:
-        await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=40)
+        await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=200)
     assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
     assert e.value.body["code"] == "kv_watermark"
     # The client's own retry (honouring retry-after-ms) gets through once the hog is done.
-    late = await patient.completions.create(model="tiny", prompt=token_ids(700, 402), max_tokens=40)
+    late = await patient.completions.create(model="tiny", prompt=token_ids(700, 402), max_tokens=200)
     assert late.usage.completion_tokens > 0
+    async with aiohttp.ClientSession() as s:
+        async with s.get(guard.url + "/metrics") as r:
+            refused = [line for line in (await r.text()).splitlines() if line.startswith(
+                'gpufleet_guard_rejections_total{class="standard",reason="kv_watermark"}')]
+    assert float(refused[0].split()[-1]) >= 2    # the patient client was refused, waited, retried
     assert (await hog).usage.completion_tokens == 200
     await strict.close()
     await patient.close()

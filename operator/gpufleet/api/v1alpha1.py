@@ -89,7 +89,7 @@ class KVCacheSpec:
         default=None, minimum=1)
     cpu_kv_cache_space_gib: Optional[int] = field(
         "vllm-cpu only: GiB of host memory reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).",
-        default=None, minimum=1, maximum=1024)
+        default=None, minimum=1, maximum=1024, api_name="cpuKvCacheSpaceGiB")
 
 
 @dataclasses.dataclass(kw_only=True)

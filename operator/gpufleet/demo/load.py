@@ -1,6 +1,6 @@
 """A streaming-completions load generator that balances over a Service's ready
-endpoints (from EndpointSlices), since the local control plane runs no
-kube-proxy. Records one row per request: what a client saw."""
+pods itself, since the local control plane runs no kube-proxy. Records one
+row per request: what a client saw."""
 from __future__ import annotations
 
 import asyncio
@@ -48,14 +48,16 @@ class EndpointLoad:
         self._next = 0
 
     async def refresh_endpoints(self) -> list[str]:
-        slices = await self.kube.list("discovery.k8s.io/v1", "EndpointSlice", self.namespace,
-                                      label_selector=f"kubernetes.io/service-name={names.service_name(self.service)}")
+        """Ready, non-terminating pods behind the Service: what kube-proxy would route to.
+        (The local pod IPs are loopback addresses, which EndpointSlices refuse.)"""
+        pods = await self.kube.list("v1", "Pod", self.namespace,
+                                    label_selector=names.selector_string(self.service))
         eps = []
-        for sl in slices:
-            port = next((p["port"] for p in sl.get("ports") or [] if p.get("name") == "http"), names.GUARD_PORT)
-            for ep in sl.get("endpoints") or []:
-                if (ep.get("conditions") or {}).get("ready"):
-                    eps += [f"http://{addr}:{port}" for addr in ep["addresses"]]
+        for p in pods:
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                        for c in p.get("status", {}).get("conditions") or [])
+            if ready and not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP"):
+                eps.append(f"http://{p['status']['podIP']}:{names.GUARD_PORT}")
         self.endpoints = sorted(eps)
         return self.endpoints
 

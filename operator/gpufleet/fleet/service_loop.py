@@ -108,13 +108,15 @@ class ServiceLoop:
         updates["conditions"] = cond.merge(updates.get("conditions") or status.get("conditions", []), [
             cond.condition(cond.SCALING, True, decision.reason,
                            f"{current} -> {decision.target}: {decision.message}")], stamp)
-        await self.rt.controller.write_status(body, updates)
-        updates.clear()
-        self.rt.metrics.decisions.labels(self.ns, self.name, direction).inc()
+        # The Event goes first: if the operator dies between the writes, the record of
+        # the decision survives and its successor completes it from status.
         event_reason = "ScaledUp" if direction == "up" else "ScaledDown"
         await self.rt.kube.event(body, reason=event_reason,
                                  message=f"{current} -> {decision.target} replicas ({decision.reason}): "
                                          f"{decision.message}")
+        await self.rt.controller.write_status(body, updates)
+        updates.clear()
+        self.rt.metrics.decisions.labels(self.ns, self.name, direction).inc()
         log.info("%s/%s: %s %d -> %d (%s)", self.ns, self.name, event_reason, current, decision.target,
                  decision.message)
         await self.rt.controller.reconcile(body)  # applies the new replica count to the Deployment

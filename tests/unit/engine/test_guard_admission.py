@@ -57,17 +57,25 @@ def test_blocks_promised_since_the_last_read_count_as_used():
 def test_a_fresh_read_replaces_the_promises_it_already_includes():
     led = ledger(used=0)
     led.try_admit("a", 10)
-    led.observe(KvSnapshot(64, 4))               # vLLM has allocated the prompt's blocks so far
-    # vLLM sees only 4 blocks, but "a" can still grow to its 10-block budget.
-    assert led.free_blocks() == 54
+    led.observe(KvSnapshot(64, 9))               # vLLM has allocated the prompt's blocks so far
+    assert led.free_blocks() == 55
 
 
-def test_growth_of_in_flight_requests_is_kept_even_when_vllm_reports_less():
+def test_the_watermark_applies_to_what_vllm_really_holds():
     led = ledger(used=0)
     for key in "abcde":
         assert led.try_admit(key, 10).admitted
-    led.observe(KvSnapshot(64, 40))              # prompts allocated, decodes still growing
-    assert not led.try_admit("f", 10).admitted   # vLLM's view alone would say 24 free
+    led.observe(KvSnapshot(64, 40))              # five prompts allocated, decodes just started
+    assert led.try_admit("f", 10).admitted       # 24 free - 10 >= 10, and 60 budgeted blocks fit in 63
+
+
+def test_the_budgets_of_admitted_decodes_always_fit_the_pool():
+    led = ledger(used=0, percent=0)
+    for key in "abcdef":
+        assert led.try_admit(key, 10).admitted   # 60 of the 63 usable blocks promised
+    led.observe(KvSnapshot(64, 30))              # vLLM's view says 34 free...
+    d = led.try_admit("g", 10)
+    assert not d.admitted and d.unreserved_blocks == 3   # ...but the six decodes will grow to 60
 
 
 def test_blocks_used_outside_the_guard_count_too():
@@ -91,14 +99,15 @@ def test_releasing_an_unknown_key_changes_nothing():
     assert led.reserved_blocks == 10
 
 
-def test_with_nothing_in_flight_a_request_larger_than_pool_minus_watermark_still_runs():
+def test_with_the_pool_idle_a_request_larger_than_pool_minus_watermark_still_runs():
     led = ledger()
     assert led.try_admit("huge", 60).admitted    # would cross the watermark, but protects no one
     assert not led.try_admit("next", 1).admitted
 
 
-def test_a_request_larger_than_the_pool_is_never_admitted():
-    assert not ledger().try_admit("x", 65).admitted
+def test_a_request_larger_than_the_usable_pool_is_never_admitted():
+    assert not ledger().try_admit("x", 64).admitted   # vLLM keeps one of the 64 blocks back
+    assert ledger().try_admit("x", 63).admitted
 
 
 def test_without_a_metrics_read_nothing_is_admitted():

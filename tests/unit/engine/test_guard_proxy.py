@@ -244,3 +244,13 @@ async def test_a_full_pool_answers_429_without_reading_the_request(guard_factory
         async with s.post(guard.url + "/v1/completions", data=b"not even json") as r:
             assert r.status == 429 and r.headers["Retry-After"] == "1"
             assert "needs at least one block" in (await r.json())["error"]["message"]
+
+
+def test_the_documented_outcomes_and_reasons_are_the_ones_the_guard_uses():
+    from gpufleet_engine.metrics import OUTCOMES, REASONS
+
+    doc = METRICS_DOC.read_text()
+    outcomes = re.search(r"^\| gpufleet_guard_requests_total .*outcome = (.*) \|$", doc, re.M).group(1)
+    reasons = re.search(r"^\| gpufleet_guard_rejections_total .*reason = (.*) \|$", doc, re.M).group(1)
+    assert [o.split(" (")[0] for o in outcomes.split(", ")] == list(OUTCOMES)
+    assert reasons.split(", ") == list(REASONS)
