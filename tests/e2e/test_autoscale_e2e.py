@@ -4,16 +4,34 @@ traffic; the operator is killed mid-scale-out and its successor converges;
 load drops, the operator scales in after the stabilization window, and the
 replica that goes drains: no error other than 429 across the run."""
 import asyncio
-import time
+import json
+from pathlib import Path
 
 import yaml
 
 from gpufleet.demo.load import EndpointLoad
+from gpufleet.demo.prometheus import LocalPrometheus
 from gpufleet.reconcile import conditions as c
 from gpufleet.devcluster.operator_process import OperatorProcess
 from tests.support.waiting import wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"
+# The per-service dashboard's key panels: their queries must return data.
+KEY_PANELS = ("Replicas ready / desired", "KV-cache usage against the watermarks", "Time to first token",
+              "Tokens per second", "Requests by outcome", "Batch fill")
+DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "gpufleet-service.json"
+
+
+def key_panel_queries(namespace: str, service: str) -> list[tuple[str, str]]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    out = []
+    for p in panels:
+        if p["title"] in KEY_PANELS:
+            for t in p["targets"]:
+                expr = t["expr"].replace("$namespace", namespace).replace("$service", service)
+                out.append((p["title"], expr.replace("$__rate_interval", "5m")))
+    assert {t for t, _ in out} == set(KEY_PANELS), "a key panel was renamed in the dashboard"
+    return out
 
 
 def tiny_service():
@@ -32,6 +50,8 @@ async def test_scale_out_restart_and_scale_in_with_real_engines(control_plane, c
                                                                 namespace, tmp_path):
     op = OperatorProcess(control_plane.kubeconfig, tmp_path / "operator-1.log",
                          ("--namespace", namespace, "--audit-interval-seconds", "5")).start()
+    prom = LocalPrometheus(tmp_path / "prometheus", control_plane.kubeconfig,
+                           f"127.0.0.1:{op.metrics_port}").start()
     try:
         control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(tiny_service()))
 
@@ -61,7 +81,8 @@ async def test_scale_out_restart_and_scale_in_with_real_engines(control_plane, c
         # Kill the operator in the middle of the scale-out; a new one must converge.
         op.stop(sig_kill=True)
         op = OperatorProcess(control_plane.kubeconfig, tmp_path / "operator-2.log",
-                             ("--namespace", namespace, "--audit-interval-seconds", "5")).start()
+                             ("--namespace", namespace, "--audit-interval-seconds", "5"),
+                             metrics_port=op.metrics_port).start()
         dep = await wait_for(lambda: _deployment_with(kube, namespace, 2), timeout=30,
                              what="the Deployment at 2 replicas after the restart")
         assert len(await kube.list("apps/v1", "Deployment", namespace)) == 1
@@ -104,7 +125,12 @@ async def test_scale_out_restart_and_scale_in_with_real_engines(control_plane, c
         assert not other, f"requests lost or failed (not 429): {[(r.status, r.error) for r in other[:5]]}"
         assert all(r.retry_after for r in shed), "a 429 came without Retry-After"
         assert all(r.tokens == 96 for r in ok), "a completed stream was cut short"
+
+        # The dashboards' key panels have data in a real Prometheus scraping the engines, guards and operator.
+        empty = [(title, expr) for title, expr in key_panel_queries(namespace, "tiny") if not prom.query(expr)]
+        assert not empty, f"dashboard panels without data: {empty}"
     finally:
+        prom.stop()
         op.stop()
 
 

@@ -17,10 +17,11 @@ def free_port() -> int:
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: str, log_path: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(self, kubeconfig: str, log_path: Path, extra_args: tuple[str, ...] = (),
+                 metrics_port: int | None = None):
         self.kubeconfig = kubeconfig
         self.log_path = log_path
-        self.metrics_port = free_port()
+        self.metrics_port = metrics_port or free_port()
         self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
 
