@@ -91,6 +91,9 @@ class Stack:
         wait_until(lambda: _ok(self.vllm_url + "/health"), 600, abort_if_dead=p, what="vLLM")
 
     def start_guard(self) -> None:
+        # Ports are picked right before use: minutes after construction, on a
+        # busy machine, another process may hold the one picked then.
+        self.guard_port = self.raw["listenPort"] = free_port("127.0.0.1")
         path = WORK / f"guard-{self.guard_port}.json"
         path.write_text(json.dumps(self.raw))
         p = ManagedProcess("guard", [sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
@@ -100,6 +103,7 @@ class Stack:
         wait_until(lambda: _ok(self.guard_url + "/readyz"), 120, abort_if_dead=p, what="guard")
 
     def start_proxy(self) -> None:
+        self.proxy_port = free_port("127.0.0.1")
         p = ManagedProcess("proxy", [sys.executable, str(HERE / "guard_passthrough_proxy.py"),
                                      "--listen-port", str(self.proxy_port), "--upstream", self.vllm_url],
                            {}, WORK / f"proxy-{self.proxy_port}.log")

@@ -65,6 +65,9 @@ class LocalEngine:
         self.model = prepare(model)
         self.host = host
         self.engine_host = engine_host or host
+        # A port picked now may be taken by the time the guard binds it (vLLM
+        # starts in between); an automatic one is re-picked then (see start).
+        self._auto_guard_port = not guard_port
         self.guard_port = guard_port or free_port(host)
         self.engine_port = engine_port or free_port(self.engine_host)
         self.kv_blocks = kv_blocks
@@ -127,16 +130,33 @@ class LocalEngine:
         try:
             wait_until(lambda: _http_ok(self.engine_url + "/health"), self.startup_timeout,
                        abort_if_dead=self.engine_proc, what=f"vLLM at {self.engine_url}")
-            self.guard_proc = ManagedProcess(
-                "guard", [self.python, "-m", "gpufleet_engine", "serve", "--config", str(self.config_path)],
-                {}, self.work_dir / "guard.log")
-            self.guard_proc.start()
-            wait_until(lambda: _http_ok(self.guard_url + "/readyz"), 120,
-                       abort_if_dead=self.guard_proc, what=f"guard at {self.guard_url}")
+            self._start_guard()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_guard(self, attempts: int = 3) -> None:
+        for attempt in range(attempts):
+            if self._auto_guard_port and attempt > 0:
+                self.guard_port = free_port(self.host)
+                self.config_dict["listenPort"] = self.guard_port
+                self.config = guard_config.parse(self.config_dict)
+                self.config_path.write_text(json.dumps(self.config_dict, indent=2))
+            log_name = "guard.log" if attempt == 0 else f"guard-{attempt + 1}.log"
+            self.guard_proc = ManagedProcess(
+                "guard", [self.python, "-m", "gpufleet_engine", "serve", "--config", str(self.config_path)],
+                {}, self.work_dir / log_name)
+            self.guard_proc.start()
+            try:
+                wait_until(lambda: _http_ok(self.guard_url + "/readyz"), 300,
+                           abort_if_dead=self.guard_proc, what=f"guard at {self.guard_url}")
+                return
+            except RuntimeError:
+                lost_port = "address already in use" in self.guard_proc.log_tail()
+                if not (self._auto_guard_port and lost_port) or attempt == attempts - 1:
+                    raise
+                self.guard_proc.stop(5)
 
     def stop(self, drain_seconds: float = 30.0) -> None:
         """Guard first (it drains in-flight requests), then vLLM."""

@@ -135,7 +135,11 @@ class GuardServer:
                                      access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError:
+            await self.stop()
+            raise
         # listenPort 0 lets the OS pick (tests); report the port really bound.
         self.port = self._runner.addresses[0][1] if self._runner.addresses else self.config.listen_port
         log.info("guard listening on %s for vLLM at %s", self.url, self.config.engine_url)

@@ -50,8 +50,8 @@ async def test_scale_out_restart_and_scale_in_with_real_engines(control_plane, c
                                                                 namespace, tmp_path):
     op = OperatorProcess(control_plane.kubeconfig, tmp_path / "operator-1.log",
                          ("--namespace", namespace, "--audit-interval-seconds", "5")).start()
-    prom = LocalPrometheus(tmp_path / "prometheus", control_plane.kubeconfig,
-                           f"127.0.0.1:{op.metrics_port}").start()
+    prom = LocalPrometheus(tmp_path / "prometheus", f"127.0.0.1:{op.metrics_port}").start()
+    follower = asyncio.create_task(prom.follow_pods(kube))
     try:
         control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(tiny_service()))
 
@@ -130,6 +130,7 @@ async def test_scale_out_restart_and_scale_in_with_real_engines(control_plane, c
         empty = [(title, expr) for title, expr in key_panel_queries(namespace, "tiny") if not prom.query(expr)]
         assert not empty, f"dashboard panels without data: {empty}"
     finally:
+        follower.cancel()
         prom.stop()
         op.stop()
 

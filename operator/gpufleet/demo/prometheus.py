@@ -1,7 +1,8 @@
-"""A local Prometheus (Debian's binary) that discovers the operator and the
-engine pods through the local API server, with gpufleet's rules loaded."""
+"""A local Prometheus (Debian's binary) scraping the operator and the ready
+engine pods (guard and vLLM), with gpufleet's rules loaded."""
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import socket
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from ..manifests import names
+
 ROOT = Path(__file__).resolve().parents[3]
 RULES = ROOT / "rules" / "gpufleet.rules.yaml"
 
@@ -23,16 +26,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def config(kubeconfig: str, operator_target: str, rules: Path = RULES, interval: str = "2s") -> dict:
-    pod_relabel = [
-        {"source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"], "regex": "gpufleet-engine",
-         "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "http|vllm", "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_pod_ready"], "regex": "true", "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        {"source_labels": ["__meta_kubernetes_pod_label_gpufleet_dev_service"], "target_label": "service"},
-    ]
+def config(targets_file: Path, operator_target: str, rules: Path = RULES, interval: str = "2s") -> dict:
+    # Debian's Prometheus is built without Kubernetes service discovery, so the
+    # engine pods come from a file that ``follow_pods`` keeps current.
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(rules)],
@@ -40,18 +36,32 @@ def config(kubeconfig: str, operator_target: str, rules: Path = RULES, interval:
             {"job_name": "gpufleet-operator", "honor_labels": True,
              "static_configs": [{"targets": [operator_target]}]},
             {"job_name": "gpufleet-engines",
-             "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": kubeconfig}],
-             "relabel_configs": pod_relabel},
+             "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "2s"}]},
         ],
     }
 
 
+def engine_targets(pods: list[dict]) -> list[dict]:
+    """file_sd groups for ready engine pods: the guard and vLLM endpoints, labelled like the PodMonitor does."""
+    groups = []
+    for p in pods:
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in p.get("status", {}).get("conditions") or [])
+        ip = p.get("status", {}).get("podIP")
+        if not ready or not ip or p["metadata"].get("deletionTimestamp"):
+            continue
+        groups.append({"targets": [f"{ip}:{names.GUARD_PORT}", f"{ip}:{names.ENGINE_PORT}"],
+                       "labels": {"namespace": p["metadata"]["namespace"], "pod": p["metadata"]["name"],
+                                  "service": p["metadata"].get("labels", {}).get(names.LABEL_SERVICE, "")}})
+    return groups
+
+
 class LocalPrometheus:
-    def __init__(self, work_dir: Path, kubeconfig: str, operator_target: str):
+    def __init__(self, work_dir: Path, operator_target: str):
         self.work_dir = work_dir
         self.port = _free_port()
-        self.kubeconfig = kubeconfig
         self.operator_target = operator_target
+        self.targets_file = work_dir / "engine-targets.json"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -64,7 +74,8 @@ class LocalPrometheus:
             raise RuntimeError("prometheus is not installed: run scripts/install-prometheus.sh")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         cfg = self.work_dir / "prometheus.yml"
-        cfg.write_text(yaml.safe_dump(config(self.kubeconfig, self.operator_target)))
+        self.targets_file.write_text("[]")
+        cfg.write_text(yaml.safe_dump(config(self.targets_file, self.operator_target)))
         self._log = open(self.work_dir / "prometheus.log", "ab")
         self.proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.work_dir / 'tsdb'}",
                                       f"--web.listen-address=127.0.0.1:{self.port}"],
@@ -79,6 +90,20 @@ class LocalPrometheus:
             except OSError:
                 time.sleep(0.3)
         raise RuntimeError("prometheus did not become ready")
+
+    async def follow_pods(self, kube, interval: float = 1.0) -> None:
+        """Keep the engine targets file current (runs until cancelled)."""
+        while True:
+            try:
+                pods = await kube.list("v1", "Pod", label_selector=f"{names.LABEL_NAME}={names.ENGINE_APP}")
+                text = json.dumps(engine_targets(pods))
+                if text != self.targets_file.read_text():
+                    tmp = self.targets_file.with_suffix(".tmp")
+                    tmp.write_text(text)
+                    tmp.rename(self.targets_file)
+            except Exception:
+                pass  # keep the last targets; the next round retries
+            await asyncio.sleep(interval)
 
     def query(self, expr: str) -> list[dict]:
         url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"

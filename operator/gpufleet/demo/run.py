@@ -203,9 +203,10 @@ async def run_demo(model: str, surge_clients: int, out_dir: Path) -> Path:
     port = _free_port()
     operator = start_operator(operator_kubeconfig(state, work), work, port)
     say(f"operator running under the chart's ServiceAccount (log {work / 'operator.log'})")
-    prom = LocalPrometheus(work / "prometheus", state["kubeconfig"], f"127.0.0.1:{port}").start()
+    prom = LocalPrometheus(work / "prometheus", f"127.0.0.1:{port}").start()
     say(f"Prometheus at {prom.url} with gpufleet's alert and recording rules")
     kube = KubeClient(KubeConfig.from_file(state["kubeconfig"]))
+    follower = asyncio.create_task(prom.follow_pods(kube))
     try:
         if not await kube.get_or_none("v1", "Namespace", NAMESPACE):
             await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
@@ -233,6 +234,7 @@ async def run_demo(model: str, surge_clients: int, out_dir: Path) -> Path:
         print("\n" + text)
         say(f"report: {work / 'report.txt'} and {work / 'report.png'}")
     finally:
+        follower.cancel()
         await kube.close()
         operator.terminate()
         prom.stop()

@@ -1,0 +1,47 @@
+"""The demo's pure parts: Prometheus targets from pods, and the report."""
+from gpufleet.demo.load import RequestResult
+from gpufleet.demo.prometheus import config, engine_targets
+from gpufleet.demo.report import Tick, render_png, render_text, summarize
+
+
+def pod(name, ip, ready=True, deleting=False):
+    meta = {"name": name, "namespace": "demo", "labels": {"gpufleet.dev/service": "chat"}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "status": {"podIP": ip, "conditions": [
+        {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_only_ready_live_pods_are_scraped_on_guard_and_vllm_ports(tmp_path):
+    groups = engine_targets([pod("a", "127.64.0.2"), pod("b", "127.64.0.3", ready=False),
+                             pod("c", "127.64.0.4", deleting=True)])
+    assert groups == [{"targets": ["127.64.0.2:8080", "127.64.0.2:8000"],
+                       "labels": {"namespace": "demo", "pod": "a", "service": "chat"}}]
+    cfg = config(tmp_path / "t.json", "127.0.0.1:9090")
+    assert cfg["scrape_configs"][0]["honor_labels"] is True
+
+
+def results():
+    return [RequestResult(0, 1, "e", 200, ttft=0.1, tokens=64), RequestResult(0, 1, "e", 200, ttft=0.3, tokens=64),
+            RequestResult(1, 1, "e", 429, retry_after="1"), RequestResult(2, 3, "e", 200, ttft=0.2, tokens=64,
+                                                                          retried=1)]
+
+
+def test_summary_counts_what_a_client_saw():
+    s = summarize(results())
+    assert (s["requests"], s["ok"], s["shed_429"], s["errors"], s["retried_elsewhere"]) == (4, 3, 1, 0, 1)
+    assert s["ttft_p50"] == 0.2 and s["ttft_p99"] == 0.3 and s["tokens"] == 192
+
+
+def test_report_tells_what_the_operator_did(tmp_path):
+    ticks = [Tick(0, 1, 1, 10, 2), Tick(10, 2, 1, 85, 10), Tick(40, 2, 2, 50, 10), Tick(90, 1, 1, 5, 1)]
+    decisions = [{"time": "t1", "from": 1, "to": 2, "reason": "KVHighWatermark", "message": "KV 85% >= 70%"},
+                 {"time": "t2", "from": 2, "to": 1, "reason": "KVLowWatermark", "message": "KV 5% < 20%"}]
+    text = render_text(service="demo/chat", spec_summary={"kvHighWatermarkPercent": 70, "kvLowWatermarkPercent": 20,
+                                                          "kvWatermarkPercent": 15},
+                       ticks=ticks, results=results(), decisions=decisions,
+                       audit={"fragmentation": "Unavailable"}, prometheus={})
+    assert "1 -> 2 replicas  (KVHighWatermark: KV 85% >= 70%)" in text
+    assert "peak KV usage seen 85%" in text and "refused with 429 + Retry-After 1" in text
+    render_png(tmp_path / "r.png", ticks, results(), kv_high=70, kv_low=20)
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
