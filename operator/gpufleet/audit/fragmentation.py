@@ -26,12 +26,13 @@ class AuditResult:
 
 
 def replica_from_report(pod: str, report: dict | None, error: str | None = None) -> ReplicaAudit:
+    """One replica from the guard's /audit document (engine_image/gpufleet_engine/audit.py)."""
     if report is None:
         return ReplicaAudit(pod, None, error or "no report")
-    device = report.get("device") or {}
-    ratio = device.get("fragmentationRatio", report.get("fragmentationRatio"))
+    ratio = report.get("fragmentationRatio")
     if ratio is None:
-        why = device.get("unavailableReason") or report.get("unavailableReason") or "not measured"
+        why = "; ".join(report.get("unavailable") or []) or (report.get("device") or {}).get("reason") \
+            or "not measured"
         return ReplicaAudit(pod, None, why)
     return ReplicaAudit(pod, float(ratio))
 

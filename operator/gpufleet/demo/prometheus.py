@@ -58,10 +58,10 @@ def engine_targets(pods: list[dict]) -> list[dict]:
 
 class LocalPrometheus:
     def __init__(self, work_dir: Path, operator_target: str):
-        self.work_dir = work_dir
+        self.work_dir = work_dir.resolve()  # Prometheus resolves relative paths against its config's dir
         self.port = _free_port()
         self.operator_target = operator_target
-        self.targets_file = work_dir / "engine-targets.json"
+        self.targets_file = self.work_dir / "engine-targets.json"
         self.proc: subprocess.Popen | None = None
 
     @property

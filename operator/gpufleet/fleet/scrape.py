@@ -11,6 +11,9 @@ from ..autoscale.signals import ReplicaSample, parse_replica
 from ..manifests import names
 
 
+AUDIT_TIMEOUT_S = 20.0
+
+
 class ReplicaReader:
     def __init__(self, *, timeout: float = 1.5, concurrency: int = 32,
                  guard_port: int = names.GUARD_PORT, engine_port: int = names.ENGINE_PORT):
@@ -29,9 +32,9 @@ class ReplicaReader:
         if self._session:
             await self._session.close()
 
-    async def _get(self, url: str) -> str:
+    async def _get(self, url: str, timeout: aiohttp.ClientTimeout | None = None) -> str:
         async with self._sem:
-            async with self._http().get(url) as r:
+            async with self._http().get(url, timeout=timeout or self._timeout) as r:
                 if r.status != 200:
                     raise RuntimeError(f"{url} answered {r.status}")
                 return await r.text()
@@ -47,6 +50,8 @@ class ReplicaReader:
 
     async def audit(self, pod: str, ip: str) -> tuple[dict | None, str | None]:
         try:
-            return json.loads(await self._get(f"http://{ip}:{self.guard_port}/audit")), None
+            # The guard probes device memory in a child process: allow it more time than a metrics read.
+            return json.loads(await self._get(f"http://{ip}:{self.guard_port}/audit",
+                                              aiohttp.ClientTimeout(total=AUDIT_TIMEOUT_S))), None
         except Exception as e:
             return None, f"{type(e).__name__}: {e}"[:200]

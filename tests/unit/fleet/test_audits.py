@@ -8,8 +8,8 @@ from gpufleet.manifests import names
 
 
 def test_fragmentation_verdicts():
-    reps = [frag.replica_from_report("a", {"device": {"fragmentationRatio": 0.1}}),
-            frag.replica_from_report("b", {"device": {"fragmentationRatio": 0.4}}),
+    reps = [frag.replica_from_report("a", {"fragmentationRatio": 0.1, "device": {"available": True}}),
+            frag.replica_from_report("b", {"fragmentationRatio": 0.4, "device": {"available": True}}),
             frag.replica_from_report("c", None, "timeout")]
     r = frag.evaluate(reps, 0.25, "None")
     assert (r.verdict, r.worst, r.ratio) == ("AboveThreshold", "b", 0.4)
@@ -19,8 +19,9 @@ def test_fragmentation_verdicts():
 
 
 def test_cpu_replicas_report_unavailable_instead_of_numbers():
-    reps = [frag.replica_from_report("a", {"device": {"available": False,
-                                                      "unavailableReason": "no CUDA device (vllm-cpu)"}})]
+    reps = [frag.replica_from_report("a", {"fragmentationRatio": None,
+                                           "device": {"available": False, "reason": "no CUDA device (vllm-cpu)"},
+                                           "unavailable": ["device: no CUDA device (vllm-cpu)"]})]
     r = frag.evaluate(reps, 0.25, "None")
     assert r.verdict == "Unavailable" and r.ratio is None and "no CUDA device" in r.recommendation
 
