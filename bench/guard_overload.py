@@ -30,9 +30,9 @@ from guard_common import Stack, closed_loop, table  # noqa: E402
 KV_BLOCKS = 64
 
 
-async def measure(duration: float, queued_limit: int) -> dict:
+async def measure(duration: float, queued_limit: int, watermark: int) -> dict:
     runs = {}
-    stack = Stack(KV_BLOCKS)
+    stack = Stack(KV_BLOCKS, kvWatermarkPercent=watermark)
     try:
         stack.start_vllm()
         # Warm-up: first requests pay one-off costs (allocations, caches).
@@ -93,9 +93,11 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=40.0, help="seconds per overload run")
     parser.add_argument("--queued-limit", type=int, default=8,
                         help="--max-num-queued-reqs for vLLM's own shedding (default: 8, the saturating load)")
+    parser.add_argument("--watermark", type=int, default=15,
+                        help="the guard's kvWatermarkPercent (default 15, the product default)")
     parser.add_argument("--json", type=Path, help="write the raw summaries here")
     args = parser.parse_args()
-    runs = asyncio.run(measure(args.duration, args.queued_limit))
+    runs = asyncio.run(measure(args.duration, args.queued_limit, args.watermark))
     rows = [r.summary() for r in runs.values()]
     print(table(rows))
     print()

@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 
+from gpufleet_engine.local import free_port
 from gpufleet_engine.vllm_metrics import parse as parse_vllm_metrics
 
 pytestmark = pytest.mark.engine
@@ -145,7 +146,7 @@ async def test_a_client_that_disconnects_stops_the_work_in_vllm(engine):
 async def test_the_official_openai_client_works_and_sees_429_with_retry_after(extra_guard):
     guard = await extra_guard(retryAfterSeconds=0.5)
     strict = openai.AsyncOpenAI(base_url=guard.url + "/v1", api_key="unused", max_retries=0)
-    patient = openai.AsyncOpenAI(base_url=guard.url + "/v1", api_key="unused", max_retries=8)
+    patient = openai.AsyncOpenAI(base_url=guard.url + "/v1", api_key="unused", max_retries=60)
     models = await strict.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     stream = await strict.chat.completions.create(
@@ -153,49 +154,52 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     chunks = [c async for c in stream]
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
 
-    # One long request holds 26 of the 64 blocks and may grow to 32; a 29-block
-    # request would leave at most 38 - 29 = 9 < the 10-block watermark, so it is
-    # refused until the long one is done.
+    # A long request has 32 of the 63 usable blocks promised (100 + 900 tokens);
+    # another 32-block request cannot be promised too until it is done.
     hog = asyncio.create_task(strict.completions.create(
-        model="tiny", prompt=token_ids(800, 400), max_tokens=200, extra_body={"ignore_eos": True}))
-    await asyncio.sleep(0.5)
+        model="tiny", prompt=token_ids(100, 400), max_tokens=900, extra_body={"ignore_eos": True}))
+    while guard.guard.ledger.reserved_blocks == 0:
+        await asyncio.sleep(0.05)
     with pytest.raises(openai.RateLimitError) as e:
-        await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=200)
+        await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=300)
     assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
-    assert e.value.body["code"] == "kv_watermark"
-    # The client's own retry (honouring retry-after-ms) gets through once the hog is done.
-    late = await patient.completions.create(model="tiny", prompt=token_ids(700, 402), max_tokens=200)
-    assert late.usage.completion_tokens > 0
+    assert e.value.response.headers["retry-after-ms"] == "500"
+    assert e.value.body["code"] == "kv_watermark" and "not promised to requests in flight" in e.value.message
+    # The client's own retries (honouring retry-after-ms) get through once the long one is done.
+    late = await patient.completions.create(model="tiny", prompt=token_ids(700, 402), max_tokens=300)
+    assert hog.done() and (await hog).usage.completion_tokens == 900
+    assert late.usage.completion_tokens == 300
     async with aiohttp.ClientSession() as s:
         async with s.get(guard.url + "/metrics") as r:
             refused = [line for line in (await r.text()).splitlines() if line.startswith(
                 'gpufleet_guard_rejections_total{class="standard",reason="kv_watermark"}')]
     assert float(refused[0].split()[-1]) >= 2    # the patient client was refused, waited, retried
-    assert (await hog).usage.completion_tokens == 200
     await strict.close()
     await patient.close()
 
 
 async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_path):
     config = json.loads(open(engine.config_path).read())
-    config.update(listenPort=0, drainTimeoutSeconds=60)
-    from gpufleet_engine.local import free_port
-    config["listenPort"] = port = free_port("127.0.0.1")
+    config.update(listenPort=free_port("127.0.0.1"), drainTimeoutSeconds=60)
+    port = config["listenPort"]
     path = tmp_path / "guard.json"
     path.write_text(json.dumps(config))
     guard = subprocess.Popen([sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "guard.log", "w"))
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as s:
-            for _ in range(300):
+            deadline = time.monotonic() + 180   # importing transformers is slow on a busy machine
+            while True:
                 try:
                     async with s.get(url + "/readyz") as r:
                         if r.status == 200:
                             break
                 except aiohttp.ClientError:
                     pass
-                await asyncio.sleep(0.1)
+                if guard.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the guard did not become ready: {(tmp_path / 'guard.log').read_text()[-3000:]}")
+                await asyncio.sleep(0.2)
 
             async def stream(i: int):
                 body = {"model": "tiny", "prompt": token_ids(64, 500 + i), "max_tokens": 128,

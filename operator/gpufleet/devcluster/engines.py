@@ -30,6 +30,7 @@ from .kwok_stages import ENGINE_NODE_PREFIX, TERMINATED_ANNOTATION
 log = logging.getLogger("gpufleet.engines")
 
 # What a model name in an InferenceService means for the local backend.
+FAILURE_THRESHOLD = 3  # as a readinessProbe's failureThreshold
 LOCAL_MODELS = {"tiny": "tiny", "tiny-llama": "tiny", "smollm2": "smollm2",
                 "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2"}
 # guard.json keys that describe the container layout, not the service: the
@@ -85,6 +86,7 @@ class BackedPod:
         self.state = "starting"  # starting | running | failed | stopping | stopped
         self.error = ""
         self.reported_ready: bool | None = None
+        self.probe_failures = 0
         self._thread = threading.Thread(target=self._start, name=f"start-{self.name}", daemon=True)
         self._thread.start()
 
@@ -105,13 +107,19 @@ class BackedPod:
             log.error("%s/%s failed to start: %s", self.namespace, self.name, e)
 
     def guard_ready(self) -> bool:
+        """The readiness probe, with the kubelet's semantics: ready on the first success,
+        not ready only after FAILURE_THRESHOLD failures in a row (a busy CPU must not flap it)."""
         if self.state != "running":
             return False
         try:
-            with urllib.request.urlopen(f"http://{self.ip}:{names.GUARD_PORT}/readyz", timeout=1) as r:
-                return r.status == 200
+            with urllib.request.urlopen(f"http://{self.ip}:{names.GUARD_PORT}/readyz", timeout=2) as r:
+                ok = r.status == 200
         except OSError:
-            return False
+            ok = False
+        self.probe_failures = 0 if ok else self.probe_failures + 1
+        if ok:
+            return True
+        return bool(self.reported_ready) and self.probe_failures < FAILURE_THRESHOLD
 
     def terminate(self, on_done) -> None:
         """The kubelet's termination: preStop drain, SIGTERM, grace period, kill."""

@@ -1,0 +1,70 @@
+"""Run the benchmark suite and write the results table into docs/benchmarks.md.
+
+    .venv/bin/python bench/run_all.py [--quick]
+
+Each benchmark measures its own baseline in the same run and prints its
+table; this runner collects them, with the machine description, between the
+markers in docs/benchmarks.md. Run it with nothing else on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- bench:run_all:begin -->", "<!-- bench:run_all:end -->"
+
+SUITE = [
+    ("Guard overhead vs a plain pass-through proxy and direct vLLM", ["bench/guard_overhead.py"]),
+    ("Overload protection: guard vs unguarded vLLM vs vLLM's own shedding", ["bench/guard_overload.py"]),
+    ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
+    ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
+]
+
+
+def machine() -> str:
+    mem = ""
+    try:
+        kb = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1])
+        mem = f", {kb / 1024 / 1024:.0f} GiB RAM"
+    except (OSError, StopIteration):
+        pass
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    return f"{os.cpu_count()} cores ({cpu}){mem}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", nargs="*", help="substrings of benchmark titles to run")
+    args = p.parse_args()
+    sections = [f"Machine: {machine()}; run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", ""]
+    failed = 0
+    for title, cmd in SUITE:
+        if args.only and not any(o.lower() in title.lower() for o in args.only):
+            continue
+        print(f"== {title}", flush=True)
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True)
+        print(proc.stdout[-4000:], proc.stderr[-2000:] if proc.returncode else "", flush=True)
+        failed += proc.returncode != 0
+        sections += [f"### {title}", "", f"`{' '.join(cmd)}` — {time.monotonic() - started:.0f} s, "
+                     f"exit {proc.returncode}", "", "```", proc.stdout.strip()[-3000:], "```", ""]
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    block = "\n".join([BEGIN, *sections, END])
+    if BEGIN in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n## Latest full run (`bench/run_all.py`)\n\n" + block + "\n"
+    DOC.write_text(text)
+    print(f"wrote {DOC}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
