@@ -89,21 +89,29 @@ async def test_a_burst_beyond_the_kv_pool_completes_every_admitted_request(engin
 
 
 async def test_interactive_requests_overtake_queued_background_ones(extra_guard):
-    guard = await extra_guard(maxConcurrency=1)
+    guard = await extra_guard(maxConcurrency=1, queueClasses=[
+        {"name": "interactive", "level": 1, "maxQueueSeconds": 30},
+        {"name": "standard", "level": 2, "maxQueueSeconds": 30},
+        {"name": "background", "level": 3, "maxQueueSeconds": 30}])
     done: list[str] = []
     async with aiohttp.ClientSession() as s:
-        async def send(name: str, cls: str, seed: int):
-            body = {"model": "tiny", "prompt": token_ids(32, seed), "max_tokens": 24, "ignore_eos": True}
+        async def send(name: str, cls: str, seed: int, max_tokens: int = 24):
+            body = {"model": "tiny", "prompt": token_ids(32, seed), "max_tokens": max_tokens, "ignore_eos": True}
             async with s.post(guard.url + "/v1/completions", json=body,
                               headers={"x-gpufleet-class": cls}) as r:
                 assert r.status == 200, await r.text()
                 done.append(name)
 
-        first = asyncio.create_task(send("first", "standard", 200))
-        await asyncio.sleep(0.05)
+        first = asyncio.create_task(send("first", "standard", 200, 120))
+        while guard.guard.scheduler.running == 0:
+            await asyncio.sleep(0.01)
         background = [asyncio.create_task(send(f"bg{i}", "background", 201 + i)) for i in range(3)]
-        await asyncio.sleep(0.05)
+        while guard.guard.queue.depth("background") < 3:
+            await asyncio.sleep(0.01)
         interactive = asyncio.create_task(send("interactive", "interactive", 210))
+        while guard.guard.queue.depth("interactive") < 1 and not interactive.done():
+            await asyncio.sleep(0.01)
+        assert not first.done(), "the first request ended before the queue formed; make it longer"
         await asyncio.gather(first, *background, interactive)
     assert done[:2] == ["first", "interactive"], done
 

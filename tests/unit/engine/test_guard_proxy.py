@@ -156,7 +156,7 @@ async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(guard_f
 
 
 async def test_interactive_requests_overtake_queued_background_ones(guard_factory, fake_vllm):
-    fake_vllm.token_delay = 0.02
+    fake_vllm.token_delay = 0.05
     guard = await guard_factory(maxConcurrency=1)
     finished: list[str] = []
     async with aiohttp.ClientSession() as s:
@@ -167,9 +167,11 @@ async def test_interactive_requests_overtake_queued_background_ones(guard_factor
                 finished.append(name)
 
         blocker = asyncio.create_task(send("first", "standard"))
-        await asyncio.sleep(0.03)
+        while guard.guard.scheduler.running == 0:
+            await asyncio.sleep(0.005)
         background = [asyncio.create_task(send(f"bg{i}", "background")) for i in range(3)]
-        await asyncio.sleep(0.03)
+        while guard.guard.queue.depth("background") < 3:
+            await asyncio.sleep(0.005)
         interactive = asyncio.create_task(send("int", "interactive"))
         await asyncio.gather(blocker, *background, interactive)
     assert finished[:2] == ["first", "int"]
