@@ -1,11 +1,12 @@
 """Overload: 128 streaming clients against a 64-block KV pool, with and without the guard.
 
-Every figure is compared with a baseline measured in the same run:
+Every figure is compared with a baseline measured in the same run, guarded
+and unguarded runs alternating on one vLLM:
 
-1. vLLM alone: concurrency 1 (the TTFT reference), 8 (saturated throughput),
-   128 (overload, no shedding: preemptions and queueing);
+1. vLLM alone: concurrency 1 (the TTFT reference), 8 and 128 (saturated
+   throughput; at 128 also the overload without shedding: preemptions, queueing);
 2. the guard in front of the same vLLM: concurrency 1 and 128;
-3. vLLM's own shedding, ``--max-num-queued-reqs`` (503), at 128.
+3. vLLM's own shedding, ``--max-num-queued-reqs`` (503), at 128, on a fresh vLLM.
 
 Targets (docs/benchmarks.md, section Guard): at 128 clients the guard's
 admitted TTFT p99 ≤ 5× the concurrency-1 p99, preemptions ≤ 1% of admitted
@@ -35,19 +36,20 @@ async def measure(duration: float, queued_limit: int, watermark: int) -> dict:
     stack = Stack(KV_BLOCKS, kvWatermarkPercent=watermark)
     try:
         stack.start_vllm()
+        stack.start_guard()  # idle (a metrics read per 0.5 s) while vLLM runs alone
         # Warm-up: first requests pay one-off costs (allocations, caches).
-        await closed_loop("warm-up", stack.vllm_url, stack.vllm_url, 4, requests=8, seed=99)
+        await closed_loop("warm-up", stack.guard_url, stack.vllm_url, 4, requests=8, seed=99)
+        # Guarded and unguarded runs alternate so drift on a shared machine hits both.
         runs["vllm_c1"] = await closed_loop("vLLM, 1 client", stack.vllm_url, stack.vllm_url, 1,
-                                            requests=25, seed=1)
+                                            requests=40, seed=1)
+        runs["guard_c1"] = await closed_loop("guard, 1 client", stack.guard_url, stack.vllm_url, 1,
+                                             requests=40, seed=4)
         runs["vllm_c8"] = await closed_loop("vLLM, 8 clients", stack.vllm_url, stack.vllm_url, 8,
                                             duration=duration / 2, seed=2)
-        runs["vllm_c128"] = await closed_loop("vLLM, 128 clients", stack.vllm_url, stack.vllm_url, 128,
-                                              duration=duration, seed=3)
-        stack.start_guard()
-        runs["guard_c1"] = await closed_loop("guard, 1 client", stack.guard_url, stack.vllm_url, 1,
-                                             requests=25, seed=4)
         runs["guard_c128"] = await closed_loop("guard, 128 clients", stack.guard_url, stack.vllm_url, 128,
                                                duration=duration, seed=5)
+        runs["vllm_c128"] = await closed_loop("vLLM, 128 clients", stack.vllm_url, stack.vllm_url, 128,
+                                              duration=duration, seed=3)
     finally:
         stack.stop()
     shedding = Stack(KV_BLOCKS, engine_extra_args=["--max-num-queued-reqs", str(queued_limit)])
@@ -66,7 +68,8 @@ def verdict(runs: dict) -> list[tuple[str, str, bool]]:
     c1 = runs["vllm_c1"].ttft(0.99)
     g = runs["guard_c128"]
     v = runs["vllm_queued_c128"]
-    saturated = runs["vllm_c8"].goodput
+    # vLLM alone saturates from 8 clients on; the better of its 8- and 128-client runs is the reference.
+    saturated = max(runs["vllm_c8"].goodput, runs["vllm_c128"].goodput)
     admitted = len(g.ok)
     shed = g.count(lambda a: a.status == 429)
     return [
@@ -75,7 +78,7 @@ def verdict(runs: dict) -> list[tuple[str, str, bool]]:
         ("preemptions ≤ 1% of admitted requests",
          f"{g.preemptions:.0f} / {admitted} = {100 * g.preemptions / max(1, admitted):.1f}%",
          g.preemptions <= 0.01 * admitted),
-        ("goodput ≥ 90% of unguarded saturated throughput (8 clients)",
+        ("goodput ≥ 90% of unguarded saturated throughput (best of 8 and 128 clients)",
          f"{g.goodput:.0f} vs {saturated:.0f} tok/s = {100 * g.goodput / saturated:.0f}%", g.goodput >= 0.9 * saturated),
         ("no 5xx", f"{g.count(lambda a: a.status >= 500)}", g.count(lambda a: a.status >= 500) == 0),
         ("every 429 carries Retry-After", f"{g.count(lambda a: a.status == 429 and a.retry_after)}/{shed}",

