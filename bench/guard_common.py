@@ -142,6 +142,7 @@ class Run:
     wall: float = 0.0
     attempts: list[Attempt] = field(default_factory=list)
     preemptions: float = 0.0
+    load: float = 0.0   # 1-minute load average at the end: other work on the machine shows here
 
     @property
     def ok(self) -> list[Attempt]:
@@ -172,7 +173,7 @@ class Run:
             "ttft_p50_ms": round(1000 * self.ttft(0.5), 1), "ttft_p99_ms": round(1000 * self.ttft(0.99), 1),
             "e2e_p50_ms": round(1000 * self.e2e(0.5), 1), "e2e_p99_ms": round(1000 * self.e2e(0.99), 1),
             "goodput_tok_s": round(self.goodput, 1), "preemptions": int(self.preemptions),
-            "wall_s": round(self.wall, 1),
+            "wall_s": round(self.wall, 1), "load1": round(self.load, 1),
         }
 
 
@@ -198,7 +199,12 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> t
                 await r.read()
                 hint_ms = r.headers.get("retry-after-ms")
                 hint_s = r.headers.get("Retry-After")
-                delay = float(hint_ms) / 1000 if hint_ms else float(hint_s) if hint_s else 1.0
+                if hint_ms:
+                    delay = float(hint_ms) / 1000
+                elif hint_s:
+                    delay = float(hint_s)
+                else:  # no hint (vLLM's own 503): back off ~1 s with jitter, like the OpenAI clients
+                    delay = random.uniform(0.5, 1.5)
                 return Attempt(r.status, retry_after=bool(hint_s or hint_ms)), delay
             first = None
             tokens = 0
@@ -213,7 +219,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> t
             done = time.perf_counter()
             return Attempt(200, ttft=first - sent, e2e=done - sent, tokens=tokens), 0.0
     except aiohttp.ClientError:
-        return Attempt(0), 1.0
+        return Attempt(0), random.uniform(0.5, 1.5)
 
 
 async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, duration: float | None = None,
@@ -223,8 +229,8 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
 
     Stops issuing after ``duration`` seconds or ``requests`` completed requests,
     then lets in-flight requests finish. A shed request (429/503) waits what the
-    server asked (Retry-After, or retry-after-ms when given; 1 s otherwise) and
-    tries again, like the OpenAI clients do.
+    server asked (retry-after-ms when given, else Retry-After, else 0.5–1.5 s)
+    and tries again, like the OpenAI clients do.
     """
     rng = random.Random(seed)
     run = Run(label, concurrency)
@@ -255,6 +261,7 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
     run.wall = time.perf_counter() - start
     preempt_after, _ = await vllm_counters(vllm_url)
     run.preemptions = preempt_after - preempt_before
+    run.load = os.getloadavg()[0]
     return run
 
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -197,13 +198,16 @@ class Guard:
         return error_response(r.status, r.reason, r.message, r.retry_after)
 
 
-def error_response(status: int, code: str, message: str, retry_after: float | None = None) -> web.Response:
+def error_response(status: int, code: str, message: str, retry_after: float | None = None,
+                   jitter: Callable[[], float] = random.random) -> web.Response:
     headers = {}
     if retry_after is not None:
         # Retry-After takes whole seconds; the OpenAI clients also read the
-        # finer retry-after-ms.
+        # finer retry-after-ms. That one is spread over 0.5–1.5× the hint:
+        # clients refused together would otherwise come back together, in
+        # herds that leave freed KV blocks idle between them.
         headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        headers["retry-after-ms"] = str(int(retry_after * 1000))
+        headers["retry-after-ms"] = str(int(retry_after * 1000 * (0.5 + jitter())))
     body = {"error": {"message": message, "type": _error_type(status), "param": None, "code": code}}
     return web.json_response(body, status=status, headers=headers)
 

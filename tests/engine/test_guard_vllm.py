@@ -171,7 +171,7 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     with pytest.raises(openai.RateLimitError) as e:
         await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=300)
     assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
-    assert e.value.response.headers["retry-after-ms"] == "500"
+    assert 250 <= int(e.value.response.headers["retry-after-ms"]) <= 750
     assert e.value.body["code"] == "kv_watermark" and "not promised to requests in flight" in e.value.message
     # The client's own retries (honouring retry-after-ms) get through once the long one is done.
     late = await patient.completions.create(model="tiny", prompt=token_ids(700, 402), max_tokens=300)
