@@ -116,7 +116,7 @@ async def main() -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--baseline-trials", type=int, default=3)
     args = p.parse_args()
-    state = ensure_cluster()
+    state = await asyncio.to_thread(ensure_cluster)  # `up` runs its own event loop
     ours = await measure(state, 1.0, args.trials)
     base = await measure(state, 15.0, args.baseline_trials)
     print("\n| loop | breach → Deployment replicas, median | max |")

@@ -69,7 +69,7 @@ async def main() -> None:
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--baseline-n", type=int, default=10)
     args = p.parse_args()
-    state = ensure_cluster()
+    state = await asyncio.to_thread(ensure_cluster)  # `up` runs its own event loop
     base = await reconcile_n(state, args.baseline_n)
     big = await reconcile_n(state, args.n)
     print("| N | time to all reconciled | per service | Deployments | operator peak RSS |")

@@ -194,7 +194,8 @@ def prometheus_view(prom: LocalPrometheus) -> dict:
 
 
 async def run_demo(model: str, surge_clients: int, out_dir: Path) -> Path:
-    state = ensure_cluster()
+    # `up` drives its own event loop to register the nodes: keep it off this one.
+    state = await asyncio.to_thread(ensure_cluster)
     work = out_dir / datetime.now().strftime("demo-%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
     say("installing the Helm chart (CRD, ServiceAccount, least-privilege RBAC)")
