@@ -2,6 +2,7 @@
 a fresh namespace, and an operator process."""
 from __future__ import annotations
 
+import os
 import subprocess
 import uuid
 from pathlib import Path
@@ -21,7 +22,7 @@ def ensure_cluster() -> dict:
         cluster.up(cluster.FleetSpec(engine_nodes=2), progress=lambda m: print(f"[cluster] {m}", flush=True))
     state = cluster.read_state()
     subprocess.run(["kubectl", "apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds")],
-                   env={"KUBECONFIG": state["kubeconfig"], "PATH": "/usr/bin:/bin"}, check=True,
+                   env={**os.environ, "KUBECONFIG": state["kubeconfig"]}, check=True,
                    capture_output=True)
     return state
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -61,7 +62,7 @@ def ensure_cluster() -> dict:
 
 def helm_install(kubeconfig: str) -> None:
     helm = str(binaries.ensure_helm(progress=say))
-    env = {"KUBECONFIG": kubeconfig, "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "KUBECONFIG": kubeconfig}
     subprocess.run([helm, "upgrade", "--install", "gpufleet", str(ROOT / "charts" / "gpufleet"), "-n",
                     "gpufleet-system", "--create-namespace"], env=env, check=True, capture_output=True)
     # No container runtime here: the chart's operator pod would be simulated. The operator
@@ -71,7 +72,7 @@ def helm_install(kubeconfig: str) -> None:
 
 
 def operator_kubeconfig(state: dict, work: Path) -> str:
-    env = {"KUBECONFIG": state["kubeconfig"], "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "KUBECONFIG": state["kubeconfig"]}
     token = subprocess.run(["kubectl", "-n", "gpufleet-system", "create", "token", "gpufleet-operator",
                             "--duration=24h"], env=env, check=True, capture_output=True, text=True).stdout.strip()
     ca = KubeConfig.from_file(state["kubeconfig"]).ca_file
