@@ -15,11 +15,13 @@ import kopf
 
 from .api import v1alpha1 as t
 from .kube.errors import ApiError
+from .kube.pods import is_ready
 from .manifests import names
 from .runtime import OperatorRuntime
 
 log = logging.getLogger(__name__)
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
+DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile
 
 
 def _rt(memo) -> OperatorRuntime:
@@ -113,8 +115,7 @@ def engine_pods(name, namespace, labels, status, meta, **_):
     service = labels.get(names.LABEL_SERVICE)
     if not service:
         return None
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []) or [])
-    return {(namespace, service): {"name": name, "ip": status.get("podIP"), "ready": ready,
+    return {(namespace, service): {"name": name, "ip": status.get("podIP"), "ready": is_ready(status),
                                    "deleting": bool(meta.get("deletionTimestamp"))}}
 
 
@@ -143,15 +144,11 @@ def _plain(body) -> dict:
     return copy.deepcopy(dict(body))
 
 
-def debounce_worker_delay() -> float:
-    return 0.2
-
-
 async def run_triggered(rt: OperatorRuntime) -> None:
     """Reconcile owners of changed children, each at most once per burst."""
     while True:
         keys = await rt.next_triggered()
-        await asyncio.sleep(debounce_worker_delay())
+        await asyncio.sleep(DEBOUNCE_SECONDS)
         keys |= rt.drain_triggered()
         for ns, name in sorted(keys):
             try:

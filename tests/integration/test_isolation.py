@@ -41,6 +41,10 @@ def service(name, model, pool, replicas, gpus, mode="Dedicated"):
         "resources": {"gpusPerReplica": gpus}, "isolation": {"mode": mode, "nodePool": pool}}}
 
 
+def apply(control_plane, namespace, obj):
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+
+
 async def pods_by_node(kube, namespace, service_name):
     pods = await kube.list("v1", "Pod", namespace, label_selector=f"gpufleet.dev/service={service_name}")
     return pods
@@ -48,16 +52,15 @@ async def pods_by_node(kube, namespace, service_name):
 
 async def test_dedicated_models_never_share_a_node_and_a_full_pool_says_why(control_plane, operator, kube,
                                                                              namespace, pool):
-    apply = lambda obj: control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
     # Model A fills two whole nodes; model B fits only on the third.
-    apply(service("a", "org/model-a", pool, replicas=2, gpus=8))
+    apply(control_plane, namespace, service("a", "org/model-a", pool, replicas=2, gpus=8))
 
     async def running(svc, n):
         pods = await pods_by_node(kube, namespace, svc)
         run = [p for p in pods if p["status"].get("phase") == "Running"]
         return run if len(run) == n else None
     a_pods = await wait_for(lambda: running("a", 2), timeout=60, what="2 replicas of model a Running")
-    apply(service("b", "org/model-b", pool, replicas=3, gpus=1))
+    apply(control_plane, namespace, service("b", "org/model-b", pool, replicas=3, gpus=1))
     b_pods = await wait_for(lambda: running("b", 3), timeout=60, what="3 replicas of model b Running")
     a_nodes = {p["spec"]["nodeName"] for p in a_pods}
     b_nodes = {p["spec"]["nodeName"] for p in b_pods}
@@ -65,7 +68,7 @@ async def test_dedicated_models_never_share_a_node_and_a_full_pool_says_why(cont
     assert len(b_nodes) == 1  # three replicas of b share the last node: same model may co-locate
 
     # Model C: 5 free GPUs remain on b's node, but Dedicated isolation forbids using them.
-    apply(service("c", "org/model-c", pool, replicas=1, gpus=1))
+    apply(control_plane, namespace, service("c", "org/model-c", pool, replicas=1, gpus=1))
 
     async def says_why():
         obj = await kube.get(API, "InferenceService", "c", namespace)
@@ -85,8 +88,7 @@ async def test_dedicated_models_never_share_a_node_and_a_full_pool_says_why(cont
 
 
 async def test_exclusive_takes_the_whole_node(control_plane, operator, kube, namespace, pool):
-    apply = lambda obj: control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
-    apply(service("svc-x", "org/model-x", pool, replicas=3, gpus=1, mode="Exclusive"))
+    apply(control_plane, namespace, service("svc-x", "org/model-x", pool, replicas=3, gpus=1, mode="Exclusive"))
 
     async def three_running():
         pods = await pods_by_node(kube, namespace, "svc-x")
@@ -95,7 +97,7 @@ async def test_exclusive_takes_the_whole_node(control_plane, operator, kube, nam
     pods = await wait_for(three_running, timeout=60, what="3 Exclusive replicas Running")
     assert len({p["spec"]["nodeName"] for p in pods}) == 3  # one replica per node
     # Any other managed model is kept off those nodes, even as Shared.
-    apply(service("svc-y", "org/model-y", pool, replicas=1, gpus=1, mode="Shared"))
+    apply(control_plane, namespace, service("svc-y", "org/model-y", pool, replicas=1, gpus=1, mode="Shared"))
 
     async def pending_y():
         obj = await kube.get(API, "InferenceService", "svc-y", namespace)
@@ -106,8 +108,7 @@ async def test_exclusive_takes_the_whole_node(control_plane, operator, kube, nam
 
 async def test_an_unmanaged_gpu_pod_on_a_dedicated_node_is_reported(control_plane, operator, kube, namespace,
                                                                      pool):
-    apply = lambda obj: control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
-    apply(service("guarded", "org/model-g", pool, replicas=1, gpus=2))
+    apply(control_plane, namespace, service("guarded", "org/model-g", pool, replicas=1, gpus=2))
 
     async def placed():
         pods = await pods_by_node(kube, namespace, "guarded")
@@ -144,9 +145,8 @@ async def test_an_unmanaged_gpu_pod_on_a_dedicated_node_is_reported(control_plan
 
 
 async def test_stranded_gpus_are_counted_per_pool(control_plane, operator, kube, namespace, pool):
-    apply = lambda obj: control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
     # 6-GPU replicas on 8-GPU nodes: each node keeps 2 GPUs nobody can use.
-    apply(service("wide", "org/model-w", pool, replicas=3, gpus=6))
+    apply(control_plane, namespace, service("wide", "org/model-w", pool, replicas=3, gpus=6))
 
     async def strands():
         for line in operator.metrics_text().splitlines():

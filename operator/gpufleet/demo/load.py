@@ -12,6 +12,7 @@ import time
 import aiohttp
 
 from ..kube.client import KubeClient
+from ..kube.pods import is_serving
 from ..manifests import names
 
 WORDS = ("fleet", "token", "cache", "block", "queue", "model", "batch", "graph", "shard", "layer")
@@ -52,13 +53,7 @@ class EndpointLoad:
         (The local pod IPs are loopback addresses, which EndpointSlices refuse.)"""
         pods = await self.kube.list("v1", "Pod", self.namespace,
                                     label_selector=names.selector_string(self.service))
-        eps = []
-        for p in pods:
-            ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                        for c in p.get("status", {}).get("conditions") or [])
-            if ready and not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP"):
-                eps.append(f"http://{p['status']['podIP']}:{names.GUARD_PORT}")
-        self.endpoints = sorted(eps)
+        self.endpoints = sorted(f"http://{p['status']['podIP']}:{names.GUARD_PORT}" for p in pods if is_serving(p))
         return self.endpoints
 
     async def _watch_endpoints(self, stop: asyncio.Event) -> None:

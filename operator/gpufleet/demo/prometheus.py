@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -14,16 +13,12 @@ from pathlib import Path
 
 import yaml
 
+from ..devcluster.cluster import free_port
+from ..kube.pods import is_serving
 from ..manifests import names
 
 ROOT = Path(__file__).resolve().parents[3]
 RULES = ROOT / "rules" / "gpufleet.rules.yaml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(targets_file: Path, operator_target: str, rules: Path = RULES, interval: str = "2s") -> dict:
@@ -44,12 +39,8 @@ def config(targets_file: Path, operator_target: str, rules: Path = RULES, interv
 def engine_targets(pods: list[dict]) -> list[dict]:
     """file_sd groups for ready engine pods: the guard and vLLM endpoints, labelled like the PodMonitor does."""
     groups = []
-    for p in pods:
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in p.get("status", {}).get("conditions") or [])
-        ip = p.get("status", {}).get("podIP")
-        if not ready or not ip or p["metadata"].get("deletionTimestamp"):
-            continue
+    for p in filter(is_serving, pods):
+        ip = p["status"]["podIP"]
         groups.append({"targets": [f"{ip}:{names.GUARD_PORT}", f"{ip}:{names.ENGINE_PORT}"],
                        "labels": {"namespace": p["metadata"]["namespace"], "pod": p["metadata"]["name"],
                                   "service": p["metadata"].get("labels", {}).get(names.LABEL_SERVICE, "")}})
@@ -59,7 +50,7 @@ def engine_targets(pods: list[dict]) -> list[dict]:
 class LocalPrometheus:
     def __init__(self, work_dir: Path, operator_target: str):
         self.work_dir = work_dir.resolve()  # Prometheus resolves relative paths against its config's dir
-        self.port = _free_port()
+        self.port = free_port()
         self.operator_target = operator_target
         self.targets_file = self.work_dir / "engine-targets.json"
         self.proc: subprocess.Popen | None = None

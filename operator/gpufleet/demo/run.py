@@ -201,8 +201,7 @@ async def run_demo(model: str, surge_clients: int, out_dir: Path) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     say("installing the Helm chart (CRD, ServiceAccount, least-privilege RBAC)")
     helm_install(state["kubeconfig"])
-    from ..devcluster.cluster import _free_port
-    port = _free_port()
+    port = cluster.free_port()
     operator = start_operator(operator_kubeconfig(state, work), work, port)
     say(f"operator running under the chart's ServiceAccount (log {work / 'operator.log'})")
     prom = LocalPrometheus(work / "prometheus", f"127.0.0.1:{port}").start()

@@ -83,7 +83,8 @@ def _alive(pid: int | None, binary: str | None = None) -> bool:
     return binary is None or not cmd or Path(cmd).name == Path(binary).name
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -205,8 +206,8 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
     pki_dir = root / "pki"
     pki.ensure_pki(pki_dir)
 
-    ports = {"etcd": _free_port(), "etcd-peer": _free_port(), "apiserver": _free_port(),
-             "controller-manager": _free_port(), "scheduler": _free_port(), "kwok": _free_port()}
+    ports = {name: free_port() for name in
+             ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")}
     server = f"https://127.0.0.1:{ports['apiserver']}"
     state = {"server": server, "ports": ports, "processes": {}, "fleet": dataclasses.asdict(fleet),
              "kubeconfig": str(kubeconfig_path()), "versions": {

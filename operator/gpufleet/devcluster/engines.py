@@ -228,14 +228,12 @@ class EngineBacker:
         self.finished.discard(key)
 
     async def shutdown(self) -> None:
-        done = threading.Event()
         remaining = list(self.pods.values())
         for backed in remaining:
             backed.terminate(lambda: None)
         deadline = time.monotonic() + 60
         while any(b.state != "stopped" for b in remaining) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        done.set()
 
 
 def main(kubeconfig: str) -> None:
