@@ -155,5 +155,13 @@ async def test_stranded_gpus_are_counted_per_pool(control_plane, operator, kube,
         return False
     await wait_for(strands, timeout=60, what=f"6 stranded GPUs reported for pool {pool}",
                    describe=lambda: [ln for ln in operator.metrics_text().splitlines() if "stranded" in ln])
-    events = await kube.list("v1", "Event", "default", field_selector=f"involvedObject.name={pool}-0")
-    assert any(e["reason"] == "StrandedGPUs" and "needs 6 GPUs, 2 free" in e["message"] for e in events)
+
+    async def node_events():
+        return [(e["reason"], e["message"]) for e in
+                await kube.list("v1", "Event", "default", field_selector=f"involvedObject.name={pool}-0")]
+
+    async def stranded_event():
+        # The metric is set before the Event is posted, so wait for the Event too.
+        return any(r == "StrandedGPUs" and "needs 6 GPUs, 2 free" in m for r, m in await node_events())
+    await wait_for(stranded_event, timeout=30, what=f"a StrandedGPUs Event on {pool}-0 saying why",
+                   describe=node_events)

@@ -48,7 +48,9 @@ class ClusterAuditor:
     def __init__(self, runtime, interval: float = 15.0):
         self.rt = runtime
         self.interval = interval
-        self._stranded_seen: set[str] = set()
+        # node -> (free, why) last reported: an Event is recorded when a node becomes
+        # stranded or the reason/amount changes, not on every audit pass.
+        self._stranded_seen: dict[str, tuple[int, str]] = {}
 
     async def run_forever(self) -> None:
         while True:
@@ -79,10 +81,10 @@ class ClusterAuditor:
             totals[(s.pool, s.product)] = totals.get((s.pool, s.product), 0) + s.free
         for (pool, product), free in totals.items():
             self.rt.metrics.stranded.labels(pool, product).set(free)
-        now = {s.node for s in stranded}
+        now = {s.node: (s.free, s.why) for s in stranded}
         by_name = {n["metadata"]["name"]: n for n in nodes}
         for s in stranded:
-            if s.node not in self._stranded_seen and s.node in by_name:
+            if self._stranded_seen.get(s.node) != now[s.node] and s.node in by_name:
                 await self.rt.kube.event(by_name[s.node], reason="StrandedGPUs", type_="Warning",
                                          message=f"{s.free} free GPU(s) no InferenceService can use: {s.why}")
         self._stranded_seen = now

@@ -83,3 +83,30 @@ def test_isolation_violations_name_the_offending_pods():
         ("default/intruder", "unmanaged GPU pod"),
         ("ml/b-1", f"model {names.model_label('org/b')} on a node Dedicated to {mine}")]
     assert violations_for("a", "ml", "Shared", mine, pods) == []
+
+
+async def test_stranded_event_is_recorded_when_a_node_strands_or_its_reason_changes():
+    from types import SimpleNamespace
+    from gpufleet.audit.stranded import StrandedNode
+    from gpufleet.fleet.cluster_audit import ClusterAuditor
+    from gpufleet.metrics import OperatorMetrics
+
+    posted = []
+
+    class Kube:
+        async def event(self, obj, **kw):
+            posted.append((obj["metadata"]["name"], kw["message"]))
+
+    rt = SimpleNamespace(kube=Kube(), metrics=OperatorMetrics())
+    aud = ClusterAuditor(rt)
+    nodes = [build_node("n0", gpus=8, product="P", memory_mib=81559, pool="p")]
+    first = [StrandedNode("n0", "p", "P", 8, "no InferenceService exists")]
+    await aud._publish_stranded(first, nodes)
+    await aud._publish_stranded(first, nodes)          # unchanged: no second Event
+    assert posted == [("n0", "8 free GPU(s) no InferenceService can use: no InferenceService exists")]
+    # A replica lands, the node keeps 2 GPUs nobody fits: the operator learns the new reason.
+    await aud._publish_stranded([StrandedNode("n0", "p", "P", 2, "needs 6 GPUs, 2 free")], nodes)
+    assert posted[-1] == ("n0", "2 free GPU(s) no InferenceService can use: needs 6 GPUs, 2 free")
+    await aud._publish_stranded([], nodes)             # cleared, then stranded again: a new Event
+    await aud._publish_stranded([StrandedNode("n0", "p", "P", 2, "needs 6 GPUs, 2 free")], nodes)
+    assert len(posted) == 3
