@@ -17,8 +17,8 @@ import click
 @click.option("--metrics-host", default="0.0.0.0", show_default=True)
 @click.option("--liveness", "liveness_endpoint", default=None,
               help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz.")
-@click.option("--worker-limit", default=20, show_default=True, type=int,
-              help="Most InferenceServices reconciled at once.")
+@click.option("--worker-limit", default=100, show_default=True, type=int,
+              help="Most objects of one kind handled at once (a retrying object holds its worker while it waits).")
 @click.option("--peering/--standalone", default=False, show_default=True,
               help="kopf peering so several operator replicas never reconcile at once "
                    "(needs the chart's KopfPeering resources).")
@@ -26,11 +26,14 @@ import click
               help="Run the autoscaler and audits besides reconciliation.")
 @click.option("--fleet-interval-seconds", default=1.0, show_default=True, type=float,
               help="How often each service's replicas are read for autoscaling.")
+@click.option("--resync-seconds", default=300.0, show_default=True, type=float,
+              help="Reconcile a service this long after anything last reconciled it (watch events "
+                   "of its children and pods reconcile it at once).")
 @click.option("--audit-interval-seconds", default=30.0, show_default=True, type=float,
               help="How often the cluster-wide stranded-GPU and isolation audits run.")
 @click.option("-v", "--verbose", is_flag=True)
 def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, peering,
-        fleet_loops, fleet_interval_seconds, audit_interval_seconds, verbose) -> None:
+        fleet_loops, fleet_interval_seconds, resync_seconds, audit_interval_seconds, verbose) -> None:
     """Run the operator."""
     import kopf
 
@@ -46,6 +49,7 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     config = KubeConfig.auto(kubeconfig)
     runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
     runtime.fleet_interval = fleet_interval_seconds
+    runtime.resync_seconds = resync_seconds
     if fleet_loops:
         from .fleet import register_loops
         register_loops(runtime, audit_interval=audit_interval_seconds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import kopf
 
@@ -58,9 +59,18 @@ def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
 
 
 async def _reconcile(body, memo) -> None:
+    rt = _rt(memo)
     try:
-        await _rt(memo).controller.reconcile(dict(body))
+        await rt.controller.reconcile(dict(body))
+        meta = body.get("metadata", {})
+        rt.reconciled(meta.get("namespace"), meta.get("name"), time.monotonic())
     except ApiError as e:
+        if e.namespace_terminating:
+            # Nothing can be created there any more and the object goes with its
+            # namespace; retrying would hold a worker for nothing.
+            log.info("%s/%s: namespace is being deleted; not reconciling", body["metadata"].get("namespace"),
+                     body["metadata"].get("name"))
+            return
         if e.transient:
             raise kopf.TemporaryError(f"transient API error: {e}", delay=5) from e
         raise kopf.TemporaryError(f"API error: {e}", delay=30) from e
@@ -74,9 +84,25 @@ async def reconcile_service(body, memo: kopf.Memo, **_) -> None:
 
 
 @kopf.timer(t.GROUP, t.VERSION, t.PLURAL, interval=30, idle=10)
-async def resync_service(body, memo: kopf.Memo, **_) -> None:
-    # Level-based backstop: whatever was missed, the next tick puts right.
-    await _reconcile(body, memo)
+async def resync_service(body, namespace, name, memo: kopf.Memo, **_) -> None:
+    # Level-based backstop: whatever the watches missed, the next resync puts right.
+    # Child and pod events already reconcile within a second, so a service that
+    # was reconciled recently is left alone (at 1000 services a 30 s resync of
+    # every one would be 33 reconciles a second of pure re-application).
+    if _rt(memo).resync_due(namespace, name, time.monotonic()):
+        await _reconcile(body, memo)
+
+
+@kopf.on.event(t.GROUP, t.VERSION, t.PLURAL)
+async def service_seen(type, body, namespace, name, memo: kopf.Memo, **_) -> None:
+    """Keep the fleet loop's copy of every InferenceService current."""
+    fleet = _rt(memo).fleet
+    if fleet is None:
+        return
+    if type == "DELETED":
+        fleet.remove_service(namespace, name)
+    else:
+        fleet.upsert_service(dict(body))
 
 
 @kopf.on.delete(t.GROUP, t.VERSION, t.PLURAL, optional=True)
@@ -103,45 +129,18 @@ async def child_changed(body, namespace, memo: kopf.Memo, **_) -> None:
 
 
 @kopf.on.event("", "v1", "pods", labels={names.LABEL_NAME: names.ENGINE_APP})
-async def engine_pod_changed(body, namespace, memo: kopf.Memo, **_) -> None:
+async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) -> None:
+    """Reconcile the owner (status follows its pods) and keep the fleet loop's pod view current."""
     service = body.get("metadata", {}).get("labels", {}).get(names.LABEL_SERVICE)
-    if service:
-        _rt(memo).trigger(namespace, service)
-
-
-@kopf.index("", "v1", "pods", labels={names.LABEL_NAME: names.ENGINE_APP})
-def engine_pods(name, namespace, labels, status, meta, **_):
-    """Engine pods by (namespace, service), kept current from the watch stream."""
-    service = labels.get(names.LABEL_SERVICE)
     if not service:
-        return None
-    return {(namespace, service): {"name": name, "ip": status.get("podIP"), "ready": is_ready(status),
-                                   "deleting": bool(meta.get("deletionTimestamp"))}}
-
-
-@kopf.daemon(t.GROUP, t.VERSION, t.PLURAL, cancellation_timeout=5)
-async def fleet_daemon(stopped, body, namespace, name, memo: kopf.Memo, engine_pods: kopf.Index, **_) -> None:
-    """Per-service loop: replica metrics → autoscaling, status metrics, fragmentation audits."""
-    from .fleet.service_loop import ServiceLoop
-    rt = _rt(memo)
-    if not rt.fleet_enabled:
         return
-    loop = ServiceLoop(rt, namespace, name)
-    while not stopped:
-        try:
-            pods = list(engine_pods.get((namespace, name), []))
-            await loop.tick(_plain(body), pods)
-        except ApiError as e:
-            log.warning("fleet loop for %s/%s: %s", namespace, name, e)
-        except Exception:
-            log.exception("fleet loop for %s/%s crashed; continuing", namespace, name)
-        await stopped.wait(rt.fleet_interval)
-
-
-def _plain(body) -> dict:
-    """A detached plain-dict copy of kopf's live body."""
-    import copy
-    return copy.deepcopy(dict(body))
+    rt = _rt(memo)
+    rt.trigger(namespace, service)
+    if rt.fleet is not None:
+        status = body.get("status") or {}
+        rt.fleet.upsert_pod(namespace, service, name, None if type == "DELETED" else {
+            "ip": status.get("podIP"), "ready": is_ready(status),
+            "deleting": bool(body.get("metadata", {}).get("deletionTimestamp"))})
 
 
 async def run_triggered(rt: OperatorRuntime) -> None:
@@ -155,7 +154,9 @@ async def run_triggered(rt: OperatorRuntime) -> None:
                 isvc = await rt.controller.get(ns, name)
                 if isvc and not isvc["metadata"].get("deletionTimestamp"):
                     await rt.controller.reconcile(isvc)
+                    rt.reconciled(ns, name, time.monotonic())
             except ApiError as e:
-                log.warning("reconcile of %s/%s after a child change failed: %s", ns, name, e)
+                if not e.namespace_terminating:
+                    log.warning("reconcile of %s/%s after a child change failed: %s", ns, name, e)
             except Exception:
                 log.exception("reconcile of %s/%s after a child change crashed", ns, name)

@@ -29,8 +29,10 @@ class OperatorRuntime:
         self._tasks: list[asyncio.Task] = []
         self._web: web.AppRunner | None = None
         self.loops: list = []  # extra background loops (cluster audits) registered before start
-        self.fleet_enabled = False
+        self.fleet = None  # FleetLoop when the fleet loops run (fleet.register_loops)
         self.fleet_interval = 1.0  # seconds between replica reads (autoscaler fast path)
+        self.resync_seconds = 300.0  # a service untouched this long is reconciled by the timer
+        self._last_reconciled: dict[tuple[str, str], float] = {}
         self.reader = None
 
     def trigger(self, namespace: str, name: str) -> None:
@@ -48,6 +50,17 @@ class OperatorRuntime:
 
     def forget(self, namespace: str, name: str) -> None:
         self.metrics.forget_service(namespace, name)
+        self._last_reconciled.pop((namespace, name), None)
+        if self.fleet is not None:
+            self.fleet.remove_service(namespace, name)
+
+    def reconciled(self, namespace: str, name: str, now: float) -> None:
+        self._last_reconciled[(namespace, name)] = now
+
+    def resync_due(self, namespace: str, name: str, now: float) -> bool:
+        """The timer's backstop runs only for services nothing else reconciled recently."""
+        last = self._last_reconciled.get((namespace, name))
+        return last is None or now - last >= self.resync_seconds
 
     async def start(self) -> None:
         from .handlers import run_triggered
@@ -68,6 +81,8 @@ class OperatorRuntime:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stop(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

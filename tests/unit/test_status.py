@@ -78,3 +78,12 @@ def test_target_replicas_manual_and_auto():
     assert target_replicas(manual, {}) == 3
     assert target_replicas(SPEC, {}) == 1
     assert target_replicas(SPEC, {"desiredReplicas": 9}) == 3
+
+
+def test_namespace_terminating_is_recognised_from_the_status_cause():
+    from gpufleet.kube.errors import error_for
+    body = {"reason": "Forbidden", "message": 'configmaps "a" is forbidden: unable to create new content in '
+            'namespace t because it is being terminated',
+            "details": {"causes": [{"reason": "NamespaceTerminating", "field": "metadata.namespace"}]}}
+    assert error_for(403, body, "").namespace_terminating
+    assert not error_for(403, {"reason": "Forbidden", "message": "RBAC says no"}, "").namespace_terminating

@@ -7,6 +7,7 @@ Python attribute names are snake_case; the API names are camelCase, derived.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
@@ -153,13 +154,19 @@ def openapi(cls) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    """Resolved annotations of a dataclass; resolving them is slow, so once per class."""
+    return typing.get_type_hints(cls)
+
+
 def parse(cls, data: Any, path: str = "spec"):
     """Build ``cls`` from an API dict, applying defaults; errors name the field."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise SpecError(path, f"must be an object, not {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         name = api_name(f)

@@ -1,16 +1,21 @@
 """Fleet control loops that run beside reconciliation: per-service autoscaling
-and fragmentation audits (kopf daemons), and cluster-wide audits."""
+and fragmentation audits (one shared paced loop), and cluster-wide audits."""
 from __future__ import annotations
 
 
 def register_loops(runtime, audit_interval: float = 30.0) -> None:
     """Enable the fleet loops on the operator runtime (started with it)."""
     from .cluster_audit import ClusterAuditor
+    from .fleet_loop import FleetLoop
     from .scrape import ReplicaReader
 
     runtime.reader = ReplicaReader()
-    runtime.fleet_enabled = True
+    runtime.fleet = FleetLoop(runtime, interval=runtime.fleet_interval)
     auditor = ClusterAuditor(runtime, interval=audit_interval)
+
+    async def service_loops(_rt) -> None:
+        await runtime.fleet.run_forever()
+    runtime.loops.append(service_loops)
 
     async def cluster_audits(_rt) -> None:
         await auditor.run_forever()

@@ -1,6 +1,6 @@
 """Per-InferenceService control loop: read replicas, autoscale, audit fragmentation.
 
-Runs as a kopf daemon per object (``handlers.fleet_daemon``). Decisions come
+Ticked by the shared ``FleetLoop`` (one per operator). Decisions come
 from the pure policies; this class does the reading and the writing: status
 fields, one Event per action, metrics, the pod-deletion-cost mark before a
 scale-in, and evictions for fragmentation remediation.
@@ -35,6 +35,20 @@ class ServiceLoop:
         self.state = policy.PolicyState()
         self.ttft_history: collections.deque = collections.deque()
         self.last_audit: float | None = None
+        self._spec_key: tuple | None = None
+        self._spec = None
+
+    def spec_of(self, body: dict):
+        """The parsed spec, parsed once per generation; None when invalid."""
+        meta = body.get("metadata", {})
+        key = (meta.get("uid"), meta.get("generation"))
+        if key != self._spec_key or key == (None, None):
+            try:
+                self._spec = parse_spec(body.get("spec"))
+            except SpecError:
+                self._spec = None
+            self._spec_key = key
+        return self._spec
 
     # --- reading ---------------------------------------------------------------
 
@@ -63,9 +77,8 @@ class ServiceLoop:
 
     async def tick(self, body: dict, pods: list[dict], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        try:
-            spec = parse_spec(body.get("spec"))
-        except SpecError:
+        spec = self.spec_of(body)
+        if spec is None:
             return  # the reconciler reports InvalidSpec
         status = body.get("status") or {}
         ready, samples = await self.read_replicas(pods)

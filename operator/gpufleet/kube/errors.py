@@ -20,6 +20,13 @@ class ApiError(Exception):
     def transient(self) -> bool:
         return self.status in (409, 429) or self.status >= 500
 
+    @property
+    def namespace_terminating(self) -> bool:
+        """403 because the namespace is being deleted: the object is going away with it."""
+        causes = (self.body.get("details") or {}).get("causes") or []
+        return self.status == 403 and (any(c.get("reason") == "NamespaceTerminating" for c in causes)
+                                       or "because it is being terminated" in self.message)
+
 
 class NotFound(ApiError):
     pass

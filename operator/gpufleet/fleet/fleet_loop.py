@@ -1,0 +1,133 @@
+"""One paced loop over every InferenceService: replica reads, autoscaling, audits.
+
+Replaces one kopf daemon per service. A daemon per object costs a task, a
+deep copy of the body and a spec parse every second even for a service with
+nothing to read; at 1000 services on 2 cores that starved reconciliation
+(docs/benchmarks.md). Here:
+
+- the watch handlers keep ``services`` (plain bodies) and ``pods`` (engine
+  pods by service) current, so a tick reads memory, not the API;
+- each service is due every ``interval`` seconds on its own clock, and a
+  slow one (a replica timing out) delays only itself: ticks run as separate
+  tasks, at most ``concurrency`` at once, one per service at a time;
+- a service with no ready replica is skipped (there is nothing to read, and
+  the autoscaler holds without samples), unless an audit was requested.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+
+from ..kube.errors import ApiError
+from ..manifests import names
+from .service_loop import ServiceLoop
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+MIN_PASS_S = 0.05
+
+
+class FleetLoop:
+    def __init__(self, runtime, interval: float = 1.0, concurrency: int = 64,
+                 clock=time.monotonic):
+        self.rt = runtime
+        self.interval = interval
+        self._clock = clock
+        self._sem = asyncio.Semaphore(concurrency)
+        self.services: dict[Key, dict] = {}
+        self.pods: dict[Key, dict[str, dict]] = {}
+        self._loops: dict[Key, ServiceLoop] = {}
+        self._due: dict[Key, float] = {}
+        self._running: dict[Key, asyncio.Task] = {}
+        self._wake = asyncio.Event()
+
+    # --- fed by the watch handlers ------------------------------------------------
+
+    def upsert_service(self, body: dict) -> None:
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        old = self.services.get(key)
+        if old is not None and old["metadata"].get("uid") != meta.get("uid"):
+            self._loops.pop(key, None)  # deleted and re-created under the same name
+        self.services[key] = copy.deepcopy(body)
+        if names.ANNOTATION_AUDIT_REQUEST in (meta.get("annotations") or {}):
+            self._due[key] = 0.0  # an explicit audit request is answered at once
+            self._wake.set()
+
+    def remove_service(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self.services.pop(key, None)
+        self._loops.pop(key, None)
+        self._due.pop(key, None)
+
+    def upsert_pod(self, namespace: str, service: str, pod: str, view: dict | None) -> None:
+        """``view``: {ip, ready, deleting}; None when the pod is gone."""
+        key = (namespace, service)
+        if view is None:
+            self.pods.get(key, {}).pop(pod, None)
+            if not self.pods.get(key):
+                self.pods.pop(key, None)
+            return
+        became_ready = view["ready"] and not self.pods.get(key, {}).get(pod, {}).get("ready")
+        self.pods.setdefault(key, {})[pod] = {"name": pod, **view}
+        if became_ready:  # read a new replica at once rather than on the next round
+            self._due[key] = 0.0
+            self._wake.set()
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def wants_tick(self, key: Key) -> bool:
+        body = self.services[key]
+        if names.ANNOTATION_AUDIT_REQUEST in (body["metadata"].get("annotations") or {}):
+            return True
+        return any(p["ready"] and p.get("ip") and not p["deleting"] for p in self.pods.get(key, {}).values())
+
+    def due_now(self, now: float) -> list[Key]:
+        """Services whose turn it is and that are not mid-tick; advances their clocks."""
+        out = []
+        for key in self.services:
+            if key in self._running or self._due.get(key, 0.0) > now:
+                continue
+            self._due[key] = now + self.interval
+            if self.wants_tick(key):
+                out.append(key)
+        return out
+
+    async def run_forever(self) -> None:
+        while True:
+            now = self._clock()
+            for key in self.due_now(now):
+                self._running[key] = asyncio.create_task(self._tick(key), name=f"fleet-{key[0]}/{key[1]}")
+            nxt = min((d for k, d in self._due.items() if k in self.services and k not in self._running),
+                      default=now + self.interval)
+            self._wake.clear()
+            try:  # a pass costs O(services): at most one every MIN_PASS_S
+                await asyncio.wait_for(self._wake.wait(), max(MIN_PASS_S, min(self.interval, nxt - now)))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _tick(self, key: Key) -> None:
+        try:
+            async with self._sem:
+                body = self.services.get(key)
+                if body is None:
+                    return
+                loop = self._loops.get(key)
+                if loop is None:
+                    loop = self._loops[key] = ServiceLoop(self.rt, *key)
+                pods = list(self.pods.get(key, {}).values())
+                await loop.tick(body, pods)
+        except ApiError as e:
+            log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
+        except Exception:
+            log.exception("fleet loop for %s/%s crashed; continuing", key[0], key[1])
+        finally:
+            self._running.pop(key, None)
+
+    async def stop(self) -> None:
+        for task in list(self._running.values()):
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)

@@ -1,0 +1,87 @@
+"""The shared fleet loop: who is ticked when, without a cluster."""
+import asyncio
+
+from gpufleet.fleet import fleet_loop
+from gpufleet.fleet.fleet_loop import FleetLoop
+from gpufleet.manifests import names
+
+
+def svc(name, uid="u1", annotations=None, ns="ml"):
+    return {"metadata": {"name": name, "namespace": ns, "uid": uid, "generation": 1,
+                         "annotations": annotations or {}}, "spec": {}}
+
+
+READY = {"ip": "10.0.0.1", "ready": True, "deleting": False}
+
+
+def test_only_services_with_a_ready_replica_are_ticked_and_each_on_its_own_clock():
+    fl = FleetLoop(runtime=None, interval=1.0)
+    for n in ("a", "b", "c"):
+        fl.upsert_service(svc(n))
+    fl.upsert_pod("ml", "a", "a-0", READY)
+    fl.upsert_pod("ml", "b", "b-0", {**READY, "ready": False})
+    fl.upsert_pod("ml", "c", "c-0", {**READY, "deleting": True})
+    assert fl.due_now(100.0) == [("ml", "a")]
+    assert fl.due_now(100.5) == []            # not due again before the interval
+    assert fl.due_now(101.0) == [("ml", "a")]
+    fl.upsert_pod("ml", "b", "b-0", READY)    # became ready: read at once
+    assert fl.due_now(101.1) == [("ml", "b")]
+
+
+def test_an_audit_request_is_answered_without_ready_replicas():
+    fl = FleetLoop(runtime=None, interval=1.0)
+    fl.upsert_service(svc("a"))
+    assert fl.due_now(10.0) == []
+    fl.upsert_service(svc("a", annotations={names.ANNOTATION_AUDIT_REQUEST: "now"}))
+    assert fl.due_now(10.1) == [("ml", "a")]
+
+
+def test_deleted_services_and_pods_are_forgotten():
+    fl = FleetLoop(runtime=None, interval=1.0)
+    fl.upsert_service(svc("a"))
+    fl.upsert_pod("ml", "a", "a-0", READY)
+    fl.upsert_pod("ml", "a", "a-0", None)
+    assert fl.pods == {} and fl.due_now(5.0) == []
+    fl.remove_service("ml", "a")
+    assert fl.services == {}
+
+
+async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
+    ticks: list[str] = []
+    release = asyncio.Event()
+
+    class FakeLoop:
+        def __init__(self, rt, ns, name):
+            self.name = name
+
+        async def tick(self, body, pods):
+            ticks.append(self.name)
+            if self.name == "slow":
+                await release.wait()   # a replica that never answers
+
+    monkeypatch.setattr(fleet_loop, "ServiceLoop", FakeLoop)
+    fl = FleetLoop(runtime=None, interval=0.05)
+    for n in ("slow", "fast"):
+        fl.upsert_service(svc(n))
+        fl.upsert_pod("ml", n, f"{n}-0", READY)
+    runner = asyncio.create_task(fl.run_forever())
+    await asyncio.sleep(0.5)
+    release.set()
+    runner.cancel()
+    await fl.stop()
+    assert ticks.count("slow") == 1          # one tick at a time per service
+    assert ticks.count("fast") >= 5          # ~every 50 ms meanwhile
+
+
+def test_service_loop_parses_the_spec_once_per_generation(monkeypatch):
+    from gpufleet.fleet import service_loop
+    calls = []
+    real = service_loop.parse_spec
+    monkeypatch.setattr(service_loop, "parse_spec", lambda s: calls.append(1) or real(s))
+    loop = service_loop.ServiceLoop(runtime=None, namespace="ml", name="a")
+    body = {"metadata": {"uid": "u", "generation": 1}, "spec": {"model": {"name": "org/m"}}}
+    assert loop.spec_of(body) is loop.spec_of(body)
+    body["metadata"]["generation"] = 2
+    loop.spec_of(body)
+    assert len(calls) == 2
+    assert loop.spec_of({"metadata": {"uid": "u", "generation": 3}, "spec": {"model": 5}}) is None
