@@ -58,11 +58,18 @@ class Controller:
                                     meta["namespace"], subresource="status")
         isvc["status"] = {**previous, **changed}
 
-    async def reconcile(self, isvc: dict) -> None:
+    async def reconcile(self, isvc: dict, apply_children: bool = True) -> None:
+        """Apply the children for the spec, then derive status from what runs.
+
+        ``apply_children=False`` only refreshes status (a pod changed: nothing of
+        ours to re-apply); it still applies when this generation never was.
+        """
         started = time.monotonic()
         meta = isvc["metadata"]
         ns, name, gen = meta["namespace"], meta["name"], meta.get("generation", 0)
         previous = isvc.get("status") or {}
+        if previous.get("observedGeneration") != gen:
+            apply_children = True
         now = cond.now_iso()
         try:
             try:
@@ -76,8 +83,9 @@ class Controller:
                 return
             self.metrics.set_spec_gauges(ns, name, spec)
             replicas = target_replicas(spec, previous)
-            for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor()):
-                await self.kube.apply(obj)
+            if apply_children:
+                for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor()):
+                    await self.kube.apply(obj)
             observed = await self.observe(ns, name)
             status = derive_status(service=name, namespace=ns, generation=gen, spec=spec, desired=replicas,
                                    observed=observed, previous=previous, now=now)

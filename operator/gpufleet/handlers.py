@@ -23,6 +23,7 @@ from .runtime import OperatorRuntime
 log = logging.getLogger(__name__)
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
 DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile
+TRIGGERED_CONCURRENCY = 16
 
 
 def _rt(memo) -> OperatorRuntime:
@@ -135,7 +136,7 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
     if not service:
         return
     rt = _rt(memo)
-    rt.trigger(namespace, service)
+    rt.trigger(namespace, service, apply=False)
     if rt.fleet is not None:
         status = body.get("status") or {}
         rt.fleet.upsert_pod(namespace, service, name, None if type == "DELETED" else {
@@ -144,19 +145,27 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
 
 
 async def run_triggered(rt: OperatorRuntime) -> None:
-    """Reconcile owners of changed children, each at most once per burst."""
-    while True:
-        keys = await rt.next_triggered()
-        await asyncio.sleep(DEBOUNCE_SECONDS)
-        keys |= rt.drain_triggered()
-        for ns, name in sorted(keys):
+    """Reconcile owners of changed children, each at most once per burst,
+    up to TRIGGERED_CONCURRENCY at a time (a burst after 1000 creations must
+    not be worked through one API round trip after another)."""
+    sem = asyncio.Semaphore(TRIGGERED_CONCURRENCY)
+
+    async def one(ns: str, name: str, apply: bool) -> None:
+        async with sem:
             try:
                 isvc = await rt.controller.get(ns, name)
                 if isvc and not isvc["metadata"].get("deletionTimestamp"):
-                    await rt.controller.reconcile(isvc)
+                    await rt.controller.reconcile(isvc, apply_children=apply)
                     rt.reconciled(ns, name, time.monotonic())
             except ApiError as e:
                 if not e.namespace_terminating:
                     log.warning("reconcile of %s/%s after a child change failed: %s", ns, name, e)
             except Exception:
                 log.exception("reconcile of %s/%s after a child change crashed", ns, name)
+
+    while True:
+        keys = await rt.next_triggered()
+        await asyncio.sleep(DEBOUNCE_SECONDS)
+        for key, apply in rt.drain_triggered().items():
+            keys[key] = keys.get(key, False) or apply
+        await asyncio.gather(*(one(ns, name, apply) for (ns, name), apply in sorted(keys.items())))

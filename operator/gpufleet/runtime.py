@@ -24,7 +24,7 @@ class OperatorRuntime:
         self.controller = Controller(self.kube, self.metrics)
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
-        self._pending: set[tuple[str, str]] = set()
+        self._pending: dict[tuple[str, str], bool] = {}  # key -> re-apply children?
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._web: web.AppRunner | None = None
@@ -35,17 +35,19 @@ class OperatorRuntime:
         self._last_reconciled: dict[tuple[str, str], float] = {}
         self.reader = None
 
-    def trigger(self, namespace: str, name: str) -> None:
-        self._pending.add((namespace, name))
+    def trigger(self, namespace: str, name: str, apply: bool = True) -> None:
+        """Reconcile soon; ``apply=False`` when only status can have changed (a pod event)."""
+        key = (namespace, name)
+        self._pending[key] = self._pending.get(key, False) or apply
         self._wakeup.set()
 
-    async def next_triggered(self) -> set[tuple[str, str]]:
+    async def next_triggered(self) -> dict[tuple[str, str], bool]:
         await self._wakeup.wait()
         return self.drain_triggered()
 
-    def drain_triggered(self) -> set[tuple[str, str]]:
+    def drain_triggered(self) -> dict[tuple[str, str], bool]:
         self._wakeup.clear()
-        keys, self._pending = self._pending, set()
+        keys, self._pending = self._pending, {}
         return keys
 
     def forget(self, namespace: str, name: str) -> None:
@@ -58,9 +60,10 @@ class OperatorRuntime:
         self._last_reconciled[(namespace, name)] = now
 
     def resync_due(self, namespace: str, name: str, now: float) -> bool:
-        """The timer's backstop runs only for services nothing else reconciled recently."""
-        last = self._last_reconciled.get((namespace, name))
-        return last is None or now - last >= self.resync_seconds
+        """The timer's backstop runs only for services nothing else reconciled recently.
+        A service the timer meets first is being handled by its create/resume handler."""
+        last = self._last_reconciled.setdefault((namespace, name), now)
+        return now - last >= self.resync_seconds
 
     async def start(self) -> None:
         from .handlers import run_triggered
