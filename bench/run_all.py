@@ -1,6 +1,6 @@
 """Run the benchmark suite and write the results table into docs/benchmarks.md.
 
-    .venv/bin/python bench/run_all.py [--quick]
+    .venv/bin/python bench/run_all.py [--only guard operator ...]
 
 Each benchmark measures its own baseline in the same run and prints its
 table; this runner collects them, with the machine description, between the

@@ -71,7 +71,7 @@ class GuardConfig:
     listen_port: int = 8080
     engine_url: str = "http://127.0.0.1:8000"
     block_size: int = 32
-    kv_watermark_percent: int = 15
+    kv_watermark_percent: int = 5
     max_context_tokens: int = 4096
     over_length_policy: str = "Reject"
     request_timeout_seconds: float = 300
@@ -141,7 +141,7 @@ def parse(raw: Any) -> GuardConfig:
         listen_port=r.integer("listenPort", default=8080, low=0, high=65535),
         engine_url=r.string("engineUrl", default="http://127.0.0.1:8000"),
         block_size=r.integer("blockSize", default=engine.block_size if engine else 32, low=1),
-        kv_watermark_percent=r.integer("kvWatermarkPercent", default=15, low=0, high=99),
+        kv_watermark_percent=r.integer("kvWatermarkPercent", default=5, low=0, high=99),
         max_context_tokens=r.integer("maxContextTokens", default=engine.max_model_len if engine else 4096,
                                      low=1),
         over_length_policy=r.enum("overLengthPolicy", OVER_LENGTH_POLICIES, default="Reject"),

@@ -23,7 +23,7 @@ def test_short_manifest_gets_every_default():
     spec = parse_spec(yaml.safe_load((ROOT / "samples" / "chat.yaml").read_text())["spec"])
     assert spec.resources.gpus_per_replica == 1
     assert spec.isolation.mode == "Dedicated"
-    assert spec.admission.kv_watermark_percent == 15
+    assert spec.admission.kv_watermark_percent == 5
     assert (spec.autoscaling.kv_high_watermark_percent, spec.autoscaling.kv_low_watermark_percent) == (80, 40)
     assert [c.name for c in spec.admission.queue_classes] == ["interactive", "standard", "background"]
     assert spec.audit.fragmentation.interval_seconds == 3600

@@ -196,9 +196,12 @@ DEFAULT_QUEUE_CLASSES = [
 @dataclasses.dataclass(kw_only=True)
 class AdmissionSpec:
     """The guard in front of the engine: what it admits, queues and refuses."""
-    kv_watermark_percent: int = field("Share of KV blocks kept free. A request whose block cost would "
-                                      "cross it gets HTTP 429 with Retry-After, so running decodes finish "
-                                      "instead of being preempted.", default=15, minimum=0, maximum=90)
+    kv_watermark_percent: int = field("Share of KV blocks kept free in vLLM's reported view. A request "
+                                      "whose block cost would cross it gets HTTP 429 with Retry-After. The "
+                                      "guard also promises every admitted request its whole budget "
+                                      "(prompt + max_tokens), so this margin only has to absorb what the "
+                                      "guard cannot see: metrics lag and requests that bypass it.",
+                                      default=5, minimum=0, maximum=90)
     max_context_tokens: Optional[int] = field("Longest prompt + max_tokens accepted. Defaults to "
                                               "model.maxModelLen.", default=None, minimum=16)
     over_length_policy: str = field("Reject answers 400 naming the token counts; TruncateLeft drops the "

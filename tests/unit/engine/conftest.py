@@ -133,7 +133,7 @@ async def guard_factory(fake_vllm, tokenizer):
     async def make(**overrides: Any) -> GuardServer:
         raw = {"servedModelName": "m", "tokenizer": "unused", "engineUrl": fake_vllm.url,
                "listenHost": "127.0.0.1", "listenPort": 0, "metricsPollSeconds": 0.05,
-               "maxContextTokens": 1000, **overrides}
+               "maxContextTokens": 1000, "kvWatermarkPercent": 15, **overrides}  # the tests' arithmetic
         server = GuardServer(guard_config.parse(raw), tokenizer=tokenizer)
         await server.start()
         started.append(server)

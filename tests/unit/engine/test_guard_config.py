@@ -45,7 +45,7 @@ def test_the_doc_example_is_the_fixture():
 
 def test_a_minimal_file_gets_the_documented_defaults():
     cfg = guard_config.parse({"servedModelName": "m", "tokenizer": "/t"})
-    assert cfg.listen_port == 8080 and cfg.kv_watermark_percent == 15
+    assert cfg.listen_port == 8080 and cfg.kv_watermark_percent == 5
     assert cfg.over_length_policy == "Reject" and cfg.engine is None
     assert cfg.queue_class("background").level == 3
 

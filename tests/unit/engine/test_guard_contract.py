@@ -17,7 +17,7 @@ def rendered(spec: dict) -> guard_config.GuardConfig:
 
 def test_the_shortest_manifest_yields_a_config_the_guard_runs():
     cfg = rendered({"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}})
-    assert cfg.kv_watermark_percent == 15 and cfg.listen_port == 8080
+    assert cfg.kv_watermark_percent == 5 and cfg.listen_port == 8080
     argv = vllm_launch(cfg.engine).argv
     assert argv[argv.index("--model") + 1] == "meta-llama/Llama-3.1-8B-Instruct"
 
