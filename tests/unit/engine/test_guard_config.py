@@ -28,7 +28,7 @@ def problems(raw) -> list[str]:
 def test_the_shared_fixture_parses_into_the_documented_values():
     cfg = guard_config.load(FIXTURE)
     assert cfg.service == "chat" and cfg.served_model_name == "chat"
-    assert cfg.kv_watermark_percent == 15 and cfg.block_size == 32
+    assert cfg.kv_watermark_percent == 5 and cfg.block_size == 32
     assert [(c.name, c.level, c.max_queue_seconds) for c in cfg.queue_classes] == [
         ("interactive", 1, 2.0), ("standard", 2, 10.0), ("background", 3, 60.0)]
     assert cfg.default_class_by_route == {"/v1/chat/completions": "interactive",
