@@ -115,6 +115,12 @@ class Stack:
         for p in reversed(self.procs):
             p.stop(30)
 
+    def cpu_seconds(self, name: str) -> float:
+        """User + system CPU the named process (``guard``, ``proxy``) has used so far."""
+        proc = next(p for p in self.procs if p.name == name)
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 async def vllm_counters(vllm_url: str) -> tuple[float, float]:
     """(preemptions, generated tokens) so far."""

@@ -79,6 +79,7 @@ async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_secon
     stack = Stack(KV_BLOCKS)
     runs: dict[tuple[str, int], list[Run]] = {(p, c): [] for p in PATHS for c in (1, 32)}
     saturation: dict[str, list[Run]] = {p: [] for p in PATHS}
+    cpu: dict[str, list[float]] = {"proxy": [], "guard": []}  # CPU ms per completed request, per round
     try:
         stack.start_vllm()
         stack.start_proxy()
@@ -94,11 +95,15 @@ async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_secon
             order = PATHS[r % 3:] + PATHS[:r % 3]
             for path in order:
                 seed += 1
-                saturation[path].append(await closed_loop(f"{path} c32", urls[path], stack.vllm_url, 32,
-                                                          duration=round_seconds, seed=seed))
+                before = stack.cpu_seconds(path) if path in cpu else 0.0
+                run = await closed_loop(f"{path} c32", urls[path], stack.vllm_url, 32,
+                                        duration=round_seconds, seed=seed)
+                saturation[path].append(run)
+                if path in cpu:
+                    cpu[path].append(1000 * (stack.cpu_seconds(path) - before) / max(1, len(run.ok)))
     finally:
         stack.stop()
-    return runs, saturation
+    return runs, saturation, cpu
 
 
 def med(runs: list[Run], metric: str) -> float:
@@ -111,7 +116,7 @@ def throughput(runs: list[Run]) -> float:
     return sum(r.goodput for r in runs) / len(runs)
 
 
-def report(runs, saturation) -> tuple[list[dict], list[tuple[str, str, bool]]]:
+def report(runs, saturation, cpu) -> tuple[list[dict], list[tuple[str, str, bool]]]:
     rows = []
     for (path, c), rs in runs.items():
         rows.append({"path": path, "clients": c, "requests": sum(len(r.ok) for r in rs),
@@ -135,6 +140,11 @@ def report(runs, saturation) -> tuple[list[dict], list[tuple[str, str, bool]]]:
     checks.append(("throughput at saturation (32 clients): loss vs proxy < 2%",
                    f"guard {g:.0f}, proxy {p:.0f}, direct {d:.0f} tok/s; loss vs proxy {100 * (1 - g / p):.1f}%, "
                    f"vs direct {100 * (1 - g / d):.1f}%", g >= 0.98 * p))
+    # Not a target, the explanation of one: on a host whose cores vLLM keeps
+    # busy, every CPU millisecond a proxy spends is taken from the engine.
+    checks.append(("CPU per request at 32 clients, guard vs proxy",
+                   f"guard {statistics.mean(cpu['guard']):.1f} ms, proxy {statistics.mean(cpu['proxy']):.1f} ms",
+                   None))
     nothing_shed = all(r.count(lambda a: a.status != 200) == 0
                        for rs in [*runs.values(), *saturation.values()] for r in rs)
     checks.append(("every request completed on every path", "yes" if nothing_shed else "no", nothing_shed))
@@ -149,16 +159,17 @@ def main() -> int:
     parser.add_argument("--round-seconds", type=float, default=10.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    runs, saturation = asyncio.run(measure(args.rounds, args.c1_requests, args.c32_seconds, args.round_seconds))
-    rows, checks = report(runs, saturation)
+    runs, saturation, cpu = asyncio.run(measure(args.rounds, args.c1_requests, args.c32_seconds,
+                                                args.round_seconds))
+    rows, checks = report(runs, saturation, cpu)
     print(table(rows))
     print()
     for name, value, ok in checks:
-        print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")
+        print(f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'}  {name}: {value}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "checks": [
             {"target": n, "measured": v, "pass": ok} for n, v, ok in checks]}, indent=2))
-    return 0 if all(ok for _, _, ok in checks) else 1
+    return 0 if all(ok is not False for _, _, ok in checks) else 1
 
 
 if __name__ == "__main__":
