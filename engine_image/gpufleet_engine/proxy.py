@@ -27,6 +27,7 @@ from .context import ContextTooLong, InvalidRequest, Limits
 from .drain import Drain
 from .metrics import GuardMetrics
 from .queues import MultiLevelQueue
+from .retry_hint import RetryAdvisor
 from .scheduler import Grant, Rejection, Scheduler
 from .tokens import Tokenizer
 from .upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS, Upstream
@@ -61,6 +62,7 @@ class Guard:
                                                       config.max_queue_length)
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
                                    config.retry_after_seconds, clock=clock, on_change=self.refresh_gauges)
+        self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
         self.drain = Drain()
         self.metrics.max_concurrency.set(config.max_concurrency)
         self.engine_up = False
@@ -176,6 +178,7 @@ class Guard:
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
                 grant = await self.scheduler.acquire(prepared.block_cost(self.block_size), queue_class)
+                self.retry.admitted()
                 try:
                     return await exchange.forward(raw, route, grant)
                 finally:
@@ -193,6 +196,8 @@ class Guard:
             raise
 
     def _refuse(self, queue_class: QueueClass, r: Rejection) -> web.Response:
+        if r.status == 429 and r.retry_after is not None:
+            r.retry_after = self.retry.refused()  # sized to the crowd (retry_hint.py)
         self.metrics.rejections.labels(queue_class.name, r.reason).inc()
         self.metrics.requests.labels(queue_class.name, "rejected").inc()
         return error_response(r.status, r.reason, r.message, r.retry_after)
