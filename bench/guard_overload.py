@@ -4,7 +4,8 @@ Every figure is compared with a baseline measured in the same run, guarded
 and unguarded runs alternating on one vLLM:
 
 1. vLLM alone: concurrency 1 (the TTFT reference), 8 and 128 (saturated
-   throughput; at 128 also the overload without shedding: preemptions, queueing);
+   throughput; at 128 also the overload without shedding: preemptions, queueing),
+   and 6, the most requests the 64-block pool holds at full budget;
 2. the guard in front of the same vLLM: concurrency 1 and 128;
 3. vLLM's own shedding, ``--max-num-queued-reqs`` (503), at 128, on a fresh vLLM.
 
@@ -29,6 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from guard_common import Stack, closed_loop, table  # noqa: E402
 
 KV_BLOCKS = 64
+PROMPT, OUTPUT, BLOCK = 256, 64, 32
+# The most requests the pool holds at their full budget (vLLM keeps one block
+# back): what any admission that never causes a preemption can run at once.
+FITS = (KV_BLOCKS - 1) // -(-(PROMPT + OUTPUT) // BLOCK)
 
 
 async def measure(duration: float, queued_limit: int, watermark: int) -> dict:
@@ -47,6 +52,8 @@ async def measure(duration: float, queued_limit: int, watermark: int) -> dict:
         # As long as the overload runs: the saturated throughput is the goodput reference.
         runs["vllm_c8"] = await closed_loop("vLLM, 8 clients", stack.vllm_url, stack.vllm_url, 8,
                                             duration=duration, seed=2)
+        runs["vllm_fits"] = await closed_loop(f"vLLM, {FITS} clients (all fit at full budget)", stack.vllm_url,
+                                              stack.vllm_url, FITS, duration=duration, seed=7)
         runs["guard_c128"] = await closed_loop("guard, 128 clients", stack.guard_url, stack.vllm_url, 128,
                                                duration=duration, seed=5)
         runs["vllm_c128"] = await closed_loop("vLLM, 128 clients", stack.vllm_url, stack.vllm_url, 128,
@@ -81,6 +88,13 @@ def verdict(runs: dict) -> list[tuple[str, str, bool]]:
          g.preemptions <= 0.01 * admitted),
         ("goodput ≥ 90% of unguarded saturated throughput (best of 8 and 128 clients)",
          f"{g.goodput:.0f} vs {saturated:.0f} tok/s = {100 * g.goodput / saturated:.0f}%", g.goodput >= 0.9 * saturated),
+        # The 90% target above cannot be met by any admission that also keeps
+        # preemptions at zero when vLLM's saturated figure comes from running
+        # more requests than the pool holds (it recomputes the preempted ones);
+        # this is the same ratio against what fits (docs/benchmarks.md).
+        (f"goodput ≥ 90% of vLLM alone at {FITS} clients (the most that fit without preemption)",
+         f"{g.goodput:.0f} vs {runs['vllm_fits'].goodput:.0f} tok/s = "
+         f"{100 * g.goodput / runs['vllm_fits'].goodput:.0f}%", g.goodput >= 0.9 * runs["vllm_fits"].goodput),
         ("no 5xx", f"{g.count(lambda a: a.status >= 500)}", g.count(lambda a: a.status >= 500) == 0),
         ("every 429 carries Retry-After", f"{g.count(lambda a: a.status == 429 and a.retry_after)}/{shed}",
          g.count(lambda a: a.status == 429 and not a.retry_after) == 0),
