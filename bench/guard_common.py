@@ -259,7 +259,10 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
             if attempt.status == 200:
                 completed += 1
             elif delay:
-                await asyncio.sleep(delay)
+                # Never past the end of the run: a client told to come back in
+                # 5 s would otherwise stretch the wall time goodput divides by.
+                left = duration - (time.perf_counter() - start) if duration is not None else delay
+                await asyncio.sleep(max(0.0, min(delay, left)))
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
