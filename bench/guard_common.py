@@ -59,10 +59,16 @@ def guard_json(vllm_port: int, guard_port: int, kv_blocks: int, max_model_len: i
     return raw
 
 
+def _core_range(part: str) -> range:
+    lo, _, hi = part.partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
 class Stack:
     """vLLM, and optionally the guard and the pass-through proxy in front of it."""
 
-    def __init__(self, kv_blocks: int, engine_extra_args: list[str] | None = None, **guard_overrides):
+    def __init__(self, kv_blocks: int, engine_extra_args: list[str] | None = None,
+                 engine_cores: str | None = None, **guard_overrides):
         self.vllm_port = free_port("127.0.0.1")
         self.guard_port = free_port("127.0.0.1")
         self.proxy_port = free_port("127.0.0.1")
@@ -70,6 +76,15 @@ class Stack:
         self.raw = guard_json(self.vllm_port, self.guard_port, kv_blocks, engine=extra, **guard_overrides)
         self.config = guard_config.parse(self.raw)
         self.procs: list[ManagedProcess] = []
+        # engine_cores ("1"): vLLM and its OpenMP threads on those cores, the
+        # guard, the proxy and the load generator on the others, as separate
+        # containers with their own CPU would be in a pod.
+        self.engine_cores = engine_cores
+        self.other_cores = None
+        if engine_cores:
+            mine = {int(c) for part in engine_cores.split(",") for c in _core_range(part)}
+            self.other_cores = ",".join(str(c) for c in sorted(set(range(os.cpu_count() or 1)) - mine))
+            os.sched_setaffinity(0, {int(c) for c in self.other_cores.split(",")})
 
     @property
     def vllm_url(self) -> str:
@@ -84,8 +99,10 @@ class Stack:
         return f"http://127.0.0.1:{self.proxy_port}"
 
     def start_vllm(self) -> None:
-        launch = vllm_launch(self.config.engine, python=sys.executable, cpu_count=os.cpu_count() or 1)
-        p = ManagedProcess("vllm", launch.argv, launch.env, WORK / f"vllm-{self.vllm_port}.log")
+        launch = vllm_launch(self.config.engine, python=sys.executable, cpu_count=os.cpu_count() or 1,
+                             cpu_cores=self.engine_cores)
+        argv = ["taskset", "-c", self.engine_cores, *launch.argv] if self.engine_cores else launch.argv
+        p = ManagedProcess("vllm", argv, launch.env, WORK / f"vllm-{self.vllm_port}.log")
         p.start()
         self.procs.append(p)
         wait_until(lambda: _ok(self.vllm_url + "/health"), 600, abort_if_dead=p, what="vLLM")

@@ -36,9 +36,9 @@ PROMPT, OUTPUT, BLOCK = 256, 64, 32
 FITS = (KV_BLOCKS - 1) // -(-(PROMPT + OUTPUT) // BLOCK)
 
 
-async def measure(duration: float, queued_limit: int, watermark: int) -> dict:
+async def measure(duration: float, queued_limit: int, watermark: int, engine_cores: str | None) -> dict:
     runs = {}
-    stack = Stack(KV_BLOCKS, kvWatermarkPercent=watermark)
+    stack = Stack(KV_BLOCKS, engine_cores=engine_cores, kvWatermarkPercent=watermark)
     try:
         stack.start_vllm()
         stack.start_guard()  # idle (a metrics read per 0.5 s) while vLLM runs alone
@@ -60,7 +60,8 @@ async def measure(duration: float, queued_limit: int, watermark: int) -> dict:
                                               duration=duration, seed=3)
     finally:
         stack.stop()
-    shedding = Stack(KV_BLOCKS, engine_extra_args=["--max-num-queued-reqs", str(queued_limit)])
+    shedding = Stack(KV_BLOCKS, engine_extra_args=["--max-num-queued-reqs", str(queued_limit)],
+                     engine_cores=engine_cores)
     try:
         shedding.start_vllm()
         await closed_loop("warm-up", shedding.vllm_url, shedding.vllm_url, 4, requests=8, seed=98)
@@ -113,9 +114,11 @@ def main() -> int:
                         help="--max-num-queued-reqs for vLLM's own shedding (default: 8, the saturating load)")
     parser.add_argument("--watermark", type=int, default=5,
                         help="the guard's kvWatermarkPercent (default 5, the product default)")
+    parser.add_argument("--engine-cores", help="bind vLLM to these cores (e.g. 1) and the guard and the "
+                        "load generator to the rest, as the engine and guard containers of a pod would be")
     parser.add_argument("--json", type=Path, help="write the raw summaries here")
     args = parser.parse_args()
-    runs = asyncio.run(measure(args.duration, args.queued_limit, args.watermark))
+    runs = asyncio.run(measure(args.duration, args.queued_limit, args.watermark, args.engine_cores))
     rows = [r.summary() for r in runs.values()]
     print(table(rows))
     print()
