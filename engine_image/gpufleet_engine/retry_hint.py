@@ -7,9 +7,11 @@ shares cores with) parsing and bookkeeping for nothing.
 
 The guard estimates the crowd cycling through refusals with Little's law,
 N ≈ refusal rate × mean hint, and tells the next refused client to come back
-after N / (k × admission rate): with k = 3 about three attempts arrive per
-opening, so freed capacity is rarely left idle, while the refusal rate
-settles near k × the admission rate instead of growing with the crowd. The
+after N / (k × admission rate): with k = 6 about six attempts arrive per
+opening, so freed blocks wait ~1/(6 × admission rate) for the next one
+(k = 3 left them idle ~7% of a request's time on the 64-block bench), while
+the refusal rate settles near k × the admission rate instead of growing
+with the crowd. The
 hint never goes below the configured ``retryAfterSeconds`` nor above
 ``maximum`` (OpenAI's clients ignore hints over 60 s).
 """
@@ -43,7 +45,7 @@ class DecayingCounter:
 
 
 class RetryAdvisor:
-    def __init__(self, base: float, *, maximum: float = 30.0, oversubscription: float = 3.0,
+    def __init__(self, base: float, *, maximum: float = 30.0, oversubscription: float = 6.0,
                  window: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.base = base
         self.maximum = max(base, maximum)
