@@ -11,9 +11,9 @@ after N / (k × admission rate): with k = 6 about six attempts arrive per
 opening, so freed blocks wait ~1/(6 × admission rate) for the next one
 (k = 3 left them idle ~7% of a request's time on the 64-block bench), while
 the refusal rate settles near k × the admission rate instead of growing
-with the crowd. The
-hint never goes below the configured ``retryAfterSeconds`` nor above
-``maximum`` (OpenAI's clients ignore hints over 60 s).
+with the crowd. The hint never goes below the configured
+``retryAfterSeconds`` nor above ``maximum`` (OpenAI's clients ignore hints
+over 60 s).
 """
 from __future__ import annotations
 
@@ -64,12 +64,11 @@ class RetryAdvisor:
         refusals = self._refused.rate(now)
         if refusals <= 0:
             return self.base
-        mean_hint = self._hint_sum.rate(now) / refusals
-        crowd = refusals * mean_hint
+        crowd = self._hint_sum.rate(now)  # refusals/s × mean hint (Little's law)
         admissions = self._admitted.rate(now)
         if admissions <= 1e-3:
             # Nothing finishes (long requests hold the pool): back off harder each time.
-            return min(self.maximum, max(self.base, 2 * mean_hint))
+            return min(self.maximum, max(self.base, 2 * crowd / refusals))
         return min(self.maximum, max(self.base, crowd / (self.k * admissions)))
 
     def refused(self) -> float:

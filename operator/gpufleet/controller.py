@@ -31,6 +31,8 @@ class Controller:
         self.metrics = metrics
         self._podmonitor_checked_at = 0.0
         self._has_podmonitor = False
+        # (namespace, name) -> monotonic time of the last successful reconcile, whoever asked for it
+        self.last_reconciled: dict[tuple[str, str], float] = {}
 
     async def has_podmonitor(self) -> bool:
         # The Prometheus Operator may be installed after us: re-discover now and then.
@@ -95,6 +97,7 @@ class Controller:
             self.metrics.ready_replicas.labels(ns, name).set(status["readyReplicas"])
             self.metrics.crashlooping.labels(ns, name).set(len(crashlooping_pods(observed.pods)))
             self.metrics.reconcile_total.labels("InferenceService", "ok").inc()
+            self.last_reconciled[(ns, name)] = time.monotonic()
         except ApiError:
             self.metrics.reconcile_errors.labels(ns, name).inc()
             self.metrics.reconcile_total.labels("InferenceService", "error").inc()

@@ -60,11 +60,8 @@ def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
 
 
 async def _reconcile(body, memo) -> None:
-    rt = _rt(memo)
     try:
-        await rt.controller.reconcile(dict(body))
-        meta = body.get("metadata", {})
-        rt.reconciled(meta.get("namespace"), meta.get("name"), time.monotonic())
+        await _rt(memo).controller.reconcile(dict(body))
     except ApiError as e:
         if e.namespace_terminating:
             # Nothing can be created there any more and the object goes with its
@@ -156,7 +153,6 @@ async def run_triggered(rt: OperatorRuntime) -> None:
                 isvc = await rt.controller.get(ns, name)
                 if isvc and not isvc["metadata"].get("deletionTimestamp"):
                     await rt.controller.reconcile(isvc, apply_children=apply)
-                    rt.reconciled(ns, name, time.monotonic())
             except ApiError as e:
                 if not e.namespace_terminating:
                     log.warning("reconcile of %s/%s after a child change failed: %s", ns, name, e)

@@ -32,7 +32,6 @@ class OperatorRuntime:
         self.fleet = None  # FleetLoop when the fleet loops run (fleet.register_loops)
         self.fleet_interval = 1.0  # seconds between replica reads (autoscaler fast path)
         self.resync_seconds = 300.0  # a service untouched this long is reconciled by the timer
-        self._last_reconciled: dict[tuple[str, str], float] = {}
         self.reader = None
 
     def trigger(self, namespace: str, name: str, apply: bool = True) -> None:
@@ -52,17 +51,14 @@ class OperatorRuntime:
 
     def forget(self, namespace: str, name: str) -> None:
         self.metrics.forget_service(namespace, name)
-        self._last_reconciled.pop((namespace, name), None)
+        self.controller.last_reconciled.pop((namespace, name), None)
         if self.fleet is not None:
             self.fleet.remove_service(namespace, name)
-
-    def reconciled(self, namespace: str, name: str, now: float) -> None:
-        self._last_reconciled[(namespace, name)] = now
 
     def resync_due(self, namespace: str, name: str, now: float) -> bool:
         """The timer's backstop runs only for services nothing else reconciled recently.
         A service the timer meets first is being handled by its create/resume handler."""
-        last = self._last_reconciled.setdefault((namespace, name), now)
+        last = self.controller.last_reconciled.setdefault((namespace, name), now)
         return now - last >= self.resync_seconds
 
     async def start(self) -> None:

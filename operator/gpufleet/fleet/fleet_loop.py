@@ -22,7 +22,7 @@ import time
 
 from ..kube.errors import ApiError
 from ..manifests import names
-from .service_loop import ServiceLoop
+from .service_loop import ServiceLoop, readable_replicas
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class FleetLoop:
         body = self.services[key]
         if names.ANNOTATION_AUDIT_REQUEST in (body["metadata"].get("annotations") or {}):
             return True
-        return any(p["ready"] and p.get("ip") and not p["deleting"] for p in self.pods.get(key, {}).values())
+        return bool(readable_replicas(list(self.pods.get(key, {}).values())))
 
     def due_now(self, now: float) -> list[Key]:
         """Services whose turn it is and that are not mid-tick; advances their clocks."""

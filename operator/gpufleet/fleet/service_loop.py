@@ -28,6 +28,11 @@ TTFT_WINDOW_S = 60
 FIRST_AUDIT_DELAY_S = 15
 
 
+def readable_replicas(pods: list[dict]) -> list[dict]:
+    """Replica views ({name, ip, ready, deleting}) that serve traffic and can be read."""
+    return [p for p in pods if p["ready"] and p.get("ip") and not p["deleting"]]
+
+
 class ServiceLoop:
     def __init__(self, runtime, namespace: str, name: str):
         self.rt = runtime
@@ -53,7 +58,7 @@ class ServiceLoop:
     # --- reading ---------------------------------------------------------------
 
     async def read_replicas(self, pods: list[dict]):
-        ready = [p for p in pods if p["ready"] and p["ip"] and not p["deleting"]]
+        ready = readable_replicas(pods)
         samples = await asyncio.gather(*(self.rt.reader.sample(p["name"], p["ip"]) for p in ready))
         for s in samples:
             if not s.ok:
