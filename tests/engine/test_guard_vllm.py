@@ -202,6 +202,12 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     await patient.close()
 
 
+# Long enough that the streams are still running when the test checks the
+# draining guard (0.7 s after they start); 128 tokens could finish by then on
+# a quiet machine, and the guard, drained, had already exited.
+DRAIN_TOKENS = 384
+
+
 async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_path):
     config = json.loads(open(engine.config_path).read())
     config.update(listenPort=free_port("127.0.0.1"), drainTimeoutSeconds=60)
@@ -226,7 +232,7 @@ async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_pa
                 await asyncio.sleep(0.2)
 
             async def stream(i: int):
-                body = {"model": "tiny", "prompt": token_ids(64, 500 + i), "max_tokens": 128,
+                body = {"model": "tiny", "prompt": token_ids(64, 500 + i), "max_tokens": DRAIN_TOKENS,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                 async with s.post(url + "/v1/completions", json=body) as r:
                     return r.status, await r.text()
@@ -247,4 +253,4 @@ async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_pa
     for status, text in results:
         assert status == 200 and text.endswith("data: [DONE]\n\n")
         usage = [e for e in events(text) if isinstance(e, dict) and e.get("usage")][-1]["usage"]
-        assert usage["completion_tokens"] == 128
+        assert usage["completion_tokens"] == DRAIN_TOKENS
