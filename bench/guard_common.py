@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from gpufleet_engine import config as guard_config
+from gpufleet_engine.contract import guard_config
 from gpufleet_engine.flags import vllm_launch
 from gpufleet_engine.local import free_port
 from gpufleet_engine.models import prepare

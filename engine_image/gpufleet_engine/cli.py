@@ -15,7 +15,7 @@ import threading
 
 import click
 
-from . import config as guard_config
+from .contract import guard_config
 from .models import MODEL_NAMES, ModelPreparationError
 
 

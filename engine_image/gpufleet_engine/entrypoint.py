@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from . import config as guard_config
+from .contract import guard_config
 from .flags import EngineLaunch, vllm_launch
 from .processes import ManagedProcess
 

@@ -9,24 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .config import EngineConfig
+from .contract.guard_config import EngineConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-
-# Flags that engine fields already set; extraArgs may not repeat them, or the
-# last one on the command line would silently win over the field.
-_DERIVED = (
-    "--model", "--served-model-name", "--host", "--port", "--max-model-len",
-    "--tensor-parallel-size", "-tp", "--gpu-memory-utilization", "--block-size",
-    "--kv-cache-dtype", "--dtype", "--enable-prefix-caching", "--no-enable-prefix-caching",
-    "--max-num-seqs", "--max-num-batched-tokens", "--quantization", "-q",
-    "--speculative-config", "-sc", "--num-gpu-blocks-override",
-)
-
-
-def derived_flag_names() -> frozenset[str]:
-    return frozenset(_DERIVED)
-
 
 @dataclass(frozen=True)
 class EngineLaunch:

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from . import config as guard_config
+from .contract import guard_config
 from .flags import vllm_launch
 from .models import prepare
 from .processes import ManagedProcess, wait_until

@@ -9,9 +9,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-OUTCOMES = ("ok", "rejected", "invalid", "timeout", "cancelled", "error")
-REASONS = ("kv_watermark", "queue_timeout", "queue_full", "context_length", "draining",
-           "engine_down", "invalid_request")  # docs/metrics.md lists the same
+from .contract import guard_metrics as m
+from .contract.guard_metrics import OUTCOMES, REASONS
+
+__all__ = ["CONTENT_TYPE", "OUTCOMES", "REASONS", "GuardMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -24,40 +25,40 @@ class GuardMetrics:
     def __init__(self, classes: list[str], registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("gpufleet_guard_requests", "Finished requests by class and outcome.",
+        self.requests = Counter(m.REQUESTS, "Finished requests by class and outcome.",
                                 ["class", "outcome"], registry=r)
-        self.rejections = Counter("gpufleet_guard_rejections", "Requests refused by the guard, by reason.",
+        self.rejections = Counter(m.REJECTIONS, "Requests refused by the guard, by reason.",
                                   ["class", "reason"], registry=r)
-        self.queue_seconds = Histogram("gpufleet_guard_queue_seconds",
+        self.queue_seconds = Histogram(m.QUEUE_SECONDS,
                                        "Time from arrival to dispatch to vLLM.", ["class"],
                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft_seconds = Histogram("gpufleet_guard_ttft_seconds",
+        self.ttft_seconds = Histogram(m.TTFT_SECONDS,
                                       "Time to first token as the client sees it (streaming requests).",
                                       ["class"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl_seconds = Histogram("gpufleet_guard_itl_seconds",
+        self.itl_seconds = Histogram(m.ITL_SECONDS,
                                      "Inter-chunk latency as the client sees it (streaming requests).",
                                      ["class"], buckets=_ITL_BUCKETS, registry=r)
-        self.request_seconds = Histogram("gpufleet_guard_request_seconds",
+        self.request_seconds = Histogram(m.REQUEST_SECONDS,
                                          "End-to-end latency of admitted requests.", ["class"],
                                          buckets=_REQUEST_BUCKETS, registry=r)
-        self.queue_depth = Gauge("gpufleet_guard_queue_depth", "Requests waiting in the guard's queue.",
+        self.queue_depth = Gauge(m.QUEUE_DEPTH, "Requests waiting in the guard's queue.",
                                  ["class"], registry=r)
-        self.max_concurrency = Gauge("gpufleet_guard_max_concurrency",
+        self.max_concurrency = Gauge(m.MAX_CONCURRENCY,
                                      "Most requests the guard dispatches to vLLM at once (maxConcurrency).",
                                      registry=r)
-        self.in_flight = Gauge("gpufleet_guard_in_flight", "Requests dispatched to vLLM and not finished.",
+        self.in_flight = Gauge(m.IN_FLIGHT, "Requests dispatched to vLLM and not finished.",
                                registry=r)
-        self.kv_free_blocks = Gauge("gpufleet_guard_kv_free_blocks",
+        self.kv_free_blocks = Gauge(m.KV_FREE_BLOCKS,
                                     "Free KV blocks as the guard sees them.", registry=r)
-        self.kv_reserved_blocks = Gauge("gpufleet_guard_kv_reserved_blocks",
+        self.kv_reserved_blocks = Gauge(m.KV_RESERVED_BLOCKS,
                                         "Full block budgets of the guard's in-flight requests.", registry=r)
-        self.kv_total_blocks = Gauge("gpufleet_guard_kv_total_blocks", "KV blocks in vLLM's pool.",
+        self.kv_total_blocks = Gauge(m.KV_TOTAL_BLOCKS, "KV blocks in vLLM's pool.",
                                      registry=r)
-        self.kv_watermark_blocks = Gauge("gpufleet_guard_kv_watermark_blocks",
+        self.kv_watermark_blocks = Gauge(m.KV_WATERMARK_BLOCKS,
                                          "KV blocks the guard keeps free.", registry=r)
-        self.engine_up = Gauge("gpufleet_guard_engine_up",
+        self.engine_up = Gauge(m.ENGINE_UP,
                                "1 when vLLM answered the guard's last metrics read.", registry=r)
-        self.ready = Gauge("gpufleet_guard_ready", "1 when the guard reports ready.", registry=r)
+        self.ready = Gauge(m.READY, "1 when the guard reports ready.", registry=r)
         for c in classes:
             for o in OUTCOMES:
                 self.requests.labels(c, o)

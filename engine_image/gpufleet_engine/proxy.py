@@ -22,7 +22,8 @@ from aiohttp import web
 from . import context
 from .admission import KvLedger
 from .audit import SequenceLength
-from .config import GuardConfig, QueueClass
+from .contract.guard_config import GuardConfig, QueueClass
+from .contract.guard_metrics import Reason
 from .context import ContextTooLong, InvalidRequest, Limits
 from .drain import Drain
 from .metrics import GuardMetrics
@@ -82,7 +83,7 @@ class Guard:
     def not_ready_reasons(self) -> list[str]:
         reasons = []
         if self.drain.draining:
-            reasons.append("draining")
+            reasons.append(Reason.DRAINING)
         if not self.engine_up:
             reasons.append(f"engine down: {self.engine_problem}")
         elif not self.ledger.known:
@@ -136,16 +137,16 @@ class Guard:
         if queue_class is None:
             names = ", ".join(c.name for c in self.config.queue_classes)
             return self._refuse(default_class, Rejection(
-                "invalid_request", 400, f"Unknown request class {asked!r} in header "
+                Reason.INVALID_REQUEST, 400, f"Unknown request class {asked!r} in header "
                 f"{self.config.class_header}; use one of: {names}."))
         if self.drain.draining:
             return self._refuse(queue_class, Rejection(
-                "draining", 503, "This replica is shutting down and takes no new requests. "
+                Reason.DRAINING, 503, "This replica is shutting down and takes no new requests. "
                 "Retry; another replica will serve it.", self.config.retry_after_seconds))
         if not self.engine_up or self.tokenizer is None:
             problem = self.engine_problem if not self.engine_up else f"tokenizer: {self.tokenizer_problem}"
             return self._refuse(queue_class, Rejection(
-                "engine_down", 503, f"The model engine is not available: {problem}",
+                Reason.ENGINE_DOWN, 503, f"The model engine is not available: {problem}",
                 self.config.retry_after_seconds))
         self.drain.enter()
         try:
@@ -170,9 +171,9 @@ class Guard:
         try:
             prepared = await self._prepare(raw, route)
         except ContextTooLong as e:
-            return self._refuse(queue_class, Rejection("context_length", 400, str(e)))
+            return self._refuse(queue_class, Rejection(Reason.CONTEXT_LENGTH, 400, str(e)))
         except (InvalidRequest, ValueError) as e:
-            return self._refuse(queue_class, Rejection("invalid_request", 400, f"Invalid request: {e}"))
+            return self._refuse(queue_class, Rejection(Reason.INVALID_REQUEST, 400, f"Invalid request: {e}"))
 
         exchange = _Exchange(self, request, queue_class, arrived, prepared)
         try:
@@ -271,7 +272,7 @@ class _Exchange:
             guard.on_engine_unreachable()
             self.finished = True  # counted as a refusal below, not as a request outcome
             return guard._refuse(self.queue_class, Rejection(
-                "engine_down", 503, "The model engine is not accepting connections. Retry later.",
+                Reason.ENGINE_DOWN, 503, "The model engine is not accepting connections. Retry later.",
                 guard.config.retry_after_seconds))
         except aiohttp.ClientError as e:
             if self.response is not None:

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Iterable, TypeVar
 
-from .config import QueueClass
+from .contract.guard_config import QueueClass
 
 T = TypeVar("T")
 

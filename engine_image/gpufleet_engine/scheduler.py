@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .admission import Decision, KvLedger
-from .config import QueueClass
+from .contract.guard_config import QueueClass
+from .contract.guard_metrics import Reason
 from .queues import Entry, MultiLevelQueue, QueueFull
 
 
@@ -66,7 +67,7 @@ class Scheduler:
             why = f"only {max(0, d.unreserved_blocks)} are not promised to requests in flight"
         else:
             why = f"{d.free_blocks} are free and {d.watermark} are kept free for requests in flight"
-        return Rejection("kv_watermark", 429,
+        return Rejection(Reason.KV_WATERMARK, 429,
                          f"The KV cache is too full to admit this request now: {need}, {why}. Retry later.",
                          self.retry_after)
 
@@ -86,7 +87,7 @@ class Scheduler:
         try:
             entry = self.queue.push(waiter, queue_class.name, arrived)
         except QueueFull as e:
-            raise Rejection("queue_full", 429, f"The guard's queue is full ({e}). Retry later.",
+            raise Rejection(Reason.QUEUE_FULL, 429, f"The guard's queue is full ({e}). Retry later.",
                             self.retry_after) from None
         self._on_change()
         try:
@@ -94,7 +95,7 @@ class Scheduler:
         except asyncio.TimeoutError:
             if self._abandon(entry):
                 raise Rejection(
-                    "queue_timeout", 429,
+                    Reason.QUEUE_TIMEOUT, 429,
                     f"The request waited {queue_class.max_queue_seconds:g}s, the most class "
                     f"{queue_class.name!r} may wait for a free slot. Retry later.",
                     self.retry_after) from None

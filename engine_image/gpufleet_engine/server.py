@@ -17,7 +17,8 @@ from aiohttp import web
 
 from . import audit
 from .audit import DeviceProber
-from .config import GuardConfig
+from .contract.guard_config import GuardConfig
+from .contract.guard_metrics import Reason
 from .context import CHAT, COMPLETIONS, EMBEDDINGS
 from .metrics import CONTENT_TYPE
 from .proxy import Guard, error_response
@@ -40,7 +41,7 @@ def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
 
     async def models(request: web.Request) -> web.StreamResponse:
         if not guard.engine_up:
-            return error_response(503, "engine_down", f"The model engine is not available: "
+            return error_response(503, Reason.ENGINE_DOWN, f"The model engine is not available: "
                                   f"{guard.engine_problem}", guard.config.retry_after_seconds)
         assert guard.upstream.session is not None
         try:
@@ -48,7 +49,7 @@ def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
                 return web.Response(body=await resp.read(), status=resp.status,
                                     content_type=resp.content_type)
         except aiohttp.ClientError as e:
-            return error_response(503, "engine_down", f"The model engine is not available: {e}",
+            return error_response(503, Reason.ENGINE_DOWN, f"The model engine is not available: {e}",
                                   guard.config.retry_after_seconds)
 
     async def metrics(request: web.Request) -> web.Response:

@@ -94,13 +94,14 @@ def test_guard_config_is_derived_from_the_spec():
              admission={"kvWatermarkPercent": 20, "overLengthPolicy": "TruncateLeft"},
              engine={"kvCache": {"blockSize": 32}})
     cfg = guard_config.build_guard_config("chat", "ml", s)
-    assert cfg["kvWatermarkPercent"] == 20 and cfg["blockSize"] == 32
-    assert cfg["maxContextTokens"] == 8192  # defaults to the model length
-    assert cfg["overLengthPolicy"] == "TruncateLeft"
-    assert cfg["servedModelName"] == "chat"
-    assert cfg["engine"]["gpuMemoryUtilization"] == 0.9
-    assert cfg["defaultClassByRoute"]["/v1/chat/completions"] == "interactive"
-    json.loads(guard_config.render(cfg))
+    assert cfg.kv_watermark_percent == 20 and cfg.block_size == 32
+    assert cfg.max_context_tokens == 8192  # defaults to the model length
+    assert cfg.over_length_policy == "TruncateLeft"
+    assert cfg.served_model_name == "chat"
+    assert cfg.engine is not None and cfg.engine.gpu_memory_utilization == 0.9
+    assert cfg.default_class_by_route["/v1/chat/completions"] == "interactive"
+    doc = json.loads(guard_config.render(cfg))
+    assert doc["kvWatermarkPercent"] == 20 and doc["engine"]["gpuMemoryUtilization"] == 0.9
 
 
 def test_pvc_source_is_mounted_read_only_and_hf_token_comes_from_a_secret():

@@ -4,10 +4,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from gpufleet_engine.contract import guard_metrics as guard
+from gpufleet_engine.contract.guard_metrics import SHED_REASONS
 from prometheus_client.parser import text_string_to_metric_families
 
-# Counted as shedding: the guard refused new work to protect admitted work.
-SHED_REASONS = {"kv_watermark", "queue_timeout", "queue_full"}
+__all__ = ["SHED_REASONS", "ReplicaSample", "bucket_delta", "parse_replica", "quantile_from_buckets"]
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
 
 
@@ -23,6 +24,7 @@ class ReplicaSample:
     guard_in_flight: float = 0.0
     shed_total: float = 0.0              # cumulative guard rejections that mean "overloaded"
     ttft_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's TTFT
+    queue_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's queue time
 
     @property
     def load(self) -> float:
@@ -40,6 +42,7 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
     kv = {}
     waiting = running = queued = in_flight = shed = 0.0
     ttft: dict[float, float] = {}
+    queue: dict[float, float] = {}
     for name, labels, value in _samples(engine_text):
         if name in KV_USAGE:
             kv.setdefault(name, value)
@@ -48,19 +51,22 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
         elif name == "vllm:num_requests_running":
             running += value
     for name, labels, value in _samples(guard_text):
-        if name == "gpufleet_guard_queue_depth":
+        if name == guard.QUEUE_DEPTH:
             queued += value
-        elif name == "gpufleet_guard_in_flight":
+        elif name == guard.IN_FLIGHT:
             in_flight += value
-        elif name == "gpufleet_guard_rejections_total" and labels.get("reason") in SHED_REASONS:
+        elif name == guard.REJECTIONS + "_total" and labels.get("reason") in SHED_REASONS:
             shed += value
-        elif name == "gpufleet_guard_ttft_seconds_bucket":
+        elif name == guard.TTFT_SECONDS + "_bucket":
             le = float(labels["le"])
             ttft[le] = ttft.get(le, 0.0) + value
+        elif name == "gpufleet_guard_queue_seconds_bucket":  # every class: waiting is waiting
+            le = float(labels["le"])
+            queue[le] = queue.get(le, 0.0) + value
     usage = next((kv[n] for n in KV_USAGE if n in kv), None)
     return ReplicaSample(pod=pod, ok=True, kv_usage=usage, engine_waiting=waiting, engine_running=running,
                          guard_queued=queued, guard_in_flight=in_flight, shed_total=shed,
-                         ttft_buckets=tuple(sorted(ttft.items())))
+                         ttft_buckets=tuple(sorted(ttft.items())), queue_buckets=tuple(sorted(queue.items())))
 
 
 def quantile_from_buckets(buckets: list[tuple[float, float]], q: float) -> float | None:

@@ -1,14 +1,26 @@
-"""spec → the guard's guard.json (see docs/guard-config.md). Pure."""
+"""spec → the guard's guard.json. Pure.
+
+The document's shape, keys and defaults are the contract's
+(``gpufleet_engine.contract.guard_config``, documented in docs/guard-config.md);
+this module only says which spec field fills which contract field.
+"""
 from __future__ import annotations
 
 import hashlib
-import json
+
+from gpufleet_engine.contract.guard_config import (
+    EngineConfig,
+    GuardConfig,
+    QueueClass,
+    SpeculativeConfig,
+    default_routes,
+)
+from gpufleet_engine.contract.guard_config import render as render_config
 
 from ..api.v1alpha1 import InferenceServiceSpec
 from . import names
 
 MODEL_MOUNT = "/models"
-CLASS_HEADER = "x-gpufleet-class"
 
 
 def model_location(spec: InferenceServiceSpec) -> str:
@@ -25,65 +37,52 @@ def served_name(spec: InferenceServiceSpec) -> str:
     return spec.model.served_name or spec.model.name
 
 
-def _route_defaults(classes) -> dict[str, str]:
-    by_level = sorted(classes, key=lambda c: (c.level, c.name))
-    first, last = by_level[0].name, by_level[-1].name
-    middle = next((c.name for c in by_level if c.level == 2), first)
-    return {"/v1/chat/completions": first, "/v1/completions": middle, "/v1/embeddings": last}
-
-
-def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec) -> dict:
+def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec) -> GuardConfig:
     engine, adm = spec.engine, spec.admission
-    max_context = adm.max_context_tokens or spec.model.max_model_len
-    spec_dec = None
-    if engine.speculative:
-        spec_dec = {"model": engine.speculative.draft_model, "numTokens": engine.speculative.num_tokens}
-    return {
-        "service": service,
-        "namespace": namespace,
-        "listenPort": names.GUARD_PORT,
-        "engineUrl": f"http://127.0.0.1:{names.ENGINE_PORT}",
-        "servedModelName": served_name(spec),
-        "tokenizer": model_location(spec),
-        "blockSize": engine.kv_cache.block_size,
-        "kvWatermarkPercent": adm.kv_watermark_percent,
-        "maxContextTokens": max_context,
-        "overLengthPolicy": adm.over_length_policy,
-        "requestTimeoutSeconds": adm.request_timeout_seconds,
-        "drainTimeoutSeconds": adm.request_timeout_seconds,
-        "maxConcurrency": adm.max_concurrency,
-        "maxQueueLength": 1024,
-        "classHeader": CLASS_HEADER,
-        "agingSeconds": 5,
-        "queueClasses": [{"name": c.name, "level": c.level, "maxQueueSeconds": c.max_queue_seconds}
-                         for c in adm.queue_classes],
-        "defaultClassByRoute": _route_defaults(adm.queue_classes),
-        "metricsPollSeconds": 0.5,
-        "engine": {
-            "runtime": engine.runtime,
-            "model": model_location(spec),
-            "servedModelName": served_name(spec),
-            "port": names.ENGINE_PORT,
-            "maxModelLen": spec.model.max_model_len,
-            "tensorParallelSize": engine.tensor_parallel_size,
-            "gpuMemoryUtilization": engine.gpu_memory_utilization_percent / 100,
-            "blockSize": engine.kv_cache.block_size,
-            "kvCacheDtype": engine.kv_cache.dtype,
-            "dtype": engine.dtype,
-            "enablePrefixCaching": engine.prefix_caching == "Enabled",
-            "maxNumSeqs": engine.max_num_seqs,
-            "maxNumBatchedTokens": engine.max_num_batched_tokens,
-            "quantization": engine.quantization,
-            "speculative": spec_dec,
-            "numGpuBlocksOverride": engine.kv_cache.num_blocks_override,
-            "cpuKvCacheSpaceGiB": engine.kv_cache.cpu_kv_cache_space_gib,
-            "extraArgs": list(engine.extra_args),
-        },
-    }
+    classes = tuple(QueueClass(c.name, c.level, float(c.max_queue_seconds)) for c in adm.queue_classes)
+    engine_config = EngineConfig(
+        runtime=engine.runtime,
+        model=model_location(spec),
+        served_model_name=served_name(spec),
+        port=names.ENGINE_PORT,
+        max_model_len=spec.model.max_model_len or EngineConfig.max_model_len,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        gpu_memory_utilization=engine.gpu_memory_utilization_percent / 100,
+        block_size=engine.kv_cache.block_size,
+        kv_cache_dtype=engine.kv_cache.dtype,
+        dtype=engine.dtype,
+        enable_prefix_caching=engine.prefix_caching == "Enabled",
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        quantization=engine.quantization,
+        speculative=SpeculativeConfig(engine.speculative.draft_model, engine.speculative.num_tokens)
+        if engine.speculative else None,
+        num_gpu_blocks_override=engine.kv_cache.num_blocks_override,
+        cpu_kv_cache_space_gib=engine.kv_cache.cpu_kv_cache_space_gib,
+        extra_args=tuple(engine.extra_args),
+    )
+    return GuardConfig(
+        service=service,
+        namespace=namespace,
+        listen_port=names.GUARD_PORT,
+        engine_url=f"http://127.0.0.1:{names.ENGINE_PORT}",
+        served_model_name=served_name(spec),
+        tokenizer=model_location(spec),
+        block_size=engine.kv_cache.block_size,
+        kv_watermark_percent=adm.kv_watermark_percent,
+        max_context_tokens=adm.max_context_tokens or engine_config.max_model_len,
+        over_length_policy=adm.over_length_policy,
+        request_timeout_seconds=float(adm.request_timeout_seconds),
+        drain_timeout_seconds=float(adm.request_timeout_seconds),
+        max_concurrency=adm.max_concurrency,
+        queue_classes=classes,
+        default_class_by_route=default_routes(classes),
+        engine=engine_config,
+    )
 
 
-def render(config: dict) -> str:
-    return json.dumps(config, indent=2, sort_keys=True)
+def render(config: GuardConfig) -> str:
+    return render_config(config)
 
 
 def config_hash(rendered: str) -> str:

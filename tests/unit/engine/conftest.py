@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gpufleet_engine import config as guard_config
+from gpufleet_engine.contract import guard_config
 from gpufleet_engine.server import GuardServer
 
 
@@ -57,7 +57,12 @@ class FakeVllm:
     blocks: int = 64
     block_size: int = 32
     usage: float = 0.0
-    token_delay: float = 0.0       # seconds between streamed tokens
+    # Seconds between streamed tokens: a slow upstream is what some tests are about
+    # (timeouts, disconnects), so this sleep is the behaviour, not synchronisation.
+    token_delay: float = 0.0
+    # When set, every generation waits for this event before answering: requests stay
+    # in flight at vLLM exactly as long as a test needs, without timing assumptions.
+    hold: asyncio.Event | None = None
     metrics_up: bool = True
     seen_bodies: list[dict] = field(default_factory=list)
     running: int = 0
@@ -90,6 +95,8 @@ class FakeVllm:
             return web.json_response({"error": {"message": "bad", "code": 400}}, status=400)
         self.running += 1
         try:
+            if self.hold is not None:
+                await self.hold.wait()
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
                 await resp.prepare(request)

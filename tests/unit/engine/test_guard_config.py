@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet_engine import config as guard_config
-from gpufleet_engine.config import ConfigError
+from gpufleet_engine.contract import guard_config
+from gpufleet_engine.contract.guard_config import ConfigError
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "guard.json"
 DOC = Path(__file__).resolve().parents[3] / "docs" / "guard-config.md"
@@ -99,8 +99,8 @@ def test_duplicate_and_malformed_queue_classes_are_named():
 def test_extra_args_may_not_override_derived_flags():
     raw = fixture()
     raw["engine"]["extraArgs"] = ["--port=9000", "--enforce-eager"]
-    assert problems(raw) == ["engine.extraArgs: --port derived from other engine fields; "
-                             "set those fields instead of passing the flag"]
+    assert problems(raw) == ["engine.extraArgs: --port is managed by gpufleet; remove it and "
+                             "leave it to the pod layout"]
 
 
 def test_cpu_pool_too_small_for_the_model_length_says_how_big_it_may_be():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpufleet_engine import config as guard_config
+from gpufleet_engine.contract import guard_config
 from gpufleet_engine.entrypoint import plan
 from gpufleet_engine.flags import vllm_launch
 

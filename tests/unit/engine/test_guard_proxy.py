@@ -9,6 +9,8 @@ from pathlib import Path
 
 import aiohttp
 
+from tests.support.waiting import wait_for
+
 METRICS_DOC = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
 
 
@@ -23,6 +25,12 @@ def sample(text: str, name: str, **labels: str) -> float:
 async def metrics(session, guard) -> str:
     async with session.get(guard.url + "/metrics") as r:
         return await r.text()
+
+
+async def until(check, what: str, timeout: float = 5):
+    """Until ``check()`` holds; the fake vLLM and the guard share this event loop, so polling
+    every few milliseconds sees each state change within a scheduling round."""
+    return await wait_for(check, timeout=timeout, interval=0.005, what=what)
 
 
 async def test_streaming_is_passed_through_byte_for_byte(guard_factory, fake_vllm):
@@ -80,7 +88,7 @@ async def test_truncate_left_forwards_the_newest_tokens_and_says_how_many_were_c
 async def test_engine_down_means_fast_503_and_not_ready(guard_factory, fake_vllm):
     guard = await guard_factory()
     fake_vllm.metrics_up = False
-    await asyncio.sleep(0.3)                     # a few poll intervals
+    await until(lambda: not guard.guard.engine_up, "the guard's engine monitor to see vLLM down")
     async with aiohttp.ClientSession() as s:
         async with s.get(guard.url + "/readyz") as r:
             assert r.status == 503 and "engine down" in (await r.json())["reasons"][0]
@@ -96,17 +104,14 @@ async def test_engine_down_means_fast_503_and_not_ready(guard_factory, fake_vllm
 
 
 async def test_a_client_disconnect_cancels_the_vllm_request(guard_factory, fake_vllm):
-    fake_vllm.token_delay = 0.05
+    fake_vllm.token_delay = 0.05                 # a slow stream: still running when the client leaves
     guard = await guard_factory()
     async with aiohttp.ClientSession() as s:
         r = await s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True})
         await r.content.readuntil(b"\n\n")       # first token arrived
         r.close()                                # the client goes away
-        for _ in range(50):
-            if fake_vllm.disconnects:
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)
+        await until(lambda: fake_vllm.disconnects and guard.guard.drain.active == 0,
+                    "vLLM's request cancelled and the guard's handler finished")
         text = await metrics(s, guard)
     assert fake_vllm.disconnects == 1 and fake_vllm.completed == 0
     assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "cancelled"}) == 1
@@ -115,7 +120,7 @@ async def test_a_client_disconnect_cancels_the_vllm_request(guard_factory, fake_
 
 
 async def test_a_request_past_its_timeout_gets_504_and_vllm_stops_working_on_it(guard_factory, fake_vllm):
-    fake_vllm.token_delay = 0.1
+    fake_vllm.token_delay = 0.1                  # 50 tokens take 5 s: past the 0.3 s timeout
     guard = await guard_factory(requestTimeoutSeconds=0.3)
     async with aiohttp.ClientSession() as s:
         async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 50}) as r:
@@ -125,7 +130,7 @@ async def test_a_request_past_its_timeout_gets_504_and_vllm_stops_working_on_it(
                           json={"prompt": "x", "max_tokens": 50, "stream": True}) as r:
             assert r.status == 200
             events = (await r.text()).strip().split("\n\n")
-        await asyncio.sleep(0.1)
+        await until(lambda: fake_vllm.disconnects == 2, "vLLM to see both timed-out requests go")
         text = await metrics(s, guard)
     assert json.loads(events[-1][len("data: "):])["error"]["type"] == "timeout"
     assert fake_vllm.disconnects == 2 and fake_vllm.completed == 0
@@ -133,7 +138,7 @@ async def test_a_request_past_its_timeout_gets_504_and_vllm_stops_working_on_it(
 
 
 async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(guard_factory, fake_vllm):
-    fake_vllm.token_delay = 0.02
+    fake_vllm.hold = asyncio.Event()             # the streams stay in flight until released
     guard = await guard_factory()
     async with aiohttp.ClientSession() as s:
         async def long_stream():
@@ -142,13 +147,15 @@ async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(guard_f
                 return r.status, await r.text()
 
         in_flight = [asyncio.create_task(long_stream()) for _ in range(3)]
-        await asyncio.sleep(0.1)
+        await until(lambda: fake_vllm.running == 3, "the three streams to reach vLLM")
         drained = asyncio.create_task(guard.drain(timeout=10))
-        await asyncio.sleep(0.05)
+        await until(lambda: guard.guard.drain.draining, "the guard to start draining")
         async with s.get(guard.url + "/readyz") as r:
             assert r.status == 503 and (await r.json())["reasons"] == ["draining"]
         async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
             assert r.status == 503 and (await r.json())["error"]["code"] == "draining"
+        assert not drained.done(), "the drain ended with requests in flight"
+        fake_vllm.hold.set()
         results = await asyncio.gather(*in_flight)
         assert await drained is True
     for status, text in results:
@@ -156,25 +163,25 @@ async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(guard_f
 
 
 async def test_interactive_requests_overtake_queued_background_ones(guard_factory, fake_vllm):
-    fake_vllm.token_delay = 0.05
+    fake_vllm.hold = asyncio.Event()             # the first request holds the only slot meanwhile
     guard = await guard_factory(maxConcurrency=1)
-    finished: list[str] = []
     async with aiohttp.ClientSession() as s:
         async def send(name: str, cls: str):
             async with s.post(guard.url + "/v1/completions", headers={"x-gpufleet-class": cls},
-                              json={"prompt": "x", "max_tokens": 5}) as r:
+                              json={"prompt": name, "max_tokens": 5}) as r:
                 assert r.status == 200
-                finished.append(name)
 
         blocker = asyncio.create_task(send("first", "standard"))
-        while guard.guard.scheduler.running == 0:
-            await asyncio.sleep(0.005)
+        await until(lambda: guard.guard.scheduler.running == 1, "the first request dispatched")
         background = [asyncio.create_task(send(f"bg{i}", "background")) for i in range(3)]
-        while guard.guard.queue.depth("background") < 3:
-            await asyncio.sleep(0.005)
+        await until(lambda: guard.guard.queue.depth("background") == 3, "three background requests queued")
         interactive = asyncio.create_task(send("int", "interactive"))
+        await until(lambda: guard.guard.queue.depth("interactive") == 1, "the interactive request queued")
+        fake_vllm.hold.set()
         await asyncio.gather(blocker, *background, interactive)
-    assert finished[:2] == ["first", "int"]
+    # The order vLLM was given them: one slot, so also the order they were served in.
+    order = [b["prompt"] for b in fake_vllm.seen_bodies]
+    assert order[:2] == ["first", "int"] and sorted(order[2:]) == ["bg0", "bg1", "bg2"], order
 
 
 async def test_an_unknown_class_is_a_400_listing_the_classes(guard_factory):
