@@ -88,7 +88,8 @@ def verdict(runs: dict) -> list[tuple[str, str, bool]]:
          f"{g.preemptions:.0f} / {admitted} = {100 * g.preemptions / max(1, admitted):.1f}%",
          g.preemptions <= 0.01 * admitted),
         ("goodput ≥ 90% of unguarded saturated throughput (best of 8 and 128 clients)",
-         f"{g.goodput:.0f} vs {saturated:.0f} tok/s = {100 * g.goodput / saturated:.0f}%", g.goodput >= 0.9 * saturated),
+         f"{g.goodput:.0f} vs {saturated:.0f} tok/s = {100 * g.goodput / saturated:.0f}%",
+         g.goodput >= 0.9 * saturated),
         # The 90% target above cannot be met by any admission that also keeps
         # preemptions at zero when vLLM's saturated figure comes from running
         # more requests than the pool holds (it recomputes the preempted ones);

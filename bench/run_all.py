@@ -31,12 +31,14 @@ SUITE = [
 def machine() -> str:
     mem = ""
     try:
-        kb = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1])
+        kb = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal")).split()[1])
         mem = f", {kb / 1024 / 1024:.0f} GiB RAM"
     except (OSError, StopIteration):
         pass
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    return f"{os.cpu_count()} cores ({cpu}){mem}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               "?")
+    return (f"{os.cpu_count()} cores ({cpu}){mem}, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 def main() -> int:

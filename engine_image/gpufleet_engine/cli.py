@@ -110,7 +110,8 @@ def local(model, host, port, engine_port, kv_blocks, block_size, max_model_len, 
         eng.start()
     except (RuntimeError, TimeoutError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"guard:  {eng.guard_url}   (OpenAI base URL {eng.guard_url}/v1, model {eng.config.served_model_name!r})")
+    click.echo(f"guard:  {eng.guard_url}   (OpenAI base URL {eng.guard_url}/v1, "
+               f"model {eng.config.served_model_name!r})")
     click.echo(f"vLLM:   {eng.engine_url}")
     click.echo(f"config: {eng.config_path}")
     click.echo("Ctrl-C or SIGTERM stops both.", err=True)

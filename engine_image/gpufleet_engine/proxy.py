@@ -22,9 +22,9 @@ from aiohttp import web
 from . import context
 from .admission import KvLedger
 from .audit import SequenceLength
+from .context import ContextTooLong, InvalidRequest, Limits
 from .contract.guard_config import GuardConfig, QueueClass
 from .contract.guard_metrics import Reason
-from .context import ContextTooLong, InvalidRequest, Limits
 from .drain import Drain
 from .metrics import GuardMetrics
 from .queues import MultiLevelQueue

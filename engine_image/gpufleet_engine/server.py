@@ -17,9 +17,9 @@ from aiohttp import web
 
 from . import audit
 from .audit import DeviceProber
+from .context import CHAT, COMPLETIONS, EMBEDDINGS
 from .contract.guard_config import GuardConfig
 from .contract.guard_metrics import Reason
-from .context import CHAT, COMPLETIONS, EMBEDDINGS
 from .metrics import CONTENT_TYPE
 from .proxy import Guard, error_response
 from .tokens import HfTokenizer, Tokenizer

@@ -213,7 +213,7 @@ def _read(cls: type, raw: Any, prefix: str, problems: list[str]) -> dict[str, An
             elif f.default is not dataclasses.MISSING:
                 values[f.name] = f.default
             else:
-                values[f.name] = f.default_factory()  # type: ignore[misc]
+                values[f.name] = typing.cast(typing.Callable[[], Any], f.default_factory)()
             continue
         values[f.name] = _value(hints[f.name], f, value, f"{prefix}{key}", problems)
     if cls is EngineConfig and not values.get("served_model_name"):
@@ -231,7 +231,7 @@ def _value(hint: Any, f: dataclasses.Field, value: Any, where: str, problems: li
         hint = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(hint), typing.get_args(hint)
     fallback = None if f.default is dataclasses.MISSING else f.default
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _object(hint, value, where, problems)
     if origin is tuple:
         return _list(args[0], value, where, problems)
