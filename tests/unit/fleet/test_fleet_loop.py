@@ -4,6 +4,7 @@ import asyncio
 from gpufleet.fleet import fleet_loop
 from gpufleet.fleet.fleet_loop import FleetLoop
 from gpufleet.manifests import names
+from tests.support.waiting import wait_for
 
 
 def svc(name, uid="u1", annotations=None, ns="ml"):
@@ -65,12 +66,13 @@ async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
         fl.upsert_service(svc(n))
         fl.upsert_pod("ml", n, f"{n}-0", READY)
     runner = asyncio.create_task(fl.run_forever())
-    await asyncio.sleep(0.5)
+    # The fast service keeps its 50 ms pace while the slow one's first tick hangs.
+    await wait_for(lambda: ticks.count("fast") >= 5, timeout=5, interval=0.01,
+                   what="five ticks of the fast service", describe=lambda: ticks)
     release.set()
     runner.cancel()
     await fl.stop()
     assert ticks.count("slow") == 1          # one tick at a time per service
-    assert ticks.count("fast") >= 5          # ~every 50 ms meanwhile
 
 
 def test_service_loop_parses_the_spec_once_per_generation(monkeypatch):
