@@ -1,7 +1,9 @@
 """KV-block admission arithmetic. Pure: no clock, no I/O.
 
-A request costs its whole block budget, ceil((prompt + max_tokens) / block
-size) per sequence, and is admitted only if both views agree:
+A request costs its reservation, ceil((prompt + reserved output) / block
+size) per sequence — the reserved output is the whole budget (FullBudget) or
+the learned prediction (Predicted, ``demand.py``), extended while the answer
+streams past it — and is admitted only if both views agree:
 
 - vLLM's view keeps the watermark free: blocks in use at the last metrics
   read, plus the budgets of requests admitted since (vLLM has not reported
@@ -10,11 +12,12 @@ size) per sequence, and is admitted only if both views agree:
   poll interval after every completion). After the new request's budget,
   at least ``watermark`` blocks must stay free. This view also sees blocks
   the guard does not know about (requests that bypassed it, a guard restart).
-- the guard's ledger guarantees the decodes it admitted: the full budgets of
+- the guard's ledger protects the decodes it admitted: the reservations of
   all its in-flight requests must fit in the pool. vLLM only reports what a
-  request holds *now*, while a decode keeps growing to its budget; admitting
-  on the current view alone can run the pool dry mid-decode and force
-  preemptions.
+  request holds *now*, while a decode keeps growing; admitting on the
+  current view alone can run the pool dry mid-decode and force preemptions.
+  Extensions (``extend``) may take the reservations past the pool: then
+  nothing new is admitted until enough requests finish.
 """
 from __future__ import annotations
 
@@ -130,6 +133,21 @@ class KvLedger:
             self._reserved_total += cost
             self._delta_since_read += cost
         return decision
+
+    def fits_empty(self, cost: int) -> bool:
+        """Whether ``cost`` blocks fit the pool with nothing else in it (unknown pool: assume so)."""
+        return self.snapshot is None or cost <= self.capacity
+
+    def extend(self, key: object, extra: int) -> None:
+        """An admitted request grew past its reservation by ``extra`` blocks: it holds them now."""
+        if extra <= 0 or key not in self._reserved:
+            return
+        self._reserved[key] += extra
+        self._reserved_total += extra
+        self._delta_since_read += extra
+
+    def reservation(self, key: object) -> int:
+        return self._reserved.get(key, 0)
 
     def release(self, key: object) -> None:
         """The request finished (or failed): its budget is no longer promised."""

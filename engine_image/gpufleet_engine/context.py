@@ -24,7 +24,13 @@ _TEMPLATE_FIELDS = ("tools", "documents")
 
 
 class InvalidRequest(ValueError):
-    """The body is not a request the guard can count; answered with 400."""
+    """The body is not a request the guard (or vLLM) would accept; answered with 400.
+
+    ``param`` names the offending field, as vLLM's own 400s do."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextTooLong(ValueError):
@@ -40,25 +46,47 @@ class ContextTooLong(ValueError):
             f"tokens. Shorten the prompt or lower max_tokens.")
 
 
+# vLLM's own limits (VLLM_MAX_N_SEQUENCES, VLLM_MAX_COMPLETION_PROMPTS defaults):
+# beyond them vLLM answers 400, so the guard does too, before tokenizing.
+MAX_SEQUENCES = 16384
+MAX_PROMPTS = 1024
+# What vLLM generates for /v1/completions without max_tokens (its protocol's
+# default, as in the OpenAI API). Chat has none: the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class Limits:
     max_context_tokens: int
     truncate_left: bool
+    # vLLM's context length; a request without max_tokens may use all of it
+    # there. None: the same as max_context_tokens.
+    max_model_len: int | None = None
+    # The model's generation_config.json max_new_tokens, which vLLM uses for
+    # a chat without max_tokens; None when the model sets none.
+    default_max_tokens: int | None = None
 
 
 @dataclass
 class Prepared:
     body: dict[str, Any]                 # what is forwarded to vLLM
     prompt_tokens: list[int]             # per prompt, after truncation
-    max_tokens: int
+    budgets: list[int]                   # per prompt: the most output tokens vLLM will generate per sequence
     sequences_per_prompt: int            # n (or best_of)
     stream: bool
     truncated_tokens: int = 0
     changed: bool = field(default=False)  # body differs from what the client sent
 
-    def block_cost(self, block_size: int) -> int:
-        return sum(block_cost(p, self.max_tokens, block_size, self.sequences_per_prompt)
-                   for p in self.prompt_tokens)
+    @property
+    def max_tokens(self) -> int:
+        return max(self.budgets, default=0)
+
+    def block_cost(self, block_size: int, output_tokens: int | None = None) -> int:
+        """Blocks for every prompt and sequence, each with ``output_tokens`` (capped at its budget;
+        None: the whole budget)."""
+        return sum(block_cost(p, b if output_tokens is None else min(b, output_tokens), block_size,
+                              self.sequences_per_prompt)
+                   for p, b in zip(self.prompt_tokens, self.budgets, strict=True))
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -70,7 +98,11 @@ def prepare(route: str, body: Any, tokenizer: Tokenizer, limits: Limits) -> Prep
         raise InvalidRequest("the request body must be a JSON object")
     max_key, requested = _max_tokens(route, body)
     sequences = _sequences(body)
-    stream = bool(body.get("stream", False))
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
     if route == CHAT:
         return _prepare_chat(body, tokenizer, limits, max_key, requested, sequences, stream)
     if route == COMPLETIONS:
@@ -87,7 +119,7 @@ def _max_tokens(route: str, body: dict) -> tuple[str, int | None]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidRequest(f"{key} must be a positive integer, got {value!r}")
+            raise InvalidRequest(f"{key} must be a positive integer, got {value!r}", key)
         return key, value
     return "max_tokens", None
 
@@ -98,43 +130,68 @@ def _sequences(body: dict) -> int:
         value = body.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidRequest(f"{key} must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEQUENCES:
+            raise InvalidRequest(f"{key} must be an integer from 1 to {MAX_SEQUENCES}, got {value!r}", key)
         counts.append(value)
+    n, best_of = body.get("n"), body.get("best_of")
+    if n is not None and best_of is not None and best_of < n:
+        raise InvalidRequest(f"best_of must be at least n, got best_of={best_of} and n={n}", "best_of")
     return max(counts, default=1)
 
 
-def _budget(prompt: int, requested: int | None, limits: Limits) -> tuple[int, int]:
-    """(prompt tokens to keep, max_tokens) under the limit, or raise ContextTooLong.
+def _default_budget(route: str, body: dict, prompt: int, limits: Limits) -> int:
+    """What vLLM generates per sequence for a request without max_tokens: its own default for
+    the route, never more than its context leaves (vLLM's get_max_tokens)."""
+    model_len = limits.max_model_len or limits.max_context_tokens
+    room = max(0, model_len - prompt)
+    if route == COMPLETIONS and "max_tokens" not in body:
+        return min(room, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if limits.default_max_tokens is not None:
+        return min(room, limits.default_max_tokens)
+    return room
 
-    Without max_tokens vLLM generates until the context is full, so the
-    budget is what the prompt leaves; when the prompt alone fills the context
-    TruncateLeft leaves one token for the answer.
+
+def _budget(prompt: int, requested: int | None, default: int, limits: Limits) -> tuple[int, int, bool]:
+    """(prompt tokens to keep, max_tokens per sequence, whether max_tokens must be sent) under the
+    limit, or raise ContextTooLong.
+
+    Without max_tokens the budget is vLLM's own ``default`` and the body is
+    forwarded as sent, so the answer is the one vLLM gives directly. Only
+    where that default would pass the guard's limit (maxContextTokens below
+    the engine's context) does the guard send max_tokens; when the prompt
+    alone fills the context TruncateLeft leaves one token for the answer.
     """
     limit = limits.max_context_tokens
     if requested is None:
         if prompt < limit:
-            return prompt, limit - prompt
-        if not limits.truncate_left:
+            budget = min(default, limit - prompt)
+            if budget >= 1:
+                return prompt, budget, budget < default
+        if not limits.truncate_left or prompt < limit:
             raise ContextTooLong(prompt, 0, limit)
-        return limit - 1, 1
+        return limit - 1, 1, True
     if prompt + requested <= limit:
-        return prompt, requested
+        return prompt, requested, False
     if not limits.truncate_left or requested >= limit:
         raise ContextTooLong(prompt, requested, limit)
-    return limit - requested, requested
+    return limit - requested, requested, False
 
 
 def _prepare_completions(body, tokenizer, limits, max_key, requested, sequences, stream) -> Prepared:
     prompts = _completion_prompts(body.get("prompt"))
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"a batch may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
     out_prompts: list[str | list[int]] = []
     counts: list[int] = []
     budgets: list[int] = []
     truncated = 0
     changed = False
+    fill = False
     for prompt in prompts:
-        ids = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
-        keep, budget = _budget(len(ids), requested, limits)
+        ids = list(prompt) if isinstance(prompt, list) else _encode(tokenizer, prompt)
+        default = _default_budget(COMPLETIONS, body, len(ids), limits)
+        keep, budget, must_send = _budget(len(ids), requested, default, limits)
+        fill = fill or must_send
         if keep < len(ids):
             # Forward token ids, not re-decoded text: decode→encode may not
             # round-trip to the same count.
@@ -145,27 +202,29 @@ def _prepare_completions(body, tokenizer, limits, max_key, requested, sequences,
             out_prompts.append(prompt)
         counts.append(keep)
         budgets.append(budget)
-    # One max_tokens applies to every prompt of a batch; the tightest one rules.
-    max_tokens = min(budgets)
     forwarded = body
-    if changed or requested is None:
+    if changed or fill:
         forwarded = dict(body)
         if changed:
             forwarded["prompt"] = out_prompts if _is_batch(body.get("prompt")) else out_prompts[0]
-        if requested is None:
-            forwarded[max_key] = max_tokens
+        if fill:
+            # One max_tokens applies to every prompt of a batch; the tightest one rules.
+            budgets = [min(budgets)] * len(budgets)
+            forwarded[max_key] = budgets[0]
             changed = True
-    return Prepared(forwarded, counts, max_tokens, sequences, stream, truncated, changed)
+    return Prepared(forwarded, counts, budgets, sequences, stream, truncated, changed)
 
 
 def _prepare_embeddings(body, tokenizer, limits) -> Prepared:
     """Embeddings only prefill: the cost is the input's blocks, the limit applies to the input alone."""
     inputs = _completion_prompts(body.get("input"))
+    if len(inputs) > MAX_PROMPTS:
+        raise InvalidRequest(f"a batch may hold at most {MAX_PROMPTS} inputs, got {len(inputs)}", "input")
     out: list[str | list[int]] = []
     counts: list[int] = []
     truncated = 0
     for item in inputs:
-        ids = list(item) if isinstance(item, list) else tokenizer.encode(item)
+        ids = list(item) if isinstance(item, list) else _encode(tokenizer, item)
         if len(ids) > limits.max_context_tokens:
             if not limits.truncate_left:
                 raise ContextTooLong(len(ids), 0, limits.max_context_tokens)
@@ -178,7 +237,7 @@ def _prepare_embeddings(body, tokenizer, limits) -> Prepared:
     forwarded = body
     if truncated:
         forwarded = {**body, "input": out if _is_batch(body.get("input")) else out[0]}
-    return Prepared(forwarded, counts, 0, 1, False, truncated, bool(truncated))
+    return Prepared(forwarded, counts, [0] * len(counts), 1, False, truncated, bool(truncated))
 
 
 def _is_batch(prompt: Any) -> bool:
@@ -196,7 +255,22 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
         if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
             return [list(p) for p in prompt]
     raise InvalidRequest("prompt (or input) must be a string, a list of strings, a list of token ids "
-                         "or a list of lists of token ids")
+                         "or a list of lists of token ids", "prompt")
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except Exception as e:  # noqa: BLE001 — whatever the tokenizer refuses is the input's fault
+        raise InvalidRequest(f"the model's tokenizer cannot encode this prompt: {e}", "prompt") from e
+
+
+def _chat_count(tokenizer: Tokenizer, messages: list[dict], kwargs: dict) -> int:
+    try:
+        return len(tokenizer.chat_ids(messages, kwargs))
+    except Exception as e:  # noqa: BLE001 — template errors (roles that do not alternate, …) are 400s
+        raise InvalidRequest(f"the model's chat template cannot render these messages: {e}",
+                             "messages") from e
 
 
 def _template_kwargs(body: dict) -> dict[str, Any]:
@@ -216,18 +290,18 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
 def _text_messages(messages: Any) -> list[dict[str, Any]]:
     """Messages with text-part lists flattened to strings, as vLLM does for string templates."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list")
+        raise InvalidRequest("messages must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise InvalidRequest(f"messages[{i}] must be an object with a role")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a role", "messages")
         content = m.get("content")
         if isinstance(content, list):
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise InvalidRequest(f"messages[{i}].content: only text parts are supported "
-                                         f"by this model's guard")
+                                         f"by this model's guard", "messages")
                 texts.append(str(part.get("text", "")))
             m = {**m, "content": "\n".join(texts)}
         out.append(m)
@@ -237,23 +311,23 @@ def _text_messages(messages: Any) -> list[dict[str, Any]]:
 def _prepare_chat(body, tokenizer, limits, max_key, requested, sequences, stream) -> Prepared:
     messages = _text_messages(body.get("messages"))
     kwargs = _template_kwargs(body)
-    count = len(tokenizer.chat_ids(messages, kwargs))
-    keep, budget = _budget(count, requested, limits)
+    count = _chat_count(tokenizer, messages, kwargs)
+    keep, budget, fill = _budget(count, requested, _default_budget(CHAT, body, count, limits), limits)
     truncated_from = count
     changed = False
     if keep < count:
         messages = _truncate_chat(messages, kwargs, tokenizer, keep, budget, limits.max_context_tokens)
-        count = len(tokenizer.chat_ids(messages, kwargs))
+        count = _chat_count(tokenizer, messages, kwargs)
         changed = True
     forwarded = body
-    if changed or requested is None:
+    if changed or fill:
         forwarded = dict(body)
         if changed:
             forwarded["messages"] = messages
-        if requested is None:
+        if fill:
             forwarded[max_key] = budget
             changed = True
-    return Prepared(forwarded, [count], budget, sequences, stream,
+    return Prepared(forwarded, [count], [budget], sequences, stream,
                     truncated_from - count if truncated_from > count else 0, changed)
 
 
@@ -267,7 +341,7 @@ def _truncate_chat(messages: list[dict], kwargs: dict, tokenizer: Tokenizer, kee
     messages = copy.deepcopy(messages)
 
     def size(ms: list[dict]) -> int:
-        return len(tokenizer.chat_ids(ms, kwargs))
+        return _chat_count(tokenizer, ms, kwargs)
 
     while size(messages) > keep:
         droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]

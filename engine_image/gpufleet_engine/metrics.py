@@ -17,6 +17,10 @@ __all__ = ["CONTENT_TYPE", "OUTCOMES", "REASONS", "GuardMetrics"]
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_OUTPUT_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 4.0, 8.0)
+# Routes whose answers the guard learns (embeddings produce none).
+_GENERATING_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -51,7 +55,9 @@ class GuardMetrics:
         self.kv_free_blocks = Gauge(m.KV_FREE_BLOCKS,
                                     "Free KV blocks as the guard sees them.", registry=r)
         self.kv_reserved_blocks = Gauge(m.KV_RESERVED_BLOCKS,
-                                        "Full block budgets of the guard's in-flight requests.", registry=r)
+                                        "KV blocks reserved for the guard's in-flight requests "
+                                        "(prompt + predicted or full output, grown as answers stream).",
+                                        registry=r)
         self.kv_total_blocks = Gauge(m.KV_TOTAL_BLOCKS, "KV blocks in vLLM's pool.",
                                      registry=r)
         self.kv_watermark_blocks = Gauge(m.KV_WATERMARK_BLOCKS,
@@ -59,6 +65,21 @@ class GuardMetrics:
         self.engine_up = Gauge(m.ENGINE_UP,
                                "1 when vLLM answered the guard's last metrics read.", registry=r)
         self.ready = Gauge(m.READY, "1 when the guard reports ready.", registry=r)
+        self.output_tokens = Histogram(m.OUTPUT_TOKENS,
+                                       "Output tokens per sequence of finished answers: the distribution "
+                                       "the guard's reservations are learned from.", ["route", "class"],
+                                       buckets=_OUTPUT_BUCKETS, registry=r)
+        self.output_tokens_predicted = Gauge(m.OUTPUT_TOKENS_PREDICTED,
+                                             "Output tokens per sequence reserved for a new request now "
+                                             "(the learned quantile; absent until learned).",
+                                             ["route", "class"], registry=r)
+        self.output_prediction_ratio = Histogram(m.OUTPUT_PREDICTION_RATIO,
+                                                 "Actual output over the output first reserved, per "
+                                                 "finished answer (above 1: the reservation was extended).",
+                                                 ["route", "class"], buckets=_RATIO_BUCKETS, registry=r)
+        self.reservation_extensions = Counter(m.RESERVATION_EXTENSIONS,
+                                              "Times an answer streamed past its reservation and the "
+                                              "guard reserved more.", ["class"], registry=r)
         for c in classes:
             for o in OUTCOMES:
                 self.requests.labels(c, o)
@@ -69,6 +90,10 @@ class GuardMetrics:
             self.itl_seconds.labels(c)
             self.request_seconds.labels(c)
             self.queue_depth.labels(c)
+            self.reservation_extensions.labels(c)
+            for route in _GENERATING_ROUTES:
+                self.output_tokens.labels(route, c)
+                self.output_prediction_ratio.labels(route, c)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -25,6 +26,7 @@ from .audit import SequenceLength
 from .context import ContextTooLong, InvalidRequest, Limits
 from .contract.guard_config import GuardConfig, QueueClass
 from .contract.guard_metrics import Reason
+from .demand import OutputPredictor
 from .drain import Drain
 from .metrics import GuardMetrics
 from .queues import MultiLevelQueue
@@ -41,12 +43,38 @@ TRUNCATED_HEADER = "x-gpufleet-truncated-tokens"
 # does not stall every other request's event-loop work; small ones inline,
 # where a thread hop would cost more than the tokenization.
 _INLINE_TOKENIZE_BYTES = 16384
+# The body limit: a prompt of maxContextTokens tokens takes at most ~12 bytes
+# a token as JSON (escaped text or token ids); 64 leaves room for message
+# structure, tools and small batches, and 1 MiB for everything else.
+BODY_BYTES_PER_TOKEN = 64
+BODY_BYTES_FLOOR = 1024 * 1024
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def max_body_bytes(max_context_tokens: int) -> int:
+    """The largest request body the guard reads (413 beyond), derived from the context limit."""
+    return BODY_BYTES_FLOOR + BODY_BYTES_PER_TOKEN * max_context_tokens
 
 
 @dataclass
 class _Tracked:
     """An in-flight request as the audit sees it."""
     tokens: int | None
+
+
+class _Reservation:
+    """What one admitted request holds in the ledger, in output tokens per sequence, and how far
+    its answer has streamed (SSE events per sequence: about one token each)."""
+
+    def __init__(self, key: tuple[str, str], prepared: context.Prepared, reserved_output: int):
+        self.key = key
+        self.prepared = prepared
+        self.sequences = len(prepared.prompt_tokens) * prepared.sequences_per_prompt
+        self.initial_output = reserved_output
+        self.output = reserved_output
+        # Extend when this many events have streamed back (every sequence's share of its reservation).
+        self.next_extension = reserved_output * self.sequences if reserved_output < prepared.max_tokens else -1
+        self.events = 0
 
 
 class Guard:
@@ -56,8 +84,12 @@ class Guard:
         self.tokenizer = tokenizer
         self.upstream = upstream
         self.clock = clock
-        self.limits = Limits(config.max_context_tokens, config.over_length_policy == "TruncateLeft")
+        self.limits = Limits(config.max_context_tokens, config.over_length_policy == "TruncateLeft",
+                             config.engine.max_model_len if config.engine else None)
         self.metrics = GuardMetrics([c.name for c in config.queue_classes])
+        self.predicted = config.reservation == "Predicted"
+        self.predictor = OutputPredictor(config.reservation_quantile_percent / 100)
+        self.max_body_bytes = max_body_bytes(config.max_context_tokens)
         self.ledger = KvLedger(config.kv_watermark_percent)
         self.queue: MultiLevelQueue = MultiLevelQueue(config.queue_classes, config.aging_seconds,
                                                       config.max_queue_length)
@@ -101,6 +133,7 @@ class Guard:
                         stats.block_size, self.config.block_size)
         self.engine_up = True
         self.engine_problem = ""
+        self.scheduler.dispatch()  # a request waiting for blocks may fit vLLM's fresh view
         self.refresh_gauges()
 
     def engine_down(self, problem: str) -> None:
@@ -155,30 +188,83 @@ class Guard:
             self.drain.leave()
 
     async def _prepare(self, raw: bytes, route: str) -> context.Prepared:
-        body = json.loads(raw)
+        try:
+            body = json.loads(raw)
+        except ValueError as e:  # bad JSON or bad UTF-8
+            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
         if len(raw) > _INLINE_TOKENIZE_BYTES:
             return await asyncio.to_thread(context.prepare, route, body, self.tokenizer, self.limits)
         return context.prepare(route, body, self.tokenizer, self.limits)
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body, or Rejection 413 past the limit, before any of it is parsed. A declared length
+        over the limit is refused without reading; a chunked body stops being read at the limit."""
+        limit = self.max_body_bytes
+        declared = request.content_length
+        if declared is None or declared <= limit:
+            try:
+                return await request.read()  # the app's client_max_size is this limit
+            except web.HTTPRequestEntityTooLarge:
+                pass
+        raise Rejection(Reason.REQUEST_TOO_LARGE, 413,
+                        f"The request body is larger than this model's limit of {limit} bytes (derived "
+                        f"from its maximum context of {self.config.max_context_tokens} tokens).")
+
+    def _reservation(self, route: str, queue_class: QueueClass, prepared: context.Prepared) -> _Reservation:
+        """Output tokens per sequence to reserve: the learned quantile (Predicted) or the budget."""
+        key = (route, queue_class.name)
+        budget = prepared.max_tokens
+        output = self.predictor.reserve(key, budget) if self.predicted and budget else budget
+        if self.predicted and budget and self.ledger.known:
+            # Never reserve more than the pool: what does not fit it would be
+            # refused while vLLM could still serve it (answers end early).
+            while output > 1 and not self.ledger.fits_empty(prepared.block_cost(self.block_size, output)):
+                output = max(1, output // 2)
+        return _Reservation(key, prepared, output)
+
+    def _never_fits(self, prepared: context.Prepared, reservation: _Reservation) -> Rejection | None:
+        """400 for a request no replica of this size could run, whatever the load."""
+        cost = prepared.block_cost(self.block_size, reservation.output)
+        if self.ledger.fits_empty(cost):
+            return None
+        bs, total = self.block_size, self.ledger.total_blocks
+        sequences = reservation.sequences
+        what = (f"{prepared.total_prompt_tokens} prompt tokens and up to {prepared.max_tokens} completion "
+                f"tokens per sequence, {sequences} sequence{'s' if sequences > 1 else ''}")
+        return Rejection(
+            Reason.EXCEEDS_KV_POOL, 400,
+            f"This request cannot fit this model's KV cache even when it is empty: it has {what}, "
+            f"{cost} blocks of {bs} tokens at least, but a replica holds {self.ledger.capacity} "
+            f"({total} blocks, {total * bs} tokens). Send fewer or shorter prompts, fewer sequences (n) "
+            f"or a lower max_tokens.")
+
     async def _admit_and_forward(self, request: web.Request, route: str, queue_class: QueueClass,
                                  arrived: float) -> web.StreamResponse:
-        if not self.ledger.evaluate(1).admitted:
+        if not self.ledger.evaluate(1).admitted and not self.scheduler.lower_priority_holds(queue_class.level):
             # Not even a one-block request fits: refuse before parsing and
             # tokenizing. Under overload most traffic is retries, and the CPU
             # they would cost belongs to the engine.
             return self._refuse(queue_class, self.scheduler.kv_rejection(1))
-        raw = await request.read()
         try:
+            raw = await self._read_body(request)
             prepared = await self._prepare(raw, route)
+        except Rejection as r:
+            return self._refuse(queue_class, r)
         except ContextTooLong as e:
-            return self._refuse(queue_class, Rejection(Reason.CONTEXT_LENGTH, 400, str(e)))
-        except (InvalidRequest, ValueError) as e:
-            return self._refuse(queue_class, Rejection(Reason.INVALID_REQUEST, 400, f"Invalid request: {e}"))
+            return self._refuse(queue_class, Rejection(Reason.CONTEXT_LENGTH, 400, str(e), param="max_tokens"))
+        except InvalidRequest as e:
+            return self._refuse(queue_class, Rejection(Reason.INVALID_REQUEST, 400, f"Invalid request: {e}",
+                                                       param=e.param))
+        reservation = self._reservation(route, queue_class, prepared)
+        never = self._never_fits(prepared, reservation)
+        if never is not None:
+            return self._refuse(queue_class, never)
 
-        exchange = _Exchange(self, request, queue_class, arrived, prepared)
+        exchange = _Exchange(self, request, queue_class, arrived, prepared, reservation)
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
-                grant = await self.scheduler.acquire(prepared.block_cost(self.block_size), queue_class)
+                cost = prepared.block_cost(self.block_size, reservation.output)
+                grant = await self.scheduler.acquire(cost, queue_class)
                 self.retry.admitted()
                 try:
                     return await exchange.forward(raw, route, grant)
@@ -196,12 +282,51 @@ class Guard:
             exchange.finish("cancelled")
             raise
 
+    def grow(self, grant: Grant, reservation: _Reservation) -> None:
+        """The answer streamed past its reservation: reserve what answers that long went on to use."""
+        prepared = reservation.prepared
+        seen = reservation.events // reservation.sequences
+        new_output = self.predictor.extension(reservation.key, seen, prepared.max_tokens)
+        if new_output <= reservation.output:
+            reservation.next_extension = -1
+            return
+        old_cost = prepared.block_cost(self.block_size, reservation.output)
+        reservation.output = new_output
+        self.scheduler.extend(grant, prepared.block_cost(self.block_size, new_output) - old_cost)
+        reservation.next_extension = (new_output * reservation.sequences
+                                      if new_output < prepared.max_tokens else -1)
+        self.metrics.reservation_extensions.labels(reservation.key[1]).inc()
+
+    def learn(self, reservation: _Reservation, completion_tokens: int | None) -> None:
+        """A finished answer: its length per sequence joins the distribution."""
+        if completion_tokens is None or reservation.prepared.max_tokens == 0:
+            return
+        per_sequence = math.ceil(completion_tokens / reservation.sequences)
+        route, name = reservation.key
+        self.predictor.observe(reservation.key, per_sequence)
+        m = self.metrics
+        m.output_tokens.labels(route, name).observe(per_sequence)
+        m.output_prediction_ratio.labels(route, name).observe(per_sequence / max(1, reservation.initial_output))
+        predicted = self.predictor.prediction(reservation.key)
+        if predicted is not None:
+            m.output_tokens_predicted.labels(route, name).set(predicted)
+
     def _refuse(self, queue_class: QueueClass, r: Rejection) -> web.Response:
         if r.status == 429 and r.retry_after is not None:
             r.retry_after = self.retry.refused()  # sized to the crowd (retry_hint.py)
         self.metrics.rejections.labels(queue_class.name, r.reason).inc()
-        self.metrics.requests.labels(queue_class.name, "rejected").inc()
+        invalid = r.status in (400, 413)
+        self.metrics.requests.labels(queue_class.name, "invalid" if invalid else "rejected").inc()
+        if invalid:
+            return invalid_response(r.status, r.message, r.param)
         return error_response(r.status, r.reason, r.message, r.retry_after)
+
+
+def invalid_response(status: int, message: str, param: str | None = None) -> web.Response:
+    """A client error in vLLM's own format, so clients see the same 4xx with or without the guard."""
+    kind = {400: "BadRequestError", 413: "RequestEntityTooLargeError"}.get(status, "BadRequestError")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
 
 
 def error_response(status: int, code: str, message: str, retry_after: float | None = None,
@@ -227,12 +352,13 @@ class _Exchange:
     """One admitted request on its way to vLLM and back."""
 
     def __init__(self, guard: Guard, request: web.Request, queue_class: QueueClass, arrived: float,
-                 prepared: context.Prepared):
+                 prepared: context.Prepared, reservation: _Reservation):
         self.guard = guard
         self.request = request
         self.queue_class = queue_class
         self.arrived = arrived
         self.prepared = prepared
+        self.reservation = reservation
         self.response: web.StreamResponse | None = None
         self.finished = False
 
@@ -266,7 +392,7 @@ class _Exchange:
                 out_headers = {h: resp.headers[h] for h in FORWARDED_RESPONSE_HEADERS if h in resp.headers}
                 out_headers.update(self._extra_headers())
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    return await self._stream(resp, out_headers, tracked)
+                    return await self._stream(resp, out_headers, tracked, route, grant)
                 body = await resp.read()
         except aiohttp.ClientConnectorError:
             guard.on_engine_unreachable()
@@ -283,10 +409,12 @@ class _Exchange:
             self.finish("error")
             return error_response(502, "engine_error", f"The model engine failed mid-request: {e}")
         self.finish(_outcome(resp.status))
+        if resp.status == 200:
+            guard.learn(self.reservation, _completion_tokens(body))
         return web.Response(body=body, status=resp.status, headers=out_headers)
 
     async def _stream(self, resp: aiohttp.ClientResponse, headers: dict[str, str],
-                      tracked: _Tracked) -> web.StreamResponse:
+                      tracked: _Tracked, route: str, grant: Grant) -> web.StreamResponse:
         m = self.guard.metrics
         name = self.queue_class.name
         clock = self.guard.clock
@@ -295,10 +423,13 @@ class _Exchange:
         itl = m.itl_seconds.labels(name)
         out = web.StreamResponse(status=resp.status, headers=headers)
         self.response = out
+        reservation = self.reservation
         last: float | None = None
+        previous = chunk = b""
         try:
             await out.prepare(self.request)
-            async for chunk in resp.content.iter_any():
+            async for data in resp.content.iter_any():
+                previous, chunk = chunk, data  # the usage event may straddle the last two
                 await out.write(chunk)
                 now = clock()
                 if last is None:
@@ -306,15 +437,26 @@ class _Exchange:
                 else:
                     itl.observe(now - last)
                 last = now
+                # One SSE event per generated token in vLLM's default
+                # streaming, give or take the role and usage events.
+                events = chunk.count(b"data: ")
+                reservation.events += events
                 if tracked.tokens is not None:
-                    # One SSE event per generated token in vLLM's default
-                    # streaming, give or take the role and usage events.
-                    tracked.tokens += chunk.count(b"data: ")
+                    tracked.tokens += events
+                if 0 <= reservation.next_extension <= reservation.events:
+                    self.guard.grow(grant, reservation)
         except ConnectionResetError:
             self.finish("cancelled")  # the client went away; leaving the context aborts vLLM's request
             return out
         await out.write_eof()
         self.finish(_outcome(resp.status))
+        if resp.status == 200:
+            counted = _completion_tokens(previous[-512:] + chunk)  # the usage event, when the client asked for it
+            if counted is None:
+                # Without usage: the events, less [DONE] and chat's role event per sequence.
+                overhead = 1 + (reservation.sequences if route == context.CHAT else 0)
+                counted = max(0, reservation.events - overhead)
+            self.guard.learn(reservation, counted)
         return out
 
     async def timed_out(self) -> web.StreamResponse:
@@ -332,6 +474,12 @@ class _Exchange:
         except ConnectionResetError:
             pass
         return self.response
+
+
+def _completion_tokens(body: bytes) -> int | None:
+    """``usage.completion_tokens`` of a response body or final SSE chunk, if it is there."""
+    found = _COMPLETION_TOKENS.search(body)
+    return int(found.group(1)) if found else None
 
 
 def _outcome(status: int) -> str:

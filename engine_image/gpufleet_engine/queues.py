@@ -48,6 +48,10 @@ class MultiLevelQueue(Generic[T]):
     def __len__(self) -> int:
         return self._size
 
+    @property
+    def classes(self) -> list[QueueClass]:
+        return list(self._classes.values())
+
     def depth(self, class_name: str) -> int:
         return len(self._lanes[class_name])
 

@@ -1,11 +1,23 @@
 """Admission and dispatch: who goes to vLLM now, who waits, who is told to come back.
 
-A request is refused at once when its KV budget would cross the watermark
-(waiting would only add queue time to a request that still may not fit, and
-the client can retry elsewhere). Otherwise it takes a dispatch slot — at most
-``max_concurrency`` requests talk to vLLM — or waits in the multi-level
-queue for one, at most its class's ``maxQueueSeconds``. The KV check is
-repeated at dispatch because the pool may have filled while it waited.
+A request that does not fit the KV pool now is refused at once (waiting
+would only add queue time to a request that still may not fit, and the
+client can retry elsewhere) — except where priority is at stake: when
+requests of a lower-priority class (a higher level) hold the blocks it
+lacks, it waits for them, at most its class's ``maxQueueSeconds``, and
+nothing of its level or lower is admitted ahead of it meanwhile. A stream of
+small background requests therefore cannot keep a large interactive one out
+by grabbing every block that frees; the background requests it waits for
+are already running and finish. Only the first such request of a level waits
+(the others of that level get 429 at once), so the queue stays short.
+
+A request that fits takes a dispatch slot — at most ``max_concurrency``
+requests talk to vLLM — or waits in the multi-level queue for one, at most
+its class's ``maxQueueSeconds``. The queue is served best effective level
+first (aging promotes waiting requests, so no class starves), and its head
+is never overtaken: when the head waits for blocks, the requests behind it
+wait too. The KV check is repeated at dispatch because the pool may have
+filled while a request waited.
 """
 from __future__ import annotations
 
@@ -23,12 +35,14 @@ from .queues import Entry, MultiLevelQueue, QueueFull
 class Rejection(Exception):
     """The guard refuses a request; ``reason`` is the metrics label, ``status`` the HTTP status."""
 
-    def __init__(self, reason: str, status: int, message: str, retry_after: float | None = None):
+    def __init__(self, reason: str, status: int, message: str, retry_after: float | None = None,
+                 param: str | None = None):
         super().__init__(message)
         self.reason = reason
         self.status = status
         self.message = message
         self.retry_after = retry_after
+        self.param = param  # the request field at fault, for 4xx
 
 
 @dataclass(eq=False)
@@ -56,6 +70,7 @@ class Scheduler:
         self._clock = clock
         self._on_change = on_change or (lambda: None)
         self.running = 0
+        self._held_by_level: dict[int, int] = {}  # blocks reserved by running requests, by class level
 
     def kv_rejection(self, cost: int) -> Rejection:
         """The refusal for a request of ``cost`` blocks that does not fit now."""
@@ -71,15 +86,48 @@ class Scheduler:
                          f"The KV cache is too full to admit this request now: {need}, {why}. Retry later.",
                          self.retry_after)
 
+    def _may_wait_for_blocks(self, d: Decision, level: int, *, queued: bool = False) -> bool:
+        """Whether running requests of lower priority (a level above ``level``) hold the blocks
+        ``d`` lacks. A newcomer also needs the queue free of requests of its level or better:
+        they go first, and it would only stand in line for the same blocks."""
+        if not queued and any(self.queue.depth(c.name) for c in self._classes_at_or_above(level)):
+            return False
+        room = min(d.unreserved_blocks, d.free_blocks - d.watermark)
+        lacking = d.cost - room
+        lower = sum(blocks for lvl, blocks in self._held_by_level.items() if lvl > level)
+        return 0 < lacking <= lower and d.cost <= self.ledger.capacity
+
+    def lower_priority_holds(self, level: int) -> bool:
+        """Whether running requests of a class below ``level`` in priority hold blocks."""
+        return any(blocks > 0 for lvl, blocks in self._held_by_level.items() if lvl > level)
+
+    def _classes_at_or_above(self, level: int) -> list[QueueClass]:
+        return [c for c in self.queue.classes if c.level <= level]
+
+    def _grant(self, cost: int, queue_class: QueueClass, queued_seconds: float) -> Grant:
+        grant = Grant(cost, queue_class, queued_seconds)
+        self.ledger.try_admit(grant, cost)  # callers evaluated it just before, nothing ran in between
+        self.running += 1
+        level = queue_class.level
+        self._held_by_level[level] = self._held_by_level.get(level, 0) + cost
+        return grant
+
+    def extend(self, grant: Grant, blocks: int) -> None:
+        """A running request's answer outgrew its reservation by ``blocks``."""
+        if blocks <= 0:
+            return
+        self.ledger.extend(grant, blocks)
+        grant.cost += blocks
+        level = grant.queue_class.level
+        self._held_by_level[level] = self._held_by_level.get(level, 0) + blocks
+
     async def acquire(self, cost: int, queue_class: QueueClass) -> Grant:
         arrived = self._clock()
         decision = self.ledger.evaluate(cost)
-        if not decision.admitted:
+        if not decision.admitted and not self._may_wait_for_blocks(decision, queue_class.level):
             raise self._kv_rejection(decision)
-        if self.running < self.max_concurrency and len(self.queue) == 0:
-            grant = Grant(cost, queue_class, 0.0)
-            self.ledger.try_admit(grant, cost)  # cannot fail: evaluated above, nothing ran in between
-            self.running += 1
+        if decision.admitted and self.running < self.max_concurrency and len(self.queue) == 0:
+            grant = self._grant(cost, queue_class, 0.0)
             self._on_change()
             return grant
 
@@ -97,7 +145,7 @@ class Scheduler:
                 raise Rejection(
                     Reason.QUEUE_TIMEOUT, 429,
                     f"The request waited {queue_class.max_queue_seconds:g}s, the most class "
-                    f"{queue_class.name!r} may wait for a free slot. Retry later.",
+                    f"{queue_class.name!r} may wait for a free slot or KV blocks. Retry later.",
                     self.retry_after) from None
             return waiter.future.result()  # dispatched in the same instant it timed out
         except asyncio.CancelledError:
@@ -109,31 +157,44 @@ class Scheduler:
         removed = self.queue.remove(entry)
         if removed:
             self._on_change()
+            self.dispatch()  # a head that gave up no longer holds back the requests behind it
         return removed
 
     def release(self, grant: Grant) -> None:
         self.ledger.release(grant)
         self.running -= 1
+        level = grant.queue_class.level
+        self._held_by_level[level] = self._held_by_level.get(level, 0) - grant.cost
         self.dispatch()
 
     def dispatch(self) -> None:
-        """Hand free slots to queued requests, best effective level first."""
+        """Hand free slots and blocks to queued requests, best effective level first.
+
+        The head of the queue is never overtaken: when it lacks blocks that
+        lower-priority running requests hold, it keeps its place and everything
+        behind it waits for the next release; when waiting cannot help, it is
+        refused and the next one is tried."""
         changed = False
         while self.running < self.max_concurrency:
             now = self._clock()
-            entry = self.queue.pop(now)
+            entry = self.queue.peek(now)
             if entry is None:
                 break
-            changed = True
             waiter = entry.item
             if waiter.future.done():
+                self.queue.pop(now)
+                changed = True
                 continue
-            grant = Grant(waiter.cost, entry.queue_class, entry.waited(now))
-            decision = self.ledger.try_admit(grant, waiter.cost)
+            decision = self.ledger.evaluate(waiter.cost)
             if not decision.admitted:
+                if self._may_wait_for_blocks(decision, self.queue.effective_level(entry, now), queued=True):
+                    break  # the blocks it lacks are held by lower-priority requests, which finish
+                self.queue.pop(now)
+                changed = True
                 waiter.future.set_exception(self._kv_rejection(decision))
                 continue
-            self.running += 1
-            waiter.future.set_result(grant)
+            self.queue.pop(now)
+            changed = True
+            waiter.future.set_result(self._grant(waiter.cost, entry.queue_class, entry.waited(now)))
         if changed:
             self._on_change()

@@ -6,6 +6,7 @@ in-process; ``serve`` adds the signal handling of a real process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import ipaddress
 import logging
@@ -21,18 +22,18 @@ from .context import CHAT, COMPLETIONS, EMBEDDINGS
 from .contract.guard_config import GuardConfig
 from .contract.guard_metrics import Reason
 from .metrics import CONTENT_TYPE
-from .proxy import Guard, error_response
-from .tokens import HfTokenizer, Tokenizer
+from .proxy import Guard, error_response, max_body_bytes
+from .tokens import HfTokenizer, Tokenizer, generation_default_max_tokens
 from .upstream import EngineMonitor, Upstream
 
 log = logging.getLogger("gpufleet_engine.server")
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
 TOKENIZER_RETRY_SECONDS = 5.0
 
 
 def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    # Bodies are bounded before they are parsed (docs/guard-config.md).
+    app = web.Application(client_max_size=max_body_bytes(guard.config.max_context_tokens))
 
     def proxied(route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -170,6 +171,8 @@ class GuardServer:
                 guard.tokenizer_problem = problem
                 await asyncio.sleep(TOKENIZER_RETRY_SECONDS)
             else:
+                default = generation_default_max_tokens(self.config.tokenizer)
+                guard.limits = dataclasses.replace(guard.limits, default_max_tokens=default)
                 guard.tokenizer_problem = ""
                 guard.refresh_gauges()
                 log.info("tokenizer loaded from %s", self.config.tokenizer)

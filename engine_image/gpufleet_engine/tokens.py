@@ -7,6 +7,8 @@ server, so the guard's count matches the ``usage.prompt_tokens`` vLLM returns.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 
@@ -57,3 +59,14 @@ def truncate_text_left(tokenizer: Tokenizer, text: str, drop: int) -> str:
     if drop >= len(ids):
         return ""
     return tokenizer.decode(ids[drop:])
+
+
+def generation_default_max_tokens(model: str) -> int | None:
+    """``max_new_tokens`` of the model folder's generation_config.json: vLLM's default max_tokens
+    for a chat without one (``--generation-config auto``). None when unset or not a local folder."""
+    try:
+        config = json.loads((Path(model) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_new_tokens") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -24,6 +24,10 @@ from typing import Any, Mapping, Optional
 from .engine_flags import MANAGED_FLAGS, managed_flags_in
 
 OVER_LENGTH_POLICIES = ("Reject", "TruncateLeft")
+# Predicted: prompt + the output length the guard has learned (at a quantile),
+# grown while the answer streams past it. FullBudget: prompt + max_tokens (or
+# the rest of the context), the worst case.
+RESERVATIONS = ("Predicted", "FullBudget")
 RUNTIMES = ("vllm", "vllm-cpu")
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 CLASS_HEADER = "x-gpufleet-class"
@@ -108,6 +112,8 @@ class GuardConfig:
     engine_url: str = _field("http://127.0.0.1:8000")
     block_size: int = _field(32, low=1, from_engine="block_size")
     kv_watermark_percent: int = _field(5, low=0, high=99)
+    reservation: str = _field("Predicted", choices=RESERVATIONS)
+    reservation_quantile_percent: int = _field(90, low=50, high=100)
     max_context_tokens: int = _field(4096, low=1, from_engine="max_model_len")
     over_length_policy: str = _field("Reject", choices=OVER_LENGTH_POLICIES)
     request_timeout_seconds: float = _field(300, positive=True)

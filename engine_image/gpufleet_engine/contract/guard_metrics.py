@@ -24,6 +24,10 @@ KV_TOTAL_BLOCKS = PREFIX + "kv_total_blocks"
 KV_WATERMARK_BLOCKS = PREFIX + "kv_watermark_blocks"
 ENGINE_UP = PREFIX + "engine_up"
 READY = PREFIX + "ready"
+OUTPUT_TOKENS = PREFIX + "output_tokens"                      # histogram: the learned distribution
+OUTPUT_TOKENS_PREDICTED = PREFIX + "output_tokens_predicted"  # gauge: the reservation quantile now
+OUTPUT_PREDICTION_RATIO = PREFIX + "output_prediction_ratio"  # histogram: actual / reserved output
+RESERVATION_EXTENSIONS = PREFIX + "reservation_extensions"    # counter: answers that outgrew a reservation
 
 OUTCOMES = ("ok", "rejected", "invalid", "timeout", "cancelled", "error")
 
@@ -37,11 +41,18 @@ class Reason:
     DRAINING = "draining"
     ENGINE_DOWN = "engine_down"
     INVALID_REQUEST = "invalid_request"
+    # The request's reservation is larger than the whole KV pool: no replica
+    # of this size could ever run it, so adding replicas would not help.
+    EXCEEDS_KV_POOL = "exceeds_kv_pool"
+    REQUEST_TOO_LARGE = "request_too_large"  # the body is over the size limit (413)
 
 
 REASONS = (Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL, Reason.CONTEXT_LENGTH,
-           Reason.DRAINING, Reason.ENGINE_DOWN, Reason.INVALID_REQUEST)
+           Reason.DRAINING, Reason.ENGINE_DOWN, Reason.INVALID_REQUEST, Reason.EXCEEDS_KV_POOL,
+           Reason.REQUEST_TOO_LARGE)
 
 # Refusals that mean "this replica is overloaded": another replica would have
-# taken the request, so the autoscaler counts them as shedding.
+# taken the request, so the autoscaler counts them as shedding. A request that
+# cannot fit even an empty replica (EXCEEDS_KV_POOL) is not: scaling out
+# would only add replicas that refuse it too.
 SHED_REASONS = frozenset({Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL})

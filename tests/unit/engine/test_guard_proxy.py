@@ -71,8 +71,12 @@ async def test_over_long_context_is_refused_before_vllm_with_the_counts(guard_fa
         async with s.post(guard.url + "/v1/completions", json={"prompt": "x " * 45, "max_tokens": 10}) as r:
             assert r.status == 400
             error = (await r.json())["error"]
-    assert error["code"] == "context_length"
+        text = await metrics(s, guard)
+    # vLLM's own error shape, so a client sees the same 400 with or without the guard.
+    assert error["code"] == 400 and error["type"] == "BadRequestError" and error["param"] == "max_tokens"
     assert "45 prompt tokens" in error["message"] and "maximum context is 50 tokens" in error["message"]
+    assert sample(text, "gpufleet_guard_rejections_total", **{"class": "standard", "reason": "context_length"}) == 1
+    assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "invalid"}) == 1
     assert fake_vllm.seen_bodies == []
 
 

@@ -78,9 +78,10 @@ async def test_kv_refusal_is_immediate_even_with_free_slots():
     for _ in range(5):
         await s.acquire(10, L2)
     with pytest.raises(Rejection) as e:
-        await s.acquire(10, L1)
+        await s.acquire(10, L2)                  # same class: waiting would not make room
     assert e.value.reason == "kv_watermark" and e.value.status == 429
     assert "needs 10 blocks, 14 are free and 10 are kept free" in e.value.message
+    assert len(s.queue) == 0
 
 
 async def test_kv_is_checked_again_when_a_queued_request_gets_its_slot():
