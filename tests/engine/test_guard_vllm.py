@@ -7,7 +7,7 @@ import random
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -15,6 +15,7 @@ import pytest
 
 from gpufleet_engine.local import free_port
 from gpufleet_engine.vllm_metrics import parse as parse_vllm_metrics
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -28,6 +29,22 @@ def token_ids(n: int, seed: int) -> list[int]:
 async def vllm_stats(session: aiohttp.ClientSession, vllm_url: str):
     async with session.get(vllm_url + "/metrics") as r:
         return parse_vllm_metrics(await r.text())
+
+
+async def until(check, *, what: str, requests: tuple[asyncio.Task, ...] = (), timeout: float = 60,
+                interval: float = 0.01):
+    """Until ``check()`` holds. A request in ``requests`` that ends first (refused, failed)
+    fails the wait at once with its own outcome, instead of a timeout that says nothing."""
+    def holds():
+        for task in requests:
+            if task.done():
+                try:
+                    outcome = task.result()
+                except BaseException as e:  # the request's own failure is the message
+                    raise AssertionError(f"a request ended before {what}: {e!r}") from e
+                raise AssertionError(f"a request ended before {what}: {str(outcome)[:500]}")
+        return check()
+    return await wait_for(holds, timeout=timeout, interval=interval, what=what)
 
 
 def events(body: str) -> list[dict | str]:
@@ -119,14 +136,14 @@ async def test_interactive_requests_overtake_queued_background_ones(extra_guard)
                 done.append(name)
 
         first = asyncio.create_task(send("first", "standard", 200, 120))
-        while guard.guard.scheduler.running == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: guard.guard.scheduler.running == 1, what="the first request dispatched",
+                    requests=(first,))
         background = [asyncio.create_task(send(f"bg{i}", "background", 201 + i)) for i in range(3)]
-        while guard.guard.queue.depth("background") < 3:
-            await asyncio.sleep(0.01)
+        await until(lambda: guard.guard.queue.depth("background") == 3, what="three background requests queued",
+                    requests=(first, *background))
         interactive = asyncio.create_task(send("interactive", "interactive", 210))
-        while guard.guard.queue.depth("interactive") < 1 and not interactive.done():
-            await asyncio.sleep(0.01)
+        await until(lambda: guard.guard.queue.depth("interactive") == 1 or interactive.done(),
+                    what="the interactive request queued", requests=(first, *background))
         assert not first.done(), "the first request ended before the queue formed; make it longer"
         await asyncio.gather(first, *background, interactive)
     assert done[:2] == ["first", "interactive"], done
@@ -161,10 +178,10 @@ async def test_a_client_that_disconnects_stops_the_work_in_vllm(engine):
         await r.content.readuntil(b"\n\n")
         assert (await vllm_stats(s, engine.vllm_url)).running == 1
         r.close()
-        deadline = time.monotonic() + 3
-        while (await vllm_stats(s, engine.vllm_url)).running and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert (await vllm_stats(s, engine.vllm_url)).running == 0
+
+        async def vllm_idle():
+            return (await vllm_stats(s, engine.vllm_url)).running == 0
+        await until(vllm_idle, timeout=3, interval=0.1, what="vLLM to abort the abandoned request")
 
 
 async def test_the_official_openai_client_works_and_sees_429_with_retry_after(extra_guard):
@@ -182,8 +199,7 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     # another 32-block request cannot be promised too until it is done.
     hog = asyncio.create_task(strict.completions.create(
         model="tiny", prompt=token_ids(100, 400), max_tokens=900, extra_body={"ignore_eos": True}))
-    while guard.guard.ledger.reserved_blocks == 0:
-        await asyncio.sleep(0.05)
+    await until(lambda: guard.guard.ledger.reserved_blocks, what="the long request admitted", requests=(hog,))
     with pytest.raises(openai.RateLimitError) as e:
         await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=300)
     assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
@@ -203,33 +219,43 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
 
 
 # Long enough that the streams are still running when the test checks the
-# draining guard (0.7 s after they start); 128 tokens could finish by then on
-# a quiet machine, and the guard, drained, had already exited.
+# draining guard (right after it reports draining); 128 tokens could finish
+# first on a quiet machine, and the guard, drained, would already have exited.
 DRAIN_TOKENS = 384
 
 
-async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_path):
-    config = json.loads(open(engine.config_path).read())
+async def guard_json(s: aiohttp.ClientSession, url: str, path: str) -> dict | None:
+    """The guard's JSON answer, or None while it does not listen yet."""
+    try:
+        async with s.get(url + path) as r:
+            return {"status": r.status, **await r.json()}
+    except aiohttp.ClientError:
+        return None
+
+
+def start_guard_process(engine_config: str, work_dir) -> tuple[subprocess.Popen, str]:
+    """`gpufleet_engine serve` on the session engine's guard.json, on a port of its own."""
+    config = json.loads(Path(engine_config).read_text())
     config.update(listenPort=free_port("127.0.0.1"), drainTimeoutSeconds=60)
-    port = config["listenPort"]
-    path = tmp_path / "guard.json"
+    path = work_dir / "guard.json"
     path.write_text(json.dumps(config))
-    guard = subprocess.Popen([sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
-                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "guard.log", "w"))
-    url = f"http://127.0.0.1:{port}"
+    with open(work_dir / "guard.log", "w") as log:
+        guard = subprocess.Popen([sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
+                                 stdout=subprocess.DEVNULL, stderr=log)
+    return guard, f"http://127.0.0.1:{config['listenPort']}"
+
+
+async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_path):
+    guard, url = start_guard_process(engine.config_path, tmp_path)
     try:
         async with aiohttp.ClientSession() as s:
-            deadline = time.monotonic() + 180   # importing transformers is slow on a busy machine
-            while True:
-                try:
-                    async with s.get(url + "/readyz") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if guard.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"the guard did not become ready: {(tmp_path / 'guard.log').read_text()[-3000:]}")
-                await asyncio.sleep(0.2)
+            async def ready():
+                if guard.poll() is not None:
+                    pytest.fail(f"the guard exited: {(tmp_path / 'guard.log').read_text()[-3000:]}")
+                return ((await guard_json(s, url, "/readyz")) or {}).get("ready")
+            # Importing transformers is slow on a busy machine.
+            await wait_for(ready, timeout=180, interval=0.2, what="the guard ready",
+                           describe=lambda: (tmp_path / "guard.log").read_text()[-3000:])
 
             async def stream(i: int):
                 body = {"model": "tiny", "prompt": token_ids(64, 500 + i), "max_tokens": DRAIN_TOKENS,
@@ -238,9 +264,16 @@ async def test_sigterm_drains_without_losing_an_in_flight_request(engine, tmp_pa
                     return r.status, await r.text()
 
             in_flight = [asyncio.create_task(stream(i)) for i in range(3)]
-            await asyncio.sleep(0.5)
+
+            async def accepted(n):
+                return ((await guard_json(s, url, "/drain")) or {}).get("active") == n
+            await until(lambda: accepted(3), interval=0.05, what="the three streams accepted", requests=in_flight)
             guard.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
+
+            async def draining():
+                return ((await guard_json(s, url, "/drain")) or {}).get("draining")
+            await until(draining, timeout=10, interval=0.02, what="the guard draining after SIGTERM",
+                        requests=in_flight)
             async with s.get(url + "/readyz") as r:
                 assert r.status == 503
             async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}) as r:
