@@ -68,12 +68,13 @@ class Stack:
     """vLLM, and optionally the guard and the pass-through proxy in front of it."""
 
     def __init__(self, kv_blocks: int, engine_extra_args: list[str] | None = None,
-                 engine_cores: str | None = None, **guard_overrides):
+                 engine_cores: str | None = None, max_model_len: int = 1024, **guard_overrides):
         self.vllm_port = free_port("127.0.0.1")
         self.guard_port = free_port("127.0.0.1")
         self.proxy_port = free_port("127.0.0.1")
         extra = {"extraArgs": engine_extra_args} if engine_extra_args else {}
-        self.raw = guard_json(self.vllm_port, self.guard_port, kv_blocks, engine=extra, **guard_overrides)
+        self.raw = guard_json(self.vllm_port, self.guard_port, kv_blocks, max_model_len, engine=extra,
+                              **guard_overrides)
         self.config = guard_config.parse(self.raw)
         self.procs: list[ManagedProcess] = []
         # engine_cores ("1"): vLLM and its OpenMP threads on those cores, the
@@ -107,17 +108,24 @@ class Stack:
         self.procs.append(p)
         wait_until(lambda: _ok(self.vllm_url + "/health"), 600, abort_if_dead=p, what="vLLM")
 
-    def start_guard(self) -> None:
+    def start_guard(self, name: str = "guard", **overrides) -> str:
+        """Start a guard in front of vLLM (``overrides``: guard.json fields); returns its URL. The
+        first one started without a name is ``guard_url``."""
         # Ports are picked right before use: minutes after construction, on a
         # busy machine, another process may hold the one picked then.
-        self.guard_port = self.raw["listenPort"] = free_port("127.0.0.1")
-        path = WORK / f"guard-{self.guard_port}.json"
-        path.write_text(json.dumps(self.raw))
-        p = ManagedProcess("guard", [sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
-                           {}, WORK / f"guard-{self.guard_port}.log")
+        port = free_port("127.0.0.1")
+        raw = {**self.raw, **overrides, "listenPort": port}
+        if name == "guard":
+            self.guard_port = port
+        path = WORK / f"{name}-{port}.json"
+        path.write_text(json.dumps(raw))
+        p = ManagedProcess(name, [sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
+                           {}, WORK / f"{name}-{port}.log")
         p.start()
         self.procs.append(p)
-        wait_until(lambda: _ok(self.guard_url + "/readyz"), 120, abort_if_dead=p, what="guard")
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _ok(url + "/readyz"), 120, abort_if_dead=p, what=name)
+        return url
 
     def start_proxy(self) -> None:
         self.proxy_port = free_port("127.0.0.1")
@@ -213,11 +221,12 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[Attempt, float]:
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict,
+                      path: str = "/v1/completions") -> tuple[Attempt, float]:
     """One streaming attempt; returns it and the retry delay the server asked for (0 if none)."""
     sent = time.perf_counter()
     try:
-        async with session.post(url + "/v1/completions", json=body) as r:
+        async with session.post(url + path, json=body) as r:
             if r.status != 200:
                 await r.read()
                 hint_ms = r.headers.get("retry-after-ms")

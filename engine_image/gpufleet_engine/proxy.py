@@ -94,7 +94,8 @@ class Guard:
         self.queue: MultiLevelQueue = MultiLevelQueue(config.queue_classes, config.aging_seconds,
                                                       config.max_queue_length)
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
-                                   config.retry_after_seconds, clock=clock, on_change=self.refresh_gauges)
+                                   config.retry_after_seconds, clock=clock, on_change=self.refresh_gauges,
+                                   aging_seconds=config.aging_seconds)
         self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
         self.drain = Drain()
         self.metrics.max_concurrency.set(config.max_concurrency)
@@ -240,11 +241,12 @@ class Guard:
 
     async def _admit_and_forward(self, request: web.Request, route: str, queue_class: QueueClass,
                                  arrived: float) -> web.StreamResponse:
-        if not self.ledger.evaluate(1).admitted and not self.scheduler.lower_priority_holds(queue_class.level):
+        early = self.scheduler.early_refusal(queue_class)
+        if early is not None:
             # Not even a one-block request fits: refuse before parsing and
             # tokenizing. Under overload most traffic is retries, and the CPU
             # they would cost belongs to the engine.
-            return self._refuse(queue_class, self.scheduler.kv_rejection(1))
+            return self._refuse(queue_class, early)
         try:
             raw = await self._read_body(request)
             prepared = await self._prepare(raw, route)

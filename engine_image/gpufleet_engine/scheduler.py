@@ -11,6 +11,13 @@ by grabbing every block that frees; the background requests it waits for
 are already running and finish. Only the first such request of a level waits
 (the others of that level get 429 at once), so the queue stays short.
 
+The lowest class has no one below it, so the same rule could leave it
+refused forever while higher classes keep the pool full. A class refused for
+``agingSeconds`` without one admission is starving: its next request may wait
+for blocks that any running request holds, and it enters the queue as if it
+had waited since the class's first refusal, so aging promotes it past the
+newcomers of higher classes within (level − 1) × agingSeconds.
+
 A request that fits takes a dispatch slot — at most ``max_concurrency``
 requests talk to vLLM — or waits in the multi-level queue for one, at most
 its class's ``maxQueueSeconds``. The queue is served best effective level
@@ -62,7 +69,7 @@ class _Waiter:
 class Scheduler:
     def __init__(self, ledger: KvLedger, queue: MultiLevelQueue[_Waiter], max_concurrency: int,
                  retry_after_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[], None] | None = None):
+                 on_change: Callable[[], None] | None = None, aging_seconds: float = 5.0):
         self.ledger = ledger
         self.queue = queue
         self.max_concurrency = max_concurrency
@@ -71,6 +78,9 @@ class Scheduler:
         self._on_change = on_change or (lambda: None)
         self.running = 0
         self._held_by_level: dict[int, int] = {}  # blocks reserved by running requests, by class level
+        self.aging_seconds = aging_seconds
+        # Per class: when its refusals began, if none of its requests was admitted since.
+        self._refused_since: dict[str, float] = {}
 
     def kv_rejection(self, cost: int) -> Rejection:
         """The refusal for a request of ``cost`` blocks that does not fit now."""
@@ -86,20 +96,34 @@ class Scheduler:
                          f"The KV cache is too full to admit this request now: {need}, {why}. Retry later.",
                          self.retry_after)
 
-    def _may_wait_for_blocks(self, d: Decision, level: int, *, queued: bool = False) -> bool:
-        """Whether running requests of lower priority (a level above ``level``) hold the blocks
-        ``d`` lacks. A newcomer also needs the queue free of requests of its level or better:
-        they go first, and it would only stand in line for the same blocks."""
+    def _may_wait_for_blocks(self, d: Decision, level: int, *, queued: bool = False,
+                             starving: bool = False) -> bool:
+        """Whether running requests of lower priority (a level above ``level``; any level when the
+        class is starving) hold the blocks ``d`` lacks. A newcomer also needs the queue free of
+        requests of its level or better: they go first, and it would only stand in line for the
+        same blocks."""
         if not queued and any(self.queue.depth(c.name) for c in self._classes_at_or_above(level)):
             return False
         room = min(d.unreserved_blocks, d.free_blocks - d.watermark)
         lacking = d.cost - room
-        lower = sum(blocks for lvl, blocks in self._held_by_level.items() if lvl > level)
+        lower = sum(blocks for lvl, blocks in self._held_by_level.items() if lvl > level or starving)
         return 0 < lacking <= lower and d.cost <= self.ledger.capacity
 
-    def lower_priority_holds(self, level: int) -> bool:
-        """Whether running requests of a class below ``level`` in priority hold blocks."""
-        return any(blocks > 0 for lvl, blocks in self._held_by_level.items() if lvl > level)
+    def _starving(self, queue_class: QueueClass, now: float) -> bool:
+        since = self._refused_since.get(queue_class.name)
+        return since is not None and now - since >= self.aging_seconds
+
+    def early_refusal(self, queue_class: QueueClass) -> Rejection | None:
+        """The 429 for a request of ``queue_class`` when not even one block could be admitted and
+        waiting could not help, so the caller can refuse before reading the body; else None."""
+        now = self._clock()
+        d = self.ledger.evaluate(1)
+        if d.admitted or self._starving(queue_class, now):
+            return None
+        if any(blocks > 0 for lvl, blocks in self._held_by_level.items() if lvl > queue_class.level):
+            return None
+        self._refused_since.setdefault(queue_class.name, now)
+        return self._kv_rejection(d)
 
     def _classes_at_or_above(self, level: int) -> list[QueueClass]:
         return [c for c in self.queue.classes if c.level <= level]
@@ -110,6 +134,7 @@ class Scheduler:
         self.running += 1
         level = queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) + cost
+        self._refused_since.pop(queue_class.name, None)
         return grant
 
     def extend(self, grant: Grant, blocks: int) -> None:
@@ -124,12 +149,18 @@ class Scheduler:
     async def acquire(self, cost: int, queue_class: QueueClass) -> Grant:
         arrived = self._clock()
         decision = self.ledger.evaluate(cost)
-        if not decision.admitted and not self._may_wait_for_blocks(decision, queue_class.level):
+        starving = self._starving(queue_class, arrived)
+        if not decision.admitted and not self._may_wait_for_blocks(decision, queue_class.level,
+                                                                  starving=starving):
+            self._refused_since.setdefault(queue_class.name, arrived)
             raise self._kv_rejection(decision)
         if decision.admitted and self.running < self.max_concurrency and len(self.queue) == 0:
             grant = self._grant(cost, queue_class, 0.0)
             self._on_change()
             return grant
+        if starving:
+            # Aging counts from the class's first refusal: it has waited that long, in retries.
+            arrived = self._refused_since[queue_class.name]
 
         waiter = _Waiter(cost, asyncio.get_running_loop().create_future())
         try:
@@ -187,10 +218,12 @@ class Scheduler:
                 continue
             decision = self.ledger.evaluate(waiter.cost)
             if not decision.admitted:
-                if self._may_wait_for_blocks(decision, self.queue.effective_level(entry, now), queued=True):
-                    break  # the blocks it lacks are held by lower-priority requests, which finish
+                if self._may_wait_for_blocks(decision, self.queue.effective_level(entry, now), queued=True,
+                                             starving=self._starving(entry.queue_class, now)):
+                    break  # the blocks it lacks are held by requests that finish
                 self.queue.pop(now)
                 changed = True
+                self._refused_since.setdefault(entry.queue_class.name, now)
                 waiter.future.set_exception(self._kv_rejection(decision))
                 continue
             self.queue.pop(now)

@@ -198,10 +198,20 @@ class AdmissionSpec:
     """The guard in front of the engine: what it admits, queues and refuses."""
     kv_watermark_percent: int = field("Share of KV blocks kept free in vLLM's reported view. A request "
                                       "whose block cost would cross it gets HTTP 429 with Retry-After. The "
-                                      "guard also promises every admitted request its whole budget "
-                                      "(prompt + max_tokens), so this margin only has to absorb what the "
-                                      "guard cannot see: metrics lag and requests that bypass it.",
+                                      "guard also keeps a ledger of what admitted requests hold (see "
+                                      "reservation), so this margin only has to absorb what the guard cannot "
+                                      "see: metrics lag and requests that bypass it.",
                                       default=5, minimum=0, maximum=90)
+    reservation: str = field("KV blocks the guard reserves per admitted request. Predicted: the prompt plus "
+                             "the output length learned from recent answers of the same route and class "
+                             "(at reservationQuantilePercent), grown while an answer streams past it; the "
+                             "full budget until 16 answers are known. FullBudget: the prompt plus max_tokens "
+                             "(or the rest of the context), the worst case, which refuses traffic vLLM "
+                             "alone serves when answers end early.", default="Predicted",
+                             enum=["Predicted", "FullBudget"])
+    reservation_quantile_percent: int = field("With reservation Predicted: the quantile of learned output "
+                                              "lengths reserved for a new request.", default=90,
+                                              minimum=50, maximum=100)
     max_context_tokens: Optional[int] = field("Longest prompt + max_tokens accepted. Defaults to "
                                               "model.maxModelLen.", default=None, minimum=16)
     over_length_policy: str = field("Reject answers 400 naming the token counts; TruncateLeft drops the "

@@ -70,6 +70,8 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
         tokenizer=model_location(spec),
         block_size=engine.kv_cache.block_size,
         kv_watermark_percent=adm.kv_watermark_percent,
+        reservation=adm.reservation,
+        reservation_quantile_percent=adm.reservation_quantile_percent,
         max_context_tokens=adm.max_context_tokens or engine_config.max_model_len,
         over_length_policy=adm.over_length_policy,
         request_timeout_seconds=float(adm.request_timeout_seconds),

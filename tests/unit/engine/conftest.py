@@ -64,6 +64,8 @@ class FakeVllm:
     # in flight at vLLM exactly as long as a test needs, without timing assumptions.
     hold: asyncio.Event | None = None
     metrics_up: bool = True
+    # When set, answers end (at "EOS") after this many tokens, below max_tokens.
+    answer_tokens: int | None = None
     seen_bodies: list[dict] = field(default_factory=list)
     running: int = 0
     disconnects: int = 0
@@ -91,6 +93,8 @@ class FakeVllm:
         body = await request.json()
         self.seen_bodies.append(body)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
+        if self.answer_tokens is not None:
+            n = min(n, self.answer_tokens)
         if body.get("model") == "fail-400":
             return web.json_response({"error": {"message": "bad", "code": 400}}, status=400)
         self.running += 1

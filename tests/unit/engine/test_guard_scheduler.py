@@ -16,10 +16,12 @@ L2 = QueueClass("standard", 2, 10.0)
 L3 = QueueClass("background", 3, 0.3)
 
 
-def scheduler(max_concurrency: int = 1, blocks: int = 64, max_length: int = 10) -> Scheduler:
+def scheduler(max_concurrency: int = 1, blocks: int = 64, max_length: int = 10, aging: float = 5.0,
+              classes=(L1, L2, L3)) -> Scheduler:
     ledger = KvLedger(15)
     ledger.observe(KvSnapshot(blocks, 0))
-    return Scheduler(ledger, MultiLevelQueue([L1, L2, L3], 5.0, max_length), max_concurrency, 1.0)
+    return Scheduler(ledger, MultiLevelQueue(classes, aging, max_length), max_concurrency, 1.0,
+                     aging_seconds=aging)
 
 
 async def queued(s: Scheduler, n: int) -> None:
@@ -115,3 +117,98 @@ async def test_release_hands_the_slot_and_blocks_back():
     g = await s.acquire(10, L2)
     s.release(g)
     assert s.running == 0 and s.ledger.reserved_blocks == 0
+
+
+# --- priority for big requests ------------------------------------------------------------
+
+async def test_a_request_lacking_blocks_that_lower_classes_hold_waits_for_them_and_goes_first():
+    s = scheduler(max_concurrency=8, blocks=64)          # 10 kept free: 54 to admit into
+    background = [await s.acquire(10, L3) for _ in range(5)]
+    big = asyncio.create_task(s.acquire(30, L1))         # lacks 26 blocks; background holds 50
+    await queued(s, 1)
+    small = asyncio.create_task(s.acquire(2, L3))        # fits, but may not overtake the waiting request
+    await queued(s, 2)
+    for g in background[:2]:
+        s.release(g)
+    assert not big.done() and not small.done()           # 24 to admit into: the small one would fit, but waits
+    s.release(background[2])
+    assert (await big).queue_class is L1 and (await small).queue_class is L3
+
+
+async def test_only_the_first_request_of_a_level_waits_for_blocks_the_others_are_told_to_retry():
+    s = scheduler(max_concurrency=8, blocks=64)
+    for _ in range(5):
+        await s.acquire(10, L3)
+    waiting = asyncio.create_task(s.acquire(30, L1))
+    await queued(s, 1)
+    with pytest.raises(Rejection) as e:
+        await s.acquire(30, L1)
+    assert e.value.reason == "kv_watermark" and len(s.queue) == 1
+    waiting.cancel()
+
+
+async def test_waiting_for_blocks_is_bounded_by_the_class_limit():
+    s = scheduler(max_concurrency=8, blocks=64)
+    for _ in range(5):
+        await s.acquire(10, L3)
+    quick = QueueClass("interactive", 1, 0.05)
+    with pytest.raises(Rejection) as e:
+        await s.acquire(30, quick)
+    assert e.value.reason == "queue_timeout" and len(s.queue) == 0
+
+
+async def closed_loop_clients(s: Scheduler, cls: QueueClass, cost: int, hold: float, clients: int,
+                              stop: asyncio.Event, admitted: list) -> None:
+    """``clients`` clients of one class asking again and again, as refused clients retry."""
+    async def client():
+        while not stop.is_set():
+            try:
+                grant = await s.acquire(cost, cls)
+            except Rejection:
+                await asyncio.sleep(0.001)
+                continue
+            admitted.append((cls.name, asyncio.get_running_loop().time()))
+            await asyncio.sleep(hold)
+            s.release(grant)
+    await asyncio.gather(*(client() for _ in range(clients)))
+
+
+async def test_a_stream_of_small_background_requests_cannot_keep_a_big_interactive_one_out():
+    s = scheduler(max_concurrency=64, blocks=64, classes=(L1, L2, L3_PATIENT))
+    stop = asyncio.Event()
+    admitted: list = []
+    stream = asyncio.create_task(closed_loop_clients(s, L3_PATIENT, 5, 0.02, 12, stop, admitted))
+    await wait_for(lambda: s.ledger.reserved_blocks >= 45, timeout=2, interval=0.001, what="the pool full")
+    started = asyncio.get_running_loop().time()
+    grant = await s.acquire(40, L1)                      # 40 of the 54 admissible blocks
+    waited = asyncio.get_running_loop().time() - started
+    s.release(grant)
+    stop.set()
+    await stream
+    # Bounded by the background requests already running (20 ms each), not by luck.
+    assert waited < 0.5 and grant.queued_seconds < 0.5
+
+
+async def test_no_class_starves_when_a_higher_one_keeps_the_pool_full():
+    # Interactive clients ask again the moment they finish, so on their own
+    # they would take every block that frees. A background class refused for
+    # agingSeconds without an admission starts waiting, aged from its first
+    # refusal, and gets in within (level - 1) x agingSeconds plus a request.
+    aging = 0.05
+    s = scheduler(max_concurrency=64, blocks=64, aging=aging, classes=(L1, L2, L3_PATIENT))
+    stop = asyncio.Event()
+    admitted: list = []
+    tasks = [asyncio.create_task(closed_loop_clients(s, L1, 6, 0.01, 12, stop, admitted)),
+             asyncio.create_task(closed_loop_clients(s, L3_PATIENT, 6, 0.01, 2, stop, admitted))]
+    started = asyncio.get_running_loop().time()
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.gather(*tasks)
+    times = {name: [t - started for n, t in admitted if n == name] for name in ("interactive", "background")}
+    assert len(times["interactive"]) > 50 and len(times["background"]) >= 5, {k: len(v) for k, v in times.items()}
+    gaps = [b - a for a, b in zip([0.0, *times["background"]], times["background"], strict=False)]
+    assert max(gaps) < 2 * aging + 0.1, gaps          # (3 - 1) x aging, plus one running request
+    assert s.running == 0 and s.ledger.reserved_blocks == 0
+
+
+L3_PATIENT = QueueClass("background", 3, 60.0)

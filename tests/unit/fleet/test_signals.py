@@ -16,6 +16,8 @@ GUARD = """# TYPE gpufleet_guard_rejections_total counter
 gpufleet_guard_rejections_total{class="interactive",reason="kv_watermark"} 4.0
 gpufleet_guard_rejections_total{class="standard",reason="context_length"} 9.0
 gpufleet_guard_rejections_total{class="background",reason="queue_timeout"} 1.0
+gpufleet_guard_rejections_total{class="interactive",reason="exceeds_kv_pool"} 7.0
+gpufleet_guard_rejections_total{class="standard",reason="request_too_large"} 2.0
 # TYPE gpufleet_guard_queue_depth gauge
 gpufleet_guard_queue_depth{class="interactive"} 2.0
 gpufleet_guard_queue_depth{class="background"} 1.0
@@ -32,7 +34,9 @@ def test_parse_replica():
     r = parse_replica("p", VLLM, GUARD)
     assert r.kv_usage == 0.625 and r.engine_waiting == 3 and r.engine_running == 5
     assert r.guard_queued == 3
-    assert r.shed_total == 5  # context-length rejections are the client's fault, not overload
+    # Context-length, can-never-fit and too-large refusals are the request's fault: another
+    # replica would refuse them too, so they are not shedding (kv_watermark 4 + queue_timeout 1).
+    assert r.shed_total == 5
     assert dict(r.ttft_buckets)[1.0] == 99
 
 
@@ -50,3 +54,10 @@ def test_quantiles_from_buckets():
 def test_bucket_delta_handles_counter_reset():
     assert bucket_delta(((1.0, 10.0),), ((1.0, 4.0),)) == [(1.0, 6.0)]
     assert bucket_delta(((1.0, 3.0),), ((1.0, 40.0),)) == [(1.0, 3.0)]
+
+
+def test_only_capacity_refusals_are_shedding():
+    from gpufleet_engine.contract.guard_metrics import REASONS, SHED_REASONS, Reason
+
+    assert SHED_REASONS == {Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL}
+    assert Reason.EXCEEDS_KV_POOL in REASONS and Reason.EXCEEDS_KV_POOL not in SHED_REASONS
