@@ -38,7 +38,7 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     import kopf
 
     from . import handlers  # noqa: F401  (registers the handlers)
-    from .kube.config import KubeConfig
+    from .kube.config import KubeConfig, KubeConfigError
     from .runtime import OperatorRuntime
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
@@ -46,7 +46,10 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if not verbose:  # kopf logs every handler success at INFO: one line per pod event
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    config = KubeConfig.auto(kubeconfig)
+    try:
+        config = KubeConfig.auto(kubeconfig)
+    except KubeConfigError as e:
+        raise click.ClickException(str(e)) from None
     runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
     runtime.fleet_interval = fleet_interval_seconds
     runtime.resync_seconds = resync_seconds

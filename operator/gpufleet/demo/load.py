@@ -9,7 +9,7 @@ import json
 import random
 import time
 
-import aiohttp
+import httpx
 
 from ..kube.client import KubeClient
 from ..kube.pods import is_serving
@@ -70,7 +70,7 @@ class EndpointLoad:
         self._next = (self._next + 1) % len(self.endpoints)
         return self.endpoints[self._next]
 
-    async def one(self, http: aiohttp.ClientSession) -> RequestResult:
+    async def one(self, http: httpx.AsyncClient) -> RequestResult:
         """One request; like an ingress, retry elsewhere when a replica refuses it
         before any work started (draining, or its socket already closed)."""
         start = time.monotonic() - self.t0
@@ -93,20 +93,21 @@ class EndpointLoad:
             await asyncio.sleep(min(2.0, float(result.retry_after or 1)))  # a polite client backs off
         return result
 
-    async def _send(self, http, ep: str, body: dict, result: RequestResult, start: float) -> bool:
+    async def _send(self, http: httpx.AsyncClient, ep: str, body: dict, result: RequestResult,
+                    start: float) -> bool:
         """False when the replica refused before starting (worth a retry elsewhere)."""
         headers = {"x-gpufleet-class": self.request_class} if self.request_class else {}
         result.status, result.error = 0, ""
         try:
-            async with http.post(f"{ep}/v1/completions", json=body, headers=headers) as resp:
-                result.status = resp.status
-                if resp.status != 200:
+            async with http.stream("POST", f"{ep}/v1/completions", json=body, headers=headers) as resp:
+                result.status = resp.status_code
+                if resp.status_code != 200:
                     result.retry_after = resp.headers.get("Retry-After")
-                    result.error = (await resp.text())[:300]
-                    return not (resp.status == 503 and "draining" in result.error)
-                async for line in resp.content:
+                    result.error = (await resp.aread()).decode(errors="replace")[:300]
+                    return not (resp.status_code == 503 and "draining" in result.error)
+                async for line in resp.aiter_lines():
                     line = line.strip()
-                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    if not line.startswith("data:") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
                     if chunk.get("choices") and result.ttft is None:
@@ -114,10 +115,10 @@ class EndpointLoad:
                     if chunk.get("usage"):
                         result.tokens = chunk["usage"].get("completion_tokens", 0)
                 return True
-        except aiohttp.ClientConnectorError as e:
+        except httpx.ConnectError as e:
             result.error = f"{type(e).__name__}: {e}"[:200]
             return False
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except httpx.HTTPError as e:
             result.error = f"{type(e).__name__}: {e}"[:200]
             return True
 
@@ -126,8 +127,10 @@ class EndpointLoad:
         """Keep ``concurrency_at(t)`` (at most ``max_clients``) clients busy until ``stop`` is set."""
         await self.refresh_endpoints()
         watcher = asyncio.create_task(self._watch_endpoints(stop))
-        timeout = aiohttp.ClientTimeout(total=300)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+        # Pods are reached directly (no proxies); every client may hold a stream open at once.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_clients)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits,
+                                     trust_env=False) as http:
             async def client(i: int) -> None:
                 while not stop.is_set():
                     if i >= concurrency_at(time.monotonic() - self.t0):

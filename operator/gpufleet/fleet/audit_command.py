@@ -11,7 +11,7 @@ import click
 
 from ..api import v1alpha1 as t
 from ..kube.client import KubeClient
-from ..kube.config import KubeConfig
+from ..kube.config import KubeConfig, KubeConfigError
 from ..manifests import names
 from .cluster_audit import audit_report, collect
 
@@ -31,7 +31,8 @@ async def _request_fragmentation(kube: KubeClient, namespace: str, service: str,
 
 
 async def _audit(kubeconfig, namespace, service, timeout) -> int:
-    async with KubeClient(KubeConfig.auto(kubeconfig)) as kube:
+    # Loading may run the kubeconfig's credential plugin: not on the event loop.
+    async with KubeClient(await asyncio.to_thread(KubeConfig.auto, kubeconfig)) as kube:
         if service:
             frag = await _request_fragmentation(kube, namespace, service, timeout)
             click.echo(f"fragmentation of {namespace}/{service}: {frag.get('verdict')} "
@@ -72,5 +73,8 @@ async def _audit(kubeconfig, namespace, service, timeout) -> int:
 @click.option("--timeout", default=30.0, show_default=True)
 def audit(kubeconfig, namespace, service, timeout) -> None:
     """Stranded GPUs, isolation and fragmentation across the cluster (exit 1 when something is wrong)."""
-    problems = asyncio.run(_audit(kubeconfig, namespace, service, timeout))
+    try:
+        problems = asyncio.run(_audit(kubeconfig, namespace, service, timeout))
+    except KubeConfigError as e:
+        raise click.ClickException(str(e)) from None
     sys.exit(1 if problems else 0)

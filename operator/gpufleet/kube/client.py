@@ -1,5 +1,10 @@
 """The one async client for the Kubernetes API (aiohttp, no globals).
 
+Connection settings and credentials come from ``config`` (the kubernetes
+package's loaders: exec plugins, OIDC, token files, merged kubeconfigs,
+in-cluster); expiring tokens are reloaded before they lapse and once more
+when the API server answers 401.
+
 Server-side apply with a single field manager is the write path; reads are
 plain GET/LIST. Kinds are resolved to URL paths through API discovery, cached
 per client. A transport can be injected (``session``) so tests need no socket.
@@ -9,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from typing import Any, AsyncIterator
 
 import aiohttp
 
-from .config import KubeConfig
+from .config import Credentials, KubeConfig
 from .errors import ApiError, NotFound, error_for
 
 log = logging.getLogger(__name__)
@@ -22,13 +28,18 @@ FIELD_MANAGER = "gpufleet"
 
 
 class KubeClient:
+    """``config`` says where the API server is and how to log in; its credentials
+    are reloaded (off the event loop) when they go stale or are refused."""
+
     def __init__(self, config: KubeConfig, *, timeout: float = 30.0,
                  session: aiohttp.ClientSession | None = None):
         self.config = config
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session = session
+        self._ssl: tuple[tuple, ssl.SSLContext | bool] | None = None  # (tls identity, context)
         self._resources: dict[tuple[str, str], tuple[str, bool]] = {}
         self._discovery_lock = asyncio.Lock()
+        self._reload_lock = asyncio.Lock()
 
     async def __aenter__(self) -> "KubeClient":
         return self
@@ -38,24 +49,57 @@ class KubeClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                base_url=self.config.server,
-                connector=aiohttp.TCPConnector(ssl=self.config.ssl_context(), limit=32),
-                timeout=self._timeout,
-            )
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32), timeout=self._timeout)
         return self._session
+
+    def _ssl_context(self, creds: Credentials) -> ssl.SSLContext | bool:
+        # Per request, so a plugin that hands out a new client certificate gets new connections
+        # (the pool keys connections by context) while streams on the old ones finish.
+        if self._ssl is None or self._ssl[0] != creds.tls_identity:
+            self._ssl = (creds.tls_identity, creds.ssl_context())
+        return self._ssl[1]
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
+    # --- credentials ---------------------------------------------------------------
+
+    async def credentials(self) -> Credentials:
+        """The current credentials, reloaded first when they are stale (an expiring token)."""
+        creds = self.config.current
+        if creds.stale():
+            async with self._reload_lock:
+                creds = await asyncio.to_thread(self.config.refresh_if_stale)
+        return creds
+
+    async def reload_credentials(self, *, unless_newer_than: int | None = None) -> Credentials:
+        """Load the credentials again now (after a 401 elsewhere, e.g. kopf's own client)."""
+        async with self._reload_lock:
+            return await asyncio.to_thread(self.config.reload, unless_newer_than=unless_newer_than)
+
+    async def _after_refusal(self, refused: Credentials) -> Credentials | None:
+        async with self._reload_lock:
+            fresh = await asyncio.to_thread(self.config.reload_refused, refused)
+        if fresh is not None:
+            log.info("the API server refused the credentials of %s; reloaded them", self.config.source)
+        return fresh
+
+    def _send(self, creds: Credentials, method: str, path: str, headers: dict, **kwargs):
+        headers = dict(headers)
+        if creds.authorization:
+            headers["Authorization"] = creds.authorization
+        if creds.tls_server_name:
+            kwargs["server_hostname"] = creds.tls_server_name
+        if creds.proxy:
+            kwargs["proxy"] = creds.proxy
+        return self._http().request(method, creds.server + path, headers=headers,
+                                    ssl=self._ssl_context(creds), **kwargs)
+
     async def request(self, method: str, path: str, *, params: dict | None = None,
                       body: Any = None, content_type: str = "application/json",
                       timeout: float | None = None) -> dict:
         headers = {"Accept": "application/json"}
-        token = self.config.bearer_token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
@@ -63,16 +107,22 @@ class KubeClient:
         kwargs = {}
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
-        async with self._http().request(method, path, params=params, data=data,
-                                        headers=headers, **kwargs) as resp:
-            text = await resp.text()
-            try:
-                payload = json.loads(text) if text else {}
-            except ValueError:
-                payload = {}
-            if resp.status >= 400:
-                raise error_for(resp.status, payload if isinstance(payload, dict) else {}, text)
-            return payload
+        creds = await self.credentials()
+        for attempt in range(2):
+            async with self._send(creds, method, path, headers, params=params, data=data, **kwargs) as resp:
+                text = await resp.text()
+                status = resp.status
+            if status == 401 and attempt == 0 and (fresh := await self._after_refusal(creds)) is not None:
+                creds = fresh  # once: reloaded credentials that are refused too are reported
+                continue
+            break
+        try:
+            payload = json.loads(text) if text else {}
+        except ValueError:
+            payload = {}
+        if status >= 400:
+            raise error_for(status, payload if isinstance(payload, dict) else {}, text)
+        return payload
 
     # --- discovery -----------------------------------------------------------------
 
@@ -182,18 +232,20 @@ class KubeClient:
         if label_selector:
             params["labelSelector"] = label_selector
         path = await self.path(api_version, kind, namespace)
-        headers = {}
-        token = self.config.bearer_token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        async with self._http().get(path, params=params, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=timeout_seconds + 10)) as resp:
-            if resp.status >= 400:
-                text = await resp.text()
-                raise error_for(resp.status, None, text)
-            async for line in resp.content:
-                if line.strip():
-                    yield json.loads(line)
+        creds = await self.credentials()
+        timeout = aiohttp.ClientTimeout(total=timeout_seconds + 10)
+        for attempt in range(2):
+            async with self._send(creds, "GET", path, {}, params=params, timeout=timeout) as resp:
+                if resp.status == 401 and attempt == 0 and (fresh := await self._after_refusal(creds)) is not None:
+                    creds = fresh
+                    continue
+                if resp.status >= 400:
+                    text = await resp.text()
+                    raise error_for(resp.status, None, text)
+                async for line in resp.content:
+                    if line.strip():
+                        yield json.loads(line)
+                return
 
     async def event(self, involved: dict, *, reason: str, message: str, type_: str = "Normal",
                     component: str = "gpufleet-operator") -> None:

@@ -3,8 +3,8 @@
 Instant queries (``/api/v1/query``) over vLLM's own metrics: counters for
 requests and tokens, the per-request token histograms, and the running and
 waiting gauges. Peaks and troughs are subqueries over per-window rates, so
-Prometheus does the windowing. The HTTP session is injectable; the planner's
-other modules never do I/O.
+Prometheus does the windowing. The HTTP client (``httpx``) is injectable; the
+planner's other modules never do I/O.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import math
 
-import aiohttp
+import httpx
 
 from .distribution import TokenStats, Traffic
 from .errors import PrometheusError
@@ -32,14 +32,15 @@ class PrometheusSample:
 
 
 class PrometheusClient:
-    """Instant queries against one Prometheus. Pass ``session`` to reuse or
-    replace the HTTP transport; one created here is closed by ``close``."""
+    """Instant queries against one Prometheus. Pass ``http`` to reuse or
+    replace the HTTP client; one created here is closed by ``close``."""
 
-    def __init__(self, url: str, *, session: aiohttp.ClientSession | None = None, timeout: float = 30.0):
+    def __init__(self, url: str, *, http: httpx.AsyncClient | None = None, timeout: float = 30.0):
         self.url = url.rstrip("/")
-        self._session = session
-        self._owns_session = session is None
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        # Proxies from the environment apply, as they do to curl on the laptop running the planner.
+        self._http = http or httpx.AsyncClient(timeout=timeout)
+        self._owns_http = http is None
+        self._timeout = timeout
 
     async def __aenter__(self) -> "PrometheusClient":
         return self
@@ -48,30 +49,25 @@ class PrometheusClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._owns_session and self._session is not None:
-            await self._session.close()
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self._session
+        if self._owns_http:
+            await self._http.aclose()
 
     async def value(self, promql: str) -> float | None:
         """The one value of an aggregated instant query; None when it has no
         samples or is not a finite number (e.g. 0/0, or a quantile of no data)."""
         endpoint = f"{self.url}/api/v1/query"
         try:
-            async with self._http().get(endpoint, params={"query": promql}) as resp:
-                status = resp.status
-                try:
-                    body = await resp.json(content_type=None)
-                except ValueError:
-                    body = None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(self._timeout):
+                resp = await self._http.get(endpoint, params={"query": promql})
+        except (httpx.HTTPError, TimeoutError) as e:
             raise PrometheusError(f"cannot reach Prometheus at {self.url} ({type(e).__name__}: {e}); "
                                   "check --prometheus (the server's base URL, e.g. http://prometheus:9090)") from None
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
         if not isinstance(body, dict) or "status" not in body:
-            raise PrometheusError(f"{endpoint} answered HTTP {status} without Prometheus API JSON; "
+            raise PrometheusError(f"{endpoint} answered HTTP {resp.status_code} without Prometheus API JSON; "
                                   "check that --prometheus is the Prometheus server's base URL")
         if body["status"] != "success":
             raise PrometheusError(f"Prometheus refused the query {promql}: "

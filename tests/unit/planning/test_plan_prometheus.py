@@ -7,7 +7,7 @@ import asyncio
 import json
 import socket
 
-import aiohttp
+import httpx
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -127,11 +127,11 @@ async def test_estimated_duration_without_latency_metrics(prometheus, round_gpu,
     assert "estimated from the profile" in plan.concurrency.method
 
 
-async def test_injected_session_is_used_and_left_open(prometheus):
-    async with aiohttp.ClientSession() as session:
-        async with PrometheusClient(prometheus.url, session=session) as client:
+async def test_injected_http_client_is_used_and_left_open(prometheus):
+    async with httpx.AsyncClient() as http:
+        async with PrometheusClient(prometheus.url, http=http) as client:
             assert await client.value('sum(increase(vllm:request_success_total{service="chat"}[1h]))') == 36000
-        assert not session.closed
+        assert not http.is_closed
 
 
 async def test_wrong_service_names_the_selector(prometheus):
