@@ -23,6 +23,7 @@ BEGIN, END = "<!-- bench:run_all:begin -->", "<!-- bench:run_all:end -->"
 SUITE = [
     ("Guard overhead vs a plain pass-through proxy and direct vLLM", ["bench/guard_overhead.py"]),
     ("Overload protection: guard vs unguarded vLLM vs vLLM's own shedding", ["bench/guard_overload.py"]),
+    ("Real traffic: answers that end early, guard vs vLLM alone", ["bench/guard_realistic.py"]),
     ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
 ]
