@@ -7,10 +7,9 @@ import json
 import shutil
 import subprocess
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
+import httpx
 import yaml
 
 from ..devcluster.cluster import free_port
@@ -76,9 +75,9 @@ class LocalPrometheus:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited; see {self.work_dir / 'prometheus.log'}")
             try:
-                urllib.request.urlopen(self.url + "/-/ready", timeout=1)
+                httpx.get(self.url + "/-/ready", timeout=1, trust_env=False).raise_for_status()
                 return self
-            except OSError:
+            except httpx.HTTPError:
                 time.sleep(0.3)
         raise RuntimeError("prometheus did not become ready")
 
@@ -97,9 +96,7 @@ class LocalPrometheus:
             await asyncio.sleep(interval)
 
     def query(self, expr: str) -> list[dict]:
-        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            doc = json.loads(r.read())
+        doc = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10, trust_env=False).json()
         if doc.get("status") != "success":
             raise RuntimeError(f"query failed: {expr}: {doc}")
         return doc["data"]["result"]

@@ -17,6 +17,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import httpx
 import yaml
 
 from ..devcluster import binaries, cluster
@@ -168,8 +169,8 @@ async def audits(kube: KubeClient, operator_metrics_url: str) -> dict:
             break
         await asyncio.sleep(1)
     iso = next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == "Isolated"), {})
-    import urllib.request
-    text = urllib.request.urlopen(operator_metrics_url, timeout=5).read().decode()
+    async with httpx.AsyncClient(trust_env=False) as http:
+        text = (await http.get(operator_metrics_url, timeout=5)).text
     stranded = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("gpufleet_stranded_gpus{"))
     return {"fragmentation": f"{frag.get('verdict', 'not run')} — {frag.get('recommendation', '')}",
             "isolation": f"{iso.get('status', '?')} ({iso.get('reason', '?')}): {iso.get('message', '')}",

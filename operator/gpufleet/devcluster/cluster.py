@@ -17,9 +17,10 @@ import socket
 import ssl
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
+
+import httpx
 
 from . import binaries, pki
 
@@ -155,13 +156,11 @@ def _wait(what: str, check: Callable[[], bool], timeout: float, state: dict, wat
 def _https_ok(url: str, pki_dir: Path) -> bool:
     ctx = ssl.create_default_context(cafile=str(pki_dir / "ca.crt"))
     ctx.load_cert_chain(str(pki_dir / "admin.crt"), str(pki_dir / "admin.key"))
-    with urllib.request.urlopen(url, context=ctx, timeout=2) as r:
-        return r.status == 200
+    return httpx.get(url, verify=ctx, timeout=2, trust_env=False).status_code == 200
 
 
 def _http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as r:
-        return r.status == 200
+    return httpx.get(url, timeout=2, trust_env=False).status_code == 200
 
 
 def write_kubeconfig(path: Path, server: str, pki_dir: Path, user: str) -> None:

@@ -18,8 +18,9 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from datetime import datetime, timezone
+
+import httpx
 
 from ..kube.client import KubeClient
 from ..kube.config import KubeConfig
@@ -112,9 +113,9 @@ class BackedPod:
         if self.state != "running":
             return False
         try:
-            with urllib.request.urlopen(f"http://{self.ip}:{names.GUARD_PORT}/readyz", timeout=2) as r:
-                ok = r.status == 200
-        except OSError:
+            ok = httpx.get(f"http://{self.ip}:{names.GUARD_PORT}/readyz", timeout=2,
+                           trust_env=False).status_code == 200
+        except httpx.HTTPError:
             ok = False
         self.probe_failures = 0 if ok else self.probe_failures + 1
         if ok:

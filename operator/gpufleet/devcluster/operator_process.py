@@ -5,8 +5,9 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+import httpx
 
 from .cluster import free_port
 
@@ -35,14 +36,16 @@ class OperatorProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"operator exited with {self.proc.returncode}; log:\n{self.log_tail()}")
             try:
-                urllib.request.urlopen(self.metrics_url, timeout=1).read()
+                httpx.get(self.metrics_url, timeout=1, trust_env=False).raise_for_status()
                 return self
-            except OSError:
+            except httpx.HTTPError:
                 time.sleep(0.2)
         raise AssertionError(f"operator metrics endpoint did not come up; log:\n{self.log_tail()}")
 
     def metrics_text(self) -> str:
-        return urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        resp = httpx.get(self.metrics_url, timeout=5, trust_env=False)
+        resp.raise_for_status()
+        return resp.text
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -10,7 +10,6 @@ import httpx
 from ..autoscale.signals import ReplicaSample, parse_replica
 from ..manifests import names
 
-
 AUDIT_TIMEOUT_S = 20.0
 
 

@@ -144,7 +144,7 @@ async def read_sample(client: PrometheusClient, *, service: str, namespace: str 
     """Every number the planner needs, read concurrently."""
     sel = selector(service, namespace)
     queries = build_queries(sel, window_seconds, rate_window_seconds)
-    values = dict(zip(queries, await asyncio.gather(*(client.value(q) for q in queries.values()))))
+    values = dict(zip(queries, await asyncio.gather(*(client.value(q) for q in queries.values())), strict=True))
     for key, query in queries.items():
         if key not in _OPTIONAL and values[key] is None:
             raise PrometheusError(
