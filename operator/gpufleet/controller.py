@@ -2,77 +2,180 @@
 
 The decisions are pure (``reconcile.*``, ``manifests.*``); this module only
 sequences them and does the I/O through the one ``KubeClient``.
+
+Work on one service is serialised: every reconcile and every autoscaler
+action takes the service's lock and re-reads the object inside it, so a copy
+read before the autoscaler's write can never re-apply an old replica count.
+Status is written per condition type over the freshest copy, guarded by its
+resourceVersion, so the writers (reconcile, autoscaler, audits) never put back
+each other's conditions from stale copies.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
+from typing import AsyncIterator, Callable
 
 from .api import SpecError, parse_spec
 from .api import v1alpha1 as t
 from .kube.client import KubeClient
-from .kube.errors import ApiError
+from .kube.errors import ApiError, Conflict
 from .manifests import names
 from .metrics import OperatorMetrics
 from .reconcile import conditions as cond
 from .reconcile.desired import desired_children
 from .reconcile.replicas import target_replicas
-from .reconcile.status import Observed, crashlooping_pods, derive_status, invalid_status, unschedulable_pods
+from .reconcile.status import (CHILD_REJECTED, Observed, child_rejected_conditions, crashlooping_pods, derive_status,
+                               invalid_status, rejected_for, unschedulable_pods)
 from .reconcile.validation import validate
 
 log = logging.getLogger(__name__)
 
 PODMONITOR_API = "monitoring.coreos.com/v1"
+STATUS_WRITE_ATTEMPTS = 5
+# A refused child is not retried in a loop: the next spec change retries at
+# once, otherwise the apply is tried again after this backoff (doubling).
+REJECTED_RETRY_FIRST_S = 60.0
+REJECTED_RETRY_MAX_S = 900.0
+
+StatusUpdate = tuple[dict, list[dict]]  # (status fields, conditions by type)
+
+
+def refused(e: ApiError) -> bool:
+    """The API server will not take this object as it is: retrying the same
+    request cannot succeed (schema or admission said no, or we may not)."""
+    return e.status in (400, 403, 422) and not e.namespace_terminating
+
+
+@dataclasses.dataclass
+class _Rejection:
+    generation: int
+    retry_at: float
+    backoff: float
 
 
 class Controller:
-    def __init__(self, kube: KubeClient, metrics: OperatorMetrics):
+    def __init__(self, kube: KubeClient, metrics: OperatorMetrics, clock: Callable[[], float] = time.monotonic):
         self.kube = kube
         self.metrics = metrics
-        self._podmonitor_checked_at = 0.0
+        self._clock = clock
+        self._podmonitor_checked_at = -1e9
         self._has_podmonitor = False
         # (namespace, name) -> monotonic time of the last successful reconcile, whoever asked for it
         self.last_reconciled: dict[tuple[str, str], float] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._rejections: dict[tuple[str, str], _Rejection] = {}
 
     async def has_podmonitor(self) -> bool:
         # The Prometheus Operator may be installed after us: re-discover now and then.
-        if time.monotonic() - self._podmonitor_checked_at > 300:
+        if self._clock() - self._podmonitor_checked_at > 300:
             self.kube.forget_discovery()
             self._has_podmonitor = await self.kube.has_kind(PODMONITOR_API, "PodMonitor")
-            self._podmonitor_checked_at = time.monotonic()
+            self._podmonitor_checked_at = self._clock()
         return self._has_podmonitor
 
     async def get(self, namespace: str, name: str) -> dict | None:
         return await self.kube.get_or_none(t.API_VERSION, t.KIND, name, namespace)
+
+    def forget(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        self.last_reconciled.pop(key, None)
+        self._rejections.pop(key, None)
+        lock = self._locks.get(key)
+        if lock is not None and not lock.locked():
+            del self._locks[key]
+
+    # --- serialisation ------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def locked(self, namespace: str, name: str) -> AsyncIterator[dict | None]:
+        """Hold the service's lock; yields its freshest copy, None when it is gone or going."""
+        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
+        async with lock:
+            isvc = await self.get(namespace, name)
+            yield None if isvc is None or isvc["metadata"].get("deletionTimestamp") else isvc
+
+    async def reconcile(self, isvc: dict, apply_children: bool = True) -> None:
+        """Reconcile the service ``isvc`` names (the copy itself may be stale: it is re-read under the lock)."""
+        meta = isvc["metadata"]
+        await self.reconcile_key(meta["namespace"], meta["name"], apply_children)
+
+    async def reconcile_key(self, namespace: str, name: str, apply_children: bool = True) -> None:
+        async with self.locked(namespace, name) as fresh:
+            if fresh is not None:
+                await self.reconcile_locked(fresh, apply_children)
+
+    # --- status -------------------------------------------------------------------
+
+    async def write_status(self, isvc: dict, fields: dict | None = None, conditions: list[dict] = ()) -> None:
+        """Write changed status fields, and ``conditions`` merged by type over the freshest copy."""
+        await self.update_status(isvc, lambda _status: (fields or {}, list(conditions)))
+
+    async def update_status(self, isvc: dict, compute: Callable[[dict], StatusUpdate]) -> None:
+        """``compute(status) -> (fields, conditions by type)``, run on ``isvc``'s status.
+
+        A write that replaces ``conditions`` (a list the merge patch replaces whole)
+        carries the resourceVersion it was computed from; on a conflict the object is
+        re-read and ``compute`` runs again on what another writer left. ``isvc`` is
+        updated in place to what the server stored.
+        """
+        meta = isvc["metadata"]
+        for _attempt in range(STATUS_WRITE_ATTEMPTS):
+            current = isvc.get("status") or {}
+            fields, updates = compute(current)
+            patch = {k: v for k, v in fields.items() if current.get(k) != v}
+            body: dict = {"status": patch}
+            if updates:
+                merged = cond.merge(current.get("conditions", []), updates, cond.now_iso())
+                if not cond.same(merged, current.get("conditions")):
+                    patch["conditions"] = merged
+                    body["metadata"] = {"resourceVersion": meta.get("resourceVersion")}
+            if not patch:
+                return
+            try:
+                stored = await self.kube.merge_patch(t.API_VERSION, t.KIND, meta["name"], body,
+                                                     meta["namespace"], subresource="status")
+            except Conflict:
+                fresh = await self.get(meta["namespace"], meta["name"])
+                if fresh is None:
+                    return
+                isvc["status"] = fresh.get("status") or {}
+                meta["resourceVersion"] = fresh["metadata"].get("resourceVersion")
+                continue
+            isvc["status"] = stored.get("status") or {**current, **patch}
+            meta["resourceVersion"] = stored.get("metadata", {}).get("resourceVersion", meta.get("resourceVersion"))
+            return
+        raise Conflict(409, "Conflict", f"status of {meta['namespace']}/{meta['name']} kept changing under "
+                                        f"{STATUS_WRITE_ATTEMPTS} writes")
+
+    # --- reconcile ----------------------------------------------------------------
 
     async def observe(self, namespace: str, service: str) -> Observed:
         dep = await self.kube.get_or_none("apps/v1", "Deployment", names.deployment_name(service), namespace)
         pods = await self.kube.list("v1", "Pod", namespace, label_selector=names.selector_string(service))
         return Observed(deployment=dep, pods=pods)
 
-    async def write_status(self, isvc: dict, status: dict) -> None:
-        previous = isvc.get("status") or {}
-        changed = {k: v for k, v in status.items() if previous.get(k) != v}
-        if not changed:
-            return
-        meta = isvc["metadata"]
-        await self.kube.merge_patch(t.API_VERSION, t.KIND, meta["name"], {"status": changed},
-                                    meta["namespace"], subresource="status")
-        isvc["status"] = {**previous, **changed}
-
-    async def reconcile(self, isvc: dict, apply_children: bool = True) -> None:
+    async def reconcile_locked(self, isvc: dict, apply_children: bool = True) -> None:
         """Apply the children for the spec, then derive status from what runs.
 
-        ``apply_children=False`` only refreshes status (a pod changed: nothing of
-        ours to re-apply); it still applies when this generation never was.
+        The caller holds the service's lock and read ``isvc`` inside it. ``apply_children=False``
+        only refreshes status (a pod changed: nothing of ours to re-apply); it still applies
+        when this generation never was, or when a refused child is due another try.
         """
-        started = time.monotonic()
+        started = self._clock()
         meta = isvc["metadata"]
         ns, name, gen = meta["namespace"], meta["name"], meta.get("generation", 0)
+        key = (ns, name)
         previous = isvc.get("status") or {}
-        if previous.get("observedGeneration") != gen:
+        rejection = self._rejections.get(key)
+        if rejection is not None and rejection.generation != gen:
+            rejection = self._rejections.pop(key)  # a new spec: try it at once
+        if previous.get("observedGeneration") != gen or (
+                rejected_for(previous, gen) and (rejection is None or started >= rejection.retry_at)):
             apply_children = True
-        now = cond.now_iso()
         try:
             try:
                 spec = parse_spec(isvc.get("spec"))
@@ -80,56 +183,94 @@ class Controller:
             except SpecError as e:
                 spec, problems = None, [str(e)]
             if problems:
-                await self._report_invalid(isvc, problems, previous, now)
+                await self._report_invalid(isvc, problems)
                 self.metrics.reconcile_total.labels("InferenceService", "invalid_spec").inc()
                 return
             self.metrics.set_spec_gauges(ns, name, spec)
             replicas = target_replicas(spec, previous)
+            rejected: list[dict] | None = None
             if apply_children:
-                for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor()):
-                    await self.kube.apply(obj)
+                rejected = await self._apply_children(isvc, spec, replicas)
             observed = await self.observe(ns, name)
-            status = derive_status(service=name, namespace=ns, generation=gen, spec=spec, desired=replicas,
-                                   observed=observed, previous=previous, now=now)
-            await self._events_for_transitions(isvc, previous, status, observed)
-            await self.write_status(isvc, status)
+            keep_rejection = not apply_children and rejected_for(previous, gen)
+
+            def compute(current: dict) -> StatusUpdate:
+                status = derive_status(service=name, namespace=ns, generation=gen, spec=spec, desired=replicas,
+                                       observed=observed, previous=current)
+                updates = status.pop("conditions")
+                if rejected:
+                    updates = rejected + [u for u in updates if u["type"] not in (cond.READY, cond.PROGRESSING)]
+                elif keep_rejection:  # refreshing counts only: the refusal stands until the next try
+                    updates = [u for u in updates if u["type"] not in (cond.READY, cond.PROGRESSING)]
+                return status, updates
+
+            await self._events_for_transitions(isvc, previous, compute(previous)[1], observed)
+            await self.update_status(isvc, compute)
+            status = isvc.get("status") or {}
             self.metrics.desired_replicas.labels(ns, name).set(replicas)
-            self.metrics.ready_replicas.labels(ns, name).set(status["readyReplicas"])
+            self.metrics.ready_replicas.labels(ns, name).set(status.get("readyReplicas", 0))
             self.metrics.crashlooping.labels(ns, name).set(len(crashlooping_pods(observed.pods)))
-            self.metrics.reconcile_total.labels("InferenceService", "ok").inc()
-            self.last_reconciled[(ns, name)] = time.monotonic()
+            self.metrics.reconcile_total.labels("InferenceService", "child_rejected" if rejected else "ok").inc()
+            self.last_reconciled[key] = self._clock()
         except ApiError:
             self.metrics.reconcile_errors.labels(ns, name).inc()
             self.metrics.reconcile_total.labels("InferenceService", "error").inc()
             raise
         finally:
-            self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+            self.metrics.reconcile_seconds.observe(self._clock() - started)
 
-    async def _report_invalid(self, isvc: dict, problems: list[str], previous: dict, now: str) -> None:
+    async def _apply_children(self, isvc: dict, spec, replicas: int) -> list[dict] | None:
+        """Apply every child; the conditions that report a refused one (None when all were taken)."""
         meta = isvc["metadata"]
-        status = invalid_status(generation=meta.get("generation", 0), problems=problems, previous=previous, now=now)
-        old = cond.get(previous.get("conditions"), cond.READY)
-        new = cond.get(status["conditions"], cond.READY)
+        key, gen = (meta["namespace"], meta["name"]), meta.get("generation", 0)
+        for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor()):
+            try:
+                await self.kube.apply(obj)
+            except ApiError as e:
+                if not refused(e):
+                    raise
+                log.warning("%s/%s: %s %s refused: %s", key[0], key[1], obj["kind"], obj["metadata"]["name"], e)
+                previous = self._rejections.get(key)
+                backoff = REJECTED_RETRY_FIRST_S if previous is None or previous.generation != gen else \
+                    min(REJECTED_RETRY_MAX_S, previous.backoff * 2)
+                self._rejections[key] = _Rejection(gen, self._clock() + backoff, backoff)
+                return child_rejected_conditions(kind=obj["kind"], name=obj["metadata"]["name"],
+                                                 message=e.message, generation=gen)
+        self._rejections.pop(key, None)
+        return None
+
+    async def _report_invalid(self, isvc: dict, problems: list[str]) -> None:
+        meta = isvc["metadata"]
+        status = invalid_status(generation=meta.get("generation", 0), problems=problems)
+        updates = status.pop("conditions")
+        old = cond.get((isvc.get("status") or {}).get("conditions"), cond.READY)
+        new = cond.get(updates, cond.READY)
         if not old or old.get("message") != new["message"]:
             await self.kube.event(isvc, reason="InvalidSpec", message=new["message"], type_="Warning")
-        await self.write_status(isvc, status)
+        await self.write_status(isvc, status, updates)
 
-    async def _events_for_transitions(self, isvc: dict, previous: dict, status: dict, observed: Observed) -> None:
+    async def _events_for_transitions(self, isvc: dict, previous: dict, updates: list[dict],
+                                      observed: Observed) -> None:
         """One Event per change a human should see in `kubectl describe`, not one per reconcile."""
         old_ready = cond.get(previous.get("conditions"), cond.READY) or {}
-        new_ready = cond.get(status["conditions"], cond.READY)
+        new_ready = cond.get(updates, cond.READY)
         stuck = unschedulable_pods(observed.pods)
         old_prog = cond.get(previous.get("conditions"), cond.PROGRESSING) or {}
-        new_prog = cond.get(status["conditions"], cond.PROGRESSING)
+        new_prog = cond.get(updates, cond.PROGRESSING)
         if stuck and old_prog.get("reason") != "InsufficientCapacity":
             pod, msg = stuck[0]
             await self.kube.event(isvc, reason="Unschedulable", type_="Warning",
                                   message=f"replica {pod} cannot be placed without breaking "
                                           f"{isvc['spec'].get('isolation', {}).get('mode', 'Dedicated')} isolation "
                                           f"or its pool/product constraints: {msg}")
-        if new_ready["status"] != old_ready.get("status") or new_ready["reason"] != old_ready.get("reason"):
+        if new_ready is None:
+            return
+        if new_ready["reason"] == CHILD_REJECTED:
+            if old_ready.get("reason") != CHILD_REJECTED or old_ready.get("message") != new_ready["message"]:
+                await self.kube.event(isvc, reason=CHILD_REJECTED, message=new_ready["message"], type_="Warning")
+        elif new_ready["status"] != old_ready.get("status") or new_ready["reason"] != old_ready.get("reason"):
             kind = "Normal" if new_ready["status"] == "True" else "Warning"
             if old_ready or new_ready["status"] == "True":
                 await self.kube.event(isvc, reason=new_ready["reason"], message=new_ready["message"], type_=kind)
-        if new_prog["reason"] == "RollingOut" and old_prog.get("reason") != "RollingOut":
+        if new_prog and new_prog["reason"] == "RollingOut" and old_prog.get("reason") != "RollingOut":
             await self.kube.event(isvc, reason="RollingOut", message=new_prog["message"])

@@ -15,6 +15,7 @@ import time
 import kopf
 
 from .api import v1alpha1 as t
+from .fleet.service_loop import DELETION_COST
 from .kube.errors import ApiError
 from .kube.pods import is_ready
 from .manifests import names
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
 DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile
 TRIGGERED_CONCURRENCY = 16
+ERROR_BACKOFF_MAX_S = 600
 
 
 def _rt(memo) -> OperatorRuntime:
@@ -52,21 +54,14 @@ async def cleanup(memo: kopf.Memo, **_) -> None:
 
 
 @kopf.on.login()
-async def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
-    """kopf's own client logs in with the operator's credentials. kopf calls this
-    again only when its copy expired or was refused (401): then reload them,
-    unless the operator's client already did."""
-    kube = _rt(memo).kube
-    handed = memo.get("login_generation")
-    creds = await (kube.credentials() if handed is None else kube.reload_credentials(unless_newer_than=handed))
-    memo.login_generation = creds.generation
-    return kopf.ConnectionInfo(server=creds.server, ca_path=creds.ca_file, certificate_path=creds.cert_file,
-                               private_key_path=creds.key_file, scheme=creds.scheme, token=creds.token,
-                               insecure=creds.insecure, proxy_url=creds.proxy, default_namespace=creds.namespace,
-                               expiration=creds.renew_at)
+def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
+    cfg = _rt(memo).kube.config
+    return kopf.ConnectionInfo(server=cfg.server, ca_path=cfg.ca_file, certificate_path=cfg.cert_file,
+                               private_key_path=cfg.key_file, token=cfg.bearer_token(),
+                               insecure=cfg.insecure, default_namespace=cfg.namespace)
 
 
-async def _reconcile(body, memo) -> None:
+async def _reconcile(body, memo, retry: int = 0) -> None:
     try:
         await _rt(memo).controller.reconcile(dict(body))
     except ApiError as e:
@@ -78,24 +73,26 @@ async def _reconcile(body, memo) -> None:
             return
         if e.transient:
             raise kopf.TemporaryError(f"transient API error: {e}", delay=5) from e
-        raise kopf.TemporaryError(f"API error: {e}", delay=30) from e
+        # Refused children are reported in status by the controller; what is left
+        # (a kind that is not served, credentials) is not fixed by asking again soon.
+        raise kopf.TemporaryError(f"API error: {e}", delay=min(ERROR_BACKOFF_MAX_S, 30 * 2 ** retry)) from e
 
 
 @kopf.on.create(t.GROUP, t.VERSION, t.PLURAL)
 @kopf.on.update(t.GROUP, t.VERSION, t.PLURAL)
 @kopf.on.resume(t.GROUP, t.VERSION, t.PLURAL)
-async def reconcile_service(body, memo: kopf.Memo, **_) -> None:
-    await _reconcile(body, memo)
+async def reconcile_service(body, memo: kopf.Memo, retry: int = 0, **_) -> None:
+    await _reconcile(body, memo, retry)
 
 
 @kopf.timer(t.GROUP, t.VERSION, t.PLURAL, interval=30, idle=10)
-async def resync_service(body, namespace, name, memo: kopf.Memo, **_) -> None:
+async def resync_service(body, namespace, name, memo: kopf.Memo, retry: int = 0, **_) -> None:
     # Level-based backstop: whatever the watches missed, the next resync puts right.
     # Child and pod events already reconcile within a second, so a service that
     # was reconciled recently is left alone (at 1000 services a 30 s resync of
     # every one would be 33 reconciles a second of pure re-application).
     if _rt(memo).resync_due(namespace, name, time.monotonic()):
-        await _reconcile(body, memo)
+        await _reconcile(body, memo, retry)
 
 
 @kopf.on.event(t.GROUP, t.VERSION, t.PLURAL)
@@ -145,7 +142,8 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
         status = body.get("status") or {}
         rt.fleet.upsert_pod(namespace, service, name, None if type == "DELETED" else {
             "ip": status.get("podIP"), "ready": is_ready(status),
-            "deleting": bool(body.get("metadata", {}).get("deletionTimestamp"))})
+            "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
+            "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {})})
 
 
 async def run_triggered(rt: OperatorRuntime) -> None:
@@ -157,9 +155,7 @@ async def run_triggered(rt: OperatorRuntime) -> None:
     async def one(ns: str, name: str, apply: bool) -> None:
         async with sem:
             try:
-                isvc = await rt.controller.get(ns, name)
-                if isvc and not isvc["metadata"].get("deletionTimestamp"):
-                    await rt.controller.reconcile(isvc, apply_children=apply)
+                await rt.controller.reconcile_key(ns, name, apply_children=apply)
             except ApiError as e:
                 if not e.namespace_terminating:
                     log.warning("reconcile of %s/%s after a child change failed: %s", ns, name, e)

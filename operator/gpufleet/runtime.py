@@ -51,7 +51,7 @@ class OperatorRuntime:
 
     def forget(self, namespace: str, name: str) -> None:
         self.metrics.forget_service(namespace, name)
-        self.controller.last_reconciled.pop((namespace, name), None)
+        self.controller.forget(namespace, name)
         if self.fleet is not None:
             self.fleet.remove_service(namespace, name)
 

@@ -2,7 +2,8 @@
 from gpufleet.api import parse_spec
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile.replicas import target_replicas
-from gpufleet.reconcile.status import Observed, derive_status, invalid_status
+from gpufleet.reconcile.status import (Observed, child_rejected_conditions, derive_status, invalid_status,
+                                       rejected_for)
 
 SPEC = parse_spec({"model": {"name": "m"}, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}})
 
@@ -18,9 +19,9 @@ def pending(name, msg):
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": msg}]}}
 
 
-def derive(observed, desired=2, previous=None, now="2026-01-01T00:00:00Z"):
-    return derive_status(service="chat", namespace="ml", generation=4, spec=SPEC, desired=desired,
-                         observed=observed, previous=previous or {}, now=now)
+def derive(observed, desired=2, previous=None, spec=SPEC):
+    return derive_status(service="chat", namespace="ml", generation=4, spec=spec, desired=desired,
+                         observed=observed, previous=previous or {})
 
 
 def cond(status, t):
@@ -53,24 +54,58 @@ def test_rollout_in_progress():
 
 
 def test_transition_time_moves_only_when_status_changes():
-    first = derive(Observed(dep(2, 2), []), now="2026-01-01T00:00:00Z")
-    same = derive(Observed(dep(2, 2), []), previous=first, now="2026-01-01T01:00:00Z")
-    assert cond(same, "Ready")["lastTransitionTime"] == "2026-01-01T00:00:00Z"
-    down = derive(Observed(dep(2, 0), []), previous=same, now="2026-01-01T02:00:00Z")
-    assert cond(down, "Ready")["lastTransitionTime"] == "2026-01-01T02:00:00Z"
+    first = c.merge([], derive(Observed(dep(2, 2), []))["conditions"], "2026-01-01T00:00:00Z")
+    same = c.merge(first, derive(Observed(dep(2, 2), []))["conditions"], "2026-01-01T01:00:00Z")
+    assert c.get(same, "Ready")["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    down = c.merge(same, derive(Observed(dep(2, 0), []))["conditions"], "2026-01-01T02:00:00Z")
+    assert c.get(down, "Ready")["lastTransitionTime"] == "2026-01-01T02:00:00Z"
+
+
+def test_every_condition_carries_the_generation_it_describes():
+    st = derive(Observed(dep(2, 2), []))
+    assert {u["type"] for u in st["conditions"]} == {"Ready", "Progressing", "Degraded", "Isolated"}
+    assert all(u["observedGeneration"] == 4 for u in st["conditions"])
+
+
+def test_merge_by_type_keeps_what_other_writers_own():
+    theirs = [{"type": "Scaling", "status": "True", "reason": "KVHighWatermark", "message": "2 -> 3",
+               "lastTransitionTime": "t0", "observedGeneration": 4}]
+    merged = c.merge(theirs, derive(Observed(dep(2, 2), []))["conditions"], "t1")
+    assert c.get(merged, "Scaling") == theirs[0]
+    assert [x["type"] for x in merged] == ["Ready", "Progressing", "Degraded", "Isolated", "Scaling"]
 
 
 def test_verified_isolation_is_not_overwritten_by_reconcile():
     prev = {"conditions": [{"type": "Isolated", "status": "False", "reason": "ViolationFound",
                             "message": "pod x", "lastTransitionTime": "t"}]}
     st = derive(Observed(dep(2, 2), []), previous=prev)
-    assert cond(st, "Isolated")["reason"] == "ViolationFound"
+    assert cond(st, "Isolated") is None   # the audit's finding stands
+
+
+def test_a_service_switched_to_shared_is_no_longer_reported_verified():
+    prev = {"conditions": [{"type": "Isolated", "status": "True", "reason": "Verified", "message": "",
+                            "lastTransitionTime": "t"}]}
+    shared = parse_spec({"model": {"name": "m"}, "isolation": {"mode": "Shared"}})
+    assert cond(derive(Observed(dep(2, 2), []), previous=prev, spec=shared), "Isolated")["reason"] == \
+        "SharedByRequest"
 
 
 def test_invalid_spec_status():
-    st = invalid_status(generation=7, problems=["spec.engine.extraArgs[0]: --port is managed"], previous={},
-                        now="t")
+    st = invalid_status(generation=7, problems=["spec.engine.extraArgs[0]: --port is managed"])
     assert cond(st, "Ready")["reason"] == "InvalidSpec" and "--port" in cond(st, "Ready")["message"]
+    assert cond(st, "Ready")["observedGeneration"] == 7
+
+
+def test_a_refused_child_is_named_with_the_servers_words():
+    ready, progressing = child_rejected_conditions(
+        kind="Deployment", name="chat-engine", generation=3,
+        message='Deployment.apps "chat-engine" is invalid: spec.template.spec.containers[0].resources')
+    assert ready["status"] == "False" and ready["reason"] == "ChildRejected"
+    assert ready["message"].startswith('Deployment chat-engine rejected by the API server: Deployment.apps '
+                                       '"chat-engine" is invalid')
+    assert progressing["reason"] == "ChildRejected" and ready["observedGeneration"] == 3
+    status = {"conditions": c.merge([], [ready, progressing], "t")}
+    assert rejected_for(status, 3) and not rejected_for(status, 4)
 
 
 def test_target_replicas_manual_and_auto():

@@ -1,17 +1,29 @@
 """The scaling policy: samples of every replica → keep, scale out or scale in.
 
-Out when mean KV usage crosses the high watermark, when the guard sheds, or
-when requests wait per replica beyond the threshold; in only after usage stays
-below the low watermark for the stabilization window with nothing waiting and
-every replica readable. Bounded steps, no action while new replicas are still
-starting, and an unreadable replica is never taken for an idle one.
+Out when mean KV usage crosses the high watermark, when the guard sheds, when
+requests wait per replica beyond the threshold, or when the guard's p90 queue
+time over the last ``QUEUE_WINDOW_S`` exceeds its threshold; in only after
+usage stays below the low watermark for the stabilization window with nothing
+waiting and every replica readable. Bounded steps, no action while new
+replicas are still starting, and an unreadable replica is never taken for an
+idle one.
+
+A replica that stays not ready past ``not_ready_grace_s`` (unschedulable,
+crash-looping, a model that never loads) must not freeze the service: from
+then on decisions are made on the ready replicas, and the observation says so.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from .signals import ReplicaSample
+from .signals import ReplicaSample, bucket_delta, quantile_from_buckets
+
+QUEUE_WINDOW_S = 30.0
+QUEUE_QUANTILE = 0.9
+NOT_READY_GRACE_S = 600.0  # model download and load can take minutes; the startup probe allows 30
+
+Buckets = tuple[tuple[float, float], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,13 +36,15 @@ class Thresholds:
     up_stabilization_s: float
     down_stabilization_s: float
     max_step: int
+    queue_time_s: float = 1.0
+    not_ready_grace_s: float = NOT_READY_GRACE_S
 
     @classmethod
     def from_spec(cls, auto) -> "Thresholds":
         return cls(auto.min_replicas, auto.max_replicas, auto.kv_high_watermark_percent / 100,
                    auto.kv_low_watermark_percent / 100, auto.queue_depth_threshold,
                    auto.scale_up_stabilization_seconds, auto.scale_down_stabilization_seconds,
-                   auto.max_scale_up_step)
+                   auto.max_scale_up_step, queue_time_s=auto.queue_time_threshold_milliseconds / 1000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +53,9 @@ class PolicyState:
     high_since: float | None = None
     low_since: float | None = None
     shed_seen: tuple[tuple[str, float], ...] = ()  # per pod cumulative shed counts last tick
+    queue_seen: tuple[tuple[str, Buckets], ...] = ()  # per pod cumulative queue-time buckets last tick
+    queue_window: tuple[tuple[float, Buckets], ...] = ()  # (when, queue-time observations since the tick before)
+    not_ready_since: float | None = None  # since when fewer replicas are ready than wanted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +65,10 @@ class Observation:
     shed_delta: float
     readable: int
     unreadable: list[str]
+    queue_p90_s: float | None = None
+    not_ready: int = 0              # wanted replicas that are not ready
+    not_ready_seconds: float = 0.0  # for how long
+    on_ready_only: bool = False     # past the grace: deciding on the ready replicas alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +77,29 @@ class Decision:
     reason: str
     message: str
 
-    @property
-    def direction(self) -> str:
-        return "up" if self.reason not in ("KVLowWatermark",) else "down"
+
+def _queue_window(ok: list[ReplicaSample], state: PolicyState, now: float) -> tuple[tuple, tuple, float | None]:
+    """(queue_seen, queue_window, p90 seconds): per-pod deltas, so a pod that comes or goes is no counter reset."""
+    before = dict(state.queue_seen)
+    tick: dict[float, float] = {}
+    for s in ok:
+        prev = before.get(s.pod)
+        if prev is None:  # a pod's first read: its history is not recent
+            continue
+        for le, n in bucket_delta(s.queue_buckets, prev):
+            tick[le] = tick.get(le, 0.0) + n
+    window = tuple((t, b) for t, b in state.queue_window if now - t < QUEUE_WINDOW_S)
+    if tick:
+        window += ((now, tuple(sorted(tick.items()))),)
+    total: dict[float, float] = {}
+    for _, b in window:
+        for le, n in b:
+            total[le] = total.get(le, 0.0) + n
+    p90 = quantile_from_buckets(sorted(total.items()), QUEUE_QUANTILE)
+    return tuple((s.pod, s.queue_buckets) for s in ok), window, p90
 
 
-def observe(samples: list[ReplicaSample], state: PolicyState) -> tuple[Observation, tuple]:
+def observe(samples: list[ReplicaSample], state: PolicyState, now: float = 0.0) -> tuple[Observation, PolicyState]:
     ok = [s for s in samples if s.ok]
     before = dict(state.shed_seen)
     shed = 0.0
@@ -72,22 +110,34 @@ def observe(samples: list[ReplicaSample], state: PolicyState) -> tuple[Observati
     kv_values = [s.kv_usage for s in ok if s.kv_usage is not None]
     kv = sum(kv_values) / len(kv_values) if kv_values else None
     waiting = sum(s.engine_waiting + s.guard_queued for s in ok) / len(ok) if ok else 0.0
+    queue_seen, queue_window, p90 = _queue_window(ok, state, now)
     obs = Observation(kv_usage=kv, waiting_per_replica=waiting, shed_delta=shed, readable=len(ok),
-                      unreadable=[s.pod for s in samples if not s.ok])
-    return obs, tuple((s.pod, s.shed_total) for s in ok)
+                      unreadable=[s.pod for s in samples if not s.ok], queue_p90_s=p90)
+    return obs, dataclasses.replace(state, shed_seen=tuple((s.pod, s.shed_total) for s in ok),
+                                    queue_seen=queue_seen, queue_window=queue_window)
 
 
 def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSample], state: PolicyState,
            now: float) -> tuple[Decision | None, PolicyState, Observation]:
-    obs, shed_seen = observe(samples, state)
+    obs, state = observe(samples, state, now)
     high_since, low_since = state.high_since, state.low_since
     decision = None
+
+    not_ready = max(0, current - ready)
+    not_ready_since = (state.not_ready_since if state.not_ready_since is not None else now) if not_ready else None
+    on_ready_only = bool(not_ready) and now - not_ready_since >= th.not_ready_grace_s
+    obs = dataclasses.replace(obs, not_ready=not_ready, on_ready_only=on_ready_only,
+                              not_ready_seconds=now - not_ready_since if not_ready else 0.0)
+    state = dataclasses.replace(state, not_ready_since=not_ready_since)
 
     if current < th.min_replicas or current > th.max_replicas:
         target = max(th.min_replicas, min(th.max_replicas, current))
         decision = Decision(target, "OutOfBounds", f"{current} replicas is outside {th.min_replicas}..{th.max_replicas}")
-        return decision, PolicyState(None, None, shed_seen), obs
+        return decision, dataclasses.replace(state, high_since=None, low_since=None), obs
 
+    # Past the grace the replicas that never became ready are not waited for: the
+    # sizing and the "every replica readable" test count the ready ones.
+    serving = ready if on_ready_only else current
     reasons = []
     if obs.kv_usage is not None and obs.kv_usage >= th.kv_high:
         reasons.append(("KVHighWatermark", f"KV usage {obs.kv_usage:.0%} >= {th.kv_high:.0%}"))
@@ -95,24 +145,27 @@ def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSam
         reasons.append(("Shedding", f"guard refused {obs.shed_delta:.0f} request(s) since the last read"))
     if obs.waiting_per_replica > th.queue_depth:
         reasons.append(("QueueDepth", f"{obs.waiting_per_replica:.1f} waiting per replica > {th.queue_depth}"))
+    if obs.queue_p90_s is not None and obs.queue_p90_s > th.queue_time_s:
+        reasons.append(("QueueTime", f"p90 queue time {obs.queue_p90_s * 1000:.0f} ms over the last "
+                                     f"{QUEUE_WINDOW_S:.0f}s > {th.queue_time_s * 1000:.0f} ms"))
 
     if reasons:
         low_since = None
         high_since = high_since if high_since is not None else now
-        starting = ready < current
+        starting = bool(not_ready) and not on_ready_only
         if current < th.max_replicas and not starting and now - high_since >= th.up_stabilization_s:
             want = current + 1
             if obs.kv_usage is not None and obs.kv_usage >= th.kv_high:
                 # Enough replicas to bring mean usage back under the watermark.
-                want = max(want, math.ceil(current * obs.kv_usage / th.kv_high))
+                want = max(want, math.ceil(serving * obs.kv_usage / th.kv_high))
             target = min(th.max_replicas, want, current + th.max_step)
-            reason = reasons[0][0]
-            decision = Decision(target, reason, "; ".join(m for _, m in reasons))
+            decision = Decision(target, reasons[0][0], "; ".join(m for _, m in reasons))
             high_since = None
+            state = dataclasses.replace(state, queue_window=())  # that evidence is answered
     else:
         high_since = None
         calm = (obs.kv_usage is not None and obs.kv_usage < th.kv_low and obs.waiting_per_replica == 0
-                and not obs.unreadable and obs.readable == current)
+                and not obs.unreadable and obs.readable == serving)
         if calm:
             low_since = low_since if low_since is not None else now
             if current > th.min_replicas and now - low_since >= th.down_stabilization_s:
@@ -122,7 +175,7 @@ def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSam
                 low_since = None
         else:
             low_since = None
-    return decision, PolicyState(high_since, low_since, shed_seen), obs
+    return decision, dataclasses.replace(state, high_since=high_since, low_since=low_since), obs
 
 
 def least_loaded(samples: list[ReplicaSample]) -> str | None:

@@ -60,7 +60,7 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
         elif name == guard.TTFT_SECONDS + "_bucket":
             le = float(labels["le"])
             ttft[le] = ttft.get(le, 0.0) + value
-        elif name == "gpufleet_guard_queue_seconds_bucket":  # every class: waiting is waiting
+        elif name == guard.QUEUE_SECONDS + "_bucket":  # every class: waiting is waiting
             le = float(labels["le"])
             queue[le] = queue.get(le, 0.0) + value
     usage = next((kv[n] for n in KV_USAGE if n in kv), None)

@@ -97,17 +97,17 @@ class ClusterAuditor:
         if spec.isolation.mode == "Shared":
             return
         listed = [f"{v.pod} on {v.node}: {v.why}" for v in violations]
+        gen = meta.get("generation")
         if violations:
-            new = cond.condition(cond.ISOLATED, False, "ViolationFound", "; ".join(listed)[:1000])
+            new = cond.condition(cond.ISOLATED, False, "ViolationFound", "; ".join(listed)[:1000], generation=gen)
         else:
             new = cond.condition(cond.ISOLATED, True, "Verified",
-                                 f"{spec.isolation.mode}: no foreign pods on this service's nodes")
+                                 f"{spec.isolation.mode}: no foreign pods on this service's nodes", generation=gen)
         old = cond.get(status.get("conditions"), cond.ISOLATED) or {}
         if old.get("reason") == new["reason"] and old.get("message") == new["message"] and \
-                status.get("isolationViolations", []) == listed:
+                old.get("observedGeneration") == gen and status.get("isolationViolations", []) == listed:
             return
-        conds = cond.merge(status.get("conditions", []), [new], cond.now_iso())
-        await self.rt.controller.write_status(obj, {"conditions": conds, "isolationViolations": listed})
+        await self.rt.controller.write_status(obj, {"isolationViolations": listed}, [new])
         if violations:
             await self.rt.kube.event(obj, reason="IsolationViolated", type_="Warning", message="; ".join(listed))
         elif old.get("reason") == "ViolationFound":

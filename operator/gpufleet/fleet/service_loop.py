@@ -3,7 +3,9 @@
 Ticked by the shared ``FleetLoop`` (one per operator). Decisions come
 from the pure policies; this class does the reading and the writing: status
 fields, one Event per action, metrics, the pod-deletion-cost mark before a
-scale-in, and evictions for fragmentation remediation.
+scale-in (cleared from a replica that outlives it), and evictions for
+fragmentation remediation. An action is applied under the service's lock in
+the ``Controller``, so it and a reconcile never interleave.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class ServiceLoop:
         self.last_audit: float | None = None
         self._spec_key: tuple | None = None
         self._spec = None
+        self.removals: dict[str, int] = {}  # pod marked for scale-in -> the replica count it was marked for
 
     def spec_of(self, body: dict):
         """The parsed spec, parsed once per generation; None when invalid."""
@@ -85,67 +88,146 @@ class ServiceLoop:
         spec = self.spec_of(body)
         if spec is None:
             return  # the reconciler reports InvalidSpec
-        status = body.get("status") or {}
         ready, samples = await self.read_replicas(pods)
-        updates: dict = {}
+        fields: dict = {}
         kv = [s.kv_usage for s in samples if s.ok and s.kv_usage is not None]
         if kv:
             mean = sum(kv) / len(kv)
             self.rt.metrics.kv_usage.labels(self.ns, self.name).set(mean)
-            updates["kvCacheUsagePercent"] = round(mean * 100)
+            fields["kvCacheUsagePercent"] = round(mean * 100)
         p99 = self.ttft_p99(samples, now)
         if p99 is not None:
-            updates["ttftP99Milliseconds"] = round(p99 * 1000)
+            fields["ttftP99Milliseconds"] = round(p99 * 1000)
+        conditions: list[dict] = []
         if spec.autoscaling.mode == "Auto":
-            await self.autoscale(body, spec, status, ready, samples, now, updates)
-        if updates:
-            await self.rt.controller.write_status(body, updates)
+            conditions = await self.autoscale(body, spec, samples, now, fields)
+        if fields or conditions:
+            await self.rt.controller.write_status(body, fields, conditions)
+        await self.release_deletion_costs(body, pods)
         if self.audit_due(body, spec, now):
             await self.audit(body, spec, ready, now)
 
-    async def autoscale(self, body, spec, status, ready, samples, now, updates) -> None:
+    async def autoscale(self, body: dict, spec, samples, now: float, fields: dict) -> list[dict]:
+        """Decide on the samples; act on a decision (and write ``fields`` with it).
+        Returns the Scaling condition to write when there is no action but its state changed."""
+        status = body.get("status") or {}
         current = status.get("desiredReplicas") or spec.autoscaling.min_replicas
+        ready = status.get("readyReplicas", 0)
         th = policy.Thresholds.from_spec(spec.autoscaling)
-        decision, self.state, obs = policy.decide(th, current=current, ready=status.get("readyReplicas", 0),
-                                                  samples=samples, state=self.state, now=now)
-        if obs.unreadable:
-            updates["conditions"] = cond.merge(status.get("conditions", []), [cond.condition(
-                cond.SCALING, False, "MetricsUnavailable",
-                f"cannot read {', '.join(obs.unreadable)}; not scaling in until they answer")], cond.now_iso())
-        if decision is None or decision.target == current:
-            return
-        if decision.target < current:
-            victim = policy.least_loaded(samples)
-            if victim:
-                await self.mark_for_removal(victim)
-        stamp = cond.now_iso()
-        direction = "up" if decision.target > current else "down"
-        updates["desiredReplicas"] = decision.target
-        updates["lastScaling"] = {"time": stamp, "from": current, "to": decision.target,
-                                  "reason": decision.reason, "message": decision.message}
-        updates["conditions"] = cond.merge(updates.get("conditions") or status.get("conditions", []), [
-            cond.condition(cond.SCALING, True, decision.reason,
-                           f"{current} -> {decision.target}: {decision.message}")], stamp)
-        # The Event goes first: if the operator dies between the writes, the record of
-        # the decision survives and its successor completes it from status.
-        event_reason = "ScaledUp" if direction == "up" else "ScaledDown"
-        await self.rt.kube.event(body, reason=event_reason,
-                                 message=f"{current} -> {decision.target} replicas ({decision.reason}): "
-                                         f"{decision.message}")
-        await self.rt.controller.write_status(body, updates)
-        updates.clear()
-        self.rt.metrics.decisions.labels(self.ns, self.name, direction).inc()
-        log.info("%s/%s: %s %d -> %d (%s)", self.ns, self.name, event_reason, current, decision.target,
-                 decision.message)
-        await self.rt.controller.reconcile(body)  # applies the new replica count to the Deployment
+        decision, self.state, obs = policy.decide(th, current=current, ready=ready, samples=samples,
+                                                  state=self.state, now=now)
+        if decision is not None and decision.target != current:
+            await self.act(body, spec, decision, current, samples, fields)
+            return []
+        return self.signal_conditions(body, obs, current, ready, th)
 
-    async def mark_for_removal(self, pod: str) -> None:
+    def signal_conditions(self, body: dict, obs: policy.Observation, current: int, ready: int,
+                          th: policy.Thresholds) -> list[dict]:
+        """Scaling=False while the autoscaler cannot see every replica, back to True once it can."""
+        gen = body.get("metadata", {}).get("generation")
+        old = cond.get((body.get("status") or {}).get("conditions"), cond.SCALING) or {}
+        if obs.unreadable:
+            new = cond.condition(cond.SCALING, False, "MetricsUnavailable",
+                                 f"cannot read {', '.join(sorted(obs.unreadable))}; not scaling in until they "
+                                 f"answer", generation=gen)
+        elif obs.on_ready_only:
+            new = cond.condition(cond.SCALING, False, "ReplicasNotReady",
+                                 f"{obs.not_ready} of {current} replica(s) not ready for more than "
+                                 f"{th.not_ready_grace_s:.0f}s; scaling decisions use the {ready} ready "
+                                 f"replica(s)", generation=gen)
+        elif old.get("reason") in ("MetricsUnavailable", "ReplicasNotReady"):
+            new = cond.condition(cond.SCALING, True, "SignalsAvailable",
+                                 f"reading all {obs.readable} replica(s) again", generation=gen)
+        else:
+            return []
+        if all(old.get(k) == new.get(k) for k in ("status", "reason", "message", "observedGeneration")):
+            return []
+        return [new]
+
+    async def act(self, body: dict, spec, decision: policy.Decision, current: int, samples, fields: dict) -> None:
+        """Apply a decision under the service's lock, on the freshest object: a reconcile
+        holding an older copy cannot run in between, and a decision made on a replica
+        count that changed meanwhile is dropped (the next tick decides again)."""
+        gen = body.get("metadata", {}).get("generation")
+        async with self.rt.controller.locked(self.ns, self.name) as fresh:
+            if fresh is None:
+                return
+            fresh_current = (fresh.get("status") or {}).get("desiredReplicas") or spec.autoscaling.min_replicas
+            if fresh_current != current or fresh["metadata"].get("generation") != gen:
+                log.info("%s/%s: replicas changed to %d since the signals were read; not applying %d -> %d",
+                         self.ns, self.name, fresh_current, current, decision.target)
+                return
+            direction = "up" if decision.target > current else "down"
+            if direction == "down":
+                victim = policy.least_loaded(samples)
+                if victim:
+                    await self.mark_for_removal(victim, decision.target)
+            else:
+                await self.release_all_marks()
+            stamp = cond.now_iso()
+            # The Event goes first: if the operator dies between the writes, the record of
+            # the decision survives and its successor completes it from status.
+            event_reason = "ScaledUp" if direction == "up" else "ScaledDown"
+            await self.rt.kube.event(fresh, reason=event_reason,
+                                     message=f"{current} -> {decision.target} replicas ({decision.reason}): "
+                                             f"{decision.message}")
+            await self.rt.controller.write_status(fresh, {
+                **fields, "desiredReplicas": decision.target,
+                "lastScaling": {"time": stamp, "from": current, "to": decision.target, "reason": decision.reason,
+                                "message": decision.message},
+            }, [cond.condition(cond.SCALING, True, decision.reason, f"{current} -> {decision.target}: "
+                               f"{decision.message}", generation=gen)])
+            fields.clear()
+            self.rt.metrics.decisions.labels(self.ns, self.name, direction).inc()
+            log.info("%s/%s: %s %d -> %d (%s)", self.ns, self.name, event_reason, current, decision.target,
+                     decision.message)
+            await self.rt.controller.reconcile_locked(fresh)  # applies the new replica count to the Deployment
+            # The fleet's copy catches up through the watch; until then it must not decide from the old count.
+            body["status"] = fresh.get("status") or {}
+            body["metadata"]["resourceVersion"] = fresh["metadata"].get("resourceVersion")
+
+    # --- the scale-in mark -----------------------------------------------------------
+
+    async def mark_for_removal(self, pod: str, target: int) -> None:
         """The ReplicaSet removes the pod with the lowest deletion cost first."""
         try:
             await self.rt.kube.merge_patch("v1", "Pod", pod, {"metadata": {"annotations": {
                 DELETION_COST: "-1000"}}}, self.ns)
+            self.removals[pod] = target
         except ApiError as e:
             log.warning("could not mark %s for scale-in: %s", pod, e)
+
+    async def release_deletion_costs(self, body: dict, pods: list[dict]) -> None:
+        """Clear the mark on a replica that outlived its scale-in (the ReplicaSet took
+        another, e.g. a not-ready one): left, it would make that replica the next one
+        removed however busy it is by then."""
+        live = [p for p in pods if not p["deleting"]]
+        names_live = {p["name"] for p in live}
+        for name in [n for n in self.removals if n not in names_live]:
+            del self.removals[name]  # removed as intended
+        desired = (body.get("status") or {}).get("desiredReplicas")
+        for p in live:
+            target = self.removals.get(p["name"])
+            if target is None:
+                if not p.get("marked") or desired is None:
+                    continue
+                target = desired  # a mark from before a restart
+            if len(live) <= target:  # the scale-in is done and this one stayed
+                await self.unmark(p["name"])
+
+    async def release_all_marks(self) -> None:
+        for name in list(self.removals):
+            await self.unmark(name)
+
+    async def unmark(self, pod: str) -> None:
+        try:
+            await self.rt.kube.merge_patch("v1", "Pod", pod, {"metadata": {"annotations": {DELETION_COST: None}}},
+                                           self.ns)
+        except ApiError as e:
+            if e.status != 404:
+                log.warning("could not clear the scale-in mark on %s: %s", pod, e)
+                return
+        self.removals.pop(pod, None)
 
     # --- fragmentation audit ---------------------------------------------------------
 
@@ -170,9 +252,9 @@ class ServiceLoop:
                    "worstReplica": result.worst, "time": stamp, "verdict": result.verdict,
                    "recommendation": result.recommendation}
         ok = result.verdict != "AboveThreshold"
-        conds = cond.merge((body.get("status") or {}).get("conditions", []), [cond.condition(
-            cond.FRAGMENTATION_OK, True if ok else False, result.verdict, result.recommendation)], stamp)
-        await self.rt.controller.write_status(body, {"fragmentation": fstatus, "conditions": conds})
+        await self.rt.controller.write_status(body, {"fragmentation": fstatus}, [cond.condition(
+            cond.FRAGMENTATION_OK, ok, result.verdict, result.recommendation,
+            generation=body.get("metadata", {}).get("generation"))])
         if result.ratio is not None:
             self.rt.metrics.fragmentation.labels(self.ns, self.name).set(result.ratio)
         if result.verdict == "AboveThreshold":

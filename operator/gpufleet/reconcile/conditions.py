@@ -10,6 +10,8 @@ ISOLATED = "Isolated"
 SCALING = "Scaling"
 FRAGMENTATION_OK = "FragmentationOK"
 
+ORDER = [READY, PROGRESSING, DEGRADED, ISOLATED, SCALING, FRAGMENTATION_OK]
+
 
 def now_iso(now: datetime | None = None) -> str:
     return (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -34,8 +36,12 @@ def merge(previous: list[dict], updates: list[dict], now: str) -> list[dict]:
         ltt = old["lastTransitionTime"] if old and old.get("status") == u["status"] and \
             old.get("lastTransitionTime") else now
         by_type[u["type"]] = {**u, "lastTransitionTime": ltt}
-    order = [READY, PROGRESSING, DEGRADED, ISOLATED, SCALING, FRAGMENTATION_OK]
-    return sorted(by_type.values(), key=lambda c: (order.index(c["type"]) if c["type"] in order else 99, c["type"]))
+    return sorted(by_type.values(), key=lambda c: (ORDER.index(c["type"]) if c["type"] in ORDER else 99, c["type"]))
+
+
+def same(a: list[dict] | None, b: list[dict] | None) -> bool:
+    """The same conditions, whatever their order."""
+    return {c["type"]: c for c in a or []} == {c["type"]: c for c in b or []}
 
 
 def get(conditions: list[dict] | None, type_: str) -> dict | None:

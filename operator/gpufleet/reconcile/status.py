@@ -48,7 +48,9 @@ def _deployment_counts(dep: dict | None) -> tuple[int, int, int, bool]:
 
 
 def derive_status(*, service: str, namespace: str, generation: int, spec: InferenceServiceSpec,
-                  desired: int, observed: Observed, previous: dict, now: str) -> dict:
+                  desired: int, observed: Observed, previous: dict) -> dict:
+    """Status fields, and under ``conditions`` the conditions reconcile owns as
+    updates by type (the writer merges them over the freshest copy)."""
     replicas, ready, updated, rollout_seen = _deployment_counts(observed.deployment)
     stuck = unschedulable_pods(observed.pods)
     updates = []
@@ -88,17 +90,9 @@ def derive_status(*, service: str, namespace: str, generation: int, spec: Infere
     else:
         updates.append(c.condition(c.DEGRADED, False, "AsExpected", "", generation=generation))
 
-    # Verification by the isolation audit overrides this with what it finds on the nodes.
-    if not c.get(previous.get("conditions"), c.ISOLATED) or \
-            c.get(previous.get("conditions"), c.ISOLATED)["reason"] in ("Enforced", "SharedByRequest"):
-        if spec.isolation.mode == "Shared":
-            updates.append(c.condition(c.ISOLATED, False, "SharedByRequest",
-                                       "isolation.mode is Shared: other models may run on the same nodes",
-                                       generation=generation))
-        else:
-            updates.append(c.condition(c.ISOLATED, True, "Enforced",
-                                       f"{spec.isolation.mode}: required pod anti-affinity keeps other models "
-                                       f"off this service's nodes", generation=generation))
+    isolated = isolation_condition(spec, generation, c.get(previous.get("conditions"), c.ISOLATED))
+    if isolated:
+        updates.append(isolated)
 
     return {
         "observedGeneration": generation,
@@ -107,17 +101,51 @@ def derive_status(*, service: str, namespace: str, generation: int, spec: Infere
         "desiredReplicas": desired,
         "selector": names.selector_string(service),
         "endpoint": names.endpoint(service, namespace),
-        "conditions": c.merge(previous.get("conditions", []), updates, now),
+        "conditions": updates,
     }
 
 
-def invalid_status(*, generation: int, problems: list[str], previous: dict, now: str) -> dict:
+def isolation_condition(spec: InferenceServiceSpec, generation: int, current: dict | None) -> dict | None:
+    """What the spec promises about isolation, unless the isolation audit has
+    verified what the nodes show (it says nothing about Shared services)."""
+    if current and current.get("reason") not in ("Enforced", "SharedByRequest") and spec.isolation.mode != "Shared":
+        return None
+    if spec.isolation.mode == "Shared":
+        return c.condition(c.ISOLATED, False, "SharedByRequest",
+                           "isolation.mode is Shared: other models may run on the same nodes", generation=generation)
+    return c.condition(c.ISOLATED, True, "Enforced",
+                       f"{spec.isolation.mode}: required pod anti-affinity keeps other models off this service's "
+                       f"nodes", generation=generation)
+
+
+def invalid_status(*, generation: int, problems: list[str]) -> dict:
     msg = "; ".join(problems)
     return {
         "observedGeneration": generation,
-        "conditions": c.merge(previous.get("conditions", []), [
+        "conditions": [
             c.condition(c.READY, False, "InvalidSpec", msg, generation=generation),
             c.condition(c.PROGRESSING, False, "InvalidSpec", "fix the spec; nothing is rolled out until then",
                         generation=generation),
-        ], now),
+        ],
     }
+
+
+CHILD_REJECTED = "ChildRejected"
+
+
+def child_rejected_conditions(*, kind: str, name: str, message: str, generation: int) -> list[dict]:
+    """A child the API server refuses (schema, admission policy, quota): the user
+    has to change something, so say which object and what the server said."""
+    msg = f"{kind} {name} rejected by the API server: {message}"
+    return [
+        c.condition(c.READY, False, CHILD_REJECTED, msg, generation=generation),
+        c.condition(c.PROGRESSING, False, CHILD_REJECTED,
+                    f"nothing newer is rolled out until {kind} {name} is accepted; change the spec (or the "
+                    f"policy that refuses it)", generation=generation),
+    ]
+
+
+def rejected_for(status: dict, generation: int) -> bool:
+    """This generation's children were refused (the condition outlives the reconcile that saw it)."""
+    ready = c.get(status.get("conditions"), c.READY) or {}
+    return ready.get("reason") == CHILD_REJECTED and ready.get("observedGeneration") == generation
