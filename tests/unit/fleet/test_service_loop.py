@@ -38,6 +38,7 @@ def isvc(desired=2, ready=2, autoscaling=None, generation=1, **spec):
             "metadata": {"name": "chat", "namespace": "ml", "uid": "u-chat", "generation": generation},
             "spec": {"model": {"name": "org/m"},
                      "autoscaling": autoscaling or {"minReplicas": 1, "maxReplicas": 4},
+                     "audit": {"fragmentation": {"intervalSeconds": 604800}},  # not in these tests' way
                      **spec},
             "status": {"observedGeneration": generation, "desiredReplicas": desired, "readyReplicas": ready,
                        "replicas": ready, "conditions": []}}
@@ -79,6 +80,10 @@ def deployment_replicas(kube):
             if verb == "apply" and key[0] == "Deployment"]
 
 
+def scale_events(kube):
+    return [r for r in kube.event_reasons() if r.startswith("Scaled")]
+
+
 def status(kube):
     return kube.obj("InferenceService", "chat")["status"]
 
@@ -113,4 +118,166 @@ async def test_a_reconcile_that_read_the_object_before_a_scale_out_does_not_undo
     assert applied[-1] == 3, f"Deployment replicas applied in order: {applied}"
     assert kube.obj("Deployment", "chat-engine")["spec"]["replicas"] == 3
     assert status(kube)["desiredReplicas"] == 3
-    assert kube.event_reasons().count("ScaledUp") == 1
+    assert scale_events(kube) == ["ScaledUp"]
+
+
+# --- autoscale --------------------------------------------------------------------------
+
+
+async def test_scale_out_records_the_decision_and_applies_it(kube):
+    kube.put(isvc(desired=2, ready=2))
+    kube.put(deployment(2, 2))
+    loop = make_loop(kube, kv={"a": 0.95, "b": 0.95})
+    await loop.tick(kube.obj("InferenceService", "chat"), [pod("a"), pod("b")], now=100.0)
+    st = status(kube)
+    assert st["desiredReplicas"] == 3 and st["lastScaling"]["from"] == 2 and st["lastScaling"]["to"] == 3
+    assert st["lastScaling"]["reason"] == "KVHighWatermark" and st["kvCacheUsagePercent"] == 95
+    assert scaling(kube)["status"] == "True" and scaling(kube)["observedGeneration"] == 1
+    assert kube.obj("Deployment", "chat-engine")["spec"]["replicas"] == 3
+    assert scale_events(kube) == ["ScaledUp"]
+
+
+async def test_a_decision_on_a_replica_count_that_changed_meanwhile_is_dropped(kube):
+    kube.put(isvc(desired=3, ready=2))              # another decision already took it to 3
+    kube.put(deployment(3, 2))
+    loop = make_loop(kube, kv={"a": 0.95, "b": 0.95})
+    fleet_copy = isvc(desired=2, ready=2)           # the watch has not delivered that yet
+    await loop.tick(fleet_copy, [pod("a"), pod("b")], now=100.0)
+    assert status(kube)["desiredReplicas"] == 3
+    assert scale_events(kube) == []
+    assert deployment_replicas(kube) == []
+
+
+async def test_scale_in_marks_the_least_loaded_replica_first(kube):
+    kube.put(isvc(desired=2, ready=2, autoscaling={"minReplicas": 1, "maxReplicas": 4,
+                                                   "scaleDownStabilizationSeconds": 0}))
+    kube.put(deployment(2, 2))
+    for name in ("a", "b"):
+        kube.put(pod_object(name))
+    loop = make_loop(kube, kv={"a": 0.2, "b": 0.1})
+    await loop.tick(kube.obj("InferenceService", "chat"), [pod("a"), pod("b")], now=100.0)
+    assert status(kube)["desiredReplicas"] == 1 and scale_events(kube) == ["ScaledDown"]
+    assert kube.obj("Pod", "b")["metadata"]["annotations"] == {DELETION_COST: "-1000"}
+    assert DELETION_COST not in kube.obj("Pod", "a")["metadata"]["annotations"]
+    marks = [i for i, (verb, key, _) in enumerate(kube.writes) if key == ("Pod", "ml", "b")]
+    scale = [i for i, (verb, key, body) in enumerate(kube.writes) if key[0] == "Deployment"]
+    assert marks[0] < scale[0]   # marked before the ReplicaSet picks
+
+
+async def test_the_mark_is_cleared_from_a_replica_that_outlived_its_scale_in(kube):
+    """The ReplicaSet removes a not-ready pod before a marked ready one: the marked one
+    stays, and its mark must not make it the next one removed however busy it is."""
+    kube.put(isvc(desired=3, ready=3, autoscaling={"minReplicas": 1, "maxReplicas": 4,
+                                                   "scaleDownStabilizationSeconds": 0}))
+    kube.put(deployment(3, 3))
+    for name in ("a", "b", "c"):
+        kube.put(pod_object(name))
+    loop = make_loop(kube, kv={"a": 0.2, "b": 0.1, "c": 0.2})
+    body = kube.obj("InferenceService", "chat")
+    await loop.tick(body, [pod("a"), pod("b"), pod("c")], now=100.0)
+    assert status(kube)["desiredReplicas"] == 2 and DELETION_COST in kube.obj("Pod", "b")["metadata"]["annotations"]
+    # The ReplicaSet has not acted yet: the mark stays.
+    await loop.release_deletion_costs(body, [pod("a"), pod("b", marked=True), pod("c")])
+    assert DELETION_COST in kube.obj("Pod", "b")["metadata"]["annotations"]
+    # It removed c instead.
+    await loop.release_deletion_costs(body, [pod("a"), pod("b", marked=True), pod("c", deleting=True)])
+    assert DELETION_COST not in kube.obj("Pod", "b")["metadata"]["annotations"]
+    assert loop.removals == {}
+
+
+async def test_a_mark_left_from_before_a_restart_is_cleared_once_the_count_matches(kube):
+    kube.put(isvc(desired=2, ready=2))
+    kube.put(pod_object("a", {DELETION_COST: "-1000"}))
+    loop = make_loop(kube)
+    await loop.release_deletion_costs(kube.obj("InferenceService", "chat"), [pod("a", marked=True), pod("b")])
+    assert kube.obj("Pod", "a")["metadata"]["annotations"] == {}
+
+
+async def test_a_failed_mark_does_not_stop_the_scale_in(kube):
+    loop = make_loop(kube)
+    await loop.mark_for_removal("gone", 1)      # the pod went away meanwhile: logged, not raised
+    assert loop.removals == {}
+
+
+async def test_metrics_unavailable_is_reported_and_cleared_when_reads_recover(kube):
+    kube.put(isvc(desired=2, ready=2))
+    kube.put(deployment(2, 2))
+    loop = make_loop(kube, kv={"a": 0.5, "b": None})
+    body = kube.obj("InferenceService", "chat")
+    await loop.tick(body, [pod("a"), pod("b")], now=100.0)
+    assert scaling(kube)["status"] == "False" and scaling(kube)["reason"] == "MetricsUnavailable"
+    assert "cannot read b" in scaling(kube)["message"] and scaling(kube)["observedGeneration"] == 1
+    loop.rt.reader.kv["b"] = 0.5
+    await loop.tick(body, [pod("a"), pod("b")], now=101.0)
+    assert scaling(kube)["status"] == "True" and scaling(kube)["reason"] == "SignalsAvailable"
+    writes = len(kube.writes)
+    await loop.tick(body, [pod("a"), pod("b")], now=102.0)
+    assert len(kube.writes) == writes    # nothing changed, nothing written
+
+
+async def test_a_replica_that_never_becomes_ready_does_not_freeze_scaling(kube):
+    """3 wanted, 2 ready for good: past the grace the autoscaler decides on the 2 it can
+    read, says so in the Scaling condition, and can scale in (the ReplicaSet then
+    removes the not-ready pod first)."""
+    kube.put(isvc(desired=3, ready=2, autoscaling={"minReplicas": 1, "maxReplicas": 4,
+                                                   "scaleDownStabilizationSeconds": 0}))
+    kube.put(deployment(3, 2))
+    loop = make_loop(kube, kv={"a": 0.1, "b": 0.1})
+    body = kube.obj("InferenceService", "chat")
+    pods = [pod("a"), pod("b"), pod("c", ready=False)]
+    await loop.tick(body, pods, now=100.0)
+    assert status(kube)["desiredReplicas"] == 3 and scale_events(kube) == []   # still starting, perhaps
+    await loop.tick(body, pods, now=100.0 + 599)
+    assert scale_events(kube) == []
+    await loop.tick(body, pods, now=100.0 + 601)
+    assert status(kube)["desiredReplicas"] == 2 and scale_events(kube) == ["ScaledDown"]
+
+
+async def test_the_condition_says_when_decisions_use_only_the_ready_replicas(kube):
+    kube.put(isvc(desired=3, ready=2))
+    kube.put(deployment(3, 2))
+    loop = make_loop(kube, kv={"a": 0.6, "b": 0.6})   # between the watermarks: no action
+    body = kube.obj("InferenceService", "chat")
+    pods = [pod("a"), pod("b"), pod("c", ready=False)]
+    await loop.tick(body, pods, now=100.0)
+    await loop.tick(body, pods, now=800.0)
+    assert scaling(kube)["reason"] == "ReplicasNotReady" and scaling(kube)["status"] == "False"
+    assert "1 of 3 replica(s) not ready" in scaling(kube)["message"]
+    kube.put({**kube.obj("InferenceService", "chat"), "status": {**status(kube), "readyReplicas": 3}})
+    body = kube.obj("InferenceService", "chat")
+    await loop.tick(body, [pod("a"), pod("b"), pod("c")], now=801.0)
+    assert scaling(kube)["reason"] == "SignalsAvailable" and scaling(kube)["status"] == "True"
+
+
+# --- remediation --------------------------------------------------------------------------
+
+
+def pdb(allowed):
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": "chat-engine", "namespace": "ml"}, "status": {"disruptionsAllowed": allowed}}
+
+
+async def test_remediation_evicts_the_worst_replica_when_the_budget_allows(kube):
+    kube.put(pdb(1))
+    loop = make_loop(kube)
+    await loop.remediate(isvc(desired=2, ready=2), "b")
+    assert kube.evictions == ["b"] and kube.event_reasons() == ["ReplicaRestarted"]
+
+
+@pytest.mark.parametrize("ready, allowed", [(1, 1), (2, 0)], ids=["no-spare-replica", "budget-spent"])
+async def test_remediation_is_deferred_without_spare_capacity(kube, ready, allowed):
+    kube.put(pdb(allowed))
+    loop = make_loop(kube)
+    await loop.remediate(isvc(desired=2, ready=ready), "b")
+    assert kube.evictions == [] and kube.event_reasons() == ["RemediationDeferred"]
+    assert "not restarting b" in kube.events[0]["message"]
+
+
+async def test_an_eviction_the_budget_refuses_is_reported_not_raised(kube):
+    kube.put(pdb(1))
+    kube.eviction_error = ApiError(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's "
+                                                           "disruption budget.")
+    loop = make_loop(kube)
+    await loop.remediate(isvc(desired=2, ready=2), "b")
+    assert kube.event_reasons() == ["RemediationDeferred"]
+    assert "violate the pod's disruption budget" in kube.events[0]["message"]

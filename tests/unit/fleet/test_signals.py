@@ -27,6 +27,11 @@ gpufleet_guard_ttft_seconds_bucket{class="interactive",le="1.0"} 99.0
 gpufleet_guard_ttft_seconds_bucket{class="interactive",le="+Inf"} 100.0
 gpufleet_guard_ttft_seconds_count{class="interactive"} 100.0
 gpufleet_guard_ttft_seconds_sum{class="interactive"} 12.0
+# TYPE gpufleet_guard_queue_seconds histogram
+gpufleet_guard_queue_seconds_bucket{class="interactive",le="0.1"} 8.0
+gpufleet_guard_queue_seconds_bucket{class="interactive",le="+Inf"} 10.0
+gpufleet_guard_queue_seconds_bucket{class="background",le="0.1"} 1.0
+gpufleet_guard_queue_seconds_bucket{class="background",le="+Inf"} 5.0
 """
 
 
@@ -38,6 +43,7 @@ def test_parse_replica():
     # replica would refuse them too, so they are not shedding (kv_watermark 4 + queue_timeout 1).
     assert r.shed_total == 5
     assert dict(r.ttft_buckets)[1.0] == 99
+    assert r.queue_buckets == ((0.1, 9.0), (float("inf"), 15.0))   # every class together
 
 
 def test_renamed_kv_metric_of_older_engines_is_understood():
