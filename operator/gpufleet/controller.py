@@ -39,7 +39,7 @@ STATUS_WRITE_ATTEMPTS = 5
 # A refused child is not retried in a loop: the next spec change retries at
 # once, otherwise the apply is tried again after this backoff (doubling).
 REJECTED_RETRY_FIRST_S = 60.0
-REJECTED_RETRY_MAX_S = 900.0
+REJECTED_RETRY_MAX_S = 600.0  # under the 300 s resync plus this, every 15 min sees a try (the alert)
 
 StatusUpdate = tuple[dict, list[dict]]  # (status fields, conditions by type)
 
@@ -230,6 +230,7 @@ class Controller:
                 if not refused(e):
                     raise
                 log.warning("%s/%s: %s %s refused: %s", key[0], key[1], obj["kind"], obj["metadata"]["name"], e)
+                self.metrics.reconcile_errors.labels(*key).inc()
                 previous = self._rejections.get(key)
                 backoff = REJECTED_RETRY_FIRST_S if previous is None or previous.generation != gen else \
                     min(REJECTED_RETRY_MAX_S, previous.backoff * 2)

@@ -149,6 +149,19 @@ INVALID = [
                                      {"name": "a", "level": 2, "maxQueueSeconds": 1}]}},
      "spec.admission.queueClasses[1]: Duplicate value: {\"name\":\"a\"}"),
     ({"resources": {"memory": "lots"}}, "spec.resources.memory in body should match"),
+    # What the Deployment would refuse is refused here first, naming the field of the spec.
+    ({"resources": {"memory": "-1Gi"}}, "spec.resources.memory in body should match"),
+    ({"resources": {"cpu": -2}}, "spec.resources.cpu in body should be greater than or equal to 0"),
+    ({"resources": {"gpuProduct": "NVIDIA H100"}}, "spec.resources.gpuProduct in body should match"),
+    ({"isolation": {"nodeSelector": {"zone": "a b"}}}, "spec.isolation.nodeSelector.zone in body should match"),
+    ({"isolation": {"nodeSelector": {"no spaces/here": "a"}}}, "isolation.nodeSelector keys must be label keys"),
+    ({"isolation": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+     "a toleration with operator Exists takes no value"),
+    ({"isolation": {"tolerations": [{"key": "k", "value": "v", "tolerationSeconds": 5}]}},
+     "tolerationSeconds applies only to effect NoExecute"),
+    ({"isolation": {"tolerations": [{"value": "v"}]}}, "a toleration without a key must have operator Exists"),
+    # An objective of 100% leaves no error budget for the burn-rate alerts to divide by.
+    ({"slo": {"availabilityPercent": "100"}}, "spec.slo.availabilityPercent in body should match"),
 ]
 
 

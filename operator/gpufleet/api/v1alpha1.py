@@ -21,10 +21,16 @@ SINGULAR = "inferenceservice"
 SHORT_NAMES = ["infsvc"]
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/gpufleet/engine:0.1.0-vllm0.11.0"
-QUANTITY = {"x_kubernetes_int_or_string": True,
-            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+# A resource quantity that cannot be negative (the Deployment would refuse one):
+# Kubernetes' own quantity syntax without the minus sign, and no negative integer.
+QUANTITY = {"x_kubernetes_int_or_string": True, "minimum": 0,
+            "pattern": r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# What Kubernetes accepts as a label value (empty, or up to 63 characters) and as a
+# label key or taint key (an optional DNS-subdomain prefix and a name of up to 63).
+LABEL_VALUE = {"max_length": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
+QUALIFIED_NAME = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -142,7 +148,7 @@ class ResourceSpec:
     gpus_per_replica: int = field("Whole GPUs per replica (nvidia.com/gpu).", default=1, minimum=1, maximum=16)
     gpu_product: Optional[str] = field("Required GPU product, matched against the node label "
                                        "nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).", default=None,
-                                       max_length=128)
+                                       **LABEL_VALUE)
     mig_profile: Optional[str] = field("Request a MIG slice instead of a whole GPU, e.g. 1g.10gb "
                                        "(resource nvidia.com/mig-<profile>).", default=None,
                                        pattern=r"^[1-7]g\.[0-9]+gb$")
@@ -153,9 +159,18 @@ class ResourceSpec:
 @dataclasses.dataclass(kw_only=True)
 class Toleration:
     """A toleration added to the engine pods."""
-    key: Optional[str] = field("Taint key.", default=None)
+    __schema__ = {"x_kubernetes_validations": [
+        rule("has(self.key) || self.operator == 'Exists'",
+             "a toleration without a key must have operator Exists (it then tolerates every taint)",
+             field_path=".operator"),
+        rule("self.operator != 'Exists' || !has(self.value) || self.value == ''",
+             "a toleration with operator Exists takes no value", field_path=".value"),
+        rule("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+             "tolerationSeconds applies only to effect NoExecute", field_path=".tolerationSeconds"),
+    ]}
+    key: Optional[str] = field("Taint key.", default=None, max_length=316, pattern=QUALIFIED_NAME)
     operator: str = field("Exists or Equal.", default="Equal", enum=["Exists", "Equal"])
-    value: Optional[str] = field("Taint value (Equal).", default=None)
+    value: Optional[str] = field("Taint value (Equal).", default=None, **LABEL_VALUE)
     effect: Optional[str] = field("Taint effect; empty matches all.", default=None,
                                   enum=["NoSchedule", "PreferNoSchedule", "NoExecute"])
     toleration_seconds: Optional[int] = field("For NoExecute: how long the pod stays after the taint appears.",
@@ -172,8 +187,13 @@ class IsolationSpec:
     node_pool: Optional[str] = field("Schedule only onto nodes labelled gpufleet.dev/node-pool=<nodePool>.",
                                      default=None, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
                                      max_length=63)
-    node_selector: dict[str, str] = field("Extra node labels the engine pods require.", factory=dict)
-    tolerations: list[Toleration] = field("Extra tolerations for the engine pods.", factory=list)
+    node_selector: dict[str, str] = field(
+        "Extra node labels the engine pods require.", factory=dict, max_properties=32,
+        additional_properties={"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
+        x_kubernetes_validations=[rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
+                                       "isolation.nodeSelector keys must be label keys: an optional DNS "
+                                       "prefix and '/', then up to 63 letters, digits, '-', '_' or '.'")])
+    tolerations: list[Toleration] = field("Extra tolerations for the engine pods.", factory=list, max_items=32)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -248,7 +268,8 @@ class AutoscalingSpec:
                                           "scale-down stabilization window.", default=40, minimum=0, maximum=99)
     queue_depth_threshold: int = field("Scale out when requests waiting per replica (guard + engine) "
                                        "exceed this.", default=8, minimum=1)
-    queue_time_threshold_milliseconds: int = field("Scale out when the guard's p90 queue time exceeds this.",
+    queue_time_threshold_milliseconds: int = field("Scale out when the guard's p90 queue time (every class, "
+                                                   "requests dispatched in the last 30 s) exceeds this.",
                                                    default=1000, minimum=1)
     scale_up_stabilization_seconds: int = field("Signals must stay high this long before scaling out.",
                                                 default=0, minimum=0, maximum=3600)
@@ -280,8 +301,9 @@ class SLOSpec:
     ttft_p99_milliseconds: int = field("Time-to-first-token p99 objective.", default=2000, minimum=1)
     itl_p99_milliseconds: int = field("Inter-token latency p99 objective.", default=100, minimum=1)
     availability_percent: str = field("Share of requests that must succeed (non-5xx, within the latency "
-                                      "objectives), e.g. \"99.9\".", default="99.9",
-                                      pattern=r"^(100|[1-9]?[0-9](\.[0-9]{1,3})?)$")
+                                      "objectives), e.g. \"99.9\"; below 100, or there is no error budget for "
+                                      "the burn-rate alerts to measure against.", default="99.9",
+                                      pattern=r"^[1-9]?[0-9](\.[0-9]{1,3})?$")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -322,7 +344,9 @@ class InferenceServiceSpec:
 @dataclasses.dataclass(kw_only=True)
 class Condition:
     """A condition in the Kubernetes API conventions' shape."""
-    type: str = field("Condition type: Ready, Progressing, Degraded, Isolated, Scaling, FragmentationOK.")
+    type: str = field("Condition type: Ready, Progressing, Degraded, Isolated, Scaling, FragmentationOK. "
+                      "Scaling is False while the autoscaler cannot read every replica (MetricsUnavailable) or "
+                      "decides on the ready replicas only because others never became ready (ReplicasNotReady).")
     status: str = field("True, False or Unknown.", enum=["True", "False", "Unknown"])
     reason: str = field("CamelCase reason.")
     message: str = field("What is going on, for a human.", default="")
@@ -336,7 +360,7 @@ class ScalingDecision:
     time: str = field("When (RFC 3339).", format="date-time")
     from_replicas: int = field("Replicas before.", api_name="from")
     to_replicas: int = field("Replicas after.", api_name="to")
-    reason: str = field("Why, e.g. KVHighWatermark, Shedding, QueueDepth, KVLowWatermark.")
+    reason: str = field("Why, e.g. KVHighWatermark, Shedding, QueueDepth, QueueTime, KVLowWatermark.")
     message: str = field("Signals behind the decision.", default="")
 
 
