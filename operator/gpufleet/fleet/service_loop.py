@@ -158,10 +158,9 @@ class ServiceLoop:
                          self.ns, self.name, fresh_current, current, decision.target)
                 return
             direction = "up" if decision.target > current else "down"
-            if direction == "down":
-                victim = policy.least_loaded(samples)
-                if victim:
-                    await self.mark_for_removal(victim, decision.target)
+            victim = policy.least_loaded(samples) if direction == "down" else None
+            if victim:
+                await self.mark_for_removal(victim, decision.target)
             else:
                 await self.release_all_marks()
             stamp = cond.now_iso()
@@ -171,12 +170,17 @@ class ServiceLoop:
             await self.rt.kube.event(fresh, reason=event_reason,
                                      message=f"{current} -> {decision.target} replicas ({decision.reason}): "
                                              f"{decision.message}")
-            await self.rt.controller.write_status(fresh, {
-                **fields, "desiredReplicas": decision.target,
-                "lastScaling": {"time": stamp, "from": current, "to": decision.target, "reason": decision.reason,
-                                "message": decision.message},
-            }, [cond.condition(cond.SCALING, True, decision.reason, f"{current} -> {decision.target}: "
-                               f"{decision.message}", generation=gen)])
+            try:
+                await self.rt.controller.write_status(fresh, {
+                    **fields, "desiredReplicas": decision.target,
+                    "lastScaling": {"time": stamp, "from": current, "to": decision.target,
+                                    "reason": decision.reason, "message": decision.message},
+                }, [cond.condition(cond.SCALING, True, decision.reason, f"{current} -> {decision.target}: "
+                                   f"{decision.message}", generation=gen)])
+            except ApiError:
+                if victim:  # no scale-in will follow: the mark must not outlive the decision
+                    await self.unmark(victim)
+                raise
             fields.clear()
             self.rt.metrics.decisions.labels(self.ns, self.name, direction).inc()
             log.info("%s/%s: %s %d -> %d (%s)", self.ns, self.name, event_reason, current, decision.target,

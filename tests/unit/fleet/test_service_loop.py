@@ -193,6 +193,22 @@ async def test_a_mark_left_from_before_a_restart_is_cleared_once_the_count_match
     assert kube.obj("Pod", "a")["metadata"]["annotations"] == {}
 
 
+async def test_the_mark_is_taken_back_when_the_scale_in_cannot_be_recorded(kube):
+    kube.put(isvc(desired=2, ready=2, autoscaling={"minReplicas": 1, "maxReplicas": 4,
+                                                   "scaleDownStabilizationSeconds": 0}))
+    for name in ("a", "b"):
+        kube.put(pod_object(name))
+
+    async def status_refused(verb, key, body):
+        if verb == "patch/status":
+            raise ApiError(500, "InternalError", "etcd timed out")
+    kube.on_write = status_refused
+    loop = make_loop(kube, kv={"a": 0.2, "b": 0.1})
+    with pytest.raises(ApiError):
+        await loop.tick(kube.obj("InferenceService", "chat"), [pod("a"), pod("b")], now=100.0)
+    assert kube.obj("Pod", "b")["metadata"]["annotations"] == {} and loop.removals == {}
+
+
 async def test_a_failed_mark_does_not_stop_the_scale_in(kube):
     loop = make_loop(kube)
     await loop.mark_for_removal("gone", 1)      # the pod went away meanwhile: logged, not raised
