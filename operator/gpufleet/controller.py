@@ -28,8 +28,16 @@ from .metrics import OperatorMetrics
 from .reconcile import conditions as cond
 from .reconcile.desired import desired_children
 from .reconcile.replicas import target_replicas
-from .reconcile.status import (CHILD_REJECTED, Observed, child_rejected_conditions, crashlooping_pods, derive_status,
-                               invalid_status, rejected_for, unschedulable_pods)
+from .reconcile.status import (
+    CHILD_REJECTED,
+    Observed,
+    child_rejected_conditions,
+    crashlooping_pods,
+    derive_status,
+    invalid_status,
+    rejected_for,
+    unschedulable_pods,
+)
 from .reconcile.validation import validate
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,7 @@
 from gpufleet.api import parse_spec
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile.replicas import target_replicas
-from gpufleet.reconcile.status import (Observed, child_rejected_conditions, derive_status, invalid_status,
-                                       rejected_for)
+from gpufleet.reconcile.status import Observed, child_rejected_conditions, derive_status, invalid_status, rejected_for
 
 SPEC = parse_spec({"model": {"name": "m"}, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}})
 
