@@ -1,12 +1,13 @@
-"""The replica reader over an injected transport: both endpoints of a pod are
-read, and any failure (an error status, a replica too slow to answer) makes
-the replica unreadable rather than idle."""
+"""The replica reader against local engine and guard endpoints: both are read,
+and any failure (an error status, a replica too slow to answer) makes the
+replica unreadable rather than idle."""
 from __future__ import annotations
 
 import asyncio
-import json
 
-import httpx
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from gpufleet.fleet.scrape import ReplicaReader
 
@@ -14,43 +15,61 @@ VLLM = 'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:num_requests_running{engi
 GUARD = 'gpufleet_guard_queue_depth{class="interactive"} 3.0\n'
 
 
-def reader(handler, **kwargs) -> ReplicaReader:
-    return ReplicaReader(transport=httpx.MockTransport(handler), guard_port=8080, engine_port=8000, **kwargs)
+class Endpoint:
+    def __init__(self, text: str):
+        self.text, self.status, self.delay = text, 200, 0.0
+        app = web.Application()
+        app.router.add_get("/metrics", self.serve)
+        app.router.add_get("/audit", self.audit)
+        self.server = TestServer(app, host="127.0.0.1")
+
+    async def serve(self, _request):
+        await asyncio.sleep(self.delay)
+        return web.Response(text=self.text, status=self.status)
+
+    async def audit(self, _request):
+        return web.json_response({"verdict": "OK"})
 
 
-async def test_sample_reads_engine_and_guard_metrics():
-    seen = []
+@pytest.fixture
+async def replica():
+    engine, guard = Endpoint(VLLM), Endpoint(GUARD)
+    await engine.server.start_server()
+    await guard.server.start_server()
+    yield engine, guard
+    await engine.server.close()
+    await guard.server.close()
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(str(request.url))
-        return httpx.Response(200, text=VLLM if request.url.port == 8000 else GUARD)
 
-    r = reader(handler)
-    sample = await r.sample("chat-0", "10.0.0.7")
+def reader_for(replica, **kwargs) -> ReplicaReader:
+    engine, guard = replica
+    return ReplicaReader(engine_port=engine.server.port, guard_port=guard.server.port, **kwargs)
+
+
+async def test_sample_reads_engine_and_guard_metrics(replica):
+    r = reader_for(replica)
+    sample = await r.sample("chat-0", "127.0.0.1")
     await r.close()
     assert sample.ok and sample.kv_usage == 0.5 and sample.engine_running == 2 and sample.guard_queued == 3
-    assert sorted(seen) == ["http://10.0.0.7:8000/metrics", "http://10.0.0.7:8080/metrics"]
 
 
-async def test_error_status_makes_the_replica_unreadable():
-    r = reader(lambda request: httpx.Response(503 if request.url.port == 8080 else 200, text=VLLM))
-    sample = await r.sample("chat-0", "10.0.0.7")
+async def test_error_status_makes_the_replica_unreadable(replica):
+    replica[1].status = 503
+    r = reader_for(replica)
+    sample = await r.sample("chat-0", "127.0.0.1")
     await r.close()
     assert not sample.ok and "answered 503" in sample.error
 
 
-async def test_a_replica_slower_than_the_deadline_is_unreadable():
-    async def handler(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(1)  # a stalled body counts against the one deadline too
-        return httpx.Response(200, text=VLLM)
-
-    r = reader(handler, timeout=0.1)
-    sample = await r.sample("chat-0", "10.0.0.7")
+async def test_a_replica_slower_than_the_timeout_is_unreadable(replica):
+    replica[0].delay = 1.0
+    r = reader_for(replica, timeout=0.1)
+    sample = await r.sample("chat-0", "127.0.0.1")
     await r.close()
     assert not sample.ok and "TimeoutError" in sample.error
 
 
-async def test_audit_returns_the_guards_report():
-    r = reader(lambda request: httpx.Response(200, text=json.dumps({"verdict": "OK"})))
-    assert await r.audit("chat-0", "10.0.0.7") == ({"verdict": "OK"}, None)
+async def test_audit_returns_the_guards_report(replica):
+    r = reader_for(replica)
+    assert await r.audit("chat-0", "127.0.0.1") == ({"verdict": "OK"}, None)
     await r.close()
