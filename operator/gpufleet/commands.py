@@ -9,7 +9,8 @@ import click
 
 @click.command()
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
-              help="Kubeconfig path; default $KUBECONFIG, then in-cluster, then ~/.kube/config.")
+              help="Kubeconfig path, or a list as in $KUBECONFIG; default $KUBECONFIG, then in-cluster, "
+                   "then ~/.kube/config.")
 @click.option("--namespace", "namespaces", multiple=True,
               help="Watch only these namespaces (repeatable); default: cluster-wide.")
 @click.option("--metrics-port", default=9090, show_default=True, type=int,
