@@ -111,7 +111,7 @@ async def test_operator_side_invalid_spec_is_reported_not_retried(control_plane,
         return o if cond(o, "Ready").get("reason") == "InvalidSpec" else None
     obj = await wait_for(invalid, timeout=30, what="Ready=False InvalidSpec")
     assert cond(obj, "Ready")["message"] == ("spec.engine.extraArgs[0]: --port is managed by gpufleet; remove it "
-                                             "and it is fixed by the pod layout")
+                                             "and leave it to the pod layout")
     assert await kube.get_or_none("apps/v1", "Deployment", "bad-engine", namespace) is None
     events = await kube.list("v1", "Event", namespace, field_selector="involvedObject.name=bad")
     assert [e["reason"] for e in events].count("InvalidSpec") == 1
