@@ -54,11 +54,18 @@ async def cleanup(memo: kopf.Memo, **_) -> None:
 
 
 @kopf.on.login()
-def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
-    cfg = _rt(memo).kube.config
-    return kopf.ConnectionInfo(server=cfg.server, ca_path=cfg.ca_file, certificate_path=cfg.cert_file,
-                               private_key_path=cfg.key_file, token=cfg.bearer_token(),
-                               insecure=cfg.insecure, default_namespace=cfg.namespace)
+async def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
+    """kopf's own client logs in with the operator's credentials. kopf calls this
+    again only when its copy expired or was refused (401): then reload them,
+    unless the operator's client already did."""
+    kube = _rt(memo).kube
+    handed = memo.get("login_generation")
+    creds = await (kube.credentials() if handed is None else kube.reload_credentials(unless_newer_than=handed))
+    memo.login_generation = creds.generation
+    return kopf.ConnectionInfo(server=creds.server, ca_path=creds.ca_file, certificate_path=creds.cert_file,
+                               private_key_path=creds.key_file, scheme=creds.scheme, token=creds.token,
+                               insecure=creds.insecure, proxy_url=creds.proxy, default_namespace=creds.namespace,
+                               expiration=creds.renew_at)
 
 
 async def _reconcile(body, memo, retry: int = 0) -> None:
