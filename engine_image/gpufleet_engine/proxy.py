@@ -8,6 +8,7 @@ errors at one place, ``_refuse``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -389,8 +390,8 @@ class _Exchange:
         headers["content-type"] = "application/json"
         assert guard.upstream.session is not None
         try:
-            async with guard.upstream.session.post(guard.upstream.url(route), data=payload,
-                                                   headers=headers) as resp:
+            async with _post_once_more_if_closed(guard.upstream.session, guard.upstream.url(route), payload,
+                                                 headers) as resp:
                 out_headers = {h: resp.headers[h] for h in FORWARDED_RESPONSE_HEADERS if h in resp.headers}
                 out_headers.update(self._extra_headers())
                 if resp.headers.get("content-type", "").startswith("text/event-stream"):
@@ -407,6 +408,7 @@ class _Exchange:
                 log.warning("vLLM dropped a stream: %r", e)
                 self.finish("error")
                 return self.response
+            log.warning("vLLM failed a request before answering: %r", e)
             guard.on_engine_unreachable()
             self.finish("error")
             return error_response(502, "engine_error", f"The model engine failed mid-request: {e}")
@@ -476,6 +478,24 @@ class _Exchange:
         except ConnectionResetError:
             pass
         return self.response
+
+
+@contextlib.asynccontextmanager
+async def _post_once_more_if_closed(session: aiohttp.ClientSession, url: str, payload: bytes,
+                                    headers: dict[str, str]):
+    """POST, sent again once if the pooled connection turned out closed before any answer: vLLM
+    closed it while idle and never read the request, so sending it again duplicates nothing."""
+    answered = False
+    try:
+        async with session.post(url, data=payload, headers=headers) as resp:
+            answered = True
+            yield resp
+            return
+    except aiohttp.ServerDisconnectedError:
+        if answered:
+            raise
+    async with session.post(url, data=payload, headers=headers) as resp:
+        yield resp
 
 
 def _completion_tokens(body: bytes) -> int | None:

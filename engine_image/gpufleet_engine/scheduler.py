@@ -4,8 +4,10 @@ A request that does not fit the KV pool now is refused at once (waiting
 would only add queue time to a request that still may not fit, and the
 client can retry elsewhere) — except where priority is at stake: when
 requests of a lower-priority class (a higher level) hold the blocks it
-lacks, it waits for them, at most its class's ``maxQueueSeconds``, and
-nothing of its level or lower is admitted ahead of it meanwhile. A stream of
+lacks, and it is big (more than twice the mean reservation running, so more
+than one completion must free blocks for it), it waits for them, at most its
+class's ``maxQueueSeconds``, and nothing of its level or lower is admitted
+ahead of it meanwhile. A stream of
 small background requests therefore cannot keep a large interactive one out
 by grabbing every block that frees; the background requests it waits for
 are already running and finish. Only the first such request of a level waits
@@ -37,6 +39,10 @@ from .admission import Decision, KvLedger
 from .contract.guard_config import QueueClass
 from .contract.guard_metrics import Reason
 from .queues import Entry, MultiLevelQueue, QueueFull
+
+# A request waits for blocks held by lower classes only when it needs more than
+# this many times the mean reservation of the running requests.
+BIG_REQUEST_FACTOR = 2
 
 
 class Rejection(Exception):
@@ -104,10 +110,18 @@ class Scheduler:
         same blocks."""
         if not queued and any(self.queue.depth(c.name) for c in self._classes_at_or_above(level)):
             return False
+        if not starving and not self._big(d.cost):
+            return False
         room = min(d.unreserved_blocks, d.free_blocks - d.watermark)
         lacking = d.cost - room
         lower = sum(blocks for lvl, blocks in self._held_by_level.items() if lvl > level or starving)
         return 0 < lacking <= lower and d.cost <= self.ledger.capacity
+
+    def _big(self, cost: int) -> bool:
+        """Larger than twice the mean reservation running: more than one request's completion
+        frees. Smaller requests get in on a retry, and a wait would only add to their TTFT."""
+        held = sum(self._held_by_level.values())
+        return self.running > 0 and cost * self.running > BIG_REQUEST_FACTOR * held
 
     def _starving(self, queue_class: QueueClass, now: float) -> bool:
         since = self._refused_since.get(queue_class.name)

@@ -17,6 +17,7 @@ log = logging.getLogger("gpufleet_engine.upstream")
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent",
                              "tracestate")
 FORWARDED_RESPONSE_HEADERS = ("content-type", "x-request-id", "cache-control")
+UPSTREAM_KEEPALIVE_SECONDS = 3.0
 
 
 class EngineDown(Exception):
@@ -32,7 +33,10 @@ class Upstream:
     async def start(self) -> None:
         # No total timeout here: streams last as long as generation does; the
         # guard's own request timeout bounds them.
-        connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30)
+        # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE);
+        # reusing one it is closing fails the request before vLLM reads it. Let
+        # idle connections go first.
+        connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS)
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                              auto_decompress=False)
 

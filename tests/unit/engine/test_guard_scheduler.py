@@ -135,6 +135,15 @@ async def test_a_request_lacking_blocks_that_lower_classes_hold_waits_for_them_a
     assert (await big).queue_class is L1 and (await small).queue_class is L3
 
 
+async def test_a_request_no_bigger_than_those_running_is_told_to_retry_instead_of_waiting():
+    s = scheduler(max_concurrency=8, blocks=64)
+    for _ in range(5):
+        await s.acquire(10, L3)
+    with pytest.raises(Rejection) as e:
+        await s.acquire(12, L1)              # under twice the mean of 10: one completion lets it in
+    assert e.value.reason == "kv_watermark" and len(s.queue) == 0
+
+
 async def test_only_the_first_request_of_a_level_waits_for_blocks_the_others_are_told_to_retry():
     s = scheduler(max_concurrency=8, blocks=64)
     for _ in range(5):
