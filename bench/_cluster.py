@@ -7,7 +7,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from gpufleet.devcluster import cluster
+from gpufleet_dev.devcluster import cluster
 from gpufleet.kube.client import KubeClient
 from gpufleet.kube.config import KubeConfig
 

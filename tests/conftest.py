@@ -12,7 +12,7 @@ from tests.support.cluster import ControlPlane
 
 @pytest.fixture(scope="session")
 def control_plane():
-    from gpufleet.devcluster import cluster
+    from gpufleet_dev.devcluster import cluster
 
     started = False
     healthy, _ = cluster.status_report()
@@ -67,7 +67,7 @@ def crds_installed(control_plane):
 @pytest.fixture(scope="session")
 def operator(control_plane, crds_installed, tmp_path_factory):
     """The operator, running as its own process for the whole session."""
-    from gpufleet.devcluster.operator_process import OperatorProcess
+    from gpufleet_dev.devcluster.operator_process import OperatorProcess
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     proc = OperatorProcess(control_plane.kubeconfig, log, ("--audit-interval-seconds", "2")).start()
     yield proc

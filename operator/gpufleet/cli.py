@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import click
 
+from gpufleet_engine.cli import engine
+
 from .commands import crd, run
-from .demo.commands import demo
-from .devcluster.commands import dev
 from .fleet.audit_command import audit
 from .planning.commands import plan
-from gpufleet_engine.cli import engine
 
 
 @click.group()
@@ -17,13 +16,36 @@ def main() -> None:
     """gpufleet: a Kubernetes operator for GPU LLM inference fleets."""
 
 
-main.add_command(dev)
 main.add_command(run)
 main.add_command(crd)
-main.add_command(demo)
 main.add_command(audit)
 main.add_command(plan)
 main.add_command(engine)
+
+
+def _development_commands() -> list[click.Command]:
+    """`gpufleet dev` and `gpufleet demo` where the dev extra is installed; in the
+    operator image (no certificate or plotting libraries) a stub that says how to get them."""
+    try:
+        from gpufleet_dev.demo.commands import demo
+        from gpufleet_dev.devcluster.commands import dev
+        return [dev, demo]
+    except ImportError as e:
+        missing = e.name or str(e)
+
+        def unavailable(name: str) -> click.Command:
+            @click.command(name, context_settings={"ignore_unknown_options": True})
+            @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+            def stub(args) -> None:
+                raise click.ClickException(f"`gpufleet {name}` needs the development extra ({missing} is "
+                                           f"missing): pip install 'gpufleet[dev]'")
+            stub.help = f"Development tool; needs pip install 'gpufleet[dev]'."
+            return stub
+        return [unavailable("dev"), unavailable("demo")]
+
+
+for _command in _development_commands():
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def engine_nodes(control_plane):
-    from gpufleet.devcluster import cluster
+    from gpufleet_dev.devcluster import cluster
     state = cluster.read_state()
     if not state.get("fleet", {}).get("engine_nodes"):
         pytest.fail("the running local control plane has no engine nodes: run `gpufleet dev down` and let the "

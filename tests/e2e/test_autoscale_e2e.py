@@ -21,9 +21,9 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from gpufleet.demo.load import EndpointLoad, RequestResult
-from gpufleet.demo.prometheus import LocalPrometheus
-from gpufleet.devcluster.operator_process import OperatorProcess
+from gpufleet_dev.demo.load import EndpointLoad, RequestResult
+from gpufleet_dev.demo.prometheus import LocalPrometheus
+from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from gpufleet.kube.client import KubeClient
 from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names

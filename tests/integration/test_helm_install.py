@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.devcluster.binaries import ensure_helm
+from gpufleet_dev.devcluster.binaries import ensure_helm
 from gpufleet.kube.config import KubeConfig
-from gpufleet.devcluster.operator_process import OperatorProcess
+from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import uuid
 import pytest
 import yaml
 
-from gpufleet.devcluster.fleet import build_node
+from gpufleet_dev.devcluster.fleet import build_node
 from gpufleet.reconcile import conditions as c
 from tests.support.waiting import wait_for
 

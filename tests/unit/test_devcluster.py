@@ -2,8 +2,8 @@
 import json
 import subprocess
 
-from gpufleet.devcluster import cluster
-from gpufleet.devcluster.fleet import build_node, fleet_nodes
+from gpufleet_dev.devcluster import cluster
+from gpufleet_dev.devcluster.fleet import build_node, fleet_nodes
 
 
 def test_crashed_component_is_reported_with_its_log(tmp_path, monkeypatch):

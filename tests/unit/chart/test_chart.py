@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
+from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "gpufleet"

@@ -1,7 +1,7 @@
 """The demo's pure parts: Prometheus targets from pods, and the report."""
-from gpufleet.demo.load import RequestResult
-from gpufleet.demo.prometheus import config, engine_targets
-from gpufleet.demo.report import Tick, render_png, render_text, summarize
+from gpufleet_dev.demo.load import RequestResult
+from gpufleet_dev.demo.prometheus import config, engine_targets
+from gpufleet_dev.demo.report import Tick, render_png, render_text, summarize
 
 
 def pod(name, ip, ready=True, deleting=False):

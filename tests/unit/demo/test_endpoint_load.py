@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from gpufleet.demo.load import EndpointLoad
+from gpufleet_dev.demo.load import EndpointLoad
 
 
 def sse(*events: dict) -> bytes:

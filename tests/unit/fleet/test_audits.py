@@ -2,7 +2,7 @@
 from gpufleet.api import parse_spec
 from gpufleet.audit import fragmentation as frag
 from gpufleet.audit.stranded import find_stranded, node_inventory
-from gpufleet.devcluster.fleet import build_node
+from gpufleet_dev.devcluster.fleet import build_node
 from gpufleet.isolation.verify import violations_for
 from gpufleet.manifests import names
 

@@ -13,8 +13,8 @@ import httpx
 import yaml
 
 from ..devcluster.cluster import free_port
-from ..kube.pods import is_serving
-from ..manifests import names
+from gpufleet.kube.pods import is_serving
+from gpufleet.manifests import names
 
 ROOT = Path(__file__).resolve().parents[3]
 RULES = ROOT / "rules" / "gpufleet.rules.yaml"

@@ -3,7 +3,7 @@
 Ordinary simulated nodes use kwok's default stages: pods become Running and
 Ready at once, and are removed at once when deleted. Engine nodes
 (``engine-node-*``) are different: their pods are backed by real local
-processes (``gpufleet.devcluster.engines``), so kwok only marks them Running
+processes (``gpufleet_dev.devcluster.engines``), so kwok only marks them Running
 with an address, the backer reports readiness from the real guard, and kwok
 removes a deleted pod only after the backer has drained and stopped it.
 """

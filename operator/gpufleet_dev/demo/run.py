@@ -21,9 +21,9 @@ import httpx
 import yaml
 
 from ..devcluster import binaries, cluster
-from ..kube.client import KubeClient
-from ..kube.config import KubeConfig
-from ..manifests import names
+from gpufleet.kube.client import KubeClient
+from gpufleet.kube.config import KubeConfig
+from gpufleet.manifests import names
 from . import report as rep
 from .load import EndpointLoad
 from .prometheus import LocalPrometheus

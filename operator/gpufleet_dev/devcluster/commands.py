@@ -7,8 +7,8 @@ import sys
 import click
 
 from . import cluster
-from ..kube.client import KubeClient
-from ..kube.config import KubeConfig
+from gpufleet.kube.client import KubeClient
+from gpufleet.kube.config import KubeConfig
 
 
 def _say(msg: str) -> None:

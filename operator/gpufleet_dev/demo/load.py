@@ -11,9 +11,9 @@ import time
 
 import httpx
 
-from ..kube.client import KubeClient
-from ..kube.pods import is_serving
-from ..manifests import names
+from gpufleet.kube.client import KubeClient
+from gpufleet.kube.pods import is_serving
+from gpufleet.manifests import names
 
 WORDS = ("fleet", "token", "cache", "block", "queue", "model", "batch", "graph", "shard", "layer")
 

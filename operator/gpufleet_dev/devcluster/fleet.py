@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from ..kube.client import KubeClient
-from ..kube.config import KubeConfig
-from ..kube.errors import NotFound
+from gpufleet.kube.client import KubeClient
+from gpufleet.kube.config import KubeConfig
+from gpufleet.kube.errors import NotFound
 
 POOL_LABEL = "gpufleet.dev/node-pool"
 LOCAL_ENGINE_POOL = "local"
