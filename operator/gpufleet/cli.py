@@ -39,7 +39,7 @@ def _development_commands() -> list[click.Command]:
             def stub(args) -> None:
                 raise click.ClickException(f"`gpufleet {name}` needs the development extra ({missing} is "
                                            f"missing): pip install 'gpufleet[dev]'")
-            stub.help = f"Development tool; needs pip install 'gpufleet[dev]'."
+            stub.help = "Development tool; needs pip install 'gpufleet[dev]'."
             return stub
         return [unavailable("dev"), unavailable("demo")]
 

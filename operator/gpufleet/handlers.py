@@ -8,7 +8,6 @@ queue, so drift is repaired in seconds without a reconcile per pod event.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -23,8 +22,6 @@ from .runtime import OperatorRuntime
 
 log = logging.getLogger(__name__)
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
-DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile
-TRIGGERED_CONCURRENCY = 16
 ERROR_BACKOFF_MAX_S = 600
 
 
@@ -151,27 +148,3 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
             "ip": status.get("podIP"), "ready": is_ready(status),
             "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
             "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {})})
-
-
-async def run_triggered(rt: OperatorRuntime) -> None:
-    """Reconcile owners of changed children, each at most once per burst,
-    up to TRIGGERED_CONCURRENCY at a time (a burst after 1000 creations must
-    not be worked through one API round trip after another)."""
-    sem = asyncio.Semaphore(TRIGGERED_CONCURRENCY)
-
-    async def one(ns: str, name: str, apply: bool) -> None:
-        async with sem:
-            try:
-                await rt.controller.reconcile_key(ns, name, apply_children=apply)
-            except ApiError as e:
-                if not e.namespace_terminating:
-                    log.warning("reconcile of %s/%s after a child change failed: %s", ns, name, e)
-            except Exception:
-                log.exception("reconcile of %s/%s after a child change crashed", ns, name)
-
-    while True:
-        keys = await rt.next_triggered()
-        await asyncio.sleep(DEBOUNCE_SECONDS)
-        for key, apply in rt.drain_triggered().items():
-            keys[key] = keys.get(key, False) or apply
-        await asyncio.gather(*(one(ns, name, apply) for (ns, name), apply in sorted(keys.items())))

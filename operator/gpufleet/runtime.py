@@ -5,16 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any, Callable, Coroutine
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .controller import Controller
+from .fleet.fleet_loop import FleetLoop
+from .fleet.scrape import ReplicaReader
 from .kube.client import KubeClient
 from .kube.config import KubeConfig
+from .kube.errors import ApiError
 from .metrics import OperatorMetrics
 
 log = logging.getLogger(__name__)
+DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile
+TRIGGERED_CONCURRENCY = 16
 
 
 class OperatorRuntime:
@@ -28,11 +34,12 @@ class OperatorRuntime:
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._web: web.AppRunner | None = None
-        self.loops: list = []  # extra background loops (cluster audits) registered before start
-        self.fleet = None  # FleetLoop when the fleet loops run (fleet.register_loops)
+        # Extra background loops (service loops, cluster audits) registered before start.
+        self.loops: list[Callable[[OperatorRuntime], Coroutine[Any, Any, None]]] = []
+        self.fleet: FleetLoop | None = None  # when the fleet loops run (fleet.register_loops)
         self.fleet_interval = 1.0  # seconds between replica reads (autoscaler fast path)
         self.resync_seconds = 300.0  # a service untouched this long is reconciled by the timer
-        self.reader = None
+        self.reader: ReplicaReader | None = None  # reads every replica's /metrics (fleet loops)
 
     def trigger(self, namespace: str, name: str, apply: bool = True) -> None:
         """Reconcile soon; ``apply=False`` when only status can have changed (a pod event)."""
@@ -61,19 +68,44 @@ class OperatorRuntime:
         last = self.controller.last_reconciled.setdefault((namespace, name), now)
         return now - last >= self.resync_seconds
 
+    async def run_triggered(self) -> None:
+        """Reconcile owners of changed children, each at most once per burst,
+        up to TRIGGERED_CONCURRENCY at a time (a burst after 1000 creations must
+        not be worked through one API round trip after another)."""
+        sem = asyncio.Semaphore(TRIGGERED_CONCURRENCY)
+
+        async def one(ns: str, name: str, apply: bool) -> None:
+            async with sem:
+                try:
+                    await self.controller.reconcile_key(ns, name, apply_children=apply)
+                except ApiError as e:
+                    if not e.namespace_terminating:
+                        log.warning("reconcile of %s/%s after a child change failed: %s", ns, name, e)
+                except Exception:
+                    log.exception("reconcile of %s/%s after a child change crashed", ns, name)
+
+        while True:
+            keys = await self.next_triggered()
+            await asyncio.sleep(DEBOUNCE_SECONDS)
+            for key, apply in self.drain_triggered().items():
+                keys[key] = keys.get(key, False) or apply
+            await asyncio.gather(*(one(ns, name, apply) for (ns, name), apply in sorted(keys.items())))
+
     async def start(self) -> None:
-        from .handlers import run_triggered
-        self._tasks.append(asyncio.create_task(run_triggered(self), name="gpufleet-triggered"))
+        self._tasks.append(asyncio.create_task(self.run_triggered(), name="gpufleet-triggered"))
         for loop in self.loops:
             self._tasks.append(asyncio.create_task(loop(self), name=f"gpufleet-{loop.__name__}"))
         if self.metrics_port is not None:
             app = web.Application()
             app.router.add_get("/metrics", self._serve_metrics)
-            app.router.add_get("/healthz", lambda _r: web.Response(text="ok"))
+            app.router.add_get("/healthz", self._serve_health)
             self._web = web.AppRunner(app, access_log=None)
             await self._web.setup()
             await web.TCPSite(self._web, self.metrics_host, self.metrics_port).start()
             log.info("metrics on http://%s:%s/metrics", self.metrics_host, self.metrics_port)
+
+    async def _serve_health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
 
     async def _serve_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),

@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
-
 from gpufleet_dev.demo.load import EndpointLoad, RequestResult
 from gpufleet_dev.demo.prometheus import LocalPrometheus
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
+
 from gpufleet.kube.client import KubeClient
 from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names

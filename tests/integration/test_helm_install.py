@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from gpufleet_dev.devcluster.binaries import ensure_helm
-from gpufleet.kube.config import KubeConfig
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
+
+from gpufleet.kube.config import KubeConfig
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

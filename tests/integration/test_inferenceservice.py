@@ -177,7 +177,8 @@ def test_invalid_input_is_rejected_by_the_apiserver_naming_the_field(control_pla
 
 
 def test_kubectl_explain_teaches_the_fields(control_plane, crds_installed):
-    out = " ".join(control_plane.kubectl("explain", "inferenceservice.spec.admission.kvWatermarkPercent").stdout.split())
+    explained = control_plane.kubectl("explain", "inferenceservice.spec.admission.kvWatermarkPercent")
+    out = " ".join(explained.stdout.split())
     assert "Share of KV blocks kept free" in out
     out = " ".join(control_plane.kubectl("explain", "inferenceservice.spec.isolation").stdout.split())
     assert "Dedicated: no other model's pods on a node running this model" in out

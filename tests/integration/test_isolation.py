@@ -5,8 +5,8 @@ import uuid
 
 import pytest
 import yaml
-
 from gpufleet_dev.devcluster.fleet import build_node
+
 from gpufleet.reconcile import conditions as c
 from tests.support.waiting import wait_for
 

@@ -5,7 +5,8 @@ import copy
 
 import yaml
 
-from . import fields, v1alpha1 as t
+from . import fields
+from . import v1alpha1 as t
 
 
 def _strip_status_defaults(schema: dict) -> dict:

@@ -23,14 +23,14 @@ SHORT_NAMES = ["infsvc"]
 DEFAULT_ENGINE_IMAGE = "ghcr.io/gpufleet/engine:0.1.0-vllm0.11.0"
 # A resource quantity that cannot be negative (the Deployment would refuse one):
 # Kubernetes' own quantity syntax without the minus sign, and no negative integer.
-QUANTITY = {"x_kubernetes_int_or_string": True, "minimum": 0,
+QUANTITY: dict[str, Any] = {"x_kubernetes_int_or_string": True, "minimum": 0,
             "pattern": r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
                        r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # What Kubernetes accepts as a label value (empty, or up to 63 characters) and as a
 # label key or taint key (an optional DNS-subdomain prefix and a name of up to 63).
-LABEL_VALUE = {"max_length": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
+LABEL_VALUE: dict[str, Any] = {"max_length": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
 QUALIFIED_NAME = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                   r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 

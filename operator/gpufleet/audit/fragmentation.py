@@ -43,8 +43,8 @@ def evaluate(replicas: list[ReplicaAudit], threshold: float, remediation: str) -
         notes = sorted({r.note for r in replicas}) or ["no replicas"]
         return AuditResult("Unavailable", None, None,
                            f"no replica could measure fragmentation ({'; '.join(notes)})", tuple(replicas))
-    worst = max(measured, key=lambda r: (r.ratio, r.pod))
-    if worst.ratio <= threshold:
+    worst = max(measured, key=lambda r: (r.ratio or 0.0, r.pod))
+    if worst.ratio is None or worst.ratio <= threshold:
         return AuditResult("OK", worst.ratio, worst.pod, "none needed", tuple(replicas))
     if remediation == "RestartReplica":
         rec = (f"restarting {worst.pod} (fragmentation {worst.ratio:.0%} > {threshold:.0%}) when the "

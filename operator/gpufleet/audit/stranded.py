@@ -11,7 +11,7 @@ import dataclasses
 
 from ..api.v1alpha1 import InferenceServiceSpec
 from ..manifests import names
-from ..isolation.placement import node_selector
+from ..manifests.placement import node_selector
 
 GPU = "nvidia.com/gpu"
 

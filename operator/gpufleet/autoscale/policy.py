@@ -125,14 +125,16 @@ def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSam
 
     not_ready = max(0, current - ready)
     not_ready_since = (state.not_ready_since if state.not_ready_since is not None else now) if not_ready else None
-    on_ready_only = bool(not_ready) and now - not_ready_since >= th.not_ready_grace_s
+    not_ready_seconds = now - not_ready_since if not_ready_since is not None else 0.0
+    on_ready_only = bool(not_ready) and not_ready_seconds >= th.not_ready_grace_s
     obs = dataclasses.replace(obs, not_ready=not_ready, on_ready_only=on_ready_only,
-                              not_ready_seconds=now - not_ready_since if not_ready else 0.0)
+                              not_ready_seconds=not_ready_seconds)
     state = dataclasses.replace(state, not_ready_since=not_ready_since)
 
     if current < th.min_replicas or current > th.max_replicas:
         target = max(th.min_replicas, min(th.max_replicas, current))
-        decision = Decision(target, "OutOfBounds", f"{current} replicas is outside {th.min_replicas}..{th.max_replicas}")
+        decision = Decision(target, "OutOfBounds",
+                            f"{current} replicas is outside {th.min_replicas}..{th.max_replicas}")
         return decision, dataclasses.replace(state, high_since=None, low_since=None), obs
 
     # Past the grace the replicas that never became ready are not waited for: the

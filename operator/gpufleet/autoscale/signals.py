@@ -4,9 +4,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from gpufleet_engine.contract import guard_metrics as guard
 from gpufleet_engine.contract.guard_metrics import SHED_REASONS
-from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["SHED_REASONS", "ReplicaSample", "bucket_delta", "parse_replica", "quantile_from_buckets"]
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
@@ -39,11 +40,11 @@ def _samples(text: str):
 
 
 def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
-    kv = {}
+    kv: dict[str, float] = {}
     waiting = running = queued = in_flight = shed = 0.0
     ttft: dict[float, float] = {}
     queue: dict[float, float] = {}
-    for name, labels, value in _samples(engine_text):
+    for name, _labels, value in _samples(engine_text):
         if name in KV_USAGE:
             kv.setdefault(name, value)
         elif name == "vllm:num_requests_waiting":

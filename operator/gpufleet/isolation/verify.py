@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..manifests import names
 from ..audit.stranded import pod_gpus
+from ..manifests import names
 
 
 @dataclasses.dataclass(frozen=True)

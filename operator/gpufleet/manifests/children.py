@@ -7,8 +7,7 @@ hand edit to a field we manage is put back.
 from __future__ import annotations
 
 from ..api.v1alpha1 import InferenceServiceSpec
-from ..isolation import placement
-from . import guard_config, names
+from . import guard_config, names, placement
 
 CONFIG_DIR = "/etc/gpufleet"
 DRAIN_SLACK_SECONDS = 30
@@ -151,7 +150,8 @@ def build_pdb(isvc: dict) -> dict:
 
 def build_podmonitor(isvc: dict) -> dict:
     service = isvc["metadata"]["name"]
-    relabel = [{"sourceLabels": [f"__meta_kubernetes_pod_label_{names.LABEL_SERVICE.replace('.', '_').replace('/', '_')}"],
+    service_label = names.LABEL_SERVICE.replace(".", "_").replace("/", "_")
+    relabel = [{"sourceLabels": [f"__meta_kubernetes_pod_label_{service_label}"],
                 "targetLabel": "service"}]
     return {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",

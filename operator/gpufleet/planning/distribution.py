@@ -122,3 +122,17 @@ def concurrency(intervals: Iterable[tuple[float, float, int]], method: str) -> C
         peak_requests = max(peak_requests, in_flight)
         peak_tokens = max(peak_tokens, tokens)
     return Concurrency(requests_peak=peak_requests, tokens_peak=peak_tokens, method=method)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrometheusSample:
+    """A service's request distribution as read from Prometheus (planning.prometheus reads it)."""
+    url: str
+    selector: str
+    window_seconds: float
+    prompt: TokenStats
+    output: TokenStats
+    traffic: Traffic
+    concurrent_requests_peak: float | None      # None when the engines export no running/waiting gauges
+    e2e_latency_mean_seconds: float | None      # None without the e2e latency histogram
+    queries: dict[str, str]                     # what each number came from, for the report

@@ -7,11 +7,18 @@ import math
 from typing import Any, Mapping
 
 from . import distribution as dist
-from .prometheus import PrometheusSample
+from .distribution import PrometheusSample
 from .profiles import GpuProfile, ModelProfile
 from .requests import RequestLog
-from .sizing import (TENSOR_PARALLEL_CHOICES, FleetPlan, ReplicaModel, Settings, estimated_duration, size_fleet,
-                     size_replica)
+from .sizing import (
+    TENSOR_PARALLEL_CHOICES,
+    FleetPlan,
+    ReplicaModel,
+    Settings,
+    estimated_duration,
+    size_fleet,
+    size_replica,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -161,13 +161,21 @@ class _Fields:
         self.fields = fields
         self.where = where
 
-    def number(self, key: str, default: float | None = None, *, integer: bool = False,
-               required: bool = True) -> float | None:
+    def number(self, key: str, default: float | None = None, *, integer: bool = False) -> float:
+        value = self.optional(key, integer=integer)
+        if value is not None:
+            return value
+        if default is None:
+            raise ProfileError(f"{self.where}: missing field {key}; add it (a positive number)")
+        return default
+
+    def whole(self, key: str) -> int:
+        return int(self.number(key, integer=True))
+
+    def optional(self, key: str, *, integer: bool = False) -> float | None:
         value = self.fields.get(key)
         if value is None:
-            if default is None and required:
-                raise ProfileError(f"{self.where}: missing field {key}; add it (a positive number)")
-            return default
+            return None
         if isinstance(value, str):
             # PyYAML reads 7.62e9 (no sign in the exponent) as a string.
             try:
@@ -193,9 +201,9 @@ def _model_from(name: str, fields: Mapping[str, Any], file: str) -> ModelProfile
     f = _Fields(fields, f"{file}: models.{name}",
                 {"params", "layers", "kvHeads", "headDim", "bytesPerParam", "kvBytesPerElement",
                  "maxContextTokens"})
-    return ModelProfile(name=name, params=f.number("params", integer=True),
-                        layers=f.number("layers", integer=True), kv_heads=f.number("kvHeads", integer=True),
-                        head_dim=f.number("headDim", integer=True), source=f"profile file {file}",
+    max_context = f.optional("maxContextTokens", integer=True)
+    return ModelProfile(name=name, params=f.whole("params"), layers=f.whole("layers"), kv_heads=f.whole("kvHeads"),
+                        head_dim=f.whole("headDim"), source=f"profile file {file}",
                         bytes_per_param=f.number("bytesPerParam", 2.0),
                         kv_bytes_per_element=f.number("kvBytesPerElement", 2.0),
-                        max_context_tokens=f.number("maxContextTokens", integer=True, required=False))
+                        max_context_tokens=int(max_context) if max_context is not None else None)

@@ -9,26 +9,12 @@ planner's other modules never do I/O.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 
 import httpx
 
-from .distribution import TokenStats, Traffic
+from .distribution import PrometheusSample, TokenStats, Traffic
 from .errors import PrometheusError
-
-
-@dataclasses.dataclass(frozen=True)
-class PrometheusSample:
-    url: str
-    selector: str
-    window_seconds: float
-    prompt: TokenStats
-    output: TokenStats
-    traffic: Traffic
-    concurrent_requests_peak: float | None      # None when the engines export no running/waiting gauges
-    e2e_latency_mean_seconds: float | None      # None without the e2e latency histogram
-    queries: dict[str, str]                     # what each number came from, for the report
 
 
 class PrometheusClient:

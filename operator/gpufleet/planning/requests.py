@@ -170,7 +170,7 @@ def _parse_openai(obj: dict, lineno: int) -> tuple[Request, bool]:
     prompt = _tokens(_require(usage, "prompt_tokens", "an integer ≥ 0", prefix="usage."), "usage.prompt_tokens")
     output = _tokens(_require(usage, "completion_tokens", "an integer ≥ 0", prefix="usage."),
                      "usage.completion_tokens")
-    response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+    response: dict[str, Any] = obj["response"] if isinstance(obj.get("response"), dict) else {}
     if obj.get("timestamp") is not None:
         start, naive = parse_timestamp(obj["timestamp"], "timestamp")
     elif obj.get("created") is not None:

@@ -168,7 +168,7 @@ def _replica(gpu, model, settings, tp, prompt, output) -> ReplicaModel:
         decode_tokens_per_s=decode, decode_bound="memory bandwidth" if by_bandwidth <= prefill else "compute")
 
 
-def estimated_duration(replica: ReplicaModel, prompt_tokens: int, output_tokens: int) -> float:
+def estimated_duration(replica: ReplicaModel, prompt_tokens: float, output_tokens: float) -> float:
     """Arrival to last token on a replica decoding at its planned batch (no queueing)."""
     return prompt_tokens / replica.prefill_tokens_per_s + output_tokens * replica.decode_step_seconds
 

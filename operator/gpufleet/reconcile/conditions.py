@@ -21,7 +21,7 @@ def condition(type_: str, status: bool | str, reason: str, message: str = "", *,
               generation: int | None = None) -> dict:
     if isinstance(status, bool):
         status = "True" if status else "False"
-    c = {"type": type_, "status": status, "reason": reason, "message": message}
+    c: dict[str, str | int] = {"type": type_, "status": status, "reason": reason, "message": message}
     if generation is not None:
         c["observedGeneration"] = generation
     return c

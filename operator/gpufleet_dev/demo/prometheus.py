@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-from ..devcluster.cluster import free_port
 from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names
+
+from ..devcluster.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 RULES = ROOT / "rules" / "gpufleet.rules.yaml"

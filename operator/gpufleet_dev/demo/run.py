@@ -20,10 +20,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from ..devcluster import binaries, cluster
 from gpufleet.kube.client import KubeClient
 from gpufleet.kube.config import KubeConfig
 from gpufleet.manifests import names
+
+from ..devcluster import binaries, cluster
 from . import report as rep
 from .load import EndpointLoad
 from .prometheus import LocalPrometheus
@@ -180,7 +181,8 @@ async def audits(kube: KubeClient, operator_metrics_url: str) -> dict:
 def prometheus_view(prom: LocalPrometheus) -> dict:
     queries = {
         "guard requests by outcome (last 5m)": 'sum by (outcome) (increase(gpufleet_guard_requests_total[5m]))',
-        "guard TTFT p99 (last 5m)": 'histogram_quantile(0.99, sum by (le) (rate(gpufleet_guard_ttft_seconds_bucket[5m])))',
+        "guard TTFT p99 (last 5m)":
+            'histogram_quantile(0.99, sum by (le) (rate(gpufleet_guard_ttft_seconds_bucket[5m])))',
         "vLLM preemptions (last 10m)": 'sum(increase(vllm:num_preemptions_total[10m]))',
         "autoscaler decisions": 'sum by (direction) (gpufleet_autoscaler_decisions_total)',
     }

@@ -58,8 +58,10 @@ KUBERNETES = Component(
               "k8s.io/kubernetes/cmd/kube-scheduler"),
     outputs=("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
     # Without these the binaries report v0.0.0-master and Helm's kubeVersion checks fail.
-    ldflags=" ".join(f"-X {pkg}.{k}={v}" for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
-                     for k, v in (("gitVersion", KUBERNETES_VERSION), ("gitMajor", KUBERNETES_VERSION[1:].split(".")[0]),
+    ldflags=" ".join(f"-X {pkg}.{k}={v}"
+                     for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+                     for k, v in (("gitVersion", KUBERNETES_VERSION),
+                                  ("gitMajor", KUBERNETES_VERSION[1:].split(".")[0]),
                                   ("gitMinor", KUBERNETES_VERSION.split(".")[1]), ("gitTreeState", "clean"))),
     recipe="2",
 )

@@ -6,9 +6,10 @@ import sys
 
 import click
 
-from . import cluster
 from gpufleet.kube.client import KubeClient
 from gpufleet.kube.config import KubeConfig
+
+from . import cluster
 
 
 def _say(msg: str) -> None:

@@ -26,6 +26,7 @@ from gpufleet.kube.client import KubeClient
 from gpufleet.kube.config import KubeConfig
 from gpufleet.kube.errors import ApiError
 from gpufleet.manifests import names
+
 from .kwok_stages import ENGINE_NODE_PREFIX, TERMINATED_ANNOTATION
 
 log = logging.getLogger("gpufleet.engines")

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,8 +1,9 @@
 """Fragmentation, stranded GPUs and isolation verification, on synthetic clusters."""
+from gpufleet_dev.devcluster.fleet import build_node
+
 from gpufleet.api import parse_spec
 from gpufleet.audit import fragmentation as frag
 from gpufleet.audit.stranded import find_stranded, node_inventory
-from gpufleet_dev.devcluster.fleet import build_node
 from gpufleet.isolation.verify import violations_for
 from gpufleet.manifests import names
 
@@ -55,7 +56,8 @@ def test_free_gpus_on_a_node_no_service_can_use_are_stranded():
     # n0: 6 used by 70b → 2 free: too few for a 4-GPU replica → stranded.
     # n1: empty → usable.
     nodes = [node("n0"), node("n1")]
-    pods = [pod("a", "n0", 4, model=names.model_label("org/70b")), pod("b", "n0", 2, model=names.model_label("org/70b"))]
+    model = names.model_label("org/70b")
+    pods = [pod("a", "n0", 4, model=model), pod("b", "n0", 2, model=model)]
     stranded = find_stranded(node_inventory(nodes, pods), [big])
     assert [(x.node, x.free) for x in stranded] == [("n0", 2)]
     assert "needs 4 GPUs, 2 free" in stranded[0].why
@@ -87,6 +89,7 @@ def test_isolation_violations_name_the_offending_pods():
 
 async def test_stranded_event_is_recorded_when_a_node_strands_or_its_reason_changes():
     from types import SimpleNamespace
+
     from gpufleet.audit.stranded import StrandedNode
     from gpufleet.fleet.cluster_audit import ClusterAuditor
     from gpufleet.metrics import OperatorMetrics

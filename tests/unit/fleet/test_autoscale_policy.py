@@ -16,9 +16,9 @@ def queued(fast, slow):
     return ((0.5, fast), (2.5, fast), (5.0, fast + slow), (float("inf"), fast + slow))
 
 
-def run(samples, current=1, ready=None, state=PolicyState(), now=100.0, th=TH):
+def run(samples, current=1, ready=None, state=None, now=100.0, th=TH):
     return decide(th, current=current, ready=current if ready is None else ready, samples=samples,
-                  state=state, now=now)
+                  state=PolicyState() if state is None else state, now=now)
 
 
 def test_kv_above_high_watermark_scales_out_at_once():

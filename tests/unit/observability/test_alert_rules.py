@@ -10,7 +10,13 @@ from collections import Counter
 import pytest
 
 from tests.unit.observability.assets import (
-    REPO, RULE_TESTS, RULES, RUNBOOKS, alert_test_cases, alerting_rules, rule_groups,
+    REPO,
+    RULE_TESTS,
+    RULES,
+    RUNBOOKS,
+    alert_test_cases,
+    alerting_rules,
+    rule_groups,
     rule_test_files,
 )
 

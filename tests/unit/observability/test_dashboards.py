@@ -8,8 +8,15 @@ import itertools
 import pytest
 
 from tests.unit.observability.assets import (
-    DASHBOARDS, catalog_series, committed_dashboards, dashboard_queries, load_build_module,
-    metric_names, promtool_check_exprs, recording_rules, substitute_grafana_variables,
+    DASHBOARDS,
+    catalog_series,
+    committed_dashboards,
+    dashboard_queries,
+    load_build_module,
+    metric_names,
+    promtool_check_exprs,
+    recording_rules,
+    substitute_grafana_variables,
 )
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

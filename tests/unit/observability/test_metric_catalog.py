@@ -8,8 +8,15 @@ import re
 import pytest
 
 from tests.unit.observability.assets import (
-    OBSERVABILITY_DOC, RUNBOOKS, catalog, catalog_series, metric_names, promql_blocks,
-    promtool_check_exprs, recording_rules, rules,
+    OBSERVABILITY_DOC,
+    RUNBOOKS,
+    catalog,
+    catalog_series,
+    metric_names,
+    promql_blocks,
+    promtool_check_exprs,
+    recording_rules,
+    rules,
 )
 
 RECORD_NAME = re.compile(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+")  # level:metric:operations

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from gpufleet.planning.errors import RequestLogError
-from gpufleet.planning.requests import (SKIP_BLANK, SKIP_ERROR_RESPONSE, SKIP_INVALID, parse_request_log,
-                                        parse_timestamp)
+from gpufleet.planning.requests import SKIP_BLANK, SKIP_ERROR_RESPONSE, SKIP_INVALID, parse_request_log, parse_timestamp
 
 
 def parse(lines, **kw):

@@ -11,7 +11,7 @@ from gpufleet.planning.errors import SizingError
 from gpufleet.planning.planner import plan_from_log
 from gpufleet.planning.profiles import ModelProfile, ProfileSet
 from gpufleet.planning.requests import parse_request_log
-from gpufleet.planning.sizing import (replicas_for_ttft, size_fleet, size_replica, ttft_p99_seconds)
+from gpufleet.planning.sizing import replicas_for_ttft, size_fleet, size_replica, ttft_p99_seconds
 
 
 def flat(tokens: float) -> TokenStats:

@@ -10,7 +10,7 @@ without also blocking node daemons; the isolation verifier reports them.
 from __future__ import annotations
 
 from ..api.v1alpha1 import InferenceServiceSpec
-from ..manifests import names
+from . import names
 
 HOSTNAME = "kubernetes.io/hostname"
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -1,0 +1,1 @@
+"""Pure builders: spec → child objects (dicts) and the guard's guard.json."""
