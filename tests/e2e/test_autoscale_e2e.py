@@ -191,7 +191,7 @@ async def test_load_scales_out(scenario):
         o = await scenario.service()
         return o if (o.get("status") or {}).get("desiredReplicas") == 2 else None
     obj = await scenario.wait(scaled_out, timeout=120, what="the operator to scale out")
-    assert obj["status"]["lastScaling"]["reason"] in ("KVHighWatermark", "Shedding", "QueueDepth"), \
+    assert obj["status"]["lastScaling"]["reason"] in ("KVHighWatermark", "Shedding", "QueueDepth", "QueueTime"), \
         obj["status"]["lastScaling"]
     await scenario.wait(lambda: _event_reasons(scenario, "ScaledUp"), timeout=30, what="a ScaledUp Event")
 
