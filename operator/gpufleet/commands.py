@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import uuid
 
 import click
+
+LEASE_NAME = "gpufleet-operator"
 
 
 @click.command()
@@ -20,9 +24,23 @@ import click
               help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz.")
 @click.option("--worker-limit", default=100, show_default=True, type=int,
               help="Most objects of one kind handled at once (a retrying object holds its worker while it waits).")
-@click.option("--peering/--standalone", default=False, show_default=True,
-              help="kopf peering so several operator replicas never reconcile at once "
-                   "(needs the chart's KopfPeering resources).")
+@click.option("--leader-elect/--no-leader-elect", default=False, show_default=True,
+              help="Elect one leader among the operator's replicas on a coordination.k8s.io Lease: only the "
+                   "leader reconciles, autoscales and audits; the others keep their watches warm and take over "
+                   "when its lease lapses. Needed for more than one replica.")
+@click.option("--leader-elect-resource-name", default=LEASE_NAME, show_default=True, help="The Lease's name.")
+@click.option("--leader-elect-resource-namespace", default=None,
+              help="The Lease's namespace; default: the namespace of the operator's credentials (in a pod, "
+                   "its own).")
+@click.option("--leader-elect-lease-duration", default=15.0, show_default=True, type=float,
+              help="Seconds a follower waits, after the last renewal it saw, before taking the Lease over.")
+@click.option("--leader-elect-renew-deadline", default=10.0, show_default=True, type=float,
+              help="Seconds after its last successful renewal at which a leader stops acting (shorter than the "
+                   "lease duration: the difference is the margin against two leaders).")
+@click.option("--leader-elect-retry-period", default=2.0, show_default=True, type=float,
+              help="Seconds between renewals, and between a follower's attempts.")
+@click.option("--leader-elect-identity", default=None,
+              help="This replica's name in the Lease; default: <hostname>_<random> (the pod name in a pod).")
 @click.option("--fleet-loops/--no-fleet-loops", default=True, show_default=True,
               help="Run the autoscaler and audits besides reconciliation.")
 @click.option("--fleet-interval-seconds", default=1.0, show_default=True, type=float,
@@ -33,14 +51,22 @@ import click
 @click.option("--audit-interval-seconds", default=30.0, show_default=True, type=float,
               help="How often the cluster-wide stranded-GPU and isolation audits run.")
 @click.option("-v", "--verbose", is_flag=True)
-def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, peering,
-        fleet_loops, fleet_interval_seconds, resync_seconds, audit_interval_seconds, verbose) -> None:
+def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, leader_elect,
+        leader_elect_resource_name, leader_elect_resource_namespace, leader_elect_lease_duration,
+        leader_elect_renew_deadline, leader_elect_retry_period, leader_elect_identity, fleet_loops,
+        fleet_interval_seconds, resync_seconds, audit_interval_seconds, verbose) -> None:
     """Run the operator."""
     import kopf
 
     from . import handlers  # noqa: F401  (registers the handlers)
     from .kube.config import KubeConfig, KubeConfigError
+    from .leadership import Timing, TimingError
     from .runtime import OperatorRuntime
+
+    try:
+        timing = Timing(leader_elect_lease_duration, leader_elect_renew_deadline, leader_elect_retry_period)
+    except TimingError as e:
+        raise click.BadParameter(str(e), param_hint="--leader-elect-*") from None
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,13 +80,18 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
     runtime.fleet_interval = fleet_interval_seconds
     runtime.resync_seconds = resync_seconds
+    if leader_elect:
+        runtime.enable_leader_election(
+            leader_elect_resource_namespace or config.current.namespace, leader_elect_resource_name,
+            leader_elect_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}", timing)
     if fleet_loops:
         from .fleet import register_loops
         register_loops(runtime, audit_interval=audit_interval_seconds)
     memo = kopf.Memo(runtime=runtime, worker_limit=worker_limit)
+    # Standalone for kopf: its peering pauses lower-priority operators; one leader is elected on a Lease instead.
     asyncio.run(kopf.operator(
-        clusterwide=not namespaces, namespaces=list(namespaces), standalone=not peering,
-        peering_name="gpufleet" if peering else None, liveness_endpoint=liveness_endpoint, memo=memo))
+        clusterwide=not namespaces, namespaces=list(namespaces), standalone=True,
+        liveness_endpoint=liveness_endpoint, memo=memo))
 
 
 @click.command()

@@ -1,28 +1,28 @@
-"""Thin kopf wiring: events in, ``Controller.reconcile`` out.
+"""Thin kopf wiring: watch events in, the runtime's trigger queue out.
 
-kopf keeps its bookkeeping in annotations (never in status), posts no events
-of its own, and runs with explicit watch/request timeouts and a bounded
-worker pool. Changes to child objects (a hand-edited Deployment, a pod that
-became ready) are mapped to their owner and reconciled through a debounced
+kopf is used for its watches only: every handler here is an event handler,
+so kopf keeps no bookkeeping on the objects (no annotations, no finalizers)
+and posts no events. That is what lets a follower replica keep its watches
+warm without writing anything: the handlers only feed memory and the queue,
+and the runtime reconciles from the queue while this replica leads (see
+runtime.py). Changes to child objects (a hand-edited Deployment, a pod that
+became ready) are mapped to their owner and reconciled through the debounced
 queue, so drift is repaired in seconds without a reconcile per pod event.
 """
 from __future__ import annotations
 
 import logging
-import time
 
 import kopf
 
 from .api import v1alpha1 as t
 from .fleet.service_loop import DELETION_COST
-from .kube.errors import ApiError
 from .kube.pods import is_ready
 from .manifests import names
 from .runtime import OperatorRuntime
 
 log = logging.getLogger(__name__)
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
-ERROR_BACKOFF_MAX_S = 600
 
 
 def _rt(memo) -> OperatorRuntime:
@@ -31,9 +31,6 @@ def _rt(memo) -> OperatorRuntime:
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="gpufleet.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="gpufleet.dev", key="last-handled-configuration")
     settings.posting.enabled = False
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -65,56 +62,27 @@ async def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
                                expiration=creds.renew_at)
 
 
-async def _reconcile(body, memo, retry: int = 0) -> None:
-    try:
-        await _rt(memo).controller.reconcile(dict(body))
-    except ApiError as e:
-        if e.namespace_terminating:
-            # Nothing can be created there any more and the object goes with its
-            # namespace; retrying would hold a worker for nothing.
-            log.info("%s/%s: namespace is being deleted; not reconciling", body["metadata"].get("namespace"),
-                     body["metadata"].get("name"))
-            return
-        if e.transient:
-            raise kopf.TemporaryError(f"transient API error: {e}", delay=5) from e
-        # Refused children are reported in status by the controller; what is left
-        # (a kind that is not served, credentials) is not fixed by asking again soon.
-        raise kopf.TemporaryError(f"API error: {e}", delay=min(ERROR_BACKOFF_MAX_S, 30 * 2 ** retry)) from e
-
-
-@kopf.on.create(t.GROUP, t.VERSION, t.PLURAL)
-@kopf.on.update(t.GROUP, t.VERSION, t.PLURAL)
-@kopf.on.resume(t.GROUP, t.VERSION, t.PLURAL)
-async def reconcile_service(body, memo: kopf.Memo, retry: int = 0, **_) -> None:
-    await _reconcile(body, memo, retry)
-
-
-@kopf.timer(t.GROUP, t.VERSION, t.PLURAL, interval=30, idle=10)
-async def resync_service(body, namespace, name, memo: kopf.Memo, retry: int = 0, **_) -> None:
-    # Level-based backstop: whatever the watches missed, the next resync puts right.
-    # Child and pod events already reconcile within a second, so a service that
-    # was reconciled recently is left alone (at 1000 services a 30 s resync of
-    # every one would be 33 reconciles a second of pure re-application).
-    if _rt(memo).resync_due(namespace, name, time.monotonic()):
-        await _reconcile(body, memo, retry)
+def spec_unhandled(type: str | None, body) -> bool:
+    """Apply the children for this event: the service is new to this replica (the initial
+    listing, as after a restart, or a creation), or its spec changed since status last said
+    it was handled. Status-only changes (the operator's own writes) need no reconcile."""
+    if type in (None, "ADDED"):
+        return True
+    return body.get("metadata", {}).get("generation") != (body.get("status") or {}).get("observedGeneration")
 
 
 @kopf.on.event(t.GROUP, t.VERSION, t.PLURAL)
-async def service_seen(type, body, namespace, name, memo: kopf.Memo, **_) -> None:
-    """Keep the fleet loop's copy of every InferenceService current."""
-    fleet = _rt(memo).fleet
-    if fleet is None:
-        return
+async def service_event(type, body, namespace, name, memo: kopf.Memo, **_) -> None:
+    """Keep the runtime's copy of every InferenceService current, and ask for a reconcile
+    when its spec needs handling."""
+    rt = _rt(memo)
     if type == "DELETED":
-        fleet.remove_service(namespace, name)
-    else:
-        fleet.upsert_service(dict(body))
-
-
-@kopf.on.delete(t.GROUP, t.VERSION, t.PLURAL, optional=True)
-async def forget_service(name, namespace, memo: kopf.Memo, **_) -> None:
-    # Children go with the owner through ownerReferences (garbage collector).
-    _rt(memo).forget(namespace, name)
+        # Children go with the owner through ownerReferences (garbage collector).
+        rt.forget(namespace, name)
+        return
+    rt.service_seen(dict(body))
+    if not body.get("metadata", {}).get("deletionTimestamp") and spec_unhandled(type, body):
+        rt.trigger(namespace, name, apply=True)
 
 
 def _owner_service(body) -> str | None:

@@ -39,6 +39,11 @@ class OperatorMetrics:
                                       registry=r)
         self.crashlooping = Gauge("gpufleet_service_crashlooping_replicas",
                                   "Engine pods with a container in CrashLoopBackOff.", SVC, registry=r)
+        self.leader = Gauge("gpufleet_operator_leader",
+                            "1 while this replica holds the leader lease and acts, 0 while it follows.", registry=r)
+        self.leader_transitions = Counter("gpufleet_operator_leader_transitions_total",
+                                          "Changes of this replica's leadership: acquired, lost (renewal "
+                                          "failed), released (shut down).", ["transition"], registry=r)
         self.isolation_violations = Gauge("gpufleet_isolation_violations", "Foreign pods on reserved nodes.", SVC,
                                           registry=r)
 

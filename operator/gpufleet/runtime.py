@@ -1,10 +1,19 @@
 """Operator runtime state kept in kopf's memo: the one API client, metrics,
-the controller and the trigger queue. Created before kopf starts, closed at cleanup."""
+the controller, the trigger queue and, with leader election, the elector.
+Created before kopf starts, closed at cleanup.
+
+kopf only watches (its handlers feed memory and the trigger queue; it writes
+nothing to the objects), so a follower's watches are as warm as the
+leader's. Everything that acts goes through here and waits for leadership:
+the triggered reconciles, the resync, the fleet loops and the audits; the
+API client refuses writes once the leader's lease is no longer certain.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any, Callable, Coroutine
 
 from aiohttp import web
@@ -15,16 +24,38 @@ from .fleet.fleet_loop import FleetLoop
 from .fleet.scrape import ReplicaReader
 from .kube.client import KubeClient
 from .kube.config import KubeConfig
-from .kube.errors import ApiError
+from .kube.errors import ApiError, NotLeading
+from .leader_elector import LeaderElector
+from .leadership import Timing
 from .metrics import OperatorMetrics
 
 log = logging.getLogger(__name__)
 DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile
 TRIGGERED_CONCURRENCY = 16
+RESYNC_CHECK_SECONDS = 30.0  # how often the resync looks for services due one
+TRANSIENT_RETRY_SECONDS = 5.0  # 409, 429, 5xx
+ERROR_BACKOFF_FIRST_S = 30.0  # other API errors: doubling up to ERROR_BACKOFF_MAX_S
+ERROR_BACKOFF_MAX_S = 600.0
+
+Key = tuple[str, str]
+
+
+def retry_delay(error: Exception, failures: int) -> float | None:
+    """When to reconcile again after a failure (``failures`` so far, this one included); None: not at all."""
+    if isinstance(error, NotLeading):
+        return None  # the next leader reconciles every service when it takes over
+    if isinstance(error, ApiError) and error.namespace_terminating:
+        return None  # nothing can be created there any more and the object goes with its namespace
+    if isinstance(error, ApiError) and error.transient:
+        return TRANSIENT_RETRY_SECONDS
+    # Refused children are reported in status by the controller; what is left (a kind that is
+    # not served, credentials) is not fixed by asking again soon.
+    return min(ERROR_BACKOFF_MAX_S, ERROR_BACKOFF_FIRST_S * 2 ** (failures - 1))
 
 
 class OperatorRuntime:
     def __init__(self, config: KubeConfig, *, metrics_port: int | None = 9090, metrics_host: str = "0.0.0.0"):
+        self.config = config
         self.kube = KubeClient(config)
         self.metrics = OperatorMetrics()
         self.controller = Controller(self.kube, self.metrics)
@@ -40,6 +71,40 @@ class OperatorRuntime:
         self.fleet_interval = 1.0  # seconds between replica reads (autoscaler fast path)
         self.resync_seconds = 300.0  # a service untouched this long is reconciled by the timer
         self.reader: ReplicaReader | None = None  # reads every replica's /metrics (fleet loops)
+        self.elector: LeaderElector | None = None  # with leader election (enable_leader_election)
+        self.known: set[Key] = set()  # every InferenceService the watch has shown, deleted ones aside
+        self._failures: dict[Key, int] = {}
+        self._retries: dict[Key, asyncio.TimerHandle] = {}
+
+    # --- leadership ---------------------------------------------------------------
+
+    def enable_leader_election(self, namespace: str, name: str, identity: str, timing: Timing) -> None:
+        self.elector = LeaderElector(self.config, namespace, name, identity, timing, self.metrics)
+        self.elector.on_change = self._leadership_changed
+        self.kube.write_fence = self.elector.acting_for
+
+    def acting(self) -> bool:
+        """May this replica act now: it leads with time left on its lease (always, without election)."""
+        return self.elector is None or self.elector.may_act()
+
+    async def wait_leading(self) -> None:
+        if self.elector is not None:
+            await self.elector.wait_leading()
+
+    async def _leadership_changed(self, leading: bool) -> None:
+        if leading:
+            # Level-based: whatever changed while another replica led (or none did) is put right
+            # by one reconcile of every service, as after a restart.
+            for key in sorted(self.known):
+                self.trigger(*key, apply=True)
+            log.info("leading: reconciling all %d known InferenceService(s)", len(self.known))
+        else:
+            for handle in self._retries.values():
+                handle.cancel()
+            self._retries.clear()
+            self._failures.clear()
+            if self.fleet is not None:
+                await self.fleet.pause()
 
     def trigger(self, namespace: str, name: str, apply: bool = True) -> None:
         """Reconcile soon; ``apply=False`` when only status can have changed (a pod event)."""
@@ -56,15 +121,26 @@ class OperatorRuntime:
         keys, self._pending = self._pending, {}
         return keys
 
+    def service_seen(self, body: dict) -> None:
+        meta = body["metadata"]
+        self.known.add((meta["namespace"], meta["name"]))
+        if self.fleet is not None:
+            self.fleet.upsert_service(body)
+
     def forget(self, namespace: str, name: str) -> None:
+        self.known.discard((namespace, name))
+        self._failures.pop((namespace, name), None)
+        handle = self._retries.pop((namespace, name), None)
+        if handle is not None:
+            handle.cancel()
         self.metrics.forget_service(namespace, name)
         self.controller.forget(namespace, name)
         if self.fleet is not None:
             self.fleet.remove_service(namespace, name)
 
     def resync_due(self, namespace: str, name: str, now: float) -> bool:
-        """The timer's backstop runs only for services nothing else reconciled recently.
-        A service the timer meets first is being handled by its create/resume handler."""
+        """The resync runs only for services nothing else reconciled recently. A service
+        the resync meets first is being handled by the reconcile its watch event asked for."""
         last = self.controller.last_reconciled.setdefault((namespace, name), now)
         return now - last >= self.resync_seconds
 
@@ -78,27 +154,72 @@ class OperatorRuntime:
             async with sem:
                 try:
                     await self.controller.reconcile_key(ns, name, apply_children=apply)
-                except ApiError as e:
-                    if not e.namespace_terminating:
-                        log.warning("reconcile of %s/%s after a child change failed: %s", ns, name, e)
-                except Exception:
-                    log.exception("reconcile of %s/%s after a child change crashed", ns, name)
+                    self._failures.pop((ns, name), None)
+                except Exception as e:
+                    self._failed(ns, name, apply, e)
 
         while True:
+            await self.wait_leading()
             keys = await self.next_triggered()
             await asyncio.sleep(DEBOUNCE_SECONDS)
             for key, apply in self.drain_triggered().items():
                 keys[key] = keys.get(key, False) or apply
+            if not self.acting():  # lost the lease meanwhile: keep them for when it comes back
+                for (ns, name), apply in keys.items():
+                    self.trigger(ns, name, apply)
+                continue
             await asyncio.gather(*(one(ns, name, apply) for (ns, name), apply in sorted(keys.items())))
 
+    def _failed(self, ns: str, name: str, apply: bool, error: Exception) -> None:
+        key = (ns, name)
+        failures = self._failures[key] = self._failures.get(key, 0) + 1
+        delay = retry_delay(error, failures)
+        if isinstance(error, ApiError):
+            if delay is not None:
+                log.warning("reconcile of %s/%s failed (try %d; again in %.0fs): %s", ns, name, failures, delay,
+                            error)
+        else:
+            log.error("reconcile of %s/%s crashed (try %d; again in %.0fs)", ns, name, failures, delay,
+                      exc_info=error)
+        if delay is None:
+            self._failures.pop(key, None)
+            return
+        old = self._retries.pop(key, None)
+        if old is not None:
+            old.cancel()
+
+        def retry() -> None:
+            self._retries.pop(key, None)
+            if key in self.known:
+                self.trigger(ns, name, apply)
+        self._retries[key] = asyncio.get_running_loop().call_later(delay, retry)
+
+    async def run_resync(self) -> None:
+        """Level-based backstop: whatever the watches missed, the next resync puts right.
+        Child and pod events reconcile within a second, so only services that nothing
+        reconciled for ``resync_seconds`` are due (at 1000 services a resync of every one
+        each 30 s would be 33 reconciles a second of pure re-application)."""
+        while True:
+            await asyncio.sleep(RESYNC_CHECK_SECONDS)
+            if not self.acting():
+                continue
+            now = time.monotonic()
+            for key in sorted(self.known):
+                if self.resync_due(*key, now):
+                    self.trigger(*key, apply=True)
+
     async def start(self) -> None:
+        if self.elector is not None:
+            await self.elector.start()
         self._tasks.append(asyncio.create_task(self.run_triggered(), name="gpufleet-triggered"))
+        self._tasks.append(asyncio.create_task(self.run_resync(), name="gpufleet-resync"))
         for loop in self.loops:
             self._tasks.append(asyncio.create_task(loop(self), name=f"gpufleet-{loop.__name__}"))
         if self.metrics_port is not None:
             app = web.Application()
             app.router.add_get("/metrics", self._serve_metrics)
             app.router.add_get("/healthz", self._serve_health)
+            app.router.add_get("/readyz", self._serve_ready)
             self._web = web.AppRunner(app, access_log=None)
             await self._web.setup()
             await web.TCPSite(self._web, self.metrics_host, self.metrics_port).start()
@@ -107,11 +228,26 @@ class OperatorRuntime:
     async def _serve_health(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def _serve_ready(self, _request: web.Request) -> web.Response:
+        """Ready means able to lead: this replica reaches the API server and its Lease
+        (a follower that cannot would not take over, so it is not counted as available)."""
+        if self.elector is None:
+            return web.Response(text="ok: no leader election")
+        role = "leader" if self.elector.may_act() else "follower"
+        if not self.elector.able_to_lead():
+            return web.Response(status=503, text=f"{role}: cannot reach Lease {self.elector.lease} "
+                                                 f"({self.elector.last_error or 'not read yet'})")
+        return web.Response(text=f"ok: {role} ({self.elector.identity})")
+
     async def _serve_metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stop(self) -> None:
+        if self.elector is not None:  # stop acting and hand the Lease over before anything else
+            await self.elector.stop()
+        for handle in self._retries.values():
+            handle.cancel()
         if self.fleet is not None:
             await self.fleet.stop()
         for task in self._tasks:

@@ -10,7 +10,7 @@ def register_loops(runtime, audit_interval: float = 30.0) -> None:
     from .scrape import ReplicaReader
 
     runtime.reader = ReplicaReader()
-    runtime.fleet = FleetLoop(runtime, interval=runtime.fleet_interval)
+    runtime.fleet = FleetLoop(runtime, interval=runtime.fleet_interval, leadership=runtime)
     auditor = ClusterAuditor(runtime, interval=audit_interval)
 
     async def service_loops(_rt) -> None:

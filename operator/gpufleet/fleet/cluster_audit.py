@@ -54,6 +54,8 @@ class ClusterAuditor:
 
     async def run_forever(self) -> None:
         while True:
+            if not self.rt.acting():  # only the leader audits (and writes status and Events)
+                await self.rt.wait_leading()
             try:
                 await self.run_once()
             except ApiError as e:
@@ -68,7 +70,9 @@ class ClusterAuditor:
         await self._publish_stranded(report["stranded"], nodes)
         for obj, spec in report["specs"]:
             meta = obj["metadata"]
-            await self._publish_isolation(obj, spec, report["isolation"][(meta["namespace"], meta["name"])])
+            key = (meta["namespace"], meta["name"])
+            if key in self.rt.known:  # only the services this operator watches (its --namespace)
+                await self._publish_isolation(obj, spec, report["isolation"][key])
         return report
 
     async def _publish_stranded(self, stranded, nodes) -> None:

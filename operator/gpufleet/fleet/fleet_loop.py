@@ -32,8 +32,10 @@ MIN_PASS_S = 0.05
 
 class FleetLoop:
     def __init__(self, runtime, interval: float = 1.0, concurrency: int = 64,
-                 clock=time.monotonic):
+                 clock=time.monotonic, leadership=None):
         self.rt = runtime
+        # acting() / wait_leading(): only the leader ticks (None: always, a single operator)
+        self.leadership = leadership
         self.interval = interval
         self._clock = clock
         self._sem = asyncio.Semaphore(concurrency)
@@ -98,6 +100,8 @@ class FleetLoop:
 
     async def run_forever(self) -> None:
         while True:
+            if self.leadership is not None and not self.leadership.acting():
+                await self.leadership.wait_leading()  # a follower reads no replicas and decides nothing
             now = self._clock()
             for key in self.due_now(now):
                 self._running[key] = asyncio.create_task(self._tick(key), name=f"fleet-{key[0]}/{key[1]}")
@@ -126,6 +130,13 @@ class FleetLoop:
             log.exception("fleet loop for %s/%s crashed; continuing", key[0], key[1])
         finally:
             self._running.pop(key, None)
+
+    async def pause(self) -> None:
+        """Leadership lost: stop the ticks in flight and forget the autoscaler's state, so that
+        this replica, should it lead again, decides from fresh samples as a new leader would."""
+        await self.stop()
+        self._loops.clear()
+        self._due.clear()
 
     async def stop(self) -> None:
         for task in list(self._running.values()):

@@ -15,12 +15,12 @@ import asyncio
 import json
 import logging
 import ssl
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
 from .config import Credentials, KubeConfig
-from .errors import ApiError, NotFound, error_for
+from .errors import ApiError, NotFound, NotLeading, error_for
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,13 @@ class KubeClient:
     are reloaded (off the event loop) when they go stale or are refused."""
 
     def __init__(self, config: KubeConfig, *, timeout: float = 30.0,
-                 session: aiohttp.ClientSession | None = None):
+                 session: aiohttp.ClientSession | None = None,
+                 write_fence: Callable[[], float] | None = None):
         self.config = config
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        # Seconds this client may still write for (a leader's remaining lease); writes past it are
+        # refused before they are sent, and a write never waits for an answer beyond it.
+        self.write_fence = write_fence
         self._session = session
         self._ssl: tuple[tuple, ssl.SSLContext | bool] | None = None  # (tls identity, context)
         self._resources: dict[tuple[str, str], tuple[str, bool]] = {}
@@ -104,6 +108,11 @@ class KubeClient:
         if body is not None:
             headers["Content-Type"] = content_type
             data = json.dumps(body)
+        if method != "GET" and self.write_fence is not None:
+            remaining = self.write_fence()
+            if remaining <= 0:
+                raise NotLeading(f"{method} {path}")
+            timeout = min(timeout or self._timeout.total or remaining, remaining)
         kwargs = {}
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
@@ -227,10 +236,13 @@ class KubeClient:
             return False
 
     async def watch(self, api_version: str, kind: str, namespace: str | None = None, *,
-                    timeout_seconds: int = 60, label_selector: str | None = None) -> AsyncIterator[dict]:
+                    timeout_seconds: int = 60, label_selector: str | None = None,
+                    field_selector: str | None = None) -> AsyncIterator[dict]:
         params = {"watch": "true", "timeoutSeconds": str(timeout_seconds)}
         if label_selector:
             params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
         path = await self.path(api_version, kind, namespace)
         creds = await self.credentials()
         timeout = aiohttp.ClientTimeout(total=timeout_seconds + 10)

@@ -44,6 +44,14 @@ class Forbidden(ApiError):
     pass
 
 
+class NotLeading(ApiError):
+    """Refused before it was sent: this replica does not hold the leader lease (or holds
+    it for too short a time to be sure of it), so it may not write."""
+
+    def __init__(self, request: str):
+        super().__init__(0, "NotLeading", f"{request}: this operator replica is not the leader")
+
+
 def error_for(status: int, body: dict | None, text: str) -> ApiError:
     body = body or {}
     reason = body.get("reason") or str(status)

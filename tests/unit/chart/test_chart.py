@@ -53,7 +53,11 @@ def test_chart_copies_of_generated_assets_are_current():
     (["--set", "replicaCount=0"], "at '/replicaCount': minimum: got 0, want 1"),
     (["--set", "operator.logLevel=loud"], "at '/operator/logLevel': value must be one of 'info', 'debug'"),
     (["--set", "monitoring.runbookBaseURL=docs"], "at '/monitoring/runbookBaseURL': 'docs' does not match pattern"),
-    (["--set", "replicaCount=2"], "replicaCount > 1 needs peering.enabled=true"),
+    (["--set", "leaderElection.renewDeadlineSeconds=15"],
+     "leaderElection.leaseDurationSeconds must be longer than renewDeadlineSeconds"),
+    (["--set", "leaderElection.retryPeriodSeconds=9"], "renewDeadlineSeconds must be longer than 1.2 x"),
+    (["--set", "peering.enabled=true"], "additional properties 'peering' not allowed"),
+    (["--set", "podAntiAffinity=soft"], "at '/podAntiAffinity': value must be one of"),
     (["--set", "watchNamespace=ml"], "additional properties 'watchNamespace' not allowed"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(helm, args, message):
@@ -92,3 +96,39 @@ def test_monitoring_objects_when_enabled(helm):
     assert alerts and all(r["annotations"]["runbook_url"].endswith(".md") for r in alerts)
     dashboards = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["labels"].get("grafana_dashboard")]
     assert len(dashboards) == len(list((ROOT / "dashboards").glob("*.json")))
+
+
+def test_two_replicas_elect_a_leader_on_a_lease_by_default(helm):
+    docs = [d for d in yaml.safe_load_all(template(helm).stdout) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert "--leader-elect" in args and "--leader-elect-resource-namespace=gpufleet-system" in args
+    assert {"--leader-elect-lease-duration=15", "--leader-elect-renew-deadline=10",
+            "--leader-elect-retry-period=2"} <= set(args)
+    assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    spread = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert spread["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["podAffinityTerm"]["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": dep["spec"]["selector"]}
+    role = next(d for d in docs if d["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "gpufleet-system"
+    assert {(r["resources"][0], tuple(r.get("resourceNames", ())), tuple(r["verbs"])) for r in role["rules"]} == {
+        ("leases", (), ("create",)), ("leases", ("gpufleet-operator",), ("get", "watch", "update"))}
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert "kopfpeering" not in template(helm).stdout  # kopf's peering is gone
+
+
+def test_required_anti_affinity_and_a_users_own_affinity(helm):
+    def pod(*args):
+        docs = [d for d in yaml.safe_load_all(template(helm, *args).stdout) if d]
+        return next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in pod(
+        "--set", "podAntiAffinity=required")["affinity"]["podAntiAffinity"]
+    assert "affinity" not in pod("--set", "podAntiAffinity=none")
+    own = pod("--set", "affinity.nodeAffinity.x=y")["affinity"]
+    assert own == {"nodeAffinity": {"x": "y"}}
