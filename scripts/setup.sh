@@ -30,6 +30,23 @@ fi
 
 scripts/install-prometheus.sh
 
+# The images (`make images`: dockerd, debootstrap) and the real node of the local
+# cluster (`gpufleet dev up --real-node`: containerd with its CRI plugin, runc,
+# the CNI plugins, iptables for kube-proxy), all from Debian's packages.
+node_pkgs=(docker.io containerd runc containernetworking-plugins iptables conntrack debootstrap)
+missing=()
+for p in "${node_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]} (images and the real node)"
+  SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # gpufleet starts its own dockerd and containerd (private roots) only while it needs them.
+  if [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now docker.socket docker.service containerd.service >/dev/null 2>&1 || true
+  fi
+fi
+
 say "building (first time) or reusing the cached control plane and Helm"
 .venv/bin/gpufleet dev build
 say "ready"

@@ -65,6 +65,13 @@ KUBERNETES = Component(
                                   ("gitMinor", KUBERNETES_VERSION.split(".")[1]), ("gitTreeState", "clean"))),
     recipe="2",
 )
+# The node agents of a real node (`gpufleet dev up --real-node`): the same
+# Kubernetes module, version and stamp as the control plane.
+KUBERNETES_NODE = dataclasses.replace(
+    KUBERNETES, name="kubernetes-node",
+    packages=("k8s.io/kubernetes/cmd/kubelet", "k8s.io/kubernetes/cmd/kube-proxy"),
+    outputs=("kubelet", "kube-proxy"), recipe="1",
+)
 ETCD = Component(
     name="etcd", version=ETCD_VERSION, module="go.etcd.io/etcd/server/v3",
     packages=("go.etcd.io/etcd/server/v3",), outputs=("etcd",), renames=(("v3", "etcd"), ("server", "etcd")),
@@ -115,7 +122,7 @@ def build(component: Component, progress: Progress = print) -> Path:
     work.mkdir(parents=True)
     gomod = [f"module gpufleet.local/build/{component.name}", "", "go 1.24", "",
              f"require {component.module} {component.version}", ""]
-    if component is KUBERNETES or component.module == "k8s.io/kubernetes":
+    if component.module == "k8s.io/kubernetes":
         gomod += ["replace (", *_staging_replaces(component.version, env), ")", ""]
     (work / "go.mod").write_text("\n".join(gomod))
     imports = "\n".join(f'\t_ "{p}"' for p in component.packages)
@@ -194,3 +201,8 @@ def ensure_helm(progress: Progress = print) -> Path:
         return Path(found)
     build(HELM, progress)
     return HELM.binary("helm")
+
+
+def ensure_node_agents(progress: Progress = print) -> dict[str, Path]:
+    build(KUBERNETES_NODE, progress)
+    return {name: KUBERNETES_NODE.binary(name) for name in KUBERNETES_NODE.outputs}

