@@ -105,6 +105,11 @@ class OperatorRuntime:
             self._failures.clear()
             if self.fleet is not None:
                 await self.fleet.pause()
+            # A follower exports no per-service or fleet gauges: its last values would go stale
+            # beside the new leader's, and a dashboard summing over replicas would count twice.
+            for key in self.known:
+                self.metrics.forget_service(*key)
+            self.metrics.stranded.clear()
 
     def trigger(self, namespace: str, name: str, apply: bool = True) -> None:
         """Reconcile soon; ``apply=False`` when only status can have changed (a pod event)."""

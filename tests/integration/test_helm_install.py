@@ -62,7 +62,10 @@ async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, 
         "clusters": [{"name": "c", "cluster": {"server": control_plane.server, "certificate-authority": ca}}],
         "users": [{"name": "sa", "user": {"token": token}}],
         "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}]}))
-    op = OperatorProcess(str(kc), tmp_path / "operator.log", ("--namespace", namespace)).start()
+    # As the chart runs it: electing a leader on the Lease in the release namespace (its Role suffices).
+    op = OperatorProcess(str(kc), tmp_path / "operator.log", (
+        "--namespace", namespace, "--leader-elect", "--leader-elect-resource-namespace", RELEASE_NS,
+        "--leader-elect-identity", f"test-{namespace}")).start()
     try:
         sample = yaml.safe_load((ROOT / "samples" / "chat.yaml").read_text())
         control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(sample))
@@ -75,5 +78,6 @@ async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, 
                        describe=lambda: op.log_tail(20))
         log = (tmp_path / "operator.log").read_text()
         assert "403" not in log and "Forbidden" not in log, op.log_tail(40)
+        assert f"test-{namespace} became leader" in log, op.log_tail(40)
     finally:
         op.stop()

@@ -10,10 +10,57 @@ from datetime import datetime, timezone
 import click
 
 from ..api import v1alpha1 as t
+from ..kube import lease as lease_api
 from ..kube.client import KubeClient
 from ..kube.config import KubeConfig, KubeConfigError
+from ..kube.errors import ApiError
 from ..manifests import names
 from .cluster_audit import audit_report, collect
+
+LEASE_NAME = "gpufleet-operator"
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def leader_lines(leases: list[dict], now: datetime) -> list[str]:
+    """Who leads the operator, from its leader-election Lease(s); pure."""
+    if not leases:
+        return [f"  no Lease named {LEASE_NAME}: the operator runs without leader election (one replica), "
+                "or is not installed"]
+    out = []
+    for obj in leases:
+        meta, spec = obj["metadata"], obj.get("spec") or {}
+        where = f"Lease {meta.get('namespace')}/{meta['name']}"
+        renewed = _parse_time(spec.get("renewTime"))
+        age = (now - renewed).total_seconds() if renewed else None
+        duration = spec.get("leaseDurationSeconds") or 0
+        transitions = spec.get("leaseTransitions", 0)
+        holder = spec.get("holderIdentity")
+        if not holder:
+            out.append(f"  none: the last leader released {where} ({transitions} transition(s)); a replica "
+                       f"takes it within its retry period")
+        elif age is not None and age > duration:
+            out.append(f"  none: {holder} last renewed {where} {age:.0f}s ago (lease {duration}s): it is "
+                       f"gone or cut off, and no other replica has taken over")
+        else:
+            ago = f"{age:.1f}s ago" if age is not None else "at an unknown time"
+            out.append(f"  {holder} leads ({where}, renewed {ago}, lease {duration}s, "
+                       f"{transitions} transition(s))")
+    return out
+
+
+async def _leases(kube: KubeClient) -> list[dict] | str:
+    try:
+        return await kube.list(lease_api.API_VERSION, lease_api.KIND, field_selector=f"metadata.name={LEASE_NAME}")
+    except ApiError as e:
+        return f"  unknown: cannot list Leases ({e})"
 
 
 async def _request_fragmentation(kube: KubeClient, namespace: str, service: str, timeout: float) -> dict:
@@ -40,7 +87,11 @@ async def _audit(kubeconfig, namespace, service, timeout) -> int:
                        f"{frag.get('recommendation', '')}")
         nodes, pods, services = await collect(kube)
         report = audit_report(nodes, pods, services)
+        leases = await _leases(kube)
     problems = 0
+    click.echo("Operator leader:")
+    for line in [leases] if isinstance(leases, str) else leader_lines(leases, datetime.now(timezone.utc)):
+        click.echo(line)
     click.echo("\nStranded GPUs (free, but no InferenceService can use them):")
     if not report["stranded"]:
         click.echo("  none")
