@@ -134,12 +134,21 @@ async def guard_numbers(url: str) -> dict:
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/metrics") as r:
             text = await r.text()
-    out = {}
+    out: dict[str, float] = {}
+    queued: dict[str, float] = {}
     for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
         if line.startswith(("gpufleet_guard_output_tokens_predicted{", "gpufleet_guard_reservation_extensions_total{")):
-            name, value = line.rsplit(" ", 1)
             if float(value):
                 out[name.replace("gpufleet_guard_", "")] = float(value)
+        elif line.startswith("gpufleet_guard_queue_seconds_bucket{"):
+            # Time admitted requests waited in the guard (for blocks or a slot), all classes.
+            le = name.split('le="')[1].split('"')[0]
+            queued[le] = queued.get(le, 0.0) + float(value)
+    total = queued.get("+Inf", 0.0)
+    for le in ("0.1", "1.0"):
+        out[f"admitted that waited over {le} s in the guard"] = total - queued.get(le, 0.0)
+    out["admitted (all runs of this guard)"] = total
     return out
 
 
