@@ -30,8 +30,10 @@ SERVICE_CIDR = "10.96.0.0/16"
 # kwok hands out pod IPs from this range. All of 127.0.0.0/8 is loopback on
 # Linux, so a local process can listen on a simulated pod's own address.
 POD_CIDR = "127.64.0.0/16"
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "engine-backer")
-OPTIONAL = {"engine-backer"}  # runs only with --engine-nodes
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "containerd",
+              "kubelet", "kube-proxy", "engine-backer")
+# The engine backer runs only with --engine-nodes, the real node's agents only with --real-node.
+OPTIONAL = {"engine-backer", "containerd", "kubelet", "kube-proxy"}
 
 
 class ClusterError(Exception):
@@ -61,6 +63,8 @@ class FleetSpec:
     cpu_nodes: int = 1
     # Nodes whose engine pods are backed by real local vLLM processes (pool "local").
     engine_nodes: int = 0
+    # A real kubelet with containerd, CNI and kube-proxy (pool "real"; see node.py).
+    real_node: bool = False
 
 
 # --- process bookkeeping -------------------------------------------------------
@@ -196,6 +200,17 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
                              f"use `gpufleet dev status`, or `gpufleet dev down` first")
     started = time.monotonic()
     bins = binaries.ensure_control_plane(progress)
+    host = "127.0.0.1"
+    if fleet.real_node:
+        from . import node
+        missing = node.missing_prerequisites()
+        if missing:
+            raise ClusterError(f"a real node needs {', '.join(missing)} (scripts/setup.sh installs the packages)")
+        binaries.ensure_node_agents(progress)
+        node.ensure_node_address()
+        # Pods reach the apiserver through the `kubernetes` Service, whose endpoint is the advertised
+        # address: it must be one a pod can route to, so the apiserver listens on the node's address.
+        host = node.NODE_IP
     root = state_dir()
     for sub in ("etcd-data", "logs", "kubeconfigs"):
         shutil.rmtree(root / sub, ignore_errors=True)
@@ -207,7 +222,7 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
 
     ports = {name: free_port() for name in
              ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")}
-    server = f"https://127.0.0.1:{ports['apiserver']}"
+    server = f"https://{host}:{ports['apiserver']}"
     state = {"server": server, "ports": ports, "processes": {}, "fleet": dataclasses.asdict(fleet),
              "kubeconfig": str(kubeconfig_path()), "versions": {
                  "kubernetes": binaries.KUBERNETES_VERSION, "etcd": binaries.ETCD_VERSION,
@@ -234,8 +249,11 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
         progress("starting kube-apiserver")
         procs["kube-apiserver"] = _spawn("kube-apiserver", [
             str(bins["kube-apiserver"]), f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--bind-address={host}", f"--advertise-address={host}",
             f"--secure-port={ports['apiserver']}",
+            # For logs, exec and port-forward on a real node's kubelet.
+            f"--kubelet-client-certificate={pki_dir / 'admin.crt'}", f"--kubelet-client-key={pki_dir / 'admin.key'}",
+            "--kubelet-preferred-address-types=InternalIP",  # node names are not in any DNS
             f"--tls-cert-file={pki_dir / 'apiserver.crt'}", f"--tls-private-key-file={pki_dir / 'apiserver.key'}",
             f"--client-ca-file={pki_dir / 'ca.crt'}",
             f"--service-account-key-file={pki_dir / 'sa.pub'}",
@@ -295,6 +313,12 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
         _wait("the simulated nodes to be Ready and the default ServiceAccount to exist",
               lambda: fleet_mod.register_and_check(str(kubeconfig_path()), fleet), 60, state,
               tuple(procs))
+        if fleet.real_node:
+            from . import node
+            node.start(state, fleet, root, logs, _spawn,
+                       lambda what, check, timeout, watch: (record(), _wait(what, check, timeout, state, watch)),
+                       progress)
+            record()
         if fleet.engine_nodes:
             import sys
             progress(f"starting the engine backer: pods on {fleet.engine_nodes} engine node(s) run as real "
@@ -317,7 +341,12 @@ def down(progress: Progress = print) -> list[str]:
         return []
     stopped = []
     procs = state.get("processes", {})
+    if "containerd" in procs:
+        from . import node
+        stopped += node.stop(state, state_dir(), _stop_process)
     for name in reversed(COMPONENTS):
+        if name in stopped:
+            continue
         proc = procs.get(name)
         if proc and _alive(proc["pid"], proc["binary"]):
             try:
@@ -338,6 +367,22 @@ def down(progress: Progress = print) -> list[str]:
     (state_dir() / "state.json").unlink(missing_ok=True)
     shutil.rmtree(state_dir() / "etcd-data", ignore_errors=True)
     return stopped
+
+
+def _stop_process(proc: dict, grace: float = 15) -> bool:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; False when it was not running."""
+    if not _alive(proc["pid"], proc["binary"]):
+        return False
+    try:
+        os.killpg(proc["pid"], signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + grace
+    while _alive(proc["pid"], proc["binary"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(proc["pid"], proc["binary"]):
+        os.killpg(proc["pid"], signal.SIGKILL)
+    return True
 
 
 def status_report() -> tuple[bool, str]:

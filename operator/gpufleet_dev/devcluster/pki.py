@@ -68,21 +68,45 @@ def _sign(subject, pub, ca_key, ca_name, *, ca=False, server_names=(), client=Fa
     return b.sign(ca_key, hashes.SHA256())
 
 
-def ensure_pki(d: Path, service_ip: str = "10.96.0.1") -> None:
-    """Create everything missing under ``d`` (idempotent: a restart keeps identities)."""
+def _apiserver_names(service_ip: str, node_ip: str) -> tuple[str, ...]:
+    return ("127.0.0.1", "localhost", node_ip, service_ip, "kubernetes", "kubernetes.default",
+            "kubernetes.default.svc", "kubernetes.default.svc.cluster.local")
+
+
+def _load_ca(d: Path):
+    ca_key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), password=None)
+    return ca_key, x509.load_pem_x509_certificate((d / "ca.crt").read_bytes()).subject
+
+
+def _write_apiserver_cert(d: Path, ca_key, ca_name, names: tuple[str, ...]) -> None:
+    key = _key()
+    _write_key(key, d / "apiserver.key")
+    _write_cert(_sign(_name("kube-apiserver"), key.public_key(), ca_key, ca_name, server_names=names),
+                d / "apiserver.crt")
+
+
+def _apiserver_cert_covers(d: Path, node_ip: str) -> bool:
+    cert = x509.load_pem_x509_certificate((d / "apiserver.crt").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return ipaddress.ip_address(node_ip) in sans.get_values_for_type(x509.IPAddress)
+
+
+def ensure_pki(d: Path, service_ip: str = "10.96.0.1", node_ip: str = "10.213.0.1") -> None:
+    """Create everything missing under ``d`` (idempotent: a restart keeps identities).
+
+    The apiserver's certificate also names ``node_ip``, the address it binds with a real node
+    (``gpufleet dev up --real-node``); an older one without it is re-signed by the same CA.
+    """
     d.mkdir(parents=True, exist_ok=True)
     if (d / "ca.crt").exists() and all((d / f"{c}.crt").exists() for c in CLIENTS):
+        if not _apiserver_cert_covers(d, node_ip):
+            _write_apiserver_cert(d, *_load_ca(d), _apiserver_names(service_ip, node_ip))
         return
     ca_key = _key()
     ca_name = _name("gpufleet-local-ca")
     _write_key(ca_key, d / "ca.key")
     _write_cert(_sign(ca_name, ca_key.public_key(), ca_key, ca_name, ca=True), d / "ca.crt")
-    key = _key()
-    _write_key(key, d / "apiserver.key")
-    names = ("127.0.0.1", "localhost", service_ip, "kubernetes", "kubernetes.default",
-             "kubernetes.default.svc", "kubernetes.default.svc.cluster.local")
-    _write_cert(_sign(_name("kube-apiserver"), key.public_key(), ca_key, ca_name, server_names=names),
-                d / "apiserver.crt")
+    _write_apiserver_cert(d, ca_key, ca_name, _apiserver_names(service_ip, node_ip))
     for file, (cn, org) in CLIENTS.items():
         key = _key()
         _write_key(key, d / f"{file}.key")
