@@ -119,15 +119,16 @@ class LeaderElector:
         try:
             record = None if self._reread or not self.machine.leading else self.machine.record
             if record is None:
-                record = await self.store.read(timeout=self._request_timeout())
+                timeout = self._request_timeout()  # asyncio's timeouts are exact; aiohttp's are rounded up
+                record = await asyncio.wait_for(self.store.read(timeout=timeout), timeout)
                 self._last_contact = self._clock()
             write = self.machine.next_write(record, self._clock(), wall_now())
             if write is None:
                 return
             sent = self._clock()
             timeout = self._request_timeout()
-            stored = await (self.store.create(write.record, timeout=timeout) if write.create
-                            else self.store.update(write.record, timeout=timeout))
+            stored = await asyncio.wait_for(self.store.create(write.record, timeout=timeout) if write.create
+                                            else self.store.update(write.record, timeout=timeout), timeout)
             self._last_contact = self._clock()
             self._reread = False
             self.last_error = None

@@ -108,14 +108,15 @@ class KubeClient:
         if body is not None:
             headers["Content-Type"] = content_type
             data = json.dumps(body)
+        ceil = 5.0  # aiohttp's default: longer timeouts are rounded up to whole seconds
         if method != "GET" and self.write_fence is not None:
             remaining = self.write_fence()
             if remaining <= 0:
                 raise NotLeading(f"{method} {path}")
-            timeout = min(timeout or self._timeout.total or remaining, remaining)
+            timeout, ceil = min(timeout or self._timeout.total or remaining, remaining), float("inf")
         kwargs = {}
         if timeout is not None:
-            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, ceil_threshold=ceil)
         creds = await self.credentials()
         for attempt in range(2):
             async with self._send(creds, method, path, headers, params=params, data=data, **kwargs) as resp:
