@@ -146,10 +146,11 @@ class LeaderElector:
         while True:
             try:
                 async for record in self.store.watch():
-                    self.machine.observe(record, self._clock())
                     self._last_contact = self._clock()
-                    if record is None or record.holder is None or record.holder != self.identity:
-                        self._wake.set()
+                    if record is not None and record.holder == self.identity:
+                        continue  # our own renewal: the loop knows it (a late event could be an older one)
+                    self.machine.observe(record, self._clock())
+                    self._wake.set()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the loop's reads are the backstop: try again soon

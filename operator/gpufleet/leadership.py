@@ -141,8 +141,8 @@ class Leadership:
         return self.check(now)
 
     def check(self, now: float) -> Change | None:
-        """Step down when the renew deadline has passed."""
-        if self.leading and not self.may_act(now):
+        """Step down when the renew deadline has passed, or another holder is seen."""
+        if self.leading and (self._taken() or not self.may_act(now)):
             self.leading = False
             return "lost"
         return None
@@ -160,9 +160,12 @@ class Leadership:
 
     def acting_for(self, now: float) -> float:
         """Seconds this replica may still act (write) for; 0 when it is not the leader."""
-        if not self.leading or self.renewed_at is None:
+        if not self.leading or self.renewed_at is None or self._taken():
             return 0.0
         return max(0.0, self.renewed_at + self.timing.renew_deadline - now)
+
+    def _taken(self) -> bool:
+        return self.record is not None and self.record.holder not in (None, self.identity)
 
     def may_act(self, now: float) -> bool:
         return self.acting_for(now) > 0

@@ -104,6 +104,13 @@ def test_a_lost_race_is_not_leadership():
     assert b.write_failed(0.0) is None and not b.may_act(0.0)
 
 
+def test_a_leader_that_sees_another_holder_steps_down_at_once():
+    lease, a = Lease(), Leadership("a", T)
+    attempt(a, lease, 0.0)
+    a.observe(dataclasses.replace(lease.record, holder="b", resource_version="99"), 1.0)
+    assert a.check(1.0) == "lost" and not a.may_act(1.0)
+
+
 def test_release_hands_over_at_once():
     lease, a, b = Lease(), Leadership("a", T), Leadership("b", T)
     attempt(a, lease, 0.0)
