@@ -7,11 +7,11 @@ requests of a lower-priority class (a higher level) hold the blocks it
 lacks, and it is big (more than twice the mean reservation running, so more
 than one completion must free blocks for it), it waits for them, at most its
 class's ``maxQueueSeconds``, and nothing of its level or lower is admitted
-ahead of it meanwhile. A stream of
-small background requests therefore cannot keep a large interactive one out
-by grabbing every block that frees; the background requests it waits for
-are already running and finish. Only the first such request of a level waits
-(the others of that level get 429 at once), so the queue stays short.
+ahead of it meanwhile. A stream of small background requests therefore
+cannot keep a large interactive one out by grabbing every block that frees;
+the background requests it waits for are already running and finish. Only
+the first such request of a level waits (the others of that level get 429 at
+once), so the queue stays short.
 
 The lowest class has no one below it, so the same rule could leave it
 refused forever while higher classes keep the pool full. A class refused for
