@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 from gpufleet_dev.devcluster import cluster
+
 from gpufleet.kube.client import KubeClient
 from gpufleet.kube.config import KubeConfig
 

@@ -27,7 +27,6 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import client, ensure_cluster, fresh_namespace  # noqa: E402
-
 from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
 
 API = "serving.gpufleet.dev/v1alpha1"

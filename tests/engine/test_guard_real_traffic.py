@@ -163,7 +163,8 @@ async def test_a_burst_of_32_mib_bodies_is_refused_with_413_and_the_guards_memor
               "listenHost": "127.0.0.1", "listenPort": port, "maxContextTokens": 1024, "blockSize": 32}
     path = tmp_path / "guard.json"
     path.write_text(json.dumps(config))
-    proc = subprocess.Popen([sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
+    # Popen returns at once; the guard runs as its own process so its RSS can be read.
+    proc = subprocess.Popen([sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],  # noqa: ASYNC220
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     body = b'{"model": "tiny", "prompt": "' + b"x" * (32 * 1024 * 1024) + b'"}'
