@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .contract import guard_metrics as m
-from .contract.guard_metrics import OUTCOMES, REASONS
+from .contract.guard_config import SLOConfig
+from .contract.guard_metrics import OUTCOMES, REASONS, SLIS
 
 __all__ = ["CONTENT_TYPE", "OUTCOMES", "REASONS", "GuardMetrics"]
 
@@ -25,10 +26,22 @@ _GENERATING_ROUTES = ("/v1/chat/completions", "/v1/completions")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def _with(buckets: tuple[float, ...], objective: float) -> tuple[float, ...]:
+    """``buckets`` with a bound at the objective, so quantiles near it are not interpolated across it."""
+    return tuple(sorted({*buckets, objective}))
+
+
 class GuardMetrics:
-    def __init__(self, classes: list[str], registry: CollectorRegistry | None = None):
+    def __init__(self, classes: list[str], registry: CollectorRegistry | None = None,
+                 slo: SLOConfig | None = None):
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        slo = slo or SLOConfig()
+        self.sli_events = Counter(m.SLI_EVENTS, "Events judged against the service's objectives, by SLI "
+                                  "(requests; for itl, gaps between streamed chunks).", ["class", "sli"],
+                                  registry=r)
+        self.sli_good_events = Counter(m.SLI_GOOD_EVENTS, "Events that met the service's objective, by SLI.",
+                                       ["class", "sli"], registry=r)
         self.requests = Counter(m.REQUESTS, "Finished requests by class and outcome.",
                                 ["class", "outcome"], registry=r)
         self.rejections = Counter(m.REJECTIONS, "Requests refused by the guard, by reason.",
@@ -38,13 +51,15 @@ class GuardMetrics:
                                        buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram(m.TTFT_SECONDS,
                                       "Time to first token as the client sees it (streaming requests).",
-                                      ["class"], buckets=_LATENCY_BUCKETS, registry=r)
+                                      ["class"], buckets=_with(_LATENCY_BUCKETS, slo.ttft_p99_seconds),
+                                      registry=r)
         self.itl_seconds = Histogram(m.ITL_SECONDS,
                                      "Inter-chunk latency as the client sees it (streaming requests).",
-                                     ["class"], buckets=_ITL_BUCKETS, registry=r)
+                                     ["class"], buckets=_with(_ITL_BUCKETS, slo.itl_p99_seconds), registry=r)
         self.request_seconds = Histogram(m.REQUEST_SECONDS,
                                          "End-to-end latency of admitted requests.", ["class"],
-                                         buckets=_REQUEST_BUCKETS, registry=r)
+                                         buckets=_with(_REQUEST_BUCKETS, slo.request_p99_seconds),
+                                         registry=r)
         self.queue_depth = Gauge(m.QUEUE_DEPTH, "Requests waiting in the guard's queue.",
                                  ["class"], registry=r)
         self.max_concurrency = Gauge(m.MAX_CONCURRENCY,
@@ -85,6 +100,9 @@ class GuardMetrics:
                 self.requests.labels(c, o)
             for reason in REASONS:
                 self.rejections.labels(c, reason)
+            for sli in SLIS:
+                self.sli_events.labels(c, sli)
+                self.sli_good_events.labels(c, sli)
             self.queue_seconds.labels(c)
             self.ttft_seconds.labels(c)
             self.itl_seconds.labels(c)
@@ -94,6 +112,13 @@ class GuardMetrics:
             for route in _GENERATING_ROUTES:
                 self.output_tokens.labels(route, c)
                 self.output_prediction_ratio.labels(route, c)
+
+    def count_sli(self, class_name: str, judgement: list[tuple[str, int, int]]) -> None:
+        """Add one request's SLI events (``sli.judge``)."""
+        for sli, good, events in judgement:
+            self.sli_events.labels(class_name, sli).inc(events)
+            if good:
+                self.sli_good_events.labels(class_name, sli).inc(good)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

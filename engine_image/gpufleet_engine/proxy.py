@@ -21,7 +21,7 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
-from . import context
+from . import context, sli
 from .admission import KvLedger
 from .audit import SequenceLength
 from .context import ContextTooLong, InvalidRequest, Limits
@@ -87,7 +87,7 @@ class Guard:
         self.clock = clock
         self.limits = Limits(config.max_context_tokens, config.over_length_policy == "TruncateLeft",
                              config.engine.max_model_len if config.engine else None)
-        self.metrics = GuardMetrics([c.name for c in config.queue_classes])
+        self.metrics = GuardMetrics([c.name for c in config.queue_classes], slo=config.slo)
         self.predicted = config.reservation == "Predicted"
         self.predictor = OutputPredictor(config.reservation_quantile_percent / 100)
         self.max_body_bytes = max_body_bytes(config.max_context_tokens)
@@ -275,7 +275,7 @@ class Guard:
                     self.tracked.pop(grant, None)
                     self.scheduler.release(grant)
         except Rejection as r:
-            return self._refuse(queue_class, r)
+            return self._refuse(queue_class, r, stream=prepared.stream)
         except TimeoutError:
             return await exchange.timed_out()
         except asyncio.CancelledError:
@@ -314,10 +314,12 @@ class Guard:
         if predicted is not None:
             m.output_tokens_predicted.labels(route, name).set(predicted)
 
-    def _refuse(self, queue_class: QueueClass, r: Rejection) -> web.Response:
+    def _refuse(self, queue_class: QueueClass, r: Rejection, stream: bool | None = None) -> web.Response:
+        """``stream``: whether the refused request asked to stream; None when it was not read."""
         if r.status == 429 and r.retry_after is not None:
             r.retry_after = self.retry.refused()  # sized to the crowd (retry_hint.py)
         self.metrics.rejections.labels(queue_class.name, r.reason).inc()
+        self.metrics.count_sli(queue_class.name, sli.judge_refusal(r.reason, stream))
         invalid = r.status in (400, 413)
         self.metrics.requests.labels(queue_class.name, "invalid" if invalid else "rejected").inc()
         if invalid:
@@ -364,15 +366,20 @@ class _Exchange:
         self.reservation = reservation
         self.response: web.StreamResponse | None = None
         self.finished = False
+        self.ttft_seconds: float | None = None
+        self.gaps = self.late_gaps = 0
 
     def finish(self, outcome: str) -> None:
         if self.finished:
             return
         self.finished = True
         m = self.guard.metrics
+        seconds = self.guard.clock() - self.arrived
         m.requests.labels(self.queue_class.name, outcome).inc()
         if outcome == "ok":
-            m.request_seconds.labels(self.queue_class.name).observe(self.guard.clock() - self.arrived)
+            m.request_seconds.labels(self.queue_class.name).observe(seconds)
+        m.count_sli(self.queue_class.name, sli.judge(self.guard.config.slo, sli.Request(
+            self.prepared.stream, outcome, seconds, self.ttft_seconds, self.gaps, self.late_gaps)))
 
     def _extra_headers(self) -> dict[str, str]:
         if self.prepared.truncated_tokens:
@@ -402,7 +409,7 @@ class _Exchange:
             self.finished = True  # counted as a refusal below, not as a request outcome
             return guard._refuse(self.queue_class, Rejection(
                 Reason.ENGINE_DOWN, 503, "The model engine is not accepting connections. Retry later.",
-                guard.config.retry_after_seconds))
+                guard.config.retry_after_seconds), stream=self.prepared.stream)
         except aiohttp.ClientError as e:
             if self.response is not None:
                 log.warning("vLLM dropped a stream: %r", e)
@@ -425,6 +432,7 @@ class _Exchange:
         # Per chunk only a clock read and a histogram observe: every CPU cycle
         # the guard spends per token is taken from vLLM on a shared host.
         itl = m.itl_seconds.labels(name)
+        itl_objective = self.guard.config.slo.itl_p99_seconds
         out = web.StreamResponse(status=resp.status, headers=headers)
         self.response = out
         reservation = self.reservation
@@ -437,9 +445,13 @@ class _Exchange:
                 await out.write(chunk)
                 now = clock()
                 if last is None:
-                    m.ttft_seconds.labels(name).observe(now - self.arrived)
+                    self.ttft_seconds = now - self.arrived
+                    m.ttft_seconds.labels(name).observe(self.ttft_seconds)
                 else:
                     itl.observe(now - last)
+                    self.gaps += 1
+                    if now - last > itl_objective:
+                        self.late_gaps += 1
                 last = now
                 # One SSE event per generated token in vLLM's default
                 # streaming, give or take the role and usage events.

@@ -89,6 +89,16 @@ class EngineConfig:
     extra_args: tuple[str, ...] = _field(())
 
 
+@dataclass(frozen=True)
+class SLOConfig:
+    """The service's objectives, against which the guard counts each request good or bad
+    (``gpufleet_guard_sli_*``): burn rates then need no histogram bucket at the objective."""
+    ttft_p99_seconds: float = _field(2.0, positive=True)
+    itl_p99_seconds: float = _field(0.1, positive=True)
+    # Non-streaming requests: their whole answer is their first token.
+    request_p99_seconds: float = _field(60.0, positive=True)
+
+
 def _default_classes() -> tuple[QueueClass, ...]:
     return (QueueClass("interactive", 1, 2), QueueClass("standard", 2, 10), QueueClass("background", 3, 60))
 
@@ -127,6 +137,7 @@ class GuardConfig:
     # Routes left out get default_routes(queue_classes).
     default_class_by_route: Mapping[str, str] = _field(factory=dict)
     metrics_poll_seconds: float = _field(0.5, positive=True)
+    slo: SLOConfig = _field(factory=SLOConfig)
     engine: Optional[EngineConfig] = _field(None)
 
     def queue_class(self, name: str) -> QueueClass | None:

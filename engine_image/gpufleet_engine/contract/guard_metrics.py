@@ -28,6 +28,22 @@ OUTPUT_TOKENS = PREFIX + "output_tokens"                      # histogram: the l
 OUTPUT_TOKENS_PREDICTED = PREFIX + "output_tokens_predicted"  # gauge: the reservation quantile now
 OUTPUT_PREDICTION_RATIO = PREFIX + "output_prediction_ratio"  # histogram: actual / reserved output
 RESERVATION_EXTENSIONS = PREFIX + "reservation_extensions"    # counter: answers that outgrew a reservation
+# Service-level indicators counted at the source: events judged against the
+# service's objectives (guard.json's ``slo``), good ones among them.
+SLI_EVENTS = PREFIX + "sli_events"                            # counter: exported as ..._total
+SLI_GOOD_EVENTS = PREFIX + "sli_good_events"                  # counter: exported as ..._total
+
+
+
+class SLI:
+    """The ``sli`` label: what one event is and when it is good."""
+    TTFT = "ttft"                  # a streaming request: its first token within slo.ttftP99Seconds
+    ITL = "itl"                    # a gap between streamed chunks: within slo.itlP99Seconds
+    LATENCY = "latency"            # a non-streaming request: answered within slo.requestP99Seconds
+    AVAILABILITY = "availability"  # a request the service had to serve: it did, without 5xx or timeout
+
+
+SLIS = (SLI.TTFT, SLI.ITL, SLI.LATENCY, SLI.AVAILABILITY)
 
 OUTCOMES = ("ok", "rejected", "invalid", "timeout", "cancelled", "error")
 

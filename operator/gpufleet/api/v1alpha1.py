@@ -302,9 +302,13 @@ class SLOSpec:
     """Service level objectives; alerts and dashboards derive their thresholds from these."""
     ttft_p99_milliseconds: int = field("Time-to-first-token p99 objective.", default=2000, minimum=1)
     itl_p99_milliseconds: int = field("Inter-token latency p99 objective.", default=100, minimum=1)
-    availability_percent: str = field("Share of requests that must succeed (non-5xx, within the latency "
-                                      "objectives), e.g. \"99.9\"; below 100, or there is no error budget for "
-                                      "the burn-rate alerts to measure against.", default="99.9",
+    request_p99_milliseconds: int = field("Latency p99 objective of non-streaming requests, whose whole "
+                                          "answer is their first token.", default=60000, minimum=1)
+    availability_percent: str = field("Share of requests that must succeed: not answered with a 5xx, not "
+                                      "timed out, not refused for a queue timeout or an engine down "
+                                      "(client errors and HTTP 429 sheds do not count), e.g. \"99.9\"; below "
+                                      "100, or there is no error budget for the burn-rate alerts to measure "
+                                      "against.", default="99.9",
                                       pattern=r"^[1-9]?[0-9](\.[0-9]{1,3})?$")
 
 

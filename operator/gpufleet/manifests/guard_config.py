@@ -12,6 +12,7 @@ from gpufleet_engine.contract.guard_config import (
     EngineConfig,
     GuardConfig,
     QueueClass,
+    SLOConfig,
     SpeculativeConfig,
     default_routes,
 )
@@ -79,6 +80,9 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
         max_concurrency=adm.max_concurrency,
         queue_classes=classes,
         default_class_by_route=default_routes(classes),
+        slo=SLOConfig(ttft_p99_seconds=spec.slo.ttft_p99_milliseconds / 1000,
+                      itl_p99_seconds=spec.slo.itl_p99_milliseconds / 1000,
+                      request_p99_seconds=spec.slo.request_p99_milliseconds / 1000),
         engine=engine_config,
     )
 
