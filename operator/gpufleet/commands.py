@@ -50,11 +50,14 @@ LEASE_NAME = "gpufleet-operator"
                    "of its children and pods reconcile it at once).")
 @click.option("--audit-interval-seconds", default=30.0, show_default=True, type=float,
               help="How often the cluster-wide stranded-GPU and isolation audits run.")
+@click.option("--podmonitor-label", "podmonitor_labels", multiple=True, metavar="KEY=VALUE",
+              help="A label for every engine PodMonitor, so the cluster's Prometheus selects them (repeat "
+                   "for more; kube-prometheus-stack wants release=<its release name>).")
 @click.option("-v", "--verbose", is_flag=True)
 def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, leader_elect,
         leader_elect_resource_name, leader_elect_resource_namespace, leader_elect_lease_duration,
         leader_elect_renew_deadline, leader_elect_retry_period, leader_elect_identity, fleet_loops,
-        fleet_interval_seconds, resync_seconds, audit_interval_seconds, verbose) -> None:
+        fleet_interval_seconds, resync_seconds, audit_interval_seconds, podmonitor_labels, verbose) -> None:
     """Run the operator."""
     import kopf
 
@@ -80,6 +83,11 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
     runtime.fleet_interval = fleet_interval_seconds
     runtime.resync_seconds = resync_seconds
+    for pair in podmonitor_labels:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--podmonitor-label")
+        runtime.controller.podmonitor_labels[key] = value
     if leader_elect:
         runtime.enable_leader_election(
             leader_elect_resource_namespace or config.current.namespace, leader_elect_resource_name,

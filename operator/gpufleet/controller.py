@@ -72,6 +72,8 @@ class Controller:
         self._clock = clock
         self._podmonitor_checked_at = -1e9
         self._has_podmonitor = False
+        # Labels every PodMonitor gets, so the cluster's Prometheus selects it (--podmonitor-label).
+        self.podmonitor_labels: dict[str, str] = {}
         # (namespace, name) -> monotonic time of the last successful reconcile, whoever asked for it
         self.last_reconciled: dict[tuple[str, str], float] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -231,7 +233,8 @@ class Controller:
         """Apply every child; the conditions that report a refused one (None when all were taken)."""
         meta = isvc["metadata"]
         key, gen = (meta["namespace"], meta["name"]), meta.get("generation", 0)
-        for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor()):
+        for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor(),
+                                     podmonitor_labels=self.podmonitor_labels):
             try:
                 await self.kube.apply(obj)
             except ApiError as e:

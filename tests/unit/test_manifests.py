@@ -139,3 +139,15 @@ def test_guard_reads_the_models_tokenizer_from_the_same_place_as_the_engine():
     guard = d["spec"]["template"]["spec"]["containers"][1]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in guard["volumeMounts"]
     assert {"name": "HF_HOME", "value": "/cache/huggingface"} in guard["env"]
+
+
+def test_the_podmonitor_carries_the_labels_prometheus_selects_on():
+    # kube-prometheus-stack selects monitors labelled release=<its release>; without the label
+    # nothing from the engines is scraped.
+    s = spec(monitoring={"podMonitorLabels": {"team": "ml", "release": "prom-b"}})
+    pm = children.build_podmonitor(ISVC, s, {"release": "prom-a", "app.kubernetes.io/name": "x"})
+    labels = pm["metadata"]["labels"]
+    assert labels["release"] == "prom-b" and labels["team"] == "ml"  # the service's own win
+    assert labels["app.kubernetes.io/name"] != "x"  # ours win: the operator finds its children by them
+    assert children.build_podmonitor(ISVC, spec())["metadata"]["labels"] == names.common_labels("chat")
+

@@ -292,6 +292,20 @@ class FragmentationAuditSpec:
 
 
 @dataclasses.dataclass(kw_only=True)
+class MonitoringSpec:
+    """How Prometheus finds the service's engines."""
+    pod_monitor_labels: dict[str, str] = field(
+        "Labels for the PodMonitor of the engines, on top of those the operator is run with "
+        "(--podmonitor-label, the chart's monitoring.podMonitor.labels); a Prometheus selects PodMonitors "
+        "by label, kube-prometheus-stack by default only those labelled release=<its release>.",
+        factory=dict, max_properties=16,
+        additional_properties={"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
+        x_kubernetes_validations=[rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
+                                       "monitoring.podMonitorLabels keys must be label keys: an optional DNS "
+                                       "prefix and '/', then up to 63 letters, digits, '-', '_' or '.'")])
+
+
+@dataclasses.dataclass(kw_only=True)
 class AuditSpec:
     """Scheduled audits."""
     fragmentation: FragmentationAuditSpec = field("Fragmentation audit.", factory=FragmentationAuditSpec)
@@ -339,6 +353,7 @@ class InferenceServiceSpec:
     autoscaling: AutoscalingSpec = field("Replica bounds and scaling signals.", factory=AutoscalingSpec)
     audit: AuditSpec = field("Scheduled audits.", factory=AuditSpec)
     slo: SLOSpec = field("Service level objectives.", factory=SLOSpec)
+    monitoring: MonitoringSpec = field("How Prometheus finds the engines.", factory=MonitoringSpec)
     replicas: Optional[int] = field("Replicas when autoscaling.mode is Manual (the scale subresource writes "
                                     "it, so `kubectl scale` works). Ignored in Auto mode.", default=None,
                                     minimum=0, maximum=1000)

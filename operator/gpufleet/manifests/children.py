@@ -6,6 +6,8 @@ hand edit to a field we manage is put back.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..api.v1alpha1 import InferenceServiceSpec
 from . import guard_config, names, placement
 
@@ -148,14 +150,17 @@ def build_pdb(isvc: dict) -> dict:
     }
 
 
-def build_podmonitor(isvc: dict) -> dict:
+def build_podmonitor(isvc: dict, spec: InferenceServiceSpec, labels: Mapping[str, str] | None = None) -> dict:
+    """``labels``: the operator's own (--podmonitor-label); the spec's podMonitorLabels win over them.
+    Our own labels win over both: the operator finds its children by them."""
     service = isvc["metadata"]["name"]
     service_label = names.LABEL_SERVICE.replace(".", "_").replace("/", "_")
     relabel = [{"sourceLabels": [f"__meta_kubernetes_pod_label_{service_label}"],
                 "targetLabel": "service"}]
     return {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-        "metadata": _meta(isvc, names.podmonitor_name(service)),
+        "metadata": _meta(isvc, names.podmonitor_name(service),
+                          {**(labels or {}), **spec.monitoring.pod_monitor_labels, **names.common_labels(service)}),
         "spec": {
             "selector": {"matchLabels": names.selector_labels(service)},
             "podMetricsEndpoints": [

@@ -1,15 +1,17 @@
 """Every child object of one InferenceService, as it should be."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..api.v1alpha1 import InferenceServiceSpec
 from ..manifests import children
 
 
 def desired_children(isvc: dict, spec: InferenceServiceSpec, replicas: int, *,
-                     with_podmonitor: bool) -> list[dict]:
+                     with_podmonitor: bool, podmonitor_labels: Mapping[str, str] | None = None) -> list[dict]:
     cm, config_hash = children.build_configmap(isvc, spec)
     objs = [cm, children.build_deployment(isvc, spec, replicas, config_hash),
             children.build_service(isvc), children.build_pdb(isvc)]
     if with_podmonitor:
-        objs.append(children.build_podmonitor(isvc))
+        objs.append(children.build_podmonitor(isvc, spec, podmonitor_labels))
     return objs

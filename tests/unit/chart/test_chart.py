@@ -13,7 +13,7 @@ CHART = ROOT / "charts" / "gpufleet"
 GOLDEN = Path(__file__).parent / "golden"
 KUBE_VERSION = KUBERNETES_VERSION.lstrip("v")
 ALL_ON = ["--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.prometheusRule.enabled=true",
-          "--set", "dashboards.enabled=true"]
+          "--set", "dashboards.enabled=true", "--set", "monitoring.podMonitor.labels.release=kube-prometheus-stack"]
 
 
 @pytest.fixture(scope="module")
