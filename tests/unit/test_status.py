@@ -47,6 +47,22 @@ def test_unschedulable_replica_says_why():
     assert cond(none_ready, "Ready")["status"] == "False" and cond(none_ready, "Ready")["reason"] == "Unschedulable"
 
 
+def test_a_container_that_cannot_start_says_why():
+    # What a real kubelet reports for a pod whose Secret does not exist (tests/realnode).
+    msg = 'secret "hf-token" not found'
+    pod = {"metadata": {"name": "chat-engine-x"}, "status": {"phase": "Pending", "containerStatuses": [
+        {"name": "guard", "ready": False, "state": {"waiting": {"reason": "ContainerCreating"}}},
+        {"name": "vllm", "ready": False, "state": {"waiting": {"reason": "CreateContainerConfigError",
+                                                                "message": msg}}}]}}
+    st = derive(Observed(dep(1, 0), [pod]), desired=1)
+    ready = cond(st, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "ContainersCannotStart"
+    assert msg in ready["message"] and "CreateContainerConfigError" in ready["message"]
+    starting = {"metadata": {"name": "p"}, "status": {"containerStatuses": [
+        {"name": "vllm", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+    assert cond(derive(Observed(dep(1, 0), [starting]), desired=1), "Ready")["reason"] == "EngineStarting"
+
+
 def test_rollout_in_progress():
     st = derive(Observed(dep(3, 2, updated=1, gen=2, seen=2), []))
     assert cond(st, "Progressing")["status"] == "True" and cond(st, "Progressing")["reason"] == "RollingOut"

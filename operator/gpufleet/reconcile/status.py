@@ -38,6 +38,27 @@ def crashlooping_pods(pods: list[dict]) -> list[str]:
     return out
 
 
+# Waiting reasons a kubelet gives for a container that cannot start until someone
+# changes something (a Secret, an image name); retrying alone does not help.
+BLOCKED_REASONS = ("CreateContainerConfigError", "CreateContainerError", "ErrImagePull", "ImagePullBackOff",
+                   "InvalidImageName")
+
+
+def blocked_pods(pods: list[dict]) -> list[tuple[str, str, str]]:
+    """(pod name, waiting reason, kubelet message) for pods with a container that cannot start,
+    e.g. a Secret the pod references does not exist."""
+    out = []
+    for p in pods:
+        if p.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        for cs in p.get("status", {}).get("containerStatuses", []) or []:
+            waiting = cs.get("state", {}).get("waiting") or {}
+            if waiting.get("reason") in BLOCKED_REASONS:
+                out.append((p["metadata"]["name"], waiting["reason"], waiting.get("message", "")))
+                break
+    return out
+
+
 def _deployment_counts(dep: dict | None) -> tuple[int, int, int, bool]:
     """(replicas, ready, updated, rollout observed) from a Deployment."""
     if not dep:
@@ -53,11 +74,14 @@ def derive_status(*, service: str, namespace: str, generation: int, spec: Infere
     updates by type (the writer merges them over the freshest copy)."""
     replicas, ready, updated, rollout_seen = _deployment_counts(observed.deployment)
     stuck = unschedulable_pods(observed.pods)
+    blocked = blocked_pods(observed.pods)
     updates = []
 
     if ready == 0:
         if stuck:
             reason, msg = "Unschedulable", f"no replica can be placed: {stuck[0][1]}"
+        elif blocked:
+            reason, msg = "ContainersCannotStart", f"pod {blocked[0][0]}: {blocked[0][1]}: {blocked[0][2]}"
         elif desired == 0:
             reason, msg = "ScaledToZero", "spec.replicas is 0"
         else:
