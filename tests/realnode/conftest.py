@@ -1,0 +1,49 @@
+"""The real node: a control plane started with ``--real-node`` (a kubelet with
+containerd, CNI and kube-proxy beside the kwok nodes) and the images of
+``make images`` imported into it.
+
+These tests run as their own pytest session (``make test`` does): the other
+tests' host-process operator watches every namespace and would reconcile the
+services here too, fighting the in-cluster operator under test.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support.cluster import ControlPlane
+
+
+@pytest.fixture(scope="session")
+def control_plane():
+    """Reuses a running control plane that has the real node; otherwise (re)starts one with it.
+
+    A running one without the real node is restarted at once (down, then up with
+    ``--engine-nodes 2 --real-node``, what the other tests' fixture expects too) and left up.
+    """
+    from gpufleet_dev.devcluster import cluster, images
+
+    missing = [name for name, image in images.current().items() if not image["cached"]]
+    if missing:
+        pytest.fail(f"images {missing} are not built for the current sources: run `make images`")
+    state = cluster.read_state()
+    healthy, _ = cluster.status_report()
+    started = False
+    if not (healthy and state and state.get("fleet", {}).get("real_node")):
+        if state:
+            cluster.down(progress=lambda _m: None)
+        cluster.up(cluster.FleetSpec(engine_nodes=2, real_node=True),
+                   progress=lambda m: print(f"[control plane] {m}", flush=True))
+        started = True
+    state = cluster.read_state()
+    yield ControlPlane(kubeconfig=state["kubeconfig"], server=state["server"])
+    if started and os.environ.get("GPUFLEET_KEEP_CLUSTER") != "1":
+        cluster.down(progress=lambda _m: None)
+
+
+@pytest.fixture(scope="session")
+def built_images(control_plane) -> dict[str, str]:
+    """image name -> the ref imported into the real node's containerd."""
+    from gpufleet_dev.devcluster import cluster
+    return cluster.read_state()["images"]

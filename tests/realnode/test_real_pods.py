@@ -1,0 +1,290 @@
+"""The product installed for real: `helm install` runs the operator as a pod on a
+real kubelet, and the tiny sample's engine pods run the CPU engine image there,
+with their real probes, preStop drain and grace period, behind a Service that
+kube-proxy programs. Clients use the Service's ClusterIP with the openai SDK.
+
+One install and one service for the module; the tests run in file order, each
+leaving the service at one Ready replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+from gpufleet_dev.devcluster import node
+from gpufleet_dev.devcluster.binaries import ensure_helm
+
+from gpufleet.manifests import names
+from tests.support.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+API = "serving.gpufleet.dev/v1alpha1"
+SERVICE = "tiny"
+pytestmark = pytest.mark.timeout(900)
+
+
+@dataclass
+class Install:
+    operator_ns: str
+    work_ns: str
+    helm: str
+
+
+@pytest.fixture(scope="module")
+def install(control_plane, built_images):
+    """The chart in a namespace that enforces the `restricted` Pod Security Standard, the
+    operator watching one workload namespace, scheduled on the real node."""
+    suffix = uuid.uuid4().hex[:6]
+    inst = Install(f"rn-operator-{suffix}", f"rn-work-{suffix}", str(ensure_helm(progress=print)))
+    control_plane.kubectl("create", "namespace", inst.operator_ns)
+    control_plane.kubectl("label", "namespace", inst.operator_ns, "pod-security.kubernetes.io/enforce=restricted")
+    control_plane.kubectl("create", "namespace", inst.work_ns)
+    repo, tag = built_images["operator"].rsplit(":", 1)
+    values = {
+        "image": {"repository": repo, "tag": tag, "pullPolicy": "IfNotPresent"},
+        "replicaCount": 1, "watchNamespaces": [inst.work_ns],
+        "operator": {"auditIntervalSeconds": 5},
+        "nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
+        "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
+    }
+    env = control_plane.env()
+    subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns], env=env, capture_output=True)
+    out = subprocess.run([inst.helm, "install", "gpufleet", str(ROOT / "charts" / "gpufleet"), "-n", inst.operator_ns,
+                          "-f", "-"], input=yaml.safe_dump(values), env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    yield inst
+    control_plane.kubectl("delete", "namespace", inst.work_ns, "--wait=false", check=False)
+    subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns, "--wait"], env=env,
+                   capture_output=True, timeout=120)
+    control_plane.kubectl("delete", "namespace", inst.operator_ns, "--wait=false", check=False)
+
+
+async def _pods(kube, ns: str, selector: str) -> list[dict]:
+    return await kube.list("v1", "Pod", ns, label_selector=selector)
+
+
+def _ready(pod: dict) -> bool:
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
+    conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])}
+    return conds.get("Ready") == "True"
+
+
+async def _operator_pods(kube, inst: Install) -> list[dict]:
+    return await _pods(kube, inst.operator_ns, "app.kubernetes.io/name=gpufleet-operator")
+
+
+async def _wait_operator_ready(kube, inst: Install, control_plane, exclude: set[str] = frozenset()) -> dict:
+    async def ready():
+        pods = [p for p in await _operator_pods(kube, inst) if p["metadata"]["name"] not in exclude]
+        return next((p for p in pods if _ready(p)), None)
+    return await wait_for(ready, timeout=180, what="the operator pod Ready",
+                          describe=lambda: control_plane.kubectl(
+                              "-n", inst.operator_ns, "describe", "pods", check=False).stdout[-3000:])
+
+
+def _sample(image: str) -> dict:
+    sample = yaml.safe_load((ROOT / "samples" / "real-node-tiny.yaml").read_text())
+    sample["spec"]["engine"]["image"] = image
+    return sample
+
+
+async def _service_ready(kube, ns: str, replicas: int) -> bool:
+    pods = [p for p in await _pods(kube, ns, names.selector_string(SERVICE)) if not p["metadata"].get(
+        "deletionTimestamp")]
+    return len(pods) == replicas and all(_ready(p) for p in pods)
+
+
+async def _cluster_ip(kube, ns: str) -> str:
+    svc = await kube.get("v1", "Service", names.service_name(SERVICE), ns)
+    return svc["spec"]["clusterIP"]
+
+
+@pytest.fixture(scope="module")
+def service(install, control_plane, built_images):
+    """The real-node tiny sample, Ready with one replica; yields its ClusterIP."""
+    control_plane.kubectl("apply", "-n", install.work_ns, "-f", "-",
+                          input=yaml.safe_dump(_sample(built_images["engine-cpu"])))
+
+    async def ready() -> str:
+        kube = control_plane.client()
+        try:
+            await wait_for(lambda: _service_ready(kube, install.work_ns, 1), timeout=420,
+                           what="the tiny engine pod Ready on the real node",
+                           describe=lambda: control_plane.kubectl("-n", install.work_ns, "describe", "pods",
+                                                                  check=False).stdout[-4000:])
+            return await _cluster_ip(kube, install.work_ns)
+        finally:
+            await kube.close()
+    return asyncio.run(ready())
+
+
+# --- load through the Service ----------------------------------------------------
+
+
+@dataclass
+class Load:
+    ok: int = 0
+    shed: int = 0  # 429 with Retry-After: the guard's admission, not an error
+    errors: list[str] = field(default_factory=list)
+
+
+async def _stream_one(client: openai.AsyncOpenAI, load: Load) -> None:
+    try:
+        stream = await client.completions.create(model="tiny-llama", prompt="The real node says", max_tokens=12,
+                                                 stream=True)
+        async for _ in stream:
+            pass
+        load.ok += 1
+    except openai.RateLimitError:
+        load.shed += 1
+        await asyncio.sleep(0.5)
+    except Exception as e:  # every other failure is what the test counts
+        load.errors.append(f"{time.strftime('%H:%M:%S')} {type(e).__name__}: {e}"[:300])
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+async def load(service):
+    """Four streaming clients in a loop through the ClusterIP while the test acts."""
+    client = openai.AsyncOpenAI(base_url=f"http://{service}/v1", api_key="none", max_retries=0, timeout=90)
+    result, stop = Load(), asyncio.Event()
+
+    async def worker():
+        while not stop.is_set():
+            await _stream_one(client, result)
+    tasks = [asyncio.create_task(worker()) for _ in range(4)]
+    yield result
+    stop.set()
+    await asyncio.gather(*tasks)
+    await client.close()
+
+
+# --- the tests ---------------------------------------------------------------------
+
+
+async def test_operator_pod_ready_non_root_read_only_under_restricted(install, control_plane, kube):
+    pod = await _wait_operator_ready(kube, install, control_plane)
+    assert pod["spec"]["nodeName"] == node.NODE_NAME
+    ns = await kube.get("v1", "Namespace", install.operator_ns)
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    # In-cluster login worked: readiness means it reached the API server and its Lease through
+    # the `kubernetes` Service, with the ServiceAccount token the kubelet mounted.
+    logs = control_plane.kubectl("-n", install.operator_ns, "logs", pod["metadata"]["name"]).stdout
+    assert "Forbidden" not in logs and "Unauthorized" not in logs, logs[-2000:]
+    uid = control_plane.kubectl("-n", install.operator_ns, "exec", pod["metadata"]["name"], "--",
+                                "python3", "-c", "import os; print(os.getuid())").stdout.strip()
+    assert uid == "65532"
+    touch = control_plane.kubectl("-n", install.operator_ns, "exec", pod["metadata"]["name"], "--",
+                                  "python3", "-c", "open('/opt/x', 'w')", check=False)
+    assert "Read-only file system" in touch.stderr
+    # The namespace really enforces: a privileged pod is refused there.
+    refused = control_plane.kubectl("-n", install.operator_ns, "run", "privileged", "--image=x", "--restart=Never",
+                                    "--dry-run=server", "--privileged", check=False)
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr
+
+
+async def test_completions_through_the_service(service, install, kube, built_images):
+    pods = await _pods(kube, install.work_ns, names.selector_string(SERVICE))
+    assert [p["spec"]["nodeName"] for p in pods] == [node.NODE_NAME]
+    statuses = {c["name"]: c for c in pods[0]["status"]["containerStatuses"]}
+    assert set(statuses) == {"vllm", "guard"} and all(c["ready"] and c["started"] for c in statuses.values())
+    assert {c["image"] for c in pods[0]["spec"]["containers"]} == {built_images["engine-cpu"]}
+    client = openai.AsyncOpenAI(base_url=f"http://{service}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        out = await client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=8)
+        assert out.choices[0].text and out.usage.completion_tokens > 0
+        chat = await client.chat.completions.create(model="tiny-llama", max_tokens=8,
+                                                    messages=[{"role": "user", "content": "Hi"}])
+        assert chat.choices[0].message.content is not None
+    finally:
+        await client.close()
+
+
+async def _set_spec(kube, ns: str, patch: dict) -> None:
+    await kube.merge_patch(API, "InferenceService", SERVICE, {"spec": patch}, ns)
+
+
+async def test_scale_out_and_in_under_streaming_load(service, install, kube, load, control_plane):
+    await _set_spec(kube, install.work_ns, {"autoscaling": {"minReplicas": 2}})
+    await wait_for(lambda: _service_ready(kube, install.work_ns, 2), timeout=420, what="two Ready replicas",
+                   describe=lambda: control_plane.kubectl("-n", install.work_ns, "get", "pods", "-o", "wide",
+                                                          check=False).stdout)
+    before_in = load.ok
+    await _set_spec(kube, install.work_ns, {"autoscaling": {"minReplicas": 1}})
+    await wait_for(lambda: _service_ready(kube, install.work_ns, 1), timeout=300, what="back to one replica")
+    await asyncio.sleep(3)
+    assert load.ok > before_in > 0
+    assert load.errors == [], f"{len(load.errors)} failed requests (ok {load.ok}, 429 {load.shed}): {load.errors[:5]}"
+
+
+async def test_spec_change_rolls_the_deployment_without_failed_requests(service, install, kube, load, control_plane):
+    dep = await kube.get("apps/v1", "Deployment", names.deployment_name(SERVICE), install.work_ns)
+    old = {p["metadata"]["name"] for p in await _pods(kube, install.work_ns, names.selector_string(SERVICE))}
+    await _set_spec(kube, install.work_ns, {"admission": {"maxContextTokens": 1000}})
+
+    async def rolled():
+        d = await kube.get("apps/v1", "Deployment", names.deployment_name(SERVICE), install.work_ns)
+        pods = await _pods(kube, install.work_ns, names.selector_string(SERVICE))
+        current = {p["metadata"]["name"] for p in pods}
+        return (d["metadata"]["generation"] > dep["metadata"]["generation"] and not (current & old)
+                and await _service_ready(kube, install.work_ns, 1))
+    await wait_for(rolled, timeout=420, what="the Deployment rolled to a new Ready pod",
+                   describe=lambda: control_plane.kubectl("-n", install.work_ns, "get", "pods", "-o", "wide",
+                                                          check=False).stdout)
+    await asyncio.sleep(3)
+    assert load.ok > 0
+    assert load.errors == [], f"{len(load.errors)} failed requests (ok {load.ok}, 429 {load.shed}): {load.errors[:5]}"
+
+
+async def _children(kube, ns: str) -> dict[str, list[str]]:
+    sel = f"{names.LABEL_SERVICE}={SERVICE}"
+    out = {}
+    for api, kind in (("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"),
+                      ("policy/v1", "PodDisruptionBudget"), ("apps/v1", "ReplicaSet")):
+        out[kind] = sorted(o["metadata"]["name"] for o in await kube.list(api, kind, ns, label_selector=sel)
+                           if kind != "ReplicaSet" or o["spec"].get("replicas"))
+    return out
+
+
+async def test_operator_pod_deleted_a_new_one_converges_without_duplicates(service, install, kube, control_plane):
+    before = await _children(kube, install.work_ns)
+    old = await _wait_operator_ready(kube, install, control_plane)
+    control_plane.kubectl("-n", install.operator_ns, "delete", "pod", old["metadata"]["name"], "--wait=false")
+    new = await _wait_operator_ready(kube, install, control_plane, exclude={old["metadata"]["name"]})
+    assert new["metadata"]["name"] != old["metadata"]["name"]
+    # The new operator reconciles (a spec change reaches the ConfigMap) and creates nothing twice.
+    await _set_spec(kube, install.work_ns, {"admission": {"requestTimeoutSeconds": 61}})
+
+    async def converged():
+        isvc = await kube.get(API, "InferenceService", SERVICE, install.work_ns)
+        conds = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions", [])}
+        return (isvc["status"].get("observedGeneration") == isvc["metadata"]["generation"]
+                and conds.get("Ready", {}).get("status") == "True")
+    await wait_for(converged, timeout=300, what="the new operator to converge the service")
+    assert await _children(kube, install.work_ns) == before
+
+
+async def test_missing_secret_is_a_clear_condition(install, kube, control_plane, built_images):
+    sample = _sample(built_images["engine-cpu"])
+    sample["metadata"]["name"] = "gated"
+    sample["spec"]["model"]["source"] = {"huggingFace": {"credentialsSecretRef": {"name": "no-such-secret"}}}
+    sample["spec"]["model"]["name"] = "meta-llama/Llama-3.1-8B-Instruct"
+    control_plane.kubectl("apply", "-n", install.work_ns, "-f", "-", input=yaml.safe_dump(sample))
+
+    async def condition():
+        isvc = await kube.get(API, "InferenceService", "gated", install.work_ns)
+        conds = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions", [])}
+        ready = conds.get("Ready", {})
+        return ready if ready.get("status") == "False" and "no-such-secret" in ready.get("message", "") else None
+    ready = await wait_for(condition, timeout=180, what="Ready=False naming the missing Secret",
+                           describe=lambda: control_plane.kubectl("-n", install.work_ns, "get", "inferenceservice",
+                                                                  "gated", "-o", "yaml", check=False).stdout[-3000:])
+    assert ready["reason"]
