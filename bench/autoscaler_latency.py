@@ -22,47 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from aiohttp import web
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import client, ensure_cluster, fresh_namespace  # noqa: E402
 from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
+from gpufleet_dev.fake_replicas import FakeReplicaMetrics  # noqa: E402
 
 API = "serving.gpufleet.dev/v1alpha1"
-
-
-class FakeReplicaMetrics:
-    """vLLM and guard /metrics on each pod IP, with a settable KV usage."""
-
-    def __init__(self):
-        self.kv = 0.5
-        self.runners: dict[str, list[web.AppRunner]] = {}
-
-    def _vllm(self, _req):
-        return web.Response(text=f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {self.kv}\n"
-                                 "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n")
-
-    def _guard(self, _req):
-        return web.Response(text="# TYPE gpufleet_guard_in_flight gauge\ngpufleet_guard_in_flight 1\n")
-
-    async def serve(self, ip: str) -> None:
-        if ip in self.runners:
-            return
-        runners = []
-        for port, handler in ((8000, self._vllm), (8080, self._guard)):
-            app = web.Application()
-            app.router.add_get("/metrics", handler)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, ip, port).start()
-            runners.append(runner)
-        self.runners[ip] = runners
-
-    async def close(self) -> None:
-        for runners in self.runners.values():
-            for r in runners:
-                await r.cleanup()
 
 
 async def measure(state: dict, interval: float, trials: int) -> list[float]:

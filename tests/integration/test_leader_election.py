@@ -24,6 +24,7 @@ import pytest
 import yaml
 from aiohttp import web
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
+from gpufleet_dev.fake_replicas import FakeReplicaMetrics
 
 from gpufleet.kube.config import KubeConfig
 from tests.support.waiting import wait_for
@@ -114,39 +115,6 @@ class RecordingProxy:
         self.heal()
         await self.runner.cleanup()
         await self.session.close()
-
-
-class FakeReplicaMetrics:
-    """vLLM and guard /metrics on each pod IP, with a settable KV usage."""
-
-    def __init__(self):
-        self.kv = 0.5
-        self.runners: dict[str, list[web.AppRunner]] = {}
-
-    async def _vllm(self, _req):
-        return web.Response(text=f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {self.kv}\n"
-                                 "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n")
-
-    async def _guard(self, _req):
-        return web.Response(text="# TYPE gpufleet_guard_in_flight gauge\ngpufleet_guard_in_flight 1\n")
-
-    async def serve(self, ip: str) -> None:
-        if ip in self.runners:
-            return
-        runners = []
-        for port, handler in ((8000, self._vllm), (8080, self._guard)):
-            app = web.Application()
-            app.router.add_get("/metrics", handler)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, ip, port).start()
-            runners.append(runner)
-        self.runners[ip] = runners
-
-    async def close(self) -> None:
-        for runners in self.runners.values():
-            for r in runners:
-                await r.cleanup()
 
 
 class Operator:
