@@ -27,7 +27,10 @@ SERVICE_DASHBOARD_UID = "gpufleet-service"
 # Latency objectives apply to every class but `background` (see the rules).
 LATENCY_CLASSES = 'class!="background"'
 # Series drawn as dashed reference lines rather than data.
-REFERENCE_SERIES = "/objective|watermark|admission limit|threshold/"
+REFERENCE_SERIES = "/objective|watermark|admission limit|threshold|budget/"
+# Series that list the services: the operator's, or the guards' when the
+# operator is down or not scraped (the variables must not go blank with it).
+SERVICE_SERIES = '__name__=~"gpufleet_service_desired_replicas|gpufleet_guard_ready"'
 
 
 # --- panels -----------------------------------------------------------------
@@ -204,10 +207,8 @@ def _variables(*, multi: bool) -> list[dict[str, Any]]:
     return [
         {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
          "current": {}, "options": [], "refresh": 1, "hide": 0},
-        _query_variable("namespace", "Namespace",
-                        "label_values(gpufleet_service_desired_replicas, namespace)", multi=multi),
-        _query_variable("service", "Service",
-                        f"label_values(gpufleet_service_desired_replicas{{{namespace_match}}}, service)",
+        _query_variable("namespace", "Namespace", f"label_values({{{SERVICE_SERIES}}}, namespace)", multi=multi),
+        _query_variable("service", "Service", f"label_values({{{SERVICE_SERIES}, {namespace_match}}}, service)",
                         multi=multi),
     ]
 
@@ -225,6 +226,38 @@ def _scaling_annotation(direction: str, selector: str, title: str, color: str) -
         "titleFormat": title,
         "textFormat": "autoscaler decision",
         "tagKeys": "namespace,service",
+    }
+
+
+def _pod_annotations(selector: str) -> list[dict[str, Any]]:
+    """New engine pods (rollouts, scale-outs, replacements) and guard restarts, from the guards' series."""
+    common = {"datasource": DATASOURCE, "enable": True, "hide": False, "step": "1m",
+              "tagKeys": "namespace,service,pod"}
+    return [
+        {**common, "name": "Replica started", "iconColor": "purple",
+         "expr": f"count by (namespace, service, pod) (gpufleet_guard_ready{{{selector}}}"
+                 f" unless gpufleet_guard_ready{{{selector}}} offset 2m)",
+         "titleFormat": "{{pod}} started", "textFormat": "new engine pod (rollout, scale-out or replacement)"},
+        {**common, "name": "Guard restarted", "iconColor": "red",
+         "expr": f"sum by (namespace, service, pod) (resets(gpufleet_guard_requests_total{{{selector}}}[2m])) > 0",
+         "titleFormat": "{{pod}} restarted", "textFormat": "the guard's counters reset: its container restarted"},
+    ]
+
+
+def alerts_table(title: str, description: str, selector: str) -> Panel:
+    """The gpufleet alerts firing now, one row each."""
+    return {
+        "type": "table",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "targets": _with_ref_ids([target(f'ALERTS{{alertname=~"Gpufleet.+", alertstate="firing", {selector}}}',
+                                         instant=True)]),
+        "transformations": [{"id": "organize", "options": {
+            "excludeByName": {"Time": True, "Value": True, "__name__": True, "alertstate": True},
+            "indexByName": {"alertname": 0, "severity": 1, "namespace": 2, "service": 3}}}],
+        "fieldConfig": {"defaults": {"custom": {"align": "auto"}, "noValue": "none firing"}, "overrides": []},
+        "options": {"showHeader": True, "sortBy": [{"displayName": "severity", "desc": False}]},
     }
 
 
@@ -333,6 +366,13 @@ def fleet_overview() -> dict[str, Any]:
                      [target(itl_vs_objective, "{{namespace}}/{{service}}")], unit="percentunit",
                      threshold=1), 12)
 
+    g.row("Errors and alerts")
+    g.add(alerts_table("Firing alerts", "gpufleet alerts firing now (critical pages, warning tickets).", sel), 12)
+    g.add(timeseries("Failed requests (availability SLI, 5m)", "Share of requests answered with a 5xx, timed "
+                     "out or refused for a queue timeout or an engine down, per service.",
+                     [target("namespace_service_sli:gpufleet_guard_sli_error:ratio_rate5m"
+                             f'{{{sel}, sli="availability"}}', "{{namespace}}/{{service}}")], unit="percentunit"), 12)
+
     g.row("Operator")
     g.add(timeseries("Reconcile errors", "Failed reconciliations per second per service "
                      "(GpufleetReconcileErrors).",
@@ -351,7 +391,8 @@ def fleet_overview() -> dict[str, Any]:
         "All InferenceServices: replicas, GPUs in use and stranded, refusals and SLO status.",
         g, multi=True,
         annotations=[_scaling_annotation("up", sel, "{{namespace}}/{{service}} scaled up", "green"),
-                     _scaling_annotation("down", sel, "{{namespace}}/{{service}} scaled down", "blue")])
+                     _scaling_annotation("down", sel, "{{namespace}}/{{service}} scaled down", "blue"),
+                     *_pod_annotations(sel)])
 
 
 # --- one service ------------------------------------------------------------
@@ -395,6 +436,20 @@ def service() -> dict[str, Any]:
                [target(f"max(gpufleet_fragmentation_ratio{{{sel}}})")], unit="percentunit",
                steps=((0.25, "orange"),)), 4, 4)
 
+    g.row("Errors, alerts and replicas")
+    g.add(timeseries("Bad share by SLI (5m)", "Share of events the guard judged bad against the service's "
+                     "objectives (gpufleet_guard_sli_*), and each SLI's error budget; the burn-rate alerts "
+                     "compare the two.",
+                     [target(f"namespace_service_sli:gpufleet_guard_sli_error:ratio_rate5m{{{sel}}}", "{{sli}}"),
+                      target(f"namespace_service_sli:gpufleet_slo_error_budget:ratio{{{sel}}}", "{{sli}} budget")],
+                     unit="percentunit"), 8)
+    g.add(alerts_table("Firing alerts", "gpufleet alerts firing now for this service.", sel), 8)
+    g.add(timeseries("Replicas ready and engines up", "Per pod: the guard ready (1), vLLM answering the "
+                     "guard (1), and Prometheus scraping each endpoint (up).",
+                     [target(f"gpufleet_guard_ready{{{sel}}}", "ready {{pod}}"),
+                      target(f"gpufleet_guard_engine_up{{{sel}}}", "engine up {{pod}}"),
+                      target(f"up{{{sel}}}", "scraped {{pod}} {{endpoint}}")], unit="none", max_value=1), 8)
+
     g.row("Latency (as clients see it; all classes but background)")
     g.add(timeseries("Time to first token", "TTFT quantiles and the p99 objective.",
                      _quantiles("gpufleet_guard_ttft_seconds", latency_sel)
@@ -406,6 +461,12 @@ def service() -> dict[str, Any]:
                                "p99 objective")], unit="s"), 8)
     g.add(timeseries("End-to-end latency", "Whole-request latency of admitted requests.",
                      _quantiles("gpufleet_guard_request_seconds", latency_sel), unit="s"), 8)
+    g.add(timeseries("TTFT p99 per replica", "The guard's TTFT p99 per pod: one slow pod is a bad node or GPU.",
+                     [target(f"histogram_quantile(0.99, sum by (pod, le) (rate(gpufleet_guard_ttft_seconds_bucket"
+                             f"{{{latency_sel}}}[$__rate_interval])))", "{{pod}}")], unit="s"), 12)
+    g.add(timeseries("vLLM's own TTFT", "Time to first token inside vLLM (prefill, without the guard's "
+                     "queue). Against the guard's TTFT: queue or engine?",
+                     _quantiles("vllm:time_to_first_token_seconds", sel), unit="s"), 12)
 
     g.row("Throughput")
     g.add(timeseries("Tokens per second", "Prompt tokens read and tokens generated by the engines.",
@@ -491,7 +552,8 @@ def service() -> dict[str, Any]:
         "queueing, batching, prefix caching, preemptions, fragmentation and scaling.",
         g, multi=False,
         annotations=[_scaling_annotation("up", sel, "Scaled up", "green"),
-                     _scaling_annotation("down", sel, "Scaled down", "blue")])
+                     _scaling_annotation("down", sel, "Scaled down", "blue"),
+                     *_pod_annotations(sel)])
 
 
 # --- output -----------------------------------------------------------------

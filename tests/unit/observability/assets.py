@@ -44,7 +44,7 @@ def catalog() -> dict[str, str]:
     """Metric name → type ("counter", "gauge", "histogram", or "vllm")."""
     text = CATALOG.read_text(encoding="utf-8")
     names: dict[str, str] = {}
-    for match in re.finditer(r"^\|\s*([a-z_:][a-z0-9_:]*)\s*\|\s*(counter|gauge|histogram)\s*\|", text, re.M):
+    for match in re.finditer(r"^\|\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*\|\s*(counter|gauge|histogram)\s*\|", text, re.M):
         names[match[1]] = match[2]
     for match in re.finditer(r"`(vllm:[a-z0-9_:]+)`", text):
         names.setdefault(match[1], "vllm")
