@@ -11,6 +11,17 @@ import click
 LEASE_NAME = "gpufleet-operator"
 
 
+def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``KEY=VALUE`` options as a dict (--podmonitor-label)."""
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE, e.g. release=kube-prometheus-stack")
+        labels[key] = value
+    return labels
+
+
 @click.command()
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
               help="Kubeconfig path, or a list as in $KUBECONFIG; default $KUBECONFIG, then in-cluster, "
@@ -51,6 +62,7 @@ LEASE_NAME = "gpufleet-operator"
 @click.option("--audit-interval-seconds", default=30.0, show_default=True, type=float,
               help="How often the cluster-wide stranded-GPU and isolation audits run.")
 @click.option("--podmonitor-label", "podmonitor_labels", multiple=True, metavar="KEY=VALUE",
+              callback=lambda ctx, param, pairs: label_pairs(pairs),
               help="A label for every engine PodMonitor, so the cluster's Prometheus selects them (repeat "
                    "for more; kube-prometheus-stack wants release=<its release name>).")
 @click.option("-v", "--verbose", is_flag=True)
@@ -83,11 +95,7 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
     runtime.fleet_interval = fleet_interval_seconds
     runtime.resync_seconds = resync_seconds
-    for pair in podmonitor_labels:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--podmonitor-label")
-        runtime.controller.podmonitor_labels[key] = value
+    runtime.controller.podmonitor_labels = podmonitor_labels
     if leader_elect:
         runtime.enable_leader_election(
             leader_elect_resource_namespace or config.current.namespace, leader_elect_resource_name,
