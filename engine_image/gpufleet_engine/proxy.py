@@ -174,6 +174,13 @@ class Guard:
             return self._refuse(default_class, Rejection(
                 Reason.INVALID_REQUEST, 400, f"Unknown request class {asked!r} in header "
                 f"{self.config.class_header}; use one of: {names}."))
+        allowed = self.config.classes_allowed(route)
+        if queue_class not in allowed:
+            # A client may yield priority, never take it (classHeaderPolicy).
+            names = ", ".join(c.name for c in allowed)
+            return self._refuse(default_class, Rejection(
+                Reason.INVALID_REQUEST, 403, f"Request class {queue_class.name!r} is above what {route} "
+                f"allows a client to ask for; use one of: {names}."))
         if self.drain.draining:
             return self._refuse(queue_class, Rejection(
                 Reason.DRAINING, 503, "This replica is shutting down and takes no new requests. "
@@ -320,7 +327,7 @@ class Guard:
             r.retry_after = self.retry.refused()  # sized to the crowd (retry_hint.py)
         self.metrics.rejections.labels(queue_class.name, r.reason).inc()
         self.metrics.count_sli(queue_class.name, sli.judge_refusal(r.reason, stream))
-        invalid = r.status in (400, 413)
+        invalid = r.status in (400, 403, 413)
         self.metrics.requests.labels(queue_class.name, "invalid" if invalid else "rejected").inc()
         if invalid:
             return invalid_response(r.status, r.message, r.param)
@@ -329,7 +336,8 @@ class Guard:
 
 def invalid_response(status: int, message: str, param: str | None = None) -> web.Response:
     """A client error in vLLM's own format, so clients see the same 4xx with or without the guard."""
-    kind = {400: "BadRequestError", 413: "RequestEntityTooLargeError"}.get(status, "BadRequestError")
+    kind = {400: "BadRequestError", 403: "PermissionDeniedError",
+            413: "RequestEntityTooLargeError"}.get(status, "BadRequestError")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.json_response(body, status=status)
 

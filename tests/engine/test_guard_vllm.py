@@ -122,7 +122,8 @@ async def test_a_burst_beyond_the_kv_pool_completes_every_admitted_request(engin
 
 
 async def test_interactive_requests_overtake_queued_background_ones(extra_guard):
-    guard = await extra_guard(maxConcurrency=1, queueClasses=[
+    guard = await extra_guard(maxConcurrency=1, defaultClassByRoute={"/v1/completions": "interactive"},
+                              queueClasses=[
         {"name": "interactive", "level": 1, "maxQueueSeconds": 30},
         {"name": "standard", "level": 2, "maxQueueSeconds": 30},
         {"name": "background", "level": 3, "maxQueueSeconds": 30}])

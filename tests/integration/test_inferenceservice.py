@@ -148,6 +148,8 @@ INVALID = [
     ({"admission": {"queueClasses": [{"name": "a", "level": 1, "maxQueueSeconds": 1},
                                      {"name": "a", "level": 2, "maxQueueSeconds": 1}]}},
      "spec.admission.queueClasses[1]: Duplicate value: {\"name\":\"a\"}"),
+    ({"admission": {"routeClasses": [{"route": "/v1/completions", "defaultClass": "vip"}]}},
+     "every admission.routeClasses[].defaultClass must name a class in admission.queueClasses"),
     ({"resources": {"memory": "lots"}}, "spec.resources.memory in body should match"),
     # What the Deployment would refuse is refused here first, naming the field of the spec.
     ({"resources": {"memory": "-1Gi"}}, "spec.resources.memory in body should match"),

@@ -3,6 +3,7 @@ bounds, checked here without a cluster (tests/integration checks the API server
 says the same)."""
 import re
 
+import celpy
 import pytest
 
 from gpufleet.api.crd import build_crd
@@ -56,3 +57,16 @@ def test_taint_and_node_label_keys_are_qualified_names(key, ok):
     assert matches(prop("isolation", "tolerations", "key"), key) is ok
     rule = prop("isolation", "nodeSelector")["x-kubernetes-validations"][0]["rule"]
     assert prop("isolation", "tolerations", "key")["pattern"] in rule   # the same test for both
+
+
+def test_a_route_class_must_name_a_queue_class():
+    rule, = prop("admission")["x-kubernetes-validations"]
+    env = celpy.Environment()
+    program = env.program(env.compile(rule["rule"]))
+    classes = [{"name": "interactive", "level": 1, "maxQueueSeconds": 2}]
+
+    def accepted(default_class):
+        value = {"queueClasses": classes, "routeClasses": [{"route": "/v1/completions",
+                                                             "defaultClass": default_class}]}
+        return bool(program.evaluate({"self": celpy.json_to_cel(value)}))
+    assert accepted("interactive") and not accepted("vip")

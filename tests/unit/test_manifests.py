@@ -104,6 +104,18 @@ def test_guard_config_is_derived_from_the_spec():
     assert doc["kvWatermarkPercent"] == 20 and doc["engine"]["gpuMemoryUtilization"] == 0.9
 
 
+def test_route_classes_and_the_class_header_policy_reach_the_guard():
+    cfg = guard_config.build_guard_config("chat", "ml", spec())
+    assert cfg.class_header_policy == "LowerOnly"          # by default a client cannot raise its class
+    assert [c.name for c in cfg.classes_allowed("/v1/completions")] == ["standard", "background"]
+    s = spec(admission={"classHeaderPolicy": "Trusted",
+                        "routeClasses": [{"route": "/v1/completions", "defaultClass": "background"}]})
+    doc = json.loads(guard_config.render(guard_config.build_guard_config("chat", "ml", s)))
+    assert doc["classHeaderPolicy"] == "Trusted"
+    assert doc["defaultClassByRoute"] == {"/v1/chat/completions": "interactive",
+                                          "/v1/completions": "background", "/v1/embeddings": "background"}
+
+
 def test_pvc_source_is_mounted_read_only_and_hf_token_comes_from_a_secret():
     s = spec(model={"name": "m", "source": {"pvc": {"claimName": "weights", "path": "/llama"}}})
     d = deployment(s)

@@ -31,6 +31,10 @@ RESERVATIONS = ("Predicted", "FullBudget")
 RUNTIMES = ("vllm", "vllm-cpu")
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 CLASS_HEADER = "x-gpufleet-class"
+# LowerOnly: the class header may ask for the route's default class or a lower
+# priority (a higher level number), never a higher one. Trusted: any class, for
+# a gateway in front that sets the header itself and drops the client's.
+CLASS_HEADER_POLICIES = ("LowerOnly", "Trusted")
 
 
 class ConfigError(ValueError):
@@ -131,6 +135,7 @@ class GuardConfig:
     max_concurrency: int = _field(64, low=1)
     max_queue_length: int = _field(1024, low=0)
     class_header: str = _field(CLASS_HEADER)
+    class_header_policy: str = _field("LowerOnly", choices=CLASS_HEADER_POLICIES)
     aging_seconds: float = _field(5, positive=True)
     retry_after_seconds: float = _field(1, positive=True)
     queue_classes: tuple[QueueClass, ...] = _field(factory=_default_classes)
@@ -142,6 +147,13 @@ class GuardConfig:
 
     def queue_class(self, name: str) -> QueueClass | None:
         return next((c for c in self.queue_classes if c.name == name), None)
+
+    def classes_allowed(self, route: str) -> tuple[QueueClass, ...]:
+        """The classes a request on ``route`` may ask for with the class header."""
+        if self.class_header_policy == "Trusted":
+            return self.queue_classes
+        floor = self.queue_class(self.default_class_by_route[route])
+        return tuple(c for c in self.queue_classes if floor is None or c.level >= floor.level)
 
 
 # --- writing ---------------------------------------------------------------------------

@@ -208,6 +208,15 @@ class QueueClass:
                                    "(429 with Retry-After).", minimum=1, maximum=3600)
 
 
+@dataclasses.dataclass(kw_only=True)
+class RouteClass:
+    """The class of one OpenAI route's requests."""
+    route: str = field("The route.", enum=["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+    default_class: str = field("Class of the route's requests that send no class header; with "
+                               "classHeaderPolicy LowerOnly also the highest priority the header may ask "
+                               "for on this route.", pattern=DNS_LABEL, max_length=32)
+
+
 DEFAULT_QUEUE_CLASSES = [
     QueueClass(name="interactive", level=1, max_queue_seconds=2),
     QueueClass(name="standard", level=2, max_queue_seconds=10),
@@ -218,6 +227,10 @@ DEFAULT_QUEUE_CLASSES = [
 @dataclasses.dataclass(kw_only=True)
 class AdmissionSpec:
     """The guard in front of the engine: what it admits, queues and refuses."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("self.routeClasses.all(r, self.queueClasses.exists(c, c.name == r.defaultClass))",
+             "every admission.routeClasses[].defaultClass must name a class in admission.queueClasses",
+             field_path=".routeClasses")]}
     kv_watermark_percent: int = field("Share of KV blocks kept free in vLLM's reported view. A request "
                                       "whose block cost would cross it gets HTTP 429 with Retry-After. The "
                                       "guard also keeps a ledger of what admitted requests hold (see "
@@ -247,6 +260,15 @@ class AdmissionSpec:
         "Request classes, served lowest level first with aging so none starves.",
         factory=lambda: list(DEFAULT_QUEUE_CLASSES), min_items=1, max_items=8,
         x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"])
+    route_classes: list[RouteClass] = field(
+        "Default class per route. Routes left out: chat completions get the level-1 class, completions "
+        "the level-2 class (else level 1), embeddings the last level.", factory=list, max_items=3,
+        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["route"])
+    class_header_policy: str = field(
+        "Which classes the x-gpufleet-class header may ask for. LowerOnly: the route's default class or "
+        "a lower priority (a higher level), so a client can yield priority but never take it; a header "
+        "asking for more gets 403. Trusted: any class; only for a gateway in front that sets the header "
+        "itself and drops the one clients send.", default="LowerOnly", enum=["LowerOnly", "Trusted"])
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -168,7 +168,7 @@ async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(guard_f
 
 async def test_interactive_requests_overtake_queued_background_ones(guard_factory, fake_vllm):
     fake_vllm.hold = asyncio.Event()             # the first request holds the only slot meanwhile
-    guard = await guard_factory(maxConcurrency=1)
+    guard = await guard_factory(maxConcurrency=1, defaultClassByRoute={"/v1/completions": "interactive"})
     async with aiohttp.ClientSession() as s:
         async def send(name: str, cls: str):
             async with s.post(guard.url + "/v1/completions", headers={"x-gpufleet-class": cls},
@@ -195,6 +195,34 @@ async def test_an_unknown_class_is_a_400_listing_the_classes(guard_factory):
                           json={"prompt": "x"}) as r:
             assert r.status == 400
             assert "use one of: interactive, standard, background" in (await r.json())["error"]["message"]
+
+
+async def test_a_client_header_can_lower_its_priority_but_not_raise_it(guard_factory, fake_vllm):
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        async def status(route: str, cls: str) -> tuple[int, str]:
+            async with s.post(guard.url + route, headers={"x-gpufleet-class": cls},
+                              json={"prompt": cls, "messages": [{"role": "user", "content": "x"}]}) as r:
+                return r.status, await r.text()
+
+        code, text = await status("/v1/completions", "interactive")   # completions default to standard
+        assert code == 403 and "use one of: standard, background" in json.loads(text)["error"]["message"]
+        assert (await status("/v1/completions", "background"))[0] == 200
+        assert (await status("/v1/completions", "standard"))[0] == 200
+        assert (await status("/v1/chat/completions", "interactive"))[0] == 200
+        text = await metrics(s, guard)
+    assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "invalid"}) == 1
+    assert len(fake_vllm.seen_bodies) == 3                     # the refused one never reached vLLM
+
+
+async def test_a_route_default_or_a_trusted_gateway_header_allows_higher_classes(guard_factory, fake_vllm):
+    per_route = await guard_factory(defaultClassByRoute={"/v1/completions": "interactive"})
+    trusted = await guard_factory(classHeaderPolicy="Trusted")
+    async with aiohttp.ClientSession() as s:
+        for guard in (per_route, trusted):
+            async with s.post(guard.url + "/v1/completions", headers={"x-gpufleet-class": "interactive"},
+                              json={"prompt": "x", "max_tokens": 5}) as r:
+                assert r.status == 200, await r.text()
 
 
 async def test_vllm_errors_pass_through_and_count_as_invalid(guard_factory, fake_vllm):
