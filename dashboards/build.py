@@ -459,8 +459,12 @@ def service() -> dict[str, Any]:
                      _quantiles("gpufleet_guard_itl_seconds", latency_sel)
                      + [target(f"namespace_service:gpufleet_slo_itl_p99_seconds:objective{{{sel}}}",
                                "p99 objective")], unit="s"), 8)
-    g.add(timeseries("End-to-end latency", "Whole-request latency of admitted requests.",
-                     _quantiles("gpufleet_guard_request_seconds", latency_sel), unit="s"), 8)
+    g.add(timeseries("End-to-end latency", "Whole-request latency of admitted requests, and the p99 "
+                     "objective of non-streaming requests (slo.requestP99Milliseconds).",
+                     _quantiles("gpufleet_guard_request_seconds", latency_sel)
+                     + [target(f"max(gpufleet_service_slo_request_p99_seconds{{{sel}}})",
+                               "non-streaming p99 objective")],
+                     unit="s"), 8)
     g.add(timeseries("TTFT p99 per replica", "The guard's TTFT p99 per pod: one slow pod is a bad node or GPU.",
                      [target(f"histogram_quantile(0.99, sum by (pod, le) (rate(gpufleet_guard_ttft_seconds_bucket"
                              f"{{{latency_sel}}}[$__rate_interval])))", "{{pod}}")], unit="s"), 12)

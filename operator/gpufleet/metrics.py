@@ -24,6 +24,8 @@ class OperatorMetrics:
         self.kv_low = Gauge("gpufleet_service_kv_low_watermark_ratio", "Scale-in watermark.", SVC, registry=r)
         self.slo_ttft = Gauge("gpufleet_service_slo_ttft_p99_seconds", "TTFT p99 objective.", SVC, registry=r)
         self.slo_itl = Gauge("gpufleet_service_slo_itl_p99_seconds", "ITL p99 objective.", SVC, registry=r)
+        self.slo_request = Gauge("gpufleet_service_slo_request_p99_seconds",
+                                 "Non-streaming request latency p99 objective.", SVC, registry=r)
         self.slo_availability = Gauge("gpufleet_service_slo_availability_ratio", "Availability objective.", SVC,
                                       registry=r)
         self.decisions = Counter("gpufleet_autoscaler_decisions_total", "Scaling actions.", SVC + ("direction",),
@@ -55,14 +57,15 @@ class OperatorMetrics:
         self.kv_low.labels(*lbl).set(spec.autoscaling.kv_low_watermark_percent / 100)
         self.slo_ttft.labels(*lbl).set(spec.slo.ttft_p99_milliseconds / 1000)
         self.slo_itl.labels(*lbl).set(spec.slo.itl_p99_milliseconds / 1000)
+        self.slo_request.labels(*lbl).set(spec.slo.request_p99_milliseconds / 1000)
         self.slo_availability.labels(*lbl).set(float(spec.slo.availability_percent) / 100)
         self.fragmentation_threshold.labels(*lbl).set(spec.audit.fragmentation.threshold_percent / 100)
         self.gpus_per_replica.labels(*lbl).set(spec.resources.gpus_per_replica)
 
     def forget_service(self, namespace: str, service: str) -> None:
         for m in (self.desired_replicas, self.ready_replicas, self.min_replicas, self.max_replicas, self.kv_usage,
-                  self.kv_high, self.kv_low, self.slo_ttft, self.slo_itl, self.slo_availability,
-                  self.fragmentation, self.fragmentation_threshold, self.isolation_violations,
+                  self.kv_high, self.kv_low, self.slo_ttft, self.slo_itl, self.slo_request,
+                  self.slo_availability, self.fragmentation, self.fragmentation_threshold, self.isolation_violations,
                   self.reconcile_errors, self.read_errors, self.gpus_per_replica, self.crashlooping):
             try:
                 m.remove(namespace, service)
