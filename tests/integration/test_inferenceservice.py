@@ -150,6 +150,11 @@ INVALID = [
      "spec.admission.queueClasses[1]: Duplicate value: {\"name\":\"a\"}"),
     ({"admission": {"routeClasses": [{"route": "/v1/completions", "defaultClass": "vip"}]}},
      "every admission.routeClasses[].defaultClass must name a class in admission.queueClasses"),
+    ({"pod": {"volumes": [{"name": "cache", "emptyDir": {}}]}}, "pod.volumes names guard-config, cache"),
+    ({"pod": {"volumes": [{"secret": {"secretName": "s"}}]}}, "spec.pod.volumes[0].name: Required value"),
+    ({"pod": {"volumeMounts": [{"name": "x", "mountPath": "/x"}]}},
+     "every pod.volumeMounts[].name must name a volume in pod.volumes"),
+    ({"pod": {"labels": {"gpufleet.dev/model": "x"}}}, "pod.labels keys under gpufleet.dev/ are gpufleet's"),
     ({"resources": {"memory": "lots"}}, "spec.resources.memory in body should match"),
     # What the Deployment would refuse is refused here first, naming the field of the spec.
     ({"resources": {"memory": "-1Gi"}}, "spec.resources.memory in body should match"),
@@ -184,3 +189,22 @@ def test_kubectl_explain_teaches_the_fields(control_plane, crds_installed):
     assert "Share of KV blocks kept free" in out
     out = " ".join(control_plane.kubectl("explain", "inferenceservice.spec.isolation").stdout.split())
     assert "Dedicated: no other model's pods on a node running this model" in out
+
+
+def test_pod_settings_pass_the_crd_and_the_deployment_they_build_passes_the_apiserver(
+        control_plane, crds_installed, namespace):
+    from gpufleet.api import parse_spec
+    from gpufleet.manifests import children
+    from tests.unit.test_manifests import POD_SETTINGS
+    obj = manifest("podded", pod=POD_SETTINGS)
+    apply(control_plane, namespace, obj)
+    stored = json.loads(control_plane.kubectl("get", "inferenceservice", "podded", "-n", namespace,
+                                              "-o", "json").stdout)
+    assert stored["spec"]["pod"]["volumes"] == POD_SETTINGS["volumes"]       # kept as written
+    owner = {"metadata": {**stored["metadata"], "namespace": namespace}}
+    spec = parse_spec(stored["spec"])
+    _, config_hash = children.build_configmap(owner, spec)
+    deployment = children.build_deployment(owner, spec, 1, config_hash)
+    result = control_plane.kubectl("apply", "-n", namespace, "--dry-run=server", "-f", "-",
+                                   input=yaml.safe_dump(deployment), check=False)
+    assert result.returncode == 0, result.stderr

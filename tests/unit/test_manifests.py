@@ -116,6 +116,29 @@ def test_route_classes_and_the_class_header_policy_reach_the_guard():
                                           "/v1/completions": "background", "/v1/embeddings": "background"}
 
 
+POD_SETTINGS = {"labels": {"team": "search"},
+                "annotations": {"cost-center": "ml-42", names.ANNOTATION_CONFIG_HASH: "mine"},
+                "imagePullSecrets": [{"name": "registry"}], "priorityClassName": "gpu-serving",
+                "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+                "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True}]}
+
+
+def test_pod_settings_reach_the_engine_pods_and_ours_win_on_a_clash():
+    d = deployment(spec(pod=POD_SETTINGS))
+    template = d["spec"]["template"]
+    pod = template["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}] and pod["priorityClassName"] == "gpu-serving"
+    assert {"name": "certs", "secret": {"secretName": "ca"}} in pod["volumes"]
+    vllm, guard = pod["containers"]
+    assert {"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True} in vllm["volumeMounts"]
+    assert template["metadata"]["labels"]["team"] == "search"
+    assert template["metadata"]["labels"]["gpufleet.dev/service"] == "chat"      # the selector stays ours
+    assert template["metadata"]["annotations"]["cost-center"] == "ml-42"
+    assert template["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH] != "mine"
+    plain = deployment(spec())["spec"]["template"]["spec"]
+    assert "imagePullSecrets" not in plain and "priorityClassName" not in plain
+
+
 def test_pvc_source_is_mounted_read_only_and_hf_token_comes_from_a_secret():
     s = spec(model={"name": "m", "source": {"pvc": {"claimName": "weights", "path": "/llama"}}})
     d = deployment(s)

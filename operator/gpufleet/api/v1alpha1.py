@@ -327,6 +327,73 @@ class MonitoringSpec:
                                        "prefix and '/', then up to 63 letters, digits, '-', '_' or '.'")])
 
 
+# Volumes the engine pod has already; a volume of pod.volumes may not reuse their names.
+RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class LocalObjectReference:
+    """A reference to an object in the InferenceService's namespace."""
+    name: str = field("Name of the object.", pattern=DNS_SUBDOMAIN, max_length=253)
+
+
+@dataclasses.dataclass(kw_only=True)
+class VolumeMount:
+    """Where the engine container mounts one of pod.volumes."""
+    name: str = field("Name of a volume in pod.volumes.", pattern=DNS_LABEL, max_length=63)
+    mount_path: str = field("Absolute path inside the engine container.", pattern=r"^/.*", max_length=1024)
+    read_only: bool = field("Mount read-only.", default=False)
+    sub_path: Optional[str] = field("Path inside the volume to mount instead of its root.", default=None,
+                                    max_length=1024)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PodSpec:
+    """Settings of the engine pods that clusters ask for and gpufleet has no opinion on: private
+    registries, cost labels, scheduling priority, extra volumes (tolerations are in isolation)."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("self.volumeMounts.all(m, self.volumes.exists(v, v.name == m.name))",
+             "every pod.volumeMounts[].name must name a volume in pod.volumes", field_path=".volumeMounts"),
+    ]}
+    labels: dict[str, str] = field(
+        "Labels added to the engine pods (gpufleet's own labels win on a clash).", factory=dict,
+        max_properties=32,
+        additional_properties={"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
+        x_kubernetes_validations=[rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
+                                       "pod.labels keys must be label keys: an optional DNS prefix and '/', "
+                                       "then up to 63 letters, digits, '-', '_' or '.'"),
+                                  rule("self.all(k, !k.startsWith('gpufleet.dev/'))",
+                                       "pod.labels keys under gpufleet.dev/ are gpufleet's own (isolation and "
+                                       "the autoscaler find pods by them)")])
+    annotations: dict[str, str] = field(
+        "Annotations added to the engine pods (gpufleet's own win on a clash).", factory=dict,
+        max_properties=64,
+        x_kubernetes_validations=[rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
+                                       "pod.annotations keys must be annotation keys: an optional DNS prefix "
+                                       "and '/', then up to 63 letters, digits, '-', '_' or '.'")])
+    image_pull_secrets: list[LocalObjectReference] = field(
+        "Secrets (type kubernetes.io/dockerconfigjson) the kubelet uses to pull the engine image from a "
+        "private registry.", factory=list, max_items=16,
+        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"])
+    priority_class_name: Optional[str] = field(
+        "PriorityClass of the engine pods, so GPU serving preempts batch work rather than the reverse.",
+        default=None, pattern=DNS_SUBDOMAIN, max_length=253)
+    volumes: list[Any] = field(
+        "Extra pod volumes, each a Kubernetes Volume (name plus one source: secret, configMap, "
+        "persistentVolumeClaim, emptyDir, csi, ...), checked by the API server when the Deployment is "
+        f"applied. Names {', '.join(RESERVED_VOLUMES)} are gpufleet's.", factory=list, max_items=16,
+        items={"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
+               "description": "A Kubernetes Volume (core/v1).",
+               "properties": {"name": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63,
+                                       "description": "Volume name, unique in the pod."}}},
+        x_kubernetes_validations=[
+            rule(f"self.all(v, !(v.name in {RESERVED_VOLUMES}))",
+                 f"pod.volumes names {', '.join(RESERVED_VOLUMES)} are gpufleet's; choose another name"),
+        ])
+    volume_mounts: list[VolumeMount] = field("Where the engine (vLLM) container mounts pod.volumes.",
+                                             factory=list, max_items=16)
+
+
 @dataclasses.dataclass(kw_only=True)
 class AuditSpec:
     """Scheduled audits."""
@@ -376,6 +443,8 @@ class InferenceServiceSpec:
     audit: AuditSpec = field("Scheduled audits.", factory=AuditSpec)
     slo: SLOSpec = field("Service level objectives.", factory=SLOSpec)
     monitoring: MonitoringSpec = field("How Prometheus finds the engines.", factory=MonitoringSpec)
+    pod: PodSpec = field("Engine pod settings: labels, annotations, image pull secrets, priority class, "
+                         "extra volumes.", factory=PodSpec)
     replicas: Optional[int] = field("Replicas when autoscaling.mode is Manual (the scale subresource writes "
                                     "it, so `kubectl scale` works). Ignored in Auto mode.", default=None,
                                     minimum=0, maximum=1000)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..api.v1alpha1 import InferenceServiceSpec
+from ..api.v1alpha1 import InferenceServiceSpec, VolumeMount
 from . import guard_config, names, placement
 
 CONFIG_DIR = "/etc/gpufleet"
@@ -49,6 +49,13 @@ def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], l
     return volumes, mounts, env
 
 
+def _volume_mount(m: VolumeMount) -> dict:
+    mount = {"name": m.name, "mountPath": m.mount_path, "readOnly": m.read_only}
+    if m.sub_path:
+        mount["subPath"] = m.sub_path
+    return mount
+
+
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return spec.admission.request_timeout_seconds + DRAIN_SLACK_SECONDS
 
@@ -56,7 +63,8 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
 def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_hash: str) -> dict:
     service = isvc["metadata"]["name"]
     model_label = names.model_label(spec.model.name)
-    pod_labels = {**names.common_labels(service), names.LABEL_MODEL: model_label,
+    pod = spec.pod
+    pod_labels = {**pod.labels, **names.common_labels(service), names.LABEL_MODEL: model_label,
                   names.LABEL_ISOLATION: spec.isolation.mode}
     gpus = placement.gpu_resources(spec)
     res = spec.resources
@@ -73,7 +81,8 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus},
                       "limits": {"memory": str(res.memory), **gpus}},
         "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache"},
-                         {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
+                         {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts,
+                         *(_volume_mount(m) for m in pod.volume_mounts)],
         # vLLM must outlive the guard's drain, or in-flight requests die with it.
         "lifecycle": {"preStop": drain},
         "securityContext": {"allowPrivilegeEscalation": False},
@@ -109,9 +118,14 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             {"name": "cache", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
             *model_volumes,
+            *pod.volumes,
         ],
         "enableServiceLinks": False,
     }
+    if pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": r.name} for r in pod.image_pull_secrets]
+    if pod.priority_class_name:
+        pod_spec["priorityClassName"] = pod.priority_class_name
     aff = placement.affinity(spec, service)
     if aff:
         pod_spec["affinity"] = aff
@@ -124,7 +138,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": pod_labels,
-                             "annotations": {names.ANNOTATION_CONFIG_HASH: config_hash}},
+                             "annotations": {**pod.annotations, names.ANNOTATION_CONFIG_HASH: config_hash}},
                 "spec": pod_spec,
             },
         },
