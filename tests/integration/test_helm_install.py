@@ -31,6 +31,8 @@ def installed(control_plane, crds_installed):
 
 def test_install_prints_notes_and_creates_the_operator(control_plane, installed):
     assert "kubectl get inferenceservices -w" in installed
+    # Alerts come with the operator's scrape, or GpufleetOperatorDown fires on a healthy install.
+    assert "--set monitoring.serviceMonitor.enabled=true\n--set monitoring.prometheusRule.enabled=true" in installed
     dep = control_plane.kubectl("-n", RELEASE_NS, "get", "deployment", "gpufleet-operator", "-o", "yaml").stdout
     assert yaml.safe_load(dep)["spec"]["template"]["spec"]["serviceAccountName"] == "gpufleet-operator"
 
@@ -81,3 +83,35 @@ async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, 
         assert f"test-{namespace} became leader" in log, op.log_tail(40)
     finally:
         op.stop()
+
+
+def test_the_documented_upgrade_updates_the_crd_and_the_release(control_plane, installed):
+    """docs/gpu-cluster.md: `helm upgrade` never touches crds/, so the CRD is applied first."""
+    env = control_plane.env()
+    crd = subprocess.run([str(ROOT / ".venv" / "bin" / "gpufleet"), "crd"], capture_output=True, text=True,
+                         check=True).stdout
+    applied = control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crd)
+    assert "serverside-applied" in applied.stdout
+    stored = yaml.safe_load(control_plane.kubectl("get", "crd", "inferenceservices.serving.gpufleet.dev",
+                                                  "-o", "yaml").stdout)
+    spec = stored["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert "pod" in spec and "classHeaderPolicy" in spec["admission"]["properties"]
+    out = subprocess.run([str(ensure_helm(progress=print)), "upgrade", "gpufleet", str(ROOT / "charts" / "gpufleet"),
+                          "-n", RELEASE_NS, "--reuse-values", "--set", "imagePullSecrets[0].name=registry",
+                          "--wait=false"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    dep = yaml.safe_load(control_plane.kubectl("-n", RELEASE_NS, "get", "deployment", "gpufleet-operator",
+                                               "-o", "yaml").stdout)
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+
+
+def test_uninstall_removes_the_operator_and_keeps_the_crd_and_the_services(control_plane, installed):
+    """Helm never deletes a chart's CRDs (deleting one deletes every InferenceService and, through
+    owner references, every engine); docs/gpu-cluster.md says how to remove them on purpose."""
+    out = subprocess.run([str(ensure_helm(progress=print)), "uninstall", "gpufleet", "-n", RELEASE_NS],
+                         env=control_plane.env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    left = control_plane.kubectl("-n", RELEASE_NS, "get", "deployment,serviceaccount", "-l",
+                                 "app.kubernetes.io/instance=gpufleet", "-o", "name").stdout
+    assert left.strip() == ""
+    assert control_plane.kubectl("get", "crd", "inferenceservices.serving.gpufleet.dev", check=False).returncode == 0

@@ -132,3 +132,17 @@ def test_required_anti_affinity_and_a_users_own_affinity(helm):
     assert "affinity" not in pod("--set", "podAntiAffinity=none")
     own = pod("--set", "affinity.nodeAffinity.x=y")["affinity"]
     assert own == {"nodeAffinity": {"x": "y"}}
+
+
+def test_operator_pods_take_pull_secrets_labels_annotations_and_a_priority_class(helm):
+    docs = [d for d in yaml.safe_load_all(template(
+        helm, "--set", "imagePullSecrets[0].name=registry", "--set", "podLabels.team=platform",
+        "--set", "podAnnotations.cost-center=ml", "--set", "priorityClassName=system-cluster-critical").stdout) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    template_ = dep["spec"]["template"]
+    assert template_["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+    assert template_["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert template_["metadata"]["labels"]["team"] == "platform"
+    assert template_["metadata"]["labels"]["app.kubernetes.io/name"] == "gpufleet-operator"
+    assert template_["metadata"]["annotations"] == {"cost-center": "ml"}
+
