@@ -78,3 +78,17 @@ def test_crd_has_status_and_scale_subresources_and_oncall_columns():
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
     for wanted in ("Ready", "Replicas", "KV%", "P99-TTFT(ms)", "Frag%", "Age"):
         assert wanted in cols
+
+
+def test_the_field_reference_shows_list_defaults_and_every_status_field():
+    doc = render_markdown()
+    assert "`name: interactive, level: 1, maxQueueSeconds: 2`" in doc
+    status = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for name in status["properties"]:
+        assert f"| `status.{name}` |" in doc, name
+
+
+def test_the_planning_guide_states_the_apis_default_watermark():
+    from gpufleet.api.v1alpha1 import AdmissionSpec
+    planning = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
+    assert f"| `--kv-watermark-percent` | {AdmissionSpec().kv_watermark_percent} |" in planning

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import yaml
 
@@ -87,6 +88,16 @@ def render_yaml() -> str:
     return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
 
 
+def _default_text(default: Any) -> str:
+    """A default as the field table shows it: a list of objects item by item; a long object not at
+    all (its fields have their own rows)."""
+    if default and isinstance(default, list) and all(isinstance(d, dict) for d in default):
+        return "<br>".join("`" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "`" for d in default)
+    if default is None or isinstance(default, (dict, list)) and len(str(default)) > 40:
+        return ""
+    return f"`{default}`"
+
+
 def render_markdown() -> str:
     """docs/api.md: every spec field with type, default and description."""
     spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -98,9 +109,7 @@ def render_markdown() -> str:
             kind = sub.get("type", "int-or-string")
             if kind == "array" and sub.get("items", {}).get("type") == "object":
                 kind = "[]object"
-            default = sub.get("default")
-            default_s = "" if default is None or isinstance(default, (dict, list)) and len(str(default)) > 40 \
-                else f"`{default}`"
+            default_s = _default_text(sub.get("default"))
             extra = f" One of: {', '.join(map(str, sub['enum']))}." if "enum" in sub else ""
             desc = " ".join(sub.get("description", "").split()) + extra
             rows.append(f"| `{p}` | {kind} | {default_s} | {desc} |")
@@ -109,6 +118,20 @@ def render_markdown() -> str:
             elif sub.get("items", {}).get("properties"):
                 walk(sub["items"], p + "[]")
     walk(spec, "spec")
+    status_rows = []
+
+    def walk_status(schema: dict, path: str) -> None:
+        for name, sub in schema.get("properties", {}).items():
+            p = f"{path}.{name}"
+            kind = sub.get("type", "int-or-string")
+            if kind == "array" and sub.get("items", {}).get("type") == "object":
+                kind = "[]object"
+            status_rows.append(f"| `{p}` | {kind} | {' '.join(sub.get('description', '').split())} |")
+            if "properties" in sub:
+                walk_status(sub, p)
+            elif sub.get("items", {}).get("properties"):
+                walk_status(sub["items"], p + "[]")
+    walk_status(build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"], "status")
     rules = []
 
     def collect(schema: dict, path: str) -> None:
@@ -121,9 +144,11 @@ def render_markdown() -> str:
         "# InferenceService API (serving.gpufleet.dev/v1alpha1)", "",
         "Generated from `operator/gpufleet/api/v1alpha1.py` (`gpufleet crd --markdown`); "
         "`kubectl explain inferenceservice.spec --recursive` shows the same descriptions.", "",
-        "Numbers follow the API conventions: integer percentages (`kvWatermarkPercent: 15`), durations as "
+        "Numbers follow the API conventions: integer percentages (`kvWatermarkPercent: 5`), durations as "
         "`...Seconds`/`...Milliseconds` integers, string enums, references as `...Ref`.", "",
         "| field | type | default | description |", "|---|---|---|---|", *rows, "",
+        "## Status (written by the operator)", "",
+        "| field | type | description |", "|---|---|---|", *status_rows, "",
         "## Cross-field rules (checked by the API server)", "", *rules, "",
         "## Checked by the operator (reported as `Ready=False, reason=InvalidSpec`)", "",
         "- `spec.engine.extraArgs` may not set flags gpufleet manages (port, model, parallelism, KV and "
