@@ -96,7 +96,9 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         # The guard counts tokens with the model's own tokenizer: it reads the same weights
         # location (and Hugging Face cache and token) as the engine, read-only.
         "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *model_env],
-        "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache", "readOnly": True}, *model_mounts],
+        # The root filesystem is read-only; loading a tokenizer needs a temporary directory.
+        "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache", "readOnly": True},
+                         {"name": "guard-tmp", "mountPath": "/tmp"}, *model_mounts],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2,
                            "failureThreshold": 2, "timeoutSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
@@ -117,6 +119,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             {"name": "guard-config", "configMap": {"name": names.configmap_name(service)}},
             {"name": "cache", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+            {"name": "guard-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
             *model_volumes,
             *pod.volumes,
         ],
