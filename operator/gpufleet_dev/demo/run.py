@@ -64,9 +64,9 @@ def _real_node_unavailable() -> str | None:
     missing = node.missing_prerequisites()
     if missing:
         return f"missing {', '.join(missing)} (scripts/setup.sh installs them)"
-    unbuilt = [name for name, image in images.current().items() if not image["cached"]]
+    unbuilt = [i.name for i in images.IMAGES if i.name not in images.latest()]
     if unbuilt:
-        return f"images {', '.join(unbuilt)} are not built for these sources (`make images`)"
+        return f"images {', '.join(unbuilt)} are not built (`make images`)"
     return None
 
 

@@ -322,10 +322,21 @@ def build_all(progress: Progress = print, force: bool = False) -> dict[str, dict
                     old.unlink()
             daemon.docker("image", "prune", "-f", capture_output=True)
             progress(f"built {ref} in {time.monotonic() - t0:.0f}s ({archive.stat().st_size / 2**20:.0f} MiB)")
-    wanted = current()
+    # What was built, even when the sources changed meanwhile (the next run builds that).
+    for image in wanted.values():
+        image["cached"] = Path(image["archive"]).exists()
     _write_manifest(wanted)
     progress(f"images ready in {time.monotonic() - started:.0f}s")
     return wanted
+
+
+def latest() -> dict[str, dict]:
+    """The images of the last `gpufleet dev images` (images.json), whose archives still exist."""
+    try:
+        built = json.loads(manifest_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {name: image for name, image in built.items() if Path(image["archive"]).exists()}
 
 
 def _write_manifest(images: dict[str, dict]) -> None:

@@ -265,17 +265,17 @@ def imported_refs() -> set[str]:
 
 
 def import_images(progress: Progress) -> dict[str, str]:
-    """Import the pause image and the built images (missing ones only); returns name -> ref."""
+    """Import the pause image and the images of the last `make images` (missing ones only);
+    returns name -> ref. Whether they match the sources is `make images`' business."""
     have = imported_refs()
     refs = {"pause": PAUSE_REF}
     wanted = [(PAUSE_REF, ensure_pause_archive(progress))]
-    built = images.current()
-    for name, image in built.items():
-        if not image["cached"]:
-            raise RealNodeError(f"image {name} is not built for the current sources: run `make images` "
-                                f"(or `gpufleet dev images`) first")
-        refs[name] = image["ref"]
-        wanted.append((image["ref"], Path(image["archive"])))
+    built = images.latest()
+    for name in (i.name for i in images.IMAGES):
+        if name not in built:
+            raise RealNodeError(f"image {name} is not built: run `make images` (or `gpufleet dev images`) first")
+        refs[name] = built[name]["ref"]
+        wanted.append((built[name]["ref"], Path(built[name]["archive"])))
     for ref, archive in wanted:
         if ref in have:
             continue
