@@ -320,6 +320,13 @@ def build_all(progress: Progress = print, force: bool = False) -> dict[str, dict
             for old in images_dir().glob(f"{image.name}-*.tar"):
                 if old != archive:
                     old.unlink()
+            # Superseded builds would keep several GiB each in the data root: only the layer cache
+            # of the current one is worth keeping.
+            tags = daemon.docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}", image.repository(),
+                                 capture_output=True, text=True).stdout.split()
+            stale = [t for t in tags if t not in (ref, f"{image.repository()}:dev")]
+            if stale:
+                daemon.docker("image", "rm", *stale, capture_output=True)
             daemon.docker("image", "prune", "-f", capture_output=True)
             progress(f"built {ref} in {time.monotonic() - t0:.0f}s ({archive.stat().st_size / 2**20:.0f} MiB)")
     # What was built, even when the sources changed meanwhile (the next run builds that).

@@ -136,7 +136,9 @@ maxPods: 30
 serializeImagePulls: false
 imageGCHighThresholdPercent: 99
 imageGCLowThresholdPercent: 98
-evictionHard: {{memory.available: 200Mi, nodefs.available: 2%, imagefs.available: 2%, nodefs.inodesFree: 2%}}
+# Absolute disk thresholds: a percentage of a large shared disk evicted the pods and garbage-collected
+# every image (the pause image too) while other work filled the disk for a moment.
+evictionHard: {{memory.available: 200Mi, nodefs.available: 1Gi, imagefs.available: 1Gi, nodefs.inodesFree: 1%}}
 registerWithTaints:
 {taints}
 """
