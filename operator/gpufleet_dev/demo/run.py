@@ -70,7 +70,7 @@ def _real_node_unavailable() -> str | None:
     return None
 
 
-def ensure_cluster() -> dict:
+def ensure_cluster(real_node: bool = False) -> dict:
     state = cluster.read_state()
     healthy, report = cluster.status_report()
     if healthy and state.get("fleet", {}).get("engine_nodes"):
@@ -83,6 +83,8 @@ def ensure_cluster() -> dict:
                              "`gpufleet dev down` and run the demo again")
         cluster.down(progress=lambda _m: None)
     say("starting the local control plane (first run builds it: ~10 min on 2 cores)")
+    if not real_node:
+        return cluster.up(cluster.FleetSpec(engine_nodes=2), progress=lambda m: say(m))
     why = _real_node_unavailable()
     if why is None:
         try:
@@ -230,9 +232,9 @@ def prometheus_view(prom: LocalPrometheus) -> dict:
     return out
 
 
-async def run_demo(model: str, surge_clients: int, out_dir: Path) -> Path:
+async def run_demo(model: str, surge_clients: int, out_dir: Path, real_node: bool = False) -> Path:
     # `up` drives its own event loop to register the nodes: keep it off this one.
-    state = await asyncio.to_thread(ensure_cluster)
+    state = await asyncio.to_thread(ensure_cluster, real_node)
     work = out_dir / datetime.now().strftime("demo-%Y%m%d-%H%M%S")
     work.mkdir(parents=True, exist_ok=True)
     say("installing the Helm chart (CRD, ServiceAccount, least-privilege RBAC)")
