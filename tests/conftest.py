@@ -2,30 +2,16 @@
 up), a fresh namespace per test, and an API client."""
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 
-from tests.support.cluster import ControlPlane
+from tests.support.cluster import session_control_plane
 
 
 @pytest.fixture(scope="session")
 def control_plane():
-    from gpufleet_dev.devcluster import cluster
-
-    started = False
-    healthy, _ = cluster.status_report()
-    if not healthy:
-        if cluster.read_state():
-            cluster.down(progress=lambda _m: None)  # a crashed leftover: start clean
-        cluster.up(cluster.FleetSpec(engine_nodes=2),
-                   progress=lambda m: print(f"[control plane] {m}", flush=True))
-        started = True
-    state = cluster.read_state()
-    yield ControlPlane(kubeconfig=state["kubeconfig"], server=state["server"])
-    if started and os.environ.get("GPUFLEET_KEEP_CLUSTER") != "1":
-        cluster.down(progress=lambda _m: None)
+    yield from session_control_plane(lambda _state: True)
 
 
 @pytest.fixture

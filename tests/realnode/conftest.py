@@ -8,11 +8,9 @@ services here too, fighting the in-cluster operator under test.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.support.cluster import ControlPlane
+from tests.support.cluster import session_control_plane
 
 
 @pytest.fixture(scope="session")
@@ -22,24 +20,12 @@ def control_plane():
     A running one without the real node is restarted at once (down, then up with
     ``--engine-nodes 2 --real-node``, what the other tests' fixture expects too) and left up.
     """
-    from gpufleet_dev.devcluster import cluster, images
+    from gpufleet_dev.devcluster import images
 
     stale = [name for name, image in images.current().items() if not image["cached"]]
     if stale:  # `make test` builds them first; a tree edited since runs the last build
         print(f"[control plane] images {stale} are older than the sources; testing the last build", flush=True)
-    state = cluster.read_state()
-    healthy, _ = cluster.status_report()
-    started = False
-    if not (healthy and state and state.get("fleet", {}).get("real_node")):
-        if state:
-            cluster.down(progress=lambda _m: None)
-        cluster.up(cluster.FleetSpec(engine_nodes=2, real_node=True),
-                   progress=lambda m: print(f"[control plane] {m}", flush=True))
-        started = True
-    state = cluster.read_state()
-    yield ControlPlane(kubeconfig=state["kubeconfig"], server=state["server"])
-    if started and os.environ.get("GPUFLEET_KEEP_CLUSTER") != "1":
-        cluster.down(progress=lambda _m: None)
+    yield from session_control_plane(lambda state: bool(state.get("fleet", {}).get("real_node")), real_node=True)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+from typing import Callable, Iterator
 
 from gpufleet.kube.client import KubeClient
 from gpufleet.kube.config import KubeConfig
@@ -27,3 +28,24 @@ class ControlPlane:
 
     def client(self) -> KubeClient:
         return KubeClient(KubeConfig.from_file(self.kubeconfig))
+
+
+def session_control_plane(fits: Callable[[dict], bool], real_node: bool = False) -> Iterator[ControlPlane]:
+    """A pytest session's control plane: the running one when it is healthy and ``fits`` its
+    state; otherwise (a crashed leftover, or one of the wrong shape) stopped and started anew.
+    What this session started it stops, unless GPUFLEET_KEEP_CLUSTER=1."""
+    from gpufleet_dev.devcluster import cluster
+
+    state = cluster.read_state()
+    healthy, _ = cluster.status_report()
+    started = False
+    if not (healthy and state and fits(state)):
+        if state:
+            cluster.down(progress=lambda _m: None)
+        cluster.up(cluster.FleetSpec(engine_nodes=2, real_node=real_node),
+                   progress=lambda m: print(f"[control plane] {m}", flush=True))
+        started = True
+    state = cluster.read_state()
+    yield ControlPlane(kubeconfig=state["kubeconfig"], server=state["server"])
+    if started and os.environ.get("GPUFLEET_KEEP_CLUSTER") != "1":
+        cluster.down(progress=lambda _m: None)
