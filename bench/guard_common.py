@@ -17,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -254,6 +255,43 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict,
         return Attempt(0), random.uniform(0.5, 1.5)
 
 
+class RunWindow:
+    """When a closed-loop run stops issuing requests (after ``duration`` seconds or
+    ``requests`` completed ones), and how long a refused client may back off."""
+
+    def __init__(self, duration: float | None, requests: int | None):
+        self.duration, self.requests = duration, requests
+        self.start = time.perf_counter()
+        self.completed = 0
+
+    def more(self) -> bool:
+        if self.duration is not None and time.perf_counter() - self.start >= self.duration:
+            return False
+        return self.requests is None or self.completed < self.requests
+
+    async def back_off(self, delay: float) -> None:
+        # Never past the end of the run: a client told to come back in 5 s would
+        # otherwise stretch the wall time goodput divides by.
+        left = self.duration - (time.perf_counter() - self.start) if self.duration is not None else delay
+        await asyncio.sleep(max(0.0, min(delay, left)))
+
+
+async def run_clients(label: str, vllm_url: str, concurrency: int, window: RunWindow,
+                      client: Callable[[aiohttp.ClientSession, Run, int], Awaitable[None]]) -> Run:
+    """``concurrency`` copies of ``client`` (given its index) on one session; the Run with
+    vLLM's preemptions over the run, its wall time and the machine's load."""
+    run = Run(label, concurrency)
+    preempt_before, _ = await vllm_counters(vllm_url)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(client(session, run, i) for i in range(concurrency)))
+    run.wall = time.perf_counter() - window.start
+    preempt_after, _ = await vllm_counters(vllm_url)
+    run.preemptions = preempt_after - preempt_before
+    run.load = os.getloadavg()[0]
+    return run
+
+
 async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, duration: float | None = None,
                       requests: int | None = None, prompt_tokens: int = 256, output_tokens: int = 64,
                       seed: int = 0) -> Run:
@@ -265,39 +303,20 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
     and tries again, like the OpenAI clients do.
     """
     rng = random.Random(seed)
-    run = Run(label, concurrency)
-    preempt_before, _ = await vllm_counters(vllm_url)
-    start = time.perf_counter()
-    completed = 0
+    window = RunWindow(duration, requests)
 
-    def more() -> bool:
-        if duration is not None and time.perf_counter() - start >= duration:
-            return False
-        return requests is None or completed < requests
-
-    async def client(session: aiohttp.ClientSession) -> None:
-        nonlocal completed
-        while more():
+    async def client(session: aiohttp.ClientSession, run: Run, _index: int) -> None:
+        while window.more():
             body = {"model": "tiny", "prompt": prompt(rng, prompt_tokens), "max_tokens": output_tokens,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             attempt, delay = await one_request(session, url, body)
             run.attempts.append(attempt)
             if attempt.status == 200:
-                completed += 1
+                window.completed += 1
             elif delay:
-                # Never past the end of the run: a client told to come back in
-                # 5 s would otherwise stretch the wall time goodput divides by.
-                left = duration - (time.perf_counter() - start) if duration is not None else delay
-                await asyncio.sleep(max(0.0, min(delay, left)))
+                await window.back_off(delay)
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
-    run.wall = time.perf_counter() - start
-    preempt_after, _ = await vllm_counters(vllm_url)
-    run.preemptions = preempt_after - preempt_before
-    run.load = os.getloadavg()[0]
-    return run
+    return await run_clients(label, vllm_url, concurrency, window, client)
 
 
 def table(rows: list[dict]) -> str:

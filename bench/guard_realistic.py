@@ -33,17 +33,15 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from guard_common import Run, Stack, one_request, table, vllm_counters  # noqa: E402
+from guard_common import Run, RunWindow, Stack, one_request, run_clients, table  # noqa: E402
 
 KV_BLOCKS = 512
 MAX_MODEL_LEN = 2048
@@ -85,38 +83,22 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
                       requests: int | None = None, seed: int = 0) -> Run:
     """``concurrency`` clients sending the trace one request after another (see guard_common.closed_loop:
     a refused request waits what the server asked, never past the end of the run, and is retried)."""
-    run = Run(label, concurrency)
-    preempt_before, _ = await vllm_counters(vllm_url)
-    start = time.perf_counter()
-    completed = 0
+    window = RunWindow(duration, requests)
 
-    def more() -> bool:
-        if duration is not None and time.perf_counter() - start >= duration:
-            return False
-        return requests is None or completed < requests
-
-    async def client(session: aiohttp.ClientSession, rng: random.Random) -> None:
-        nonlocal completed
-        while more():
+    async def client(session: aiohttp.ClientSession, run: Run, index: int) -> None:
+        rng = random.Random(seed * 1000 + index)
+        while window.more():
             path, body = trace_request(rng)
             while True:
                 attempt, delay = await one_request(session, url, body, path)
                 run.attempts.append(attempt)
-                if attempt.status not in (0, 429, 503) or not more():
+                if attempt.status not in (0, 429, 503) or not window.more():
                     break  # retried: refusals and connection errors, as the OpenAI clients do
-                left = duration - (time.perf_counter() - start) if duration is not None else delay
-                await asyncio.sleep(max(0.0, min(delay, left)))
+                await window.back_off(delay)
             if attempt.status == 200:
-                completed += 1
+                window.completed += 1
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(*(client(session, random.Random(seed * 1000 + i)) for i in range(concurrency)))
-    run.wall = time.perf_counter() - start
-    preempt_after, _ = await vllm_counters(vllm_url)
-    run.preemptions = preempt_after - preempt_before
-    run.load = os.getloadavg()[0]
-    return run
+    return await run_clients(label, vllm_url, concurrency, window, client)
 
 
 def merged(label: str, runs: list[Run]) -> Run:
