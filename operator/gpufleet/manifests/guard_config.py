@@ -15,11 +15,13 @@ from gpufleet_engine.contract.guard_config import (
     SLOConfig,
     SpeculativeConfig,
     default_routes,
+    render,
 )
-from gpufleet_engine.contract.guard_config import render as render_config
 
 from ..api.v1alpha1 import InferenceServiceSpec
 from . import names
+
+__all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "model_location", "render", "served_name"]
 
 MODEL_MOUNT = "/models"
 
@@ -87,10 +89,6 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
                       request_p99_seconds=spec.slo.request_p99_milliseconds / 1000),
         engine=engine_config,
     )
-
-
-def render(config: GuardConfig) -> str:
-    return render_config(config)
 
 
 def config_hash(rendered: str) -> str:
