@@ -16,9 +16,10 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from . import audit
+from . import audit, engine_metrics
 from .audit import DeviceProber
 from .context import CHAT, COMPLETIONS, EMBEDDINGS
+from .contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from .contract.guard_config import GuardConfig
 from .contract.guard_metrics import Reason
 from .metrics import CONTENT_TYPE
@@ -57,6 +58,10 @@ def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
         guard.refresh_gauges()
         return web.Response(body=guard.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    async def vllm_metrics(request: web.Request) -> web.Response:
+        # vLLM listens on the pod's loopback only: its metrics are scraped here.
+        return await engine_metrics.read(guard.upstream, request)
+
     async def healthz(request: web.Request) -> web.Response:
         # Liveness: the event loop answers. Engine trouble is readiness's job;
         # restarting the guard would not fix vLLM.
@@ -90,7 +95,8 @@ def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
     app.router.add_get("/drain", drain_status)
     app.router.add_post("/drain", drain_start)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get(GUARD_METRICS_PATH, metrics)
+    app.router.add_get(ENGINE_METRICS_PATH, vllm_metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/audit", audit_report)
