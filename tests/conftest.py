@@ -55,6 +55,9 @@ def operator(control_plane, crds_installed, tmp_path_factory):
     """The operator, running as its own process for the whole session."""
     from gpufleet_dev.devcluster.operator_process import OperatorProcess
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    proc = OperatorProcess(control_plane.kubeconfig, log, ("--audit-interval-seconds", "2")).start()
+    # Not the real-node tier's namespaces (rn-*): an in-cluster operator owns those, and two
+    # operators reconciling one service would fight when both tiers run on one cluster.
+    proc = OperatorProcess(control_plane.kubeconfig, log,
+                           ("--audit-interval-seconds", "2", "--namespace", "!rn-*")).start()
     yield proc
     proc.stop()

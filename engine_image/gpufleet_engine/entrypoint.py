@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import cpu_budget
 from .contract import guard_config
 from .flags import EngineLaunch, vllm_launch
 from .processes import ManagedProcess
@@ -35,19 +36,20 @@ ENGINE_STOP_SECONDS = 30.0
 
 
 def plan(cfg: guard_config.GuardConfig, config_path: str, python: str,
-         cpu_count: int) -> tuple[EngineLaunch, list[str]]:
-    """What to run: vLLM's launch and the guard's argv. Pure."""
+         cpu: cpu_budget.CpuBudget) -> tuple[EngineLaunch, list[str]]:
+    """What to run: vLLM's launch (vLLM-CPU's threads within the container's ``cpu`` budget)
+    and the guard's argv. Pure."""
     if cfg.engine is None:
         raise guard_config.ConfigError(["engine: required by the container entrypoint; it says how to "
                                         "start vLLM (see docs/guard-config.md)"])
-    return (vllm_launch(cfg.engine, python=python, cpu_count=cpu_count),
+    return (vllm_launch(cfg.engine, python=python, cpu_count=cpu.threads, cpu_cores=cpu.bind),
             [python, "-m", "gpufleet_engine", "serve", "--config", config_path])
 
 
 def exec_vllm(config_path: str) -> None:
     """Replace this process with vLLM (it then gets the container's signals itself)."""
     cfg = guard_config.load(config_path)
-    launch, _ = plan(cfg, config_path, sys.executable, os.cpu_count() or 1)
+    launch, _ = plan(cfg, config_path, sys.executable, cpu_budget.read())
     _say(f"exec {' '.join(launch.argv)}")
     os.execvpe(launch.argv[0], list(launch.argv), {**os.environ, **launch.env})
 
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = guard_config.load(args.config)
-        launch, guard_argv = plan(cfg, str(Path(args.config)), sys.executable, os.cpu_count() or 1)
+        launch, guard_argv = plan(cfg, str(Path(args.config)), sys.executable, cpu_budget.read())
     except guard_config.ConfigError as e:
         _say(str(e))
         return 2

@@ -73,12 +73,17 @@ def _cpu_env(engine: EngineConfig, cpu_count: int, cpu_cores: str | None = None)
         # memory and may refuse to start; 1 GiB covers any small local pool.
         space = 1
     cores = max(1, cpu_count)
-    return {
+    env = {
         "VLLM_CPU_KVCACHE_SPACE": str(space),
         # Several engines on one host each get their own cores (``cpu_cores``, e.g. "1"):
         # OpenMP threads spin, and two engines bound to the same cores starve each other.
+        # "nobind" (a budget smaller than the node, see cpu_budget.py): vLLM leaves the
+        # threads unbound and their number to OMP_NUM_THREADS.
         "VLLM_CPU_OMP_THREADS_BIND": cpu_cores or ("0" if cores == 1 else f"0-{cores - 1}"),
         # The default reserves one core for the API server, leaving a
         # two-core machine one core for the model.
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
+    if cpu_cores == "nobind":
+        env["OMP_NUM_THREADS"] = str(cores)
+    return env

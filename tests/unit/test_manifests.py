@@ -196,3 +196,10 @@ def test_the_operator_takes_podmonitor_labels_as_key_value_options():
     assert label_pairs(("release=prom", "team=a=b")) == {"release": "prom", "team": "a=b"}
     result = CliRunner().invoke(main, ["run", "--podmonitor-label", "release"])
     assert result.exit_code == 2 and "is not KEY=VALUE" in result.output
+
+
+def test_the_engine_learns_its_cpu_request_in_whole_cores():
+    vllm = deployment(spec(resources={"cpu": "250m"}))["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in vllm["env"]}
+    from gpufleet_engine.cpu_budget import REQUEST_ENV
+    assert env[REQUEST_ENV]["valueFrom"] == {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}

@@ -42,3 +42,8 @@ def flag_name(arg: str) -> str:
 def managed_flags_in(args: list[str] | tuple[str, ...]) -> list[tuple[int, str]]:
     """(index, flag) of each argument that sets a managed flag."""
     return [(i, flag_name(a)) for i, a in enumerate(args) if flag_name(a) in MANAGED_FLAGS]
+
+
+# The vllm container's CPU request in whole cores (Downward API requests.cpu, divisor 1), set by
+# the operator; the entrypoint sizes vLLM-CPU's threads to it (cpu_budget.py).
+CPU_REQUEST_ENV = "GPUFLEET_CPU_REQUEST"

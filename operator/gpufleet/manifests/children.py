@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV
+
 from ..api.v1alpha1 import InferenceServiceSpec, VolumeMount
 from . import guard_config, names, placement
 
@@ -77,7 +79,10 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         "image": spec.engine.image,
         "command": ["gpufleet-engine", "vllm", "--config", config_arg],
         "ports": [{"name": "vllm", "containerPort": names.ENGINE_PORT}],
-        "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *model_env],
+        "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *model_env,
+                # vLLM-CPU sizes its threads to the request (whole cores, rounded up): see cpu_budget.py.
+                {"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
+                    "resource": "requests.cpu", "divisor": "1"}}}],
         "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus},
                       "limits": {"memory": str(res.memory), **gpus}},
         "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache"},

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from gpufleet_engine.contract import guard_config
+from gpufleet_engine.cpu_budget import CpuBudget
 from gpufleet_engine.entrypoint import plan
 from gpufleet_engine.flags import vllm_launch
 
@@ -65,7 +66,8 @@ def test_optional_features_map_to_their_flags():
 
 
 def test_the_entrypoint_runs_vllm_and_the_guard_from_the_same_file():
-    launch, guard_argv = plan(engine_cfg(), "/etc/gpufleet/guard.json", "/usr/bin/python3", 8)
+    launch, guard_argv = plan(engine_cfg(), "/etc/gpufleet/guard.json", "/usr/bin/python3",
+                              CpuBudget(8, "0-7", "cores"))
     assert launch.argv[0] == "/usr/bin/python3"
     assert guard_argv == ["/usr/bin/python3", "-m", "gpufleet_engine", "serve",
                           "--config", "/etc/gpufleet/guard.json"]
@@ -76,7 +78,7 @@ def test_the_entrypoint_needs_an_engine_section():
     del raw["engine"]
     cfg = guard_config.parse(raw)
     try:
-        plan(cfg, "/x", "py", 1)
+        plan(cfg, "/x", "py", CpuBudget(1, "0", "cores"))
     except guard_config.ConfigError as e:
         assert "engine: required by the container entrypoint" in str(e)
     else:
