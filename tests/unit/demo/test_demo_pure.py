@@ -12,11 +12,14 @@ def pod(name, ip, ready=True, deleting=False):
         {"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-def test_only_ready_live_pods_are_scraped_on_guard_and_vllm_ports(tmp_path):
+def test_only_ready_live_pods_are_scraped_for_guard_and_vllm_metrics_on_the_guard_port(tmp_path):
     groups = engine_targets([pod("a", "127.64.0.2"), pod("b", "127.64.0.3", ready=False),
                              pod("c", "127.64.0.4", deleting=True)])
-    assert groups == [{"targets": ["127.64.0.2:8080", "127.64.0.2:8000"],
-                       "labels": {"namespace": "demo", "pod": "a", "service": "chat"}}]
+    labels = {"namespace": "demo", "pod": "a", "service": "chat"}
+    assert groups == [
+        {"targets": ["127.64.0.2:8080"], "labels": {**labels, "endpoint": "http", "__metrics_path__": "/metrics"}},
+        {"targets": ["127.64.0.2:8080"],
+         "labels": {**labels, "endpoint": "vllm", "__metrics_path__": "/metrics/engine"}}]
     cfg = config(tmp_path / "t.json", "127.0.0.1:9090")
     assert cfg["scrape_configs"][0]["honor_labels"] is True
 

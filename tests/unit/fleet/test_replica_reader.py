@@ -1,6 +1,6 @@
-"""The replica reader against local engine and guard endpoints: both are read,
-and any failure (an error status, a replica too slow to answer) makes the
-replica unreadable rather than idle."""
+"""The replica reader against a local guard endpoint serving its own metrics and
+vLLM's (/metrics/engine): both are read, and any failure (an error status, a
+replica too slow to answer) makes the replica unreadable rather than idle."""
 from __future__ import annotations
 
 import asyncio
@@ -18,32 +18,33 @@ GUARD = 'gpufleet_guard_queue_depth{class="interactive"} 3.0\n'
 class Endpoint:
     def __init__(self, text: str):
         self.text, self.status, self.delay = text, 200, 0.0
-        app = web.Application()
-        app.router.add_get("/metrics", self.serve)
-        app.router.add_get("/audit", self.audit)
-        self.server = TestServer(app, host="127.0.0.1")
 
     async def serve(self, _request):
         await asyncio.sleep(self.delay)
         return web.Response(text=self.text, status=self.status)
 
-    async def audit(self, _request):
-        return web.json_response({"verdict": "OK"})
+
+async def audit(_request):
+    return web.json_response({"verdict": "OK"})
 
 
 @pytest.fixture
 async def replica():
+    """(vLLM's metrics, the guard's metrics), both on the one guard port."""
     engine, guard = Endpoint(VLLM), Endpoint(GUARD)
-    await engine.server.start_server()
-    await guard.server.start_server()
+    app = web.Application()
+    app.router.add_get("/metrics/engine", engine.serve)
+    app.router.add_get("/metrics", guard.serve)
+    app.router.add_get("/audit", audit)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    engine.server = guard.server = server
     yield engine, guard
-    await engine.server.close()
-    await guard.server.close()
+    await server.close()
 
 
 def reader_for(replica, **kwargs) -> ReplicaReader:
-    engine, guard = replica
-    return ReplicaReader(engine_port=engine.server.port, guard_port=guard.server.port, **kwargs)
+    return ReplicaReader(guard_port=replica[1].server.port, **kwargs)
 
 
 async def test_sample_reads_engine_and_guard_metrics(replica):
