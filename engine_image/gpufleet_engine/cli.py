@@ -43,7 +43,8 @@ def serve(config_path: str, log_level: str) -> None:
         cfg = guard_config.load(config_path)
     except guard_config.ConfigError as e:
         raise click.ClickException(str(e)) from None
-    sys.exit(asyncio.run(run_server(cfg)))
+    # The path too: the guard re-reads it and applies live changes (reload.py).
+    sys.exit(asyncio.run(run_server(cfg, config_path)))
 
 
 @engine.command("vllm")

@@ -33,7 +33,8 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
         "--served-model-name", engine.served_model_name or engine.model,
         "--host", engine.host,
         "--port", str(engine.port),
-        "--max-model-len", str(engine.max_model_len),
+        # Unset, vLLM serves the model's own context; the guard reads it from /v1/models.
+        *(("--max-model-len", str(engine.max_model_len)) if engine.max_model_len is not None else ()),
         "--block-size", str(engine.block_size),
         "--kv-cache-dtype", engine.kv_cache_dtype,
         # vLLM's CPU kernels are slow or missing in half precision for small
@@ -44,6 +45,9 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
         # The guard logs requests; vLLM's per-request access log doubles the noise.
         "--disable-uvicorn-access-log",
     ]
+    if engine.revision:
+        # The tokenizer comes from the same repository, so it is pinned to the same revision.
+        argv += ["--revision", engine.revision, "--tokenizer-revision", engine.revision]
     if not cpu:
         argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size),
                  "--gpu-memory-utilization", str(engine.gpu_memory_utilization)]

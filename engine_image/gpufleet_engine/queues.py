@@ -53,7 +53,23 @@ class MultiLevelQueue(Generic[T]):
         return list(self._classes.values())
 
     def depth(self, class_name: str) -> int:
-        return len(self._lanes[class_name])
+        return len(self._lanes.get(class_name, ()))
+
+    def reconfigure(self, classes: Iterable[QueueClass], aging_seconds: float, max_length: int) -> None:
+        """New classes, aging and length (a live config reload). Waiting entries keep their place
+        and the class they arrived with; a lane of a class no longer configured is served until
+        it is empty, then dropped."""
+        new = {c.name: c for c in classes}
+        if not new:
+            raise ValueError("at least one queue class is needed")
+        self._classes = new
+        for name in new:
+            self._lanes.setdefault(name, deque())
+        for name in [n for n, lane in self._lanes.items() if n not in new and not lane]:
+            del self._lanes[name]
+        self._aging = aging_seconds
+        self._max_length = max_length
+        self._top_level = min(c.level for c in new.values())
 
     def push(self, item: T, class_name: str, now: float) -> Entry[T]:
         if self._size >= self._max_length:

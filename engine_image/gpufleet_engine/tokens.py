@@ -30,9 +30,13 @@ class HfTokenizer:
         self._tok = hf_tokenizer
 
     @classmethod
-    def load(cls, name_or_path: str) -> "HfTokenizer":
+    def load(cls, name_or_path: str, revision: str | None = None) -> "HfTokenizer":
+        """``revision``: the model repository's branch, tag or commit, the one vLLM loads
+        (``--tokenizer-revision``); None for the default branch or a local folder."""
         from transformers import AutoTokenizer  # heavy import; only the real server pays it
 
+        if revision:
+            return cls(AutoTokenizer.from_pretrained(name_or_path, revision=revision))
         return cls(AutoTokenizer.from_pretrained(name_or_path))
 
     def encode(self, text: str) -> list[int]:

@@ -66,7 +66,7 @@ class EngineMonitor:
     def __init__(self, upstream: Upstream, interval: float,
                  on_stats: Callable[[VllmStats], None], on_down: Callable[[str], None]):
         self._upstream = upstream
-        self._interval = interval
+        self.interval = interval  # a config reload may change it
         self._on_stats = on_stats
         self._on_down = on_down
         self._wake = asyncio.Event()
@@ -79,7 +79,7 @@ class EngineMonitor:
         last_problem = None
         while True:
             try:
-                stats = await self._upstream.read_stats(timeout=max(1.0, 4 * self._interval))
+                stats = await self._upstream.read_stats(timeout=max(1.0, 4 * self.interval))
             except (EngineDown, MetricsFormatError) as e:
                 problem = str(e)
                 if problem != last_problem:
@@ -93,6 +93,6 @@ class EngineMonitor:
                 self._on_stats(stats)
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), self._interval)
+                await asyncio.wait_for(self._wake.wait(), self.interval)
             except asyncio.TimeoutError:
                 pass

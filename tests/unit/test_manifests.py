@@ -81,12 +81,24 @@ def test_pool_product_and_mig_become_scheduling_constraints():
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/mig-1g.10gb"] == "1"
 
 
-def test_config_change_changes_the_pod_template_hash():
+def test_an_engine_change_changes_the_pod_template_hash():
     a = deployment(spec())
-    b = deployment(spec(admission={"kvWatermarkPercent": 20}))
+    b = deployment(spec(model={"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192}))
     key = names.ANNOTATION_CONFIG_HASH
     assert a["spec"]["template"]["metadata"]["annotations"][key] != \
         b["spec"]["template"]["metadata"]["annotations"][key]
+
+
+@pytest.mark.parametrize("admission", [
+    {"kvWatermarkPercent": 20}, {"maxConcurrency": 8, "maxQueueLength": 10}, {"reservation": "FullBudget"},
+    {"overLengthPolicy": "TruncateLeft", "maxContextTokens": 2048},
+    {"queueClasses": [{"name": "only", "level": 1, "maxQueueSeconds": 5}],
+     "routeClasses": [{"route": "/v1/completions", "defaultClass": "only"}]}])
+def test_an_admission_change_updates_the_configmap_but_not_the_pod_template(admission):
+    """Tuning the guard must not restart vLLM: the running guards reload guard.json (reload.py)."""
+    before, after = spec(), spec(admission=admission)
+    assert children.build_configmap(ISVC, before)[0]["data"] != children.build_configmap(ISVC, after)[0]["data"]
+    assert deployment(before)["spec"]["template"] == deployment(after)["spec"]["template"]
 
 
 def test_guard_config_is_derived_from_the_spec():

@@ -14,6 +14,8 @@ MANAGED_FLAGS: dict[str, str] = {
     "--host": "leave it to the pod layout",
     "--port": "leave it to the pod layout",
     "--max-model-len": "set spec.model.maxModelLen",
+    "--revision": "set spec.model.source.huggingFace.revision",
+    "--tokenizer-revision": "set spec.model.source.huggingFace.revision",
     "--tensor-parallel-size": "set spec.engine.tensorParallelSize",
     "-tp": "set spec.engine.tensorParallelSize",
     "--gpu-memory-utilization": "set spec.engine.gpuMemoryUtilizationPercent",

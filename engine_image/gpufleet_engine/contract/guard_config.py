@@ -47,11 +47,13 @@ class ConfigError(ValueError):
 
 def _field(default: Any = dataclasses.MISSING, *, key: str | None = None, low: float | None = None,
            high: float | None = None, positive: bool = False, choices: tuple[str, ...] | None = None,
-           from_engine: str | None = None, factory: Any = dataclasses.MISSING) -> Any:
+           from_engine: str | None = None, live: bool = False, factory: Any = dataclasses.MISSING) -> Any:
     """A field of guard.json. ``from_engine``: left out, it takes the engine section's field of
-    that name (so a file with an ``engine`` section need not repeat it)."""
+    that name (so a file with an ``engine`` section need not repeat it). ``live``: a running guard
+    applies a new value when the file changes (``reload.py``); every other field (vLLM's engine
+    section, the guard's layout) needs the pod restarted, and only those change the pod template."""
     meta = {"key": key, "low": low, "high": high, "positive": positive, "choices": choices,
-            "from_engine": from_engine}
+            "from_engine": from_engine, "live": live}
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -77,7 +79,11 @@ class EngineConfig:
     served_model_name: str = _field("")  # empty: the model
     host: str = _field("0.0.0.0")
     port: int = _field(8000, low=1, high=65535)
-    max_model_len: int = _field(4096, low=1)
+    # None: the model's own context (vLLM reads it from the model's config); the guard then
+    # learns it from vLLM's /v1/models before it admits anything.
+    max_model_len: Optional[int] = _field(None, low=1)
+    # The model repository's revision (branch, tag or commit): --revision and --tokenizer-revision.
+    revision: Optional[str] = _field(None)
     tensor_parallel_size: int = _field(1, low=1)
     gpu_memory_utilization: float = _field(0.9, positive=True, high=1)
     block_size: int = _field(32, low=1)
@@ -119,30 +125,32 @@ def default_routes(classes: tuple[QueueClass, ...] | list[QueueClass]) -> dict[s
 class GuardConfig:
     served_model_name: str = _field("", from_engine="served_model_name")
     tokenizer: str = _field("", from_engine="model")
+    tokenizer_revision: Optional[str] = _field(None, from_engine="revision")
     service: str = _field("")
     namespace: str = _field("")
     listen_host: str = _field("0.0.0.0")
     listen_port: int = _field(8080, low=0, high=65535)
     engine_url: str = _field("http://127.0.0.1:8000")
     block_size: int = _field(32, low=1, from_engine="block_size")
-    kv_watermark_percent: int = _field(5, low=0, high=99)
-    reservation: str = _field("Predicted", choices=RESERVATIONS)
-    reservation_quantile_percent: int = _field(90, low=50, high=100)
-    max_context_tokens: int = _field(4096, low=1, from_engine="max_model_len")
-    over_length_policy: str = _field("Reject", choices=OVER_LENGTH_POLICIES)
-    request_timeout_seconds: float = _field(300, positive=True)
-    drain_timeout_seconds: float = _field(300)
-    max_concurrency: int = _field(64, low=1)
-    max_queue_length: int = _field(1024, low=0)
-    class_header: str = _field(CLASS_HEADER)
-    class_header_policy: str = _field("LowerOnly", choices=CLASS_HEADER_POLICIES)
-    aging_seconds: float = _field(5, positive=True)
-    retry_after_seconds: float = _field(1, positive=True)
-    queue_classes: tuple[QueueClass, ...] = _field(factory=_default_classes)
+    kv_watermark_percent: int = _field(5, low=0, high=99, live=True)
+    reservation: str = _field("Predicted", choices=RESERVATIONS, live=True)
+    reservation_quantile_percent: int = _field(90, low=50, high=100, live=True)
+    # None: the context vLLM serves (engine.maxModelLen, or what vLLM's /v1/models reports).
+    max_context_tokens: Optional[int] = _field(None, low=1, from_engine="max_model_len", live=True)
+    over_length_policy: str = _field("Reject", choices=OVER_LENGTH_POLICIES, live=True)
+    request_timeout_seconds: float = _field(300, positive=True, live=True)
+    drain_timeout_seconds: float = _field(300, live=True)
+    max_concurrency: int = _field(64, low=1, live=True)
+    max_queue_length: int = _field(1024, low=0, live=True)
+    class_header: str = _field(CLASS_HEADER, live=True)
+    class_header_policy: str = _field("LowerOnly", choices=CLASS_HEADER_POLICIES, live=True)
+    aging_seconds: float = _field(5, positive=True, live=True)
+    retry_after_seconds: float = _field(1, positive=True, live=True)
+    queue_classes: tuple[QueueClass, ...] = _field(factory=_default_classes, live=True)
     # Routes left out get default_routes(queue_classes).
-    default_class_by_route: Mapping[str, str] = _field(factory=dict)
-    metrics_poll_seconds: float = _field(0.5, positive=True)
-    slo: SLOConfig = _field(factory=SLOConfig)
+    default_class_by_route: Mapping[str, str] = _field(factory=dict, live=True)
+    metrics_poll_seconds: float = _field(0.5, positive=True, live=True)
+    slo: SLOConfig = _field(factory=SLOConfig, live=True)
     engine: Optional[EngineConfig] = _field(None)
 
     def queue_class(self, name: str) -> QueueClass | None:
@@ -173,6 +181,36 @@ def to_document(config: GuardConfig) -> dict:
 
 def render(config: GuardConfig) -> str:
     return json.dumps(to_document(config), indent=2, sort_keys=True)
+
+
+LIVE_FIELDS = tuple(f.name for f in dataclasses.fields(GuardConfig) if f.metadata.get("live"))
+
+
+def restart_document(config: GuardConfig) -> dict:
+    """The part of the document a running pod cannot take without a restart: vLLM's ``engine``
+    section and the guard's layout (addresses, model, tokenizer). The operator hashes only this
+    into the pod template; the ``live`` fields the guard re-reads from the mounted file."""
+    live = {key_of(f) for f in dataclasses.fields(GuardConfig) if f.name in LIVE_FIELDS}
+    return {k: v for k, v in to_document(config).items() if k not in live}
+
+
+def restart_changes(running: GuardConfig, new: GuardConfig) -> list[str]:
+    """Keys of the fields that differ between ``running`` and ``new`` and need a restart."""
+    return sorted(key_of(f) for f in dataclasses.fields(GuardConfig)
+                  if f.name not in LIVE_FIELDS and getattr(running, f.name) != getattr(new, f.name))
+
+
+def live_changes(running: GuardConfig, new: GuardConfig) -> list[str]:
+    """Keys of the live fields that differ between ``running`` and ``new``."""
+    return sorted(key_of(f) for f in dataclasses.fields(GuardConfig)
+                  if f.name in LIVE_FIELDS and getattr(running, f.name) != getattr(new, f.name))
+
+
+def with_live_fields(running: GuardConfig, new: GuardConfig) -> GuardConfig:
+    """``running`` with the live fields of ``new``, checked together as one file (a new
+    maxContextTokens must still fit the engine the guard runs with)."""
+    merged = dataclasses.replace(running, **{name: getattr(new, name) for name in LIVE_FIELDS})
+    return parse(to_document(merged))
 
 
 def _encode(value: Any) -> Any:
@@ -393,7 +431,8 @@ def _check_guard(values: dict[str, Any], problems: list[str]) -> None:
         if engine.block_size != values["block_size"]:
             problems.append(f"blockSize: {values['block_size']} differs from engine.blockSize {engine.block_size}; "
                             f"the guard's block arithmetic must match vLLM's, set both to the same value")
-        if values["max_context_tokens"] > engine.max_model_len:
+        context = values["max_context_tokens"]
+        if context is not None and engine.max_model_len is not None and context > engine.max_model_len:
             problems.append(f"maxContextTokens: {values['max_context_tokens']} exceeds engine.maxModelLen "
                             f"{engine.max_model_len}; vLLM would refuse what the guard admits, "
                             f"lower maxContextTokens or raise engine.maxModelLen")

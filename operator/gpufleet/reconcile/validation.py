@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from gpufleet_engine.contract.engine_flags import MANAGED_FLAGS, managed_flags_in
-from gpufleet_engine.contract.guard_config import EngineConfig
 
 from ..api.v1alpha1 import InferenceServiceSpec
 
@@ -17,16 +16,16 @@ def validate(spec: InferenceServiceSpec) -> list[str]:
                         "quantization or use runtime vllm")
     if spec.engine.runtime == "vllm-cpu" and spec.engine.kv_cache.dtype != "auto":
         problems.append("spec.engine.kvCache.dtype: vllm-cpu supports only auto; set it to auto")
-    context = spec.admission.max_context_tokens
-    if spec.model.max_model_len is None and context is not None and context > EngineConfig.max_model_len:
-        # Unset, the engine is started with the contract's default length (CEL
-        # cannot compare with a default it does not know).
-        problems.append(f"spec.admission.maxContextTokens: {context} exceeds the engine's context length "
-                        f"{EngineConfig.max_model_len} (spec.model.maxModelLen is unset); set "
-                        f"spec.model.maxModelLen to at least {context}")
     blocks, block_size = spec.engine.kv_cache.num_blocks_override, spec.engine.kv_cache.block_size
-    length = spec.model.max_model_len or EngineConfig.max_model_len
-    if blocks is not None and length > (blocks - 1) * block_size:
+    length = spec.model.max_model_len
+    if blocks is not None and length is None:
+        # Unset, vLLM takes the model's own context (often 128k tokens) and refuses to start
+        # when one request of it does not fit the fixed pool.
+        fits = max(0, (blocks - 1) * block_size)
+        problems.append(f"spec.model.maxModelLen: required with spec.engine.kvCache.numBlocksOverride; "
+                        f"set it to at most {fits} tokens (what {blocks} blocks of {block_size} hold after "
+                        f"the one vLLM keeps back)")
+    elif blocks is not None and length is not None and length > (blocks - 1) * block_size:
         # vLLM keeps one block back and refuses to start when one request of
         # maxModelLen tokens cannot fit in the rest.
         fits = max(0, (blocks - 1) * block_size)
@@ -34,4 +33,41 @@ def validate(spec: InferenceServiceSpec) -> list[str]:
                         f"{fits} tokens after the one vLLM keeps back, less than the context length {length}; "
                         f"raise numBlocksOverride to at least {-(-length // block_size) + 1} or set "
                         f"spec.model.maxModelLen to at most {fits}")
+    problems += _model_problems(spec)
+    return problems
+
+
+def _model_problems(spec: InferenceServiceSpec) -> list[str]:
+    """The weights' source and cache (the CRD's CEL rules say the same at admission; these also
+    catch objects stored before those rules existed)."""
+    problems = []
+    model = spec.model
+    uri = model.source.uri
+    if uri is not None and not uri.startswith("/"):
+        problems.append(f"spec.model.source.uri: {uri!r} is not an absolute path inside the engine image; "
+                        f"remote schemes (s3://, gs://, https://) are not supported: copy the weights into a "
+                        f"PersistentVolumeClaim (spec.model.source.pvc) or load them from the Hugging Face Hub "
+                        f"(spec.model.source.huggingFace, with spec.model.cache)")
+    cache = model.cache
+    claim = cache.persistent_volume_claim
+    in_place = model.source.pvc is not None or uri is not None
+    if in_place and (claim or cache.host_path):
+        which = "persistentVolumeClaim" if claim else "hostPath"
+        problems.append(f"spec.model.cache.{which}: the weights are read in place from "
+                        f"spec.model.source.{'pvc' if model.source.pvc else 'uri'}, nothing is downloaded to "
+                        f"cache; remove spec.model.cache.{which}")
+    if claim and cache.host_path:
+        problems.append("spec.model.cache: set at most one of persistentVolumeClaim and hostPath")
+    if claim and (claim.claim_name is None) == (claim.size is None):
+        problems.append("spec.model.cache.persistentVolumeClaim: set exactly one of claimName (an existing "
+                        "claim) and size (the operator creates the claim <service>-model-cache)")
+    if claim and claim.claim_name and (claim.storage_class_name or claim.access_mode):
+        problems.append("spec.model.cache.persistentVolumeClaim: storageClassName and accessMode are for the "
+                        "claim the operator creates; an existing claim (claimName) has its own, so remove them")
+    if claim and claim.size is not None and claim.access_mode == "ReadWriteOnce" \
+            and spec.isolation.mode == "Exclusive" and spec.autoscaling.max_replicas > 1:
+        # Exclusive puts each replica on a node of its own; a ReadWriteOnce volume attaches to one node.
+        problems.append("spec.model.cache.persistentVolumeClaim.accessMode: ReadWriteOnce attaches to one node, "
+                        "but isolation.mode Exclusive puts each of up to "
+                        f"{spec.autoscaling.max_replicas} replicas on its own node; use ReadWriteMany")
     return problems

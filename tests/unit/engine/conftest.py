@@ -66,6 +66,8 @@ class FakeVllm:
     metrics_up: bool = True
     # When set, answers end (at "EOS") after this many tokens, below max_tokens.
     answer_tokens: int | None = None
+    # The context vLLM reports in /v1/models; None: the field is left out (not vLLM's server).
+    max_model_len: int | None = None
     seen_bodies: list[dict] = field(default_factory=list)
     running: int = 0
     disconnects: int = 0
@@ -87,7 +89,10 @@ class FakeVllm:
                                                          block_size=self.block_size, blocks=self.blocks))
 
     async def _models(self, request):
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        card: dict[str, Any] = {"id": "m", "object": "model"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _generate(self, request):
         body = await request.json()

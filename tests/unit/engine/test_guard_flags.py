@@ -83,3 +83,20 @@ def test_the_entrypoint_needs_an_engine_section():
         assert "engine: required by the container entrypoint" in str(e)
     else:
         raise AssertionError("plan accepted a config without an engine section")
+
+
+def test_without_max_model_len_vllm_serves_the_models_own_context():
+    argv = vllm_launch(engine_cfg(maxModelLen=None).engine).argv
+    assert not [a for a in argv if a.startswith("--max-model-len") or a.startswith("--max_model_len")]
+
+
+def test_a_revision_pins_the_weights_and_the_tokenizer():
+    argv = vllm_launch(engine_cfg(revision="a1b2c3d").engine).argv
+    assert flag(argv, "--revision") == "a1b2c3d" and flag(argv, "--tokenizer-revision") == "a1b2c3d"
+    assert "--revision" not in vllm_launch(engine_cfg().engine).argv
+
+
+def test_the_guard_loads_the_tokenizer_at_the_engines_revision():
+    raw = json.loads(FIXTURE.read_text())
+    raw["engine"]["revision"] = "v2"
+    assert guard_config.parse(raw).tokenizer_revision == "v2"
