@@ -65,11 +65,28 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
               callback=lambda ctx, param, pairs: label_pairs(pairs),
               help="A label for every engine PodMonitor, so the cluster's Prometheus selects them (repeat "
                    "for more; kube-prometheus-stack wants release=<its release name>).")
+@click.option("--network-policies/--no-network-policies", default=False, show_default=True,
+              help="Give every InferenceService a NetworkPolicy: its engines' guard port only for the "
+                   "operator, the namespaces named below and (unless turned off) its own namespace "
+                   "(docs/security.md).")
+@click.option("--network-policy-operator-namespace", default=None,
+              help="The operator pods' namespace; default: the namespace of the operator's credentials.")
+@click.option("--network-policy-operator-label", "network_policy_operator_labels", multiple=True,
+              metavar="KEY=VALUE", callback=lambda ctx, param, pairs: label_pairs(pairs),
+              help="A label of the operator's pods (repeat for more): the engines accept its metrics reads.")
+@click.option("--network-policy-client-namespace", "network_policy_client_namespaces", multiple=True,
+              help="A namespace whose pods send requests to the engines: a router, a gateway (repeatable).")
+@click.option("--network-policy-prometheus-namespace", "network_policy_prometheus_namespaces", multiple=True,
+              help="A namespace whose Prometheus scrapes the engines (repeatable).")
+@click.option("--network-policy-same-namespace/--no-network-policy-same-namespace", default=True,
+              show_default=True, help="Let pods in an InferenceService's own namespace reach its engines.")
 @click.option("-v", "--verbose", is_flag=True)
 def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, leader_elect,
         leader_elect_resource_name, leader_elect_resource_namespace, leader_elect_lease_duration,
         leader_elect_renew_deadline, leader_elect_retry_period, leader_elect_identity, fleet_loops,
-        fleet_interval_seconds, resync_seconds, audit_interval_seconds, podmonitor_labels, verbose) -> None:
+        fleet_interval_seconds, resync_seconds, audit_interval_seconds, podmonitor_labels, network_policies,
+        network_policy_operator_namespace, network_policy_operator_labels, network_policy_client_namespaces,
+        network_policy_prometheus_namespaces, network_policy_same_namespace, verbose) -> None:
     """Run the operator."""
     import kopf
 
@@ -96,6 +113,15 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     runtime.fleet_interval = fleet_interval_seconds
     runtime.resync_seconds = resync_seconds
     runtime.controller.podmonitor_labels = podmonitor_labels
+    if network_policies:
+        from .manifests.network_policy import EngineIngress
+        try:
+            runtime.controller.engine_ingress = EngineIngress(
+                network_policy_operator_namespace or config.current.namespace, network_policy_operator_labels,
+                tuple(network_policy_client_namespaces), tuple(network_policy_prometheus_namespaces),
+                network_policy_same_namespace)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--network-policy-*") from None
     if leader_elect:
         runtime.enable_leader_election(
             leader_elect_resource_namespace or config.current.namespace, leader_elect_resource_name,

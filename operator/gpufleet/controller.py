@@ -24,6 +24,7 @@ from .api import v1alpha1 as t
 from .kube.client import KubeClient
 from .kube.errors import ApiError, Conflict
 from .manifests import names
+from .manifests.network_policy import EngineIngress
 from .metrics import OperatorMetrics
 from .reconcile import conditions as cond
 from .reconcile.desired import desired_children
@@ -74,6 +75,8 @@ class Controller:
         self._has_podmonitor = False
         # Labels every PodMonitor gets, so the cluster's Prometheus selects it (--podmonitor-label).
         self.podmonitor_labels: dict[str, str] = {}
+        # Who may reach the engines' guard port; None: no NetworkPolicy (--network-policies).
+        self.engine_ingress: EngineIngress | None = None
         # (namespace, name) -> monotonic time of the last successful reconcile, whoever asked for it
         self.last_reconciled: dict[tuple[str, str], float] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -234,7 +237,8 @@ class Controller:
         meta = isvc["metadata"]
         key, gen = (meta["namespace"], meta["name"]), meta.get("generation", 0)
         for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor(),
-                                     podmonitor_labels=self.podmonitor_labels):
+                                     podmonitor_labels=self.podmonitor_labels,
+                                     engine_ingress=self.engine_ingress):
             try:
                 await self.kube.apply(obj)
             except ApiError as e:

@@ -65,9 +65,12 @@ async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, 
         "users": [{"name": "sa", "user": {"token": token}}],
         "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}]}))
     # As the chart runs it: electing a leader on the Lease in the release namespace (its Role suffices).
+    # And giving the sample its NetworkPolicy, as the chart's defaults have it do.
     op = OperatorProcess(str(kc), tmp_path / "operator.log", (
         "--namespace", namespace, "--leader-elect", "--leader-elect-resource-namespace", RELEASE_NS,
-        "--leader-elect-identity", f"test-{namespace}")).start()
+        "--leader-elect-identity", f"test-{namespace}", "--network-policies",
+        "--network-policy-operator-namespace", RELEASE_NS,
+        "--network-policy-operator-label", "app.kubernetes.io/name=gpufleet-operator")).start()
     try:
         sample = yaml.safe_load((ROOT / "samples" / "chat.yaml").read_text())
         control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(sample))
@@ -81,8 +84,73 @@ async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, 
         log = (tmp_path / "operator.log").read_text()
         assert "403" not in log and "Forbidden" not in log, op.log_tail(40)
         assert f"test-{namespace} became leader" in log, op.log_tail(40)
+        policy = await kube.get("networking.k8s.io/v1", "NetworkPolicy", "chat-engine", namespace)
+        selector = ",".join(f"{k}={v}" for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
+        selected = await kube.list("v1", "Pod", namespace, label_selector=selector)
+        assert selected and all(p["metadata"]["labels"]["gpufleet.dev/service"] == "chat" for p in selected)
     finally:
         op.stop()
+
+
+async def test_the_operators_network_policy_selects_the_operators_pods(control_plane, installed, kube):
+    policy = await kube.get("networking.k8s.io/v1", "NetworkPolicy", "gpufleet-operator", RELEASE_NS)
+    selector = ",".join(f"{k}={v}" for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
+
+    async def operator_pods():
+        pods = await kube.list("v1", "Pod", RELEASE_NS, label_selector="app.kubernetes.io/instance=gpufleet")
+        return pods if len(pods) == 2 else None
+    pods = await wait_for(operator_pods, timeout=60, what="the chart's two operator pods")
+    selected = await kube.list("v1", "Pod", RELEASE_NS, label_selector=selector)
+    assert {p["metadata"]["name"] for p in selected} == {p["metadata"]["name"] for p in pods}
+
+
+@pytest.fixture
+def people(control_plane, installed, namespace):
+    """editor and viewer, bound in ``namespace`` to the built-in edit and view roles only."""
+    for user, role in (("editor", "edit"), ("viewer", "view")):
+        control_plane.kubectl("-n", namespace, "create", "rolebinding", user, f"--clusterrole={role}",
+                              f"--user={user}")
+    return namespace
+
+
+def can_i(control_plane, namespace, user, verb, resource) -> str:
+    args = [verb, resource]
+    if "/" in resource:
+        res, sub = resource.split("/")
+        args = [verb, res, f"--subresource={sub}"]
+    return control_plane.kubectl("auth", "can-i", *args, "--as", user, "-n", namespace, check=False).stdout.strip()
+
+
+ISVC = "inferenceservices.serving.gpufleet.dev"
+
+
+@pytest.mark.parametrize("user, verb, resource, allowed", [
+    ("editor", "create", ISVC, "yes"), ("editor", "patch", ISVC, "yes"), ("editor", "delete", ISVC, "yes"),
+    ("editor", "update", f"{ISVC}/scale", "yes"), ("editor", "patch", f"{ISVC}/status", "no"),
+    ("viewer", "get", ISVC, "yes"), ("viewer", "list", ISVC, "yes"), ("viewer", "watch", ISVC, "yes"),
+    ("viewer", "get", f"{ISVC}/scale", "yes"), ("viewer", "create", ISVC, "no"), ("viewer", "patch", ISVC, "no"),
+    ("viewer", "delete", ISVC, "no"), ("viewer", "update", f"{ISVC}/scale", "no"),
+])
+async def test_the_built_in_roles_cover_inferenceservices(control_plane, people, user, verb, resource, allowed):
+    # The aggregation controller folds the chart's roles into edit and view shortly after the install.
+    await wait_for(lambda: can_i(control_plane, people, "editor", "create", ISVC) == "yes"
+                   and can_i(control_plane, people, "viewer", "get", ISVC) == "yes",
+                   timeout=30, what="the chart's roles aggregated into edit and view")
+    assert can_i(control_plane, people, user, verb, resource) == allowed
+    assert can_i(control_plane, "default", user, "get", ISVC) == "no"  # only where they are bound
+
+
+async def test_an_editor_creates_and_scales_a_service_that_a_viewer_can_only_read(control_plane, people):
+    await wait_for(lambda: can_i(control_plane, people, "editor", "update", f"{ISVC}/scale") == "yes",
+                   timeout=30, what="the chart's roles aggregated into edit")
+    sample = yaml.safe_load((ROOT / "samples" / "chat.yaml").read_text())
+    control_plane.kubectl("apply", "-n", people, "--as", "editor", "-f", "-", input=yaml.safe_dump(sample))
+    control_plane.kubectl("scale", "-n", people, "--as", "editor", "inferenceservice/chat", "--replicas=2")
+    got = control_plane.kubectl("get", "-n", people, "--as", "viewer", "inferenceservice/chat", "-o", "yaml")
+    assert yaml.safe_load(got.stdout)["spec"]["replicas"] == 2
+    refused = control_plane.kubectl("scale", "-n", people, "--as", "viewer", "inferenceservice/chat",
+                                    "--replicas=1", check=False)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr
 
 
 def test_the_documented_upgrade_updates_the_crd_and_the_release(control_plane, installed):

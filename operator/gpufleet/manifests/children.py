@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV
 
 from ..api.v1alpha1 import InferenceServiceSpec, VolumeMount
@@ -15,6 +16,28 @@ from . import guard_config, names, placement
 
 CONFIG_DIR = "/etc/gpufleet"
 DRAIN_SLACK_SECONDS = 30
+# Both containers run as this unprivileged user (the guard's and vLLM's files are world-readable
+# in the image; every path they write is an emptyDir). docs/security.md says why each setting.
+RUN_AS_USER = 65532
+CACHE_DIR = "/cache"
+
+
+def pod_security_context() -> dict:
+    # The restricted Pod Security Standard asks a seccomp profile of every pod.
+    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "capabilities": {"drop": ["ALL"]}}
+
+
+def engine_runtime_env() -> list[dict]:
+    """Where vLLM writes on a read-only root: its own, Triton's, torch's and CUDA's caches go under
+    $HOME and $XDG_CACHE_HOME (the cache emptyDir), temporary files and IPC sockets under /tmp (an
+    emptyDir). USER: the image has no passwd entry for RUN_AS_USER, and torch asks getpass for a name."""
+    return [{"name": "HOME", "value": CACHE_DIR}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+            {"name": "USER", "value": "gpufleet"}]
 
 
 def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
@@ -78,19 +101,20 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         "name": "vllm",
         "image": spec.engine.image,
         "command": ["gpufleet-engine", "vllm", "--config", config_arg],
-        "ports": [{"name": "vllm", "containerPort": names.ENGINE_PORT}],
-        "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *model_env,
+        # No port: vLLM listens on the pod's loopback (guard.json's engine.host); the guard is the way in.
+        "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *engine_runtime_env(), *model_env,
                 # vLLM-CPU sizes its threads to the request (whole cores, rounded up): see cpu_budget.py.
                 {"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
                     "resource": "requests.cpu", "divisor": "1"}}}],
         "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus},
                       "limits": {"memory": str(res.memory), **gpus}},
-        "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache"},
+        "volumeMounts": [config_mount, {"name": "cache", "mountPath": CACHE_DIR},
+                         {"name": "engine-tmp", "mountPath": "/tmp"},
                          {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts,
                          *(_volume_mount(m) for m in pod.volume_mounts)],
         # vLLM must outlive the guard's drain, or in-flight requests die with it.
         "lifecycle": {"preStop": drain},
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": container_security_context(),
     }
     guard = {
         "name": "guard",
@@ -112,11 +136,11 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5,
                          "failureThreshold": 360},
         "lifecycle": {"preStop": drain},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "runAsNonRoot": True, "runAsUser": 65532, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": container_security_context(),
     }
     pod_spec = {
         "containers": [engine, guard],
+        "securityContext": pod_security_context(),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "nodeSelector": placement.node_selector(spec),
         "tolerations": placement.tolerations(spec),
@@ -125,6 +149,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             {"name": "cache", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
             {"name": "guard-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+            {"name": "engine-tmp", "emptyDir": {}},
             *model_volumes,
             *pod.volumes,
         ],
@@ -186,8 +211,11 @@ def build_podmonitor(isvc: dict, spec: InferenceServiceSpec, labels: Mapping[str
         "spec": {
             "selector": {"matchLabels": names.selector_labels(service)},
             "podMetricsEndpoints": [
-                {"port": "http", "path": "/metrics", "interval": "15s", "relabelings": relabel},
-                {"port": "vllm", "path": "/metrics", "interval": "15s", "relabelings": relabel},
+                {"port": "http", "path": GUARD_METRICS_PATH, "interval": "15s", "relabelings": relabel},
+                # vLLM's own metrics, through the guard; endpoint="vllm" keeps its series (process_*
+                # and python_* too) apart from the guard's, as when vLLM had a port of its own.
+                {"port": "http", "path": ENGINE_METRICS_PATH, "interval": "15s",
+                 "relabelings": [*relabel, {"targetLabel": "endpoint", "replacement": "vllm"}]},
             ],
         },
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
+from gpufleet_engine.contract.endpoints import ENGINE_HOST
 from gpufleet_engine.contract.guard_config import (
     EngineConfig,
     GuardConfig,
@@ -47,6 +48,8 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
         runtime=engine.runtime,
         model=model_location(spec),
         served_model_name=served_name(spec),
+        # vLLM listens on the pod's loopback: only the guard, in the same pod, reaches it.
+        host=ENGINE_HOST,
         port=names.ENGINE_PORT,
         max_model_len=spec.model.max_model_len or EngineConfig.max_model_len,
         tensor_parallel_size=engine.tensor_parallel_size,
@@ -68,7 +71,7 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
         service=service,
         namespace=namespace,
         listen_port=names.GUARD_PORT,
-        engine_url=f"http://127.0.0.1:{names.ENGINE_PORT}",
+        engine_url=f"http://{ENGINE_HOST}:{names.ENGINE_PORT}",
         served_model_name=served_name(spec),
         tokenizer=model_location(spec),
         block_size=engine.kv_cache.block_size,
