@@ -66,9 +66,10 @@ def drain_and_wait(cfg: guard_config.GuardConfig, poll_seconds: float = 1.0) -> 
         status = _drain_call(urllib.request.Request(url, method="POST"))
     except (urllib.error.URLError, OSError) as e:
         return f"guard not reachable at {url} ({e}); nothing to drain"
-    while status.get("active", 0) > 0:
+    # Until the guard refuses (its endpoint grace), it still admits: wait for that too.
+    while status.get("active", 0) > 0 or not status.get("refusing", True):
         if time.monotonic() > deadline:
-            return f"drain timeout: {status['active']} requests still running"
+            return f"drain timeout: {status.get('active', 0)} requests still running"
         time.sleep(poll_seconds)
         try:
             status = _drain_call(urllib.request.Request(url))

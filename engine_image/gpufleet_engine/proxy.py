@@ -181,7 +181,7 @@ class Guard:
             return self._refuse(default_class, Rejection(
                 Reason.INVALID_REQUEST, 403, f"Request class {queue_class.name!r} is above what {route} "
                 f"allows a client to ask for; use one of: {names}."))
-        if self.drain.draining:
+        if self.drain.refusing:
             return self._refuse(queue_class, Rejection(
                 Reason.DRAINING, 503, "This replica is shutting down and takes no new requests. "
                 "Retry; another replica will serve it.", self.config.retry_after_seconds))

@@ -30,11 +30,27 @@ from .upstream import EngineMonitor, Upstream
 log = logging.getLogger("gpufleet_engine.server")
 
 TOKENIZER_RETRY_SECONDS = 5.0
+DRAIN_READ_LIMIT_BYTES = 1 << 20
 
 
 def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
     # Bodies are bounded before they are parsed (docs/guard-config.md).
     app = web.Application(client_max_size=max_body_bytes(guard.config.max_context_tokens))
+
+    async def close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
+        # Clients' keep-alive connections bypass the Service's endpoint removal: close them. A body
+        # left unread (a refusal answers before reading) is read first: closing a socket with unread
+        # input resets it, and the client loses the answer. Past the body limit, keep-alive decides.
+        if not guard.drain.draining:
+            return
+        if not request.content.at_eof():
+            if (request.content_length or 0) > DRAIN_READ_LIMIT_BYTES:
+                return
+            await request.read()
+        response.force_close()
+        # aiohttp has written its Connection header by now; say it to the client as well.
+        response.headers["Connection"] = "close"
+    app.on_response_prepare.append(close_while_draining)
 
     def proxied(route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -72,7 +88,8 @@ def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
         return web.json_response({"ready": not reasons, "reasons": reasons}, status=200 if not reasons else 503)
 
     async def drain_status(request: web.Request) -> web.Response:
-        return web.json_response({"draining": guard.drain.draining, "active": guard.drain.active})
+        return web.json_response({"draining": guard.drain.draining, "refusing": guard.drain.refusing,
+                                  "active": guard.drain.active})
 
     async def drain_start(request: web.Request) -> web.Response:
         # The pod's preStop hooks call this over loopback; nobody else may

@@ -30,6 +30,7 @@ def control_plane():
 
 @pytest.fixture(scope="session")
 def built_images(control_plane) -> dict[str, str]:
-    """image name -> the ref imported into the real node's containerd."""
+    """image name -> the ref imported into the real node's containerd: the last built ones, imported
+    now when the running node lacks them (a rebuild since `gpufleet dev up`)."""
     from gpufleet_dev.devcluster import cluster
-    return cluster.read_state()["images"]
+    return cluster.refresh_real_node_images(progress=lambda m: print(f"[real node] {m}", flush=True))

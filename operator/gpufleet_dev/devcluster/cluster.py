@@ -109,6 +109,20 @@ def _write_state(state: dict) -> None:
     tmp.rename(f)
 
 
+def refresh_real_node_images(progress: Progress) -> dict[str, str] | None:
+    """Import the last built images into a running real node's containerd (those it lacks) and
+    record their refs, so pods created from now on run them; None without a running real node."""
+    state = read_state()
+    if not (state and state.get("fleet", {}).get("real_node")):
+        return None
+    from . import node
+    if node.ctr("version", capture_output=True).returncode != 0:
+        return None
+    state["images"] = node.import_images(progress)
+    _write_state(state)
+    return state["images"]
+
+
 def component_status(state: dict) -> dict[str, dict]:
     out = {}
     for name in COMPONENTS:

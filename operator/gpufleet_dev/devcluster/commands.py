@@ -88,6 +88,8 @@ def images(force) -> None:
         sys.exit(2)
     for name, image in built.items():
         click.echo(f"{name}: {image['ref']} ({image['archive']})")
+    if cluster.refresh_real_node_images(progress=_say) is not None:
+        _say("the running real node has them (new pods use them)")
 
 
 @dev.command()

@@ -144,6 +144,7 @@ async def test_a_request_past_its_timeout_gets_504_and_vllm_stops_working_on_it(
 async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(guard_factory, fake_vllm):
     fake_vllm.hold = asyncio.Event()             # the streams stay in flight until released
     guard = await guard_factory()
+    guard.guard.drain.accept_seconds = 0         # no endpoint grace: refusing at once
     async with aiohttp.ClientSession() as s:
         async def long_stream():
             async with s.post(guard.url + "/v1/completions",
@@ -164,6 +165,30 @@ async def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish(guard_f
         assert await drained is True
     for status, text in results:
         assert status == 200 and text.count("data: ") == 41 and text.endswith("data: [DONE]\n\n")
+
+
+async def test_a_draining_guard_admits_through_the_endpoint_grace_and_closes_connections(guard_factory, fake_vllm):
+    # kube-proxy and clients' pooled connections keep sending here for a few seconds after
+    # SIGTERM: those requests are served (on a closing connection), not failed.
+    guard = await guard_factory()
+    guard.guard.drain.accept_seconds = 0.6
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 200 and r.headers.get("Connection", "").lower() != "close"
+        drained = asyncio.create_task(guard.drain(timeout=10))
+        await until(lambda: guard.guard.drain.draining, "the guard to start draining")
+        async with s.get(guard.url + "/readyz") as r:
+            assert r.status == 503
+        for stream in (False, True):
+            async with s.post(guard.url + "/v1/completions",
+                              json={"prompt": "x", "max_tokens": 2, "stream": stream}) as r:
+                assert r.status == 200 and r.headers["Connection"].lower() == "close"
+                await r.read()
+        assert not drained.done(), "the drain ended inside the endpoint grace"
+        await until(lambda: guard.guard.drain.refusing, "the endpoint grace to pass")
+        async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 503 and (await r.json())["error"]["code"] == "draining"
+        assert await drained is True
 
 
 async def test_interactive_requests_overtake_queued_background_ones(guard_factory, fake_vllm):
@@ -249,14 +274,16 @@ async def test_the_exported_metrics_are_exactly_the_catalogued_guard_metrics(gua
     assert exported == catalogued
 
 
-async def test_audit_on_a_machine_without_cuda_reports_kv_and_says_what_is_missing(guard_factory):
+async def test_audit_without_gpu_memory_reports_kv_and_says_what_is_missing(guard_factory, monkeypatch):
+    monkeypatch.delenv("GPUFLEET_GPU_MEMORY_DIR", raising=False)
     guard = await guard_factory()
     async with aiohttp.ClientSession() as s:
-        async with s.get(guard.url + "/audit?probe=0") as r:
+        async with s.get(guard.url + "/audit") as r:
             report = await r.json()
     assert report["kv"]["totalBlocks"] == 64 and report["kv"]["watermarkBlocks"] == 10
     assert report["fragmentationRatio"] is None
-    assert report["unavailable"] == ["device: probe skipped (probe=0)"]
+    assert report["unavailable"] == ["device: GPU memory reporting is off: GPUFLEET_GPU_MEMORY_DIR is not set "
+                                     "in the guard's environment"]
 
 
 async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard_factory, fake_vllm):
@@ -264,6 +291,7 @@ async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard
 
     fake_vllm.token_delay = 0.02
     guard = await guard_factory()
+    guard.guard.drain.accept_seconds = 0.3
     cfg = guard.config.__class__(**{**guard.config.__dict__, "listen_port": guard.port})
     async with aiohttp.ClientSession() as s:
         async with s.post(guard.url + "/v1/completions",
