@@ -2,27 +2,22 @@
 
 Two views, each saying plainly when it is unavailable instead of guessing:
 
-- device memory (CUDA): total, free, the largest block allocatable now and
-  the fragmentation ratio, measured by ``gpu_probe`` in a child process;
+- device memory, from inside vLLM: each device's caching-allocator figures
+  (reserved, allocated, inactive split, allocation retries, OOMs) as the
+  vLLM plugin reports them (``gpu_memory``), and the fragmentation ratio
+  (``contract.gpu_memory``);
 - the KV pool as vLLM and the guard see it: blocks total/used/free, what the
-  guard has promised, and the tokens wasted in partly filled last blocks of
-  the guard's in-flight streaming requests (the only ones whose current
-  length the guard knows).
+  guard has promised, and the waste: the share of the blocks in use that hold
+  no token of an in-flight request.
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Iterable
 
 from .admission import KvLedger
 from .vllm_metrics import VllmStats
-
-PROBE_TIMEOUT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -36,16 +31,47 @@ def partial_block_waste(lengths: Iterable[int], block_size: int) -> int:
     return sum((-n) % block_size for n in lengths if n > 0)
 
 
+def kv_waste(stats: VllmStats | None, block_size: int,
+             sequences: Iterable[SequenceLength]) -> tuple[float | None, str]:
+    """(1 - tokens held by in-flight requests / (blocks in use x block size), why None).
+
+    ``sequences`` should be those in flight when ``stats`` were read. Known
+    only when the guard knows every in-flight sequence's length (single
+    streaming sequences: prompt + streamed tokens) and vLLM queues nothing
+    (a waiting request holds no blocks yet). Prefix-shared blocks count once
+    in vLLM's pool and once per sequence here, so sharing can only lower it;
+    it is clamped at 0.
+    """
+    if stats is None:
+        return None, "vLLM's metrics have not been read yet"
+    used = stats.kv_snapshot().used_blocks
+    lengths = [s.tokens for s in sequences]
+    unknown = sum(1 for t in lengths if t is None)
+    if unknown:
+        return None, (f"{unknown} in-flight request(s) of unknown length (non-streaming, or several "
+                      f"sequences); the guard counts tokens of single streaming sequences only")
+    if used <= 0 or not lengths:
+        return None, "no KV block in use"
+    if stats.waiting > 0:
+        return None, "vLLM has waiting requests, which hold no blocks yet"
+    held = sum(t for t in lengths if t is not None)
+    return max(0.0, 1.0 - held / (used * block_size)), ""
+
+
 def kv_report(stats: VllmStats | None, ledger: KvLedger, block_size: int,
-              sequences: Iterable[SequenceLength]) -> dict:
+              sequences: Iterable[SequenceLength], sequences_at_read: Iterable[SequenceLength] | None = None) -> dict:
+    """``sequences``: in flight now; ``sequences_at_read``: when vLLM's metrics were read (the waste
+    compares those with vLLM's blocks in use, so the streams' progress since does not skew it)."""
     if stats is None:
         return {"available": False, "reason": "vLLM's metrics have not been read yet (engine down?)"}
     snap = stats.kv_snapshot()
     seqs = list(sequences)
     known = [s.tokens for s in seqs if s.tokens is not None]
+    size = stats.block_size or block_size
+    waste, why = kv_waste(stats, size, seqs if sequences_at_read is None else list(sequences_at_read))
     return {
         "available": True,
-        "blockSize": stats.block_size or block_size,
+        "blockSize": size,
         "totalBlocks": snap.total_blocks,
         "usedBlocks": snap.used_blocks,
         "freeBlocks": snap.total_blocks - snap.used_blocks,
@@ -53,73 +79,39 @@ def kv_report(stats: VllmStats | None, ledger: KvLedger, block_size: int,
         "guardFreeBlocks": ledger.free_blocks(),
         "guardReservedBlocks": ledger.reserved_blocks,
         "watermarkBlocks": ledger.watermark,
-        "partialBlockWasteTokens": partial_block_waste(known, stats.block_size or block_size),
+        "wasteRatio": waste,
+        **({"wasteUnknownBecause": why} if waste is None else {}),
+        "partialBlockWasteTokens": partial_block_waste(known, size),
         "partialBlockWasteKnownFor": len(known),
         "inFlightRequests": len(seqs),
         "preemptionsTotal": stats.preemptions_total,
     }
 
 
-def device_summary(probe: dict) -> tuple[float | None, list[str]]:
-    """Worst device's fragmentation ratio and the reasons for anything missing."""
-    if not probe.get("available"):
-        return None, [f"device: {probe.get('reason', 'unknown')}"]
-    ratios = [d["fragmentationRatio"] for d in probe.get("devices", []) if d.get("fragmentationRatio") is not None]
-    missing = [] if ratios else ["device: no free device memory to probe"]
-    return (max(ratios) if ratios else None), missing
+def device_summary(device: dict) -> tuple[dict, list[str]]:
+    """The worst device's fragmentation, retries and OOMs summed over devices, and what is missing."""
+    devices = device.get("devices") or []
+    if not device.get("available") or not devices:
+        return {"fragmentationRatio": None, "allocRetries": None, "ooms": None}, \
+            [f"device: {device.get('reason', 'unknown')}"]
+    ratios = [d["fragmentationRatio"] for d in devices if d.get("fragmentationRatio") is not None]
+    return {"fragmentationRatio": max(ratios) if ratios else None,
+            "allocRetries": sum(d["allocRetries"] for d in devices),
+            "ooms": sum(d["ooms"] for d in devices)}, \
+        ([] if ratios else ["device: the allocator has reserved nothing yet"])
 
 
-def assemble(service: str, namespace: str, probe: dict, kv: dict) -> dict:
-    ratio, unavailable = device_summary(probe)
+def assemble(service: str, namespace: str, device: dict, kv: dict) -> dict:
+    summary, unavailable = device_summary(device)
     if not kv.get("available"):
         unavailable.append(f"kv: {kv.get('reason')}")
     return {
         "service": service,
         "namespace": namespace,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        "fragmentationRatio": ratio,
-        "device": probe,
+        **summary,
+        "kvWasteRatio": kv.get("wasteRatio"),
+        "device": device,
         "kv": kv,
         "unavailable": unavailable,
     }
-
-
-class DeviceProber:
-    """Runs ``gpu_probe`` in a child process, one at a time, reusing a recent result.
-
-    The cache stops a tight scrape loop from allocating device memory over
-    and over next to a serving engine.
-    """
-
-    def __init__(self, min_interval_seconds: float = 10.0, python: str = sys.executable):
-        self._min_interval = min_interval_seconds
-        self._python = python
-        self._lock = asyncio.Lock()
-        self._last: tuple[float, dict] | None = None
-
-    async def read(self) -> dict:
-        async with self._lock:
-            now = time.monotonic()
-            if self._last and now - self._last[0] < self._min_interval:
-                return self._last[1]
-            result = await self._run()
-            self._last = (time.monotonic(), result)
-            return result
-
-    async def _run(self) -> dict:
-        proc = await asyncio.create_subprocess_exec(
-            self._python, "-m", "gpufleet_engine.gpu_probe",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), PROBE_TIMEOUT_SECONDS)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            return {"available": False, "reason": f"the device probe took longer than {PROBE_TIMEOUT_SECONDS:g}s"}
-        if proc.returncode != 0:
-            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            return {"available": False, "reason": f"the device probe failed: {tail[0]}"}
-        try:
-            return json.loads(out)
-        except json.JSONDecodeError:
-            return {"available": False, "reason": "the device probe printed no JSON"}

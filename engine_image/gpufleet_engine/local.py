@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .contract import guard_config
+from .contract import gpu_memory, guard_config
 from .flags import vllm_launch
 from .models import prepare
 from .processes import ManagedProcess, wait_until
@@ -85,6 +85,8 @@ class LocalEngine:
         # Validate before starting anything: a bad override fails in a second, not after vLLM's start.
         self.config = guard_config.parse(self.config_dict)
         self.config_path = self.work_dir / "guard.json"
+        # vLLM's plugin writes GPU memory reports here and the guard reads them (as in the pod).
+        self.gpu_memory_dir = self.work_dir / "gpu-memory"
         self.engine_proc: ManagedProcess | None = None
         self.guard_proc: ManagedProcess | None = None
 
@@ -128,7 +130,8 @@ class LocalEngine:
         self.config_path.write_text(json.dumps(self.config_dict, indent=2))
         launch = vllm_launch(self.config.engine, python=self.python, cpu_count=self.cpu_threads,
                              cpu_cores=self.cpu_cores)
-        self.engine_proc = ManagedProcess("vllm", launch.argv, launch.env, self.work_dir / "vllm.log")
+        self.engine_proc = ManagedProcess("vllm", launch.argv, {**launch.env, **self._shared_env()},
+                                          self.work_dir / "vllm.log")
         self.engine_proc.start()
         try:
             wait_until(lambda: _http_ok(self.engine_url + "/health"), self.startup_timeout,
@@ -149,7 +152,7 @@ class LocalEngine:
             log_name = "guard.log" if attempt == 0 else f"guard-{attempt + 1}.log"
             self.guard_proc = ManagedProcess(
                 "guard", [self.python, "-m", "gpufleet_engine", "serve", "--config", str(self.config_path)],
-                {}, self.work_dir / log_name)
+                self._shared_env(), self.work_dir / log_name)
             self.guard_proc.start()
             try:
                 wait_until(lambda: _http_ok(self.guard_url + "/readyz"), 300,
@@ -160,6 +163,17 @@ class LocalEngine:
                 if not (self._auto_guard_port and lost_port) or attempt == attempts - 1:
                     raise
                 self.guard_proc.stop(5)
+
+    def _shared_env(self) -> dict[str, str]:
+        return {gpu_memory.ENV_DIR: str(self.gpu_memory_dir)}
+
+    def update_guard(self, overrides: dict[str, Any]) -> None:
+        """A new guard.json from ``overrides`` over this engine's own layout, written in one rename as
+        the kubelet updates a mounted ConfigMap; the running guard reloads what it can (reload.py)."""
+        self.config_dict = _merge(self._base_config(), overrides)
+        staged = self.config_path.with_name(".guard.json.new")
+        staged.write_text(json.dumps(self.config_dict, indent=2))
+        os.replace(staged, self.config_path)
 
     def stop(self, drain_seconds: float = 30.0) -> None:
         """Guard first (it drains in-flight requests), then vLLM."""

@@ -1,4 +1,5 @@
-"""The guard's Prometheus metrics (``gpufleet_guard_*``), on a registry of their own.
+"""The guard's Prometheus metrics (``gpufleet_guard_*``, and vLLM's GPU memory as
+``gpufleet_engine_gpu_memory_*``), on a registry of their own.
 
 Names, types and labels are the catalogue in ``docs/metrics.md``. Every
 class × outcome and class × reason series is created at zero up front, so
@@ -6,12 +7,17 @@ rate() and absent() in alert rules work before the first failure.
 """
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from .contract import guard_metrics as m
 from .contract.guard_config import SLOConfig
 from .contract.guard_metrics import OUTCOMES, REASONS, SLIS
+from .gpu_memory import GpuMemoryCollector, GpuMemoryReader
 
 __all__ = ["CONTENT_TYPE", "OUTCOMES", "REASONS", "GuardMetrics"]
 
@@ -31,11 +37,37 @@ def _with(buckets: tuple[float, ...], objective: float) -> tuple[float, ...]:
     return tuple(sorted({*buckets, objective}))
 
 
+class _OptionalGauge(Collector):
+    """A gauge read at scrape time that has no sample while its value is unknown (None)."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float | None]):
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.name, self.documentation)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation)
+        value = self.read()
+        if value is not None:
+            family.add_metric([], value)
+        yield family
+
+
 class GuardMetrics:
     def __init__(self, classes: list[str], registry: CollectorRegistry | None = None,
-                 slo: SLOConfig | None = None):
+                 slo: SLOConfig | None = None, gpu_memory: GpuMemoryReader | None = None):
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        # GPU memory from inside vLLM (the plugin's reports), one series per device.
+        self.gpu_memory = gpu_memory or GpuMemoryReader.from_environment()
+        r.register(GpuMemoryCollector(self.gpu_memory))
+        # Set by the guard, which knows the in-flight sequences (audit.kv_waste).
+        self.kv_waste: Callable[[], float | None] = lambda: None
+        r.register(_OptionalGauge(m.KV_WASTE_RATIO, "Share of the KV blocks in use holding no token of an "
+                                  "in-flight request: 1 - tokens held / (blocks in use x block size). Absent "
+                                  "while a sequence's length is unknown (docs/metrics.md).",
+                                  lambda: self.kv_waste()))
         slo = slo or SLOConfig()
         self.sli_events = Counter(m.SLI_EVENTS, "Events judged against the service's objectives, by SLI "
                                   "(requests; for itl, gaps between streamed chunks).", ["class", "sli"],
@@ -95,6 +127,18 @@ class GuardMetrics:
         self.reservation_extensions = Counter(m.RESERVATION_EXTENSIONS,
                                               "Times an answer streamed past its reservation and the "
                                               "guard reserved more.", ["class"], registry=r)
+        self.config_reloads = Counter(m.CONFIG_RELOADS, "New versions of guard.json read while running, by "
+                                      "result: applied (live settings in effect) or invalid (refused; the "
+                                      "running settings stay).", ["result"], registry=r)
+        self.config_restart_pending = Gauge(m.CONFIG_RESTART_PENDING,
+                                            "1 when the mounted guard.json changes settings that only a new "
+                                            "pod applies (vLLM's engine section, addresses).", registry=r)
+        for result in ("applied", "invalid"):
+            self.config_reloads.labels(result)
+        self.add_classes(classes)
+
+    def add_classes(self, classes: list[str]) -> None:
+        """Create every series of these queue classes at zero (a reload may add classes)."""
         for c in classes:
             for o in OUTCOMES:
                 self.requests.labels(c, o)

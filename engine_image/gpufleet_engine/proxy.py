@@ -23,7 +23,7 @@ from aiohttp import web
 
 from . import context, sli
 from .admission import KvLedger
-from .audit import SequenceLength
+from .audit import SequenceLength, kv_waste
 from .context import ContextTooLong, InvalidRequest, Limits
 from .contract.guard_config import GuardConfig, QueueClass
 from .contract.guard_metrics import Reason
@@ -85,12 +85,18 @@ class Guard:
         self.tokenizer = tokenizer
         self.upstream = upstream
         self.clock = clock
-        self.limits = Limits(config.max_context_tokens, config.over_length_policy == "TruncateLeft",
-                             config.engine.max_model_len if config.engine else None)
+        # The context vLLM serves: engine.maxModelLen, else read from its /v1/models (served_context.py).
+        self.served_context: int | None = config.engine.max_model_len if config.engine else None
+        self.context_problem = "not read from vLLM's /v1/models yet"
+        self.default_max_tokens: int | None = None
+        self.limits: Limits | None = None
         self.metrics = GuardMetrics([c.name for c in config.queue_classes], slo=config.slo)
+        # KV waste compares vLLM's blocks in use with the tokens the guard counted when it read them.
+        self.metrics.kv_waste = lambda: kv_waste(self.stats, self.block_size, self.sequences_at_read)[0]
         self.predicted = config.reservation == "Predicted"
         self.predictor = OutputPredictor(config.reservation_quantile_percent / 100)
-        self.max_body_bytes = max_body_bytes(config.max_context_tokens)
+        self.max_body_bytes = max_body_bytes(0)
+        self.update_limits()
         self.ledger = KvLedger(config.kv_watermark_percent)
         self.queue: MultiLevelQueue = MultiLevelQueue(config.queue_classes, config.aging_seconds,
                                                       config.max_queue_length)
@@ -105,6 +111,7 @@ class Guard:
         self.tokenizer_problem = "loading"
         self.stats: VllmStats | None = None
         self.tracked: dict[Grant, _Tracked] = {}
+        self.sequences_at_read: list[SequenceLength] = []  # in-flight lengths when vLLM's metrics were read
         self.on_engine_unreachable: Callable[[], None] = lambda: None
         self.refresh_gauges()
 
@@ -112,7 +119,32 @@ class Guard:
 
     @property
     def ready(self) -> bool:
-        return self.engine_up and self.ledger.known and self.tokenizer is not None and not self.drain.draining
+        return (self.engine_up and self.ledger.known and self.tokenizer is not None and self.limits is not None
+                and not self.drain.draining)
+
+    def update_limits(self) -> None:
+        """The context limits from the config and the context vLLM serves (None while unknown)."""
+        served, configured = self.served_context, self.config.max_context_tokens
+        if served is None:
+            self.limits = None
+            return
+        if configured is not None and configured > served:
+            log.warning("maxContextTokens %d exceeds the %d tokens vLLM serves; admitting up to %d",
+                        configured, served, served)
+        limit = served if configured is None else min(configured, served)
+        self.limits = Limits(limit, self.config.over_length_policy == "TruncateLeft", served,
+                             self.default_max_tokens)
+        self.max_body_bytes = max_body_bytes(limit)
+
+    def served_context_learned(self, tokens: int) -> None:
+        self.served_context = tokens
+        self.context_problem = ""
+        self.update_limits()
+        self.refresh_gauges()
+
+    def set_default_max_tokens(self, tokens: int | None) -> None:
+        self.default_max_tokens = tokens
+        self.update_limits()
 
     def not_ready_reasons(self) -> list[str]:
         reasons = []
@@ -124,10 +156,13 @@ class Guard:
             reasons.append("KV pool size not read yet")
         if self.tokenizer is None:
             reasons.append(f"tokenizer not loaded: {self.tokenizer_problem}")
+        if self.limits is None:
+            reasons.append(f"context length unknown: {self.context_problem}")
         return reasons
 
     def engine_stats(self, stats: VllmStats) -> None:
         self.stats = stats
+        self.sequences_at_read = self.sequences()
         self.ledger.observe(stats.kv_snapshot())
         first_read = not self.engine_up  # warn once per (re)connection, not every poll
         if first_read and stats.block_size and stats.block_size != self.config.block_size:
@@ -185,8 +220,9 @@ class Guard:
             return self._refuse(queue_class, Rejection(
                 Reason.DRAINING, 503, "This replica is shutting down and takes no new requests. "
                 "Retry; another replica will serve it.", self.config.retry_after_seconds))
-        if not self.engine_up or self.tokenizer is None:
-            problem = self.engine_problem if not self.engine_up else f"tokenizer: {self.tokenizer_problem}"
+        if not self.engine_up or self.tokenizer is None or self.limits is None:
+            problem = (self.engine_problem if not self.engine_up else f"tokenizer: {self.tokenizer_problem}"
+                       if self.tokenizer is None else f"context length: {self.context_problem}")
             return self._refuse(queue_class, Rejection(
                 Reason.ENGINE_DOWN, 503, f"The model engine is not available: {problem}",
                 self.config.retry_after_seconds))
@@ -197,6 +233,7 @@ class Guard:
             self.drain.leave()
 
     async def _prepare(self, raw: bytes, route: str) -> context.Prepared:
+        assert self.limits is not None  # handle() refuses requests until the context is known
         try:
             body = json.loads(raw)
         except ValueError as e:  # bad JSON or bad UTF-8
@@ -211,13 +248,19 @@ class Guard:
         limit = self.max_body_bytes
         declared = request.content_length
         if declared is None or declared <= limit:
-            try:
-                return await request.read()  # the app's client_max_size is this limit
-            except web.HTTPRequestEntityTooLarge:
-                pass
+            # Read here rather than with request.read(): the limit follows the context length,
+            # which the guard learns from vLLM and may reload, after the app was built.
+            body = bytearray()
+            async for chunk in request.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > limit:
+                    break
+            else:
+                return bytes(body)
+        context_tokens = self.limits.max_context_tokens if self.limits else 0
         raise Rejection(Reason.REQUEST_TOO_LARGE, 413,
                         f"The request body is larger than this model's limit of {limit} bytes (derived "
-                        f"from its maximum context of {self.config.max_context_tokens} tokens).")
+                        f"from its maximum context of {context_tokens} tokens).")
 
     def _reservation(self, route: str, queue_class: QueueClass, prepared: context.Prepared) -> _Reservation:
         """Output tokens per sequence to reserve: the learned quantile (Predicted) or the budget."""

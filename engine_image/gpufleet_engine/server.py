@@ -6,7 +6,6 @@ in-process; ``serve`` adds the signal handling of a real process.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import ipaddress
 import logging
@@ -16,8 +15,7 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from . import audit, engine_metrics
-from .audit import DeviceProber
+from . import audit, engine_metrics, reload, served_context
 from .context import CHAT, COMPLETIONS, EMBEDDINGS
 from .contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from .contract.guard_config import GuardConfig
@@ -33,9 +31,10 @@ TOKENIZER_RETRY_SECONDS = 5.0
 DRAIN_READ_LIMIT_BYTES = 1 << 20
 
 
-def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
+def build_app(guard: Guard) -> web.Application:
     # Bodies are bounded before they are parsed (docs/guard-config.md).
-    app = web.Application(client_max_size=max_body_bytes(guard.config.max_context_tokens))
+    # The proxied routes read their bodies themselves, bounded by the guard's current limit.
+    app = web.Application(client_max_size=max_body_bytes(0))
 
     async def close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
         # Clients' keep-alive connections bypass the Service's endpoint removal: close them. A body
@@ -101,10 +100,11 @@ def build_app(guard: Guard, prober: DeviceProber) -> web.Application:
         return await drain_status(request)
 
     async def audit_report(request: web.Request) -> web.Response:
-        probe = await prober.read() if request.query.get("probe", "1") != "0" else \
-            {"available": False, "reason": "probe skipped (probe=0)"}
-        kv = audit.kv_report(guard.stats, guard.ledger, guard.block_size, guard.sequences())
-        return web.json_response(audit.assemble(guard.config.service, guard.config.namespace, probe, kv))
+        # Device memory as vLLM's own processes reported it (vllm_plugin); the guard touches no GPU.
+        device = guard.metrics.gpu_memory.read().as_report()
+        kv = audit.kv_report(guard.stats, guard.ledger, guard.block_size, guard.sequences(),
+                             guard.sequences_at_read)
+        return web.json_response(audit.assemble(guard.config.service, guard.config.namespace, device, kv))
 
     app.router.add_post(CHAT, proxied(CHAT))
     app.router.add_post(COMPLETIONS, proxied(COMPLETIONS))
@@ -138,14 +138,18 @@ def freeze_startup_heap() -> None:
 
 class GuardServer:
     def __init__(self, config: GuardConfig, tokenizer: Tokenizer | None = None,
-                 prober: DeviceProber | None = None):
+                 config_path: str | None = None, reload_seconds: float = reload.POLL_SECONDS):
+        """``config_path``: the file ``config`` came from; its live changes are applied (reload.py)."""
         self.config = config
+        self._config_path = config_path
+        self._reload_seconds = reload_seconds
+        self.watcher: reload.ConfigWatcher | None = None
         self._tokenizer = tokenizer
-        self._prober = prober or DeviceProber()
         self.guard: Guard | None = None
         self._runner: web.AppRunner | None = None
         self._monitor_task: asyncio.Task | None = None
         self._tokenizer_task: asyncio.Task | None = None
+        self._side_tasks: list[asyncio.Task] = []
         self.port: int | None = None
 
     @property
@@ -164,9 +168,18 @@ class GuardServer:
         self._monitor_task = asyncio.create_task(monitor.run(), name="engine-monitor")
         if guard.tokenizer is None:
             self._tokenizer_task = asyncio.create_task(self._load_tokenizer(guard), name="tokenizer")
+        if guard.served_context is None:
+            self._side_tasks.append(asyncio.create_task(self._learn_context(guard), name="served-context"))
+        if self._config_path:
+            def apply(config: GuardConfig) -> None:
+                reload.apply(guard, config)
+                monitor.interval = config.metrics_poll_seconds
+            self.watcher = reload.ConfigWatcher(self._config_path, self.config, apply, guard.metrics,
+                                                self._reload_seconds)
+            self._side_tasks.append(asyncio.create_task(self.watcher.run(), name="config-reload"))
         # handler_cancellation: a client that disconnects cancels its handler,
         # which closes the upstream connection and makes vLLM abort the work.
-        self._runner = web.AppRunner(build_app(guard, self._prober), handler_cancellation=True,
+        self._runner = web.AppRunner(build_app(guard), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)
@@ -179,13 +192,25 @@ class GuardServer:
         self.port = self._runner.addresses[0][1] if self._runner.addresses else self.config.listen_port
         log.info("guard listening on %s for vLLM at %s", self.url, self.config.engine_url)
 
+    async def _learn_context(self, guard: Guard) -> None:
+        assert guard.upstream.session is not None
+
+        def problem(text: str) -> None:
+            guard.context_problem = text
+
+        await served_context.learn(guard.upstream.session, guard.upstream.url("/v1/models"),
+                                   self.config.served_model_name, lambda: guard.engine_up,
+                                   guard.served_context_learned, problem,
+                                   fallback=lambda: guard.config.max_context_tokens)
+
     async def _load_tokenizer(self, guard: Guard) -> None:
         # Retried: in a pod the tokenizer files may appear only once vLLM's
         # container has downloaded the model into a shared cache. Until then
         # the guard is alive but not ready.
         while True:
             try:
-                guard.tokenizer = await asyncio.to_thread(HfTokenizer.load, self.config.tokenizer)
+                guard.tokenizer = await asyncio.to_thread(HfTokenizer.load, self.config.tokenizer,
+                                                          self.config.tokenizer_revision)
             except Exception as e:  # any loader failure means "not yet"; the message says why
                 problem = f"{self.config.tokenizer!r}: {e}"
                 if problem != guard.tokenizer_problem:
@@ -194,8 +219,7 @@ class GuardServer:
                 guard.tokenizer_problem = problem
                 await asyncio.sleep(TOKENIZER_RETRY_SECONDS)
             else:
-                default = generation_default_max_tokens(self.config.tokenizer)
-                guard.limits = dataclasses.replace(guard.limits, default_max_tokens=default)
+                guard.set_default_max_tokens(generation_default_max_tokens(self.config.tokenizer))
                 guard.tokenizer_problem = ""
                 guard.refresh_gauges()
                 log.info("tokenizer loaded from %s", self.config.tokenizer)
@@ -225,7 +249,7 @@ class GuardServer:
         return finished
 
     async def stop(self) -> None:
-        for task in (self._monitor_task, self._tokenizer_task):
+        for task in (self._monitor_task, self._tokenizer_task, *self._side_tasks):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -235,9 +259,9 @@ class GuardServer:
             await self.guard.upstream.close()
 
 
-async def serve(config: GuardConfig) -> int:
+async def serve(config: GuardConfig, config_path: str | None = None) -> int:
     """Run until SIGTERM/SIGINT, then drain and exit. Returns the process exit code."""
-    server = GuardServer(config)
+    server = GuardServer(config, config_path=config_path)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

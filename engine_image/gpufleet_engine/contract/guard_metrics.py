@@ -32,6 +32,28 @@ RESERVATION_EXTENSIONS = PREFIX + "reservation_extensions"    # counter: answers
 # service's objectives (guard.json's ``slo``), good ones among them.
 SLI_EVENTS = PREFIX + "sli_events"                            # counter: exported as ..._total
 SLI_GOOD_EVENTS = PREFIX + "sli_good_events"                  # counter: exported as ..._total
+# guard.json re-read while running (reload.py), by result: applied or invalid (refused, old kept).
+CONFIG_RELOADS = PREFIX + "config_reloads"                    # counter: exported as ..._total
+# 1 when the mounted guard.json changes fields that only a new pod applies.
+CONFIG_RESTART_PENDING = PREFIX + "config_restart_pending"
+# The share of the KV blocks in use that hold no token of an in-flight request
+# (1 - tokens held / (blocks in use x block size)); absent when the guard does
+# not know every in-flight sequence's length.
+KV_WASTE_RATIO = PREFIX + "kv_waste_ratio"
+
+# GPU memory from inside vLLM's processes, per device (``device`` label): the
+# vLLM plugin's reports (contract.gpu_memory), exported by the guard.
+GPU_MEMORY_PREFIX = "gpufleet_engine_gpu_memory_"
+GPU_MEMORY_RESERVED_BYTES = GPU_MEMORY_PREFIX + "reserved_bytes"
+GPU_MEMORY_ALLOCATED_BYTES = GPU_MEMORY_PREFIX + "allocated_bytes"
+GPU_MEMORY_ACTIVE_BYTES = GPU_MEMORY_PREFIX + "active_bytes"
+GPU_MEMORY_INACTIVE_SPLIT_BYTES = GPU_MEMORY_PREFIX + "inactive_split_bytes"
+GPU_MEMORY_FREE_BYTES = GPU_MEMORY_PREFIX + "free_bytes"
+GPU_MEMORY_TOTAL_BYTES = GPU_MEMORY_PREFIX + "total_bytes"
+GPU_MEMORY_FRAGMENTATION_RATIO = GPU_MEMORY_PREFIX + "fragmentation_ratio"
+GPU_MEMORY_REPORT_AGE_SECONDS = GPU_MEMORY_PREFIX + "report_age_seconds"
+GPU_MEMORY_ALLOC_RETRIES = GPU_MEMORY_PREFIX + "alloc_retries"   # counter: exported as ..._total
+GPU_MEMORY_OOMS = GPU_MEMORY_PREFIX + "ooms"                     # counter: exported as ..._total
 
 
 

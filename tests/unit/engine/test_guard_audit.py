@@ -1,56 +1,9 @@
-"""The memory audit's arithmetic: probe search, fragmentation ratio, KV waste."""
+"""The memory audit's arithmetic: KV-pool waste and the report's summary."""
 from __future__ import annotations
 
 from gpufleet_engine.admission import KvLedger
-from gpufleet_engine.audit import SequenceLength, assemble, kv_report, partial_block_waste
-from gpufleet_engine.gpu_probe import fragmentation_ratio, largest_allocatable, reserve_bytes
+from gpufleet_engine.audit import SequenceLength, assemble, kv_report, kv_waste, partial_block_waste
 from gpufleet_engine.vllm_metrics import VllmStats
-
-MiB = 1 << 20
-
-
-def allocator(largest: int):
-    tried = []
-
-    def try_alloc(size: int) -> bool:
-        tried.append(size)
-        return size <= largest
-    return try_alloc, tried
-
-
-def test_unfragmented_memory_is_found_in_one_allocation():
-    try_alloc, tried = allocator(10_000 * MiB)
-    assert largest_allocatable(try_alloc, 4096 * MiB, 64 * MiB, 12) == (4096 * MiB, 1)
-    assert tried == [4096 * MiB]
-
-
-def test_fragmented_memory_is_bisected_to_the_granule():
-    try_alloc, tried = allocator(1000 * MiB)
-    largest, steps = largest_allocatable(try_alloc, 4096 * MiB, 64 * MiB, 12)
-    assert largest == 960 * MiB            # the biggest multiple of 64 MiB that fits
-    assert steps == len(tried) <= 12 and max(tried) <= 4096 * MiB
-
-
-def test_the_probe_never_exceeds_its_step_budget():
-    try_alloc, tried = allocator(1 * MiB)
-    largest, steps = largest_allocatable(try_alloc, 1 << 40, MiB, 5)
-    assert steps == 5 and len(tried) == 5 and largest == 0
-
-
-def test_nothing_to_probe_means_no_allocation():
-    try_alloc, tried = allocator(0)
-    assert largest_allocatable(try_alloc, 0, MiB, 12) == (0, 0) and tried == []
-
-
-def test_reserve_is_a_fraction_of_free_with_a_floor():
-    assert reserve_bytes(80_000 * MiB, 0.1, 512 * MiB) == 8_000 * MiB
-    assert reserve_bytes(1_000 * MiB, 0.1, 512 * MiB) == 512 * MiB
-
-
-def test_fragmentation_ratio():
-    assert fragmentation_ratio(750, 1000) == 0.25
-    assert fragmentation_ratio(1000, 1000) == 0.0
-    assert fragmentation_ratio(0, 0) is None
 
 
 def test_partial_block_waste_counts_empty_slots_of_last_blocks():
@@ -70,8 +23,21 @@ def test_kv_report_and_cpu_report_say_what_is_unavailable():
     assert report["unavailable"] == ["device: no CUDA device"]
 
 
-def test_the_worst_device_sets_the_ratio():
-    probe = {"available": True, "devices": [{"fragmentationRatio": 0.1}, {"fragmentationRatio": 0.4}]}
-    report = assemble("s", "n", probe, {"available": False, "reason": "engine down"})
-    assert report["fragmentationRatio"] == 0.4
-    assert report["unavailable"] == ["kv: engine down"]
+def test_kv_waste_is_the_share_of_used_slots_holding_no_token():
+    stats = VllmStats(0.25, 64, 32, 2, 0, 0)        # 16 blocks of 32 in use
+    seqs = [SequenceLength(100), SequenceLength(60), SequenceLength(200)]  # 4 + 2 + 7 blocks
+    waste, why = kv_waste(stats, 32, seqs)
+    assert waste == 1 - 360 / (16 * 32) and why == ""
+    # Prefix sharing can make the sequences hold more tokens than the pool's slots: clamped.
+    assert kv_waste(stats, 32, [SequenceLength(600)])[0] == 0.0
+
+
+def test_kv_waste_is_unknown_rather_than_guessed():
+    stats = VllmStats(0.25, 64, 32, 2, 0, 0)
+    assert kv_waste(None, 32, [])[0] is None
+    waste, why = kv_waste(stats, 32, [SequenceLength(40), SequenceLength(None)])
+    assert waste is None and "1 in-flight request(s) of unknown length" in why
+    assert kv_waste(VllmStats(0.25, 64, 32, 2, 3, 0), 32, [SequenceLength(40)])[1].startswith("vLLM has waiting")
+    assert kv_waste(VllmStats(0.0, 64, 32, 0, 0, 0), 32, [])[1] == "no KV block in use"
+
+

