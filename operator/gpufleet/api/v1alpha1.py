@@ -45,7 +45,12 @@ class SecretKeyRef:
 @dataclasses.dataclass(kw_only=True)
 class HuggingFaceSource:
     """Load the weights from the Hugging Face Hub by id (spec.model.name)."""
-    revision: Optional[str] = field("Git revision (branch, tag or commit) of the model repository.", default=None)
+    revision: Optional[str] = field("Git revision (branch, tag or commit) of the model repository: vLLM loads "
+                                    "the weights and the tokenizer at it (--revision, --tokenizer-revision) and "
+                                    "the guard counts tokens with the tokenizer at it. A commit hash pins the "
+                                    "model; a branch follows it at each pod start. Unset: the default branch.",
+                                    default=None, min_length=1, max_length=256,
+                                    pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
     credentials_secret_ref: Optional[SecretKeyRef] = field(
         "Secret holding a Hugging Face token for gated models, exposed to the engine as HF_TOKEN. "
         "Never put a token inline.", default=None)
@@ -68,21 +73,91 @@ class ModelSource:
              "set at most one of model.source.huggingFace, model.source.pvc, model.source.uri")]}
     hugging_face: Optional[HuggingFaceSource] = field("Hugging Face Hub source.", default=None)
     pvc: Optional[PVCSource] = field("PersistentVolumeClaim source.", default=None)
-    uri: Optional[str] = field("A URI or path the engine loads directly (s3://, gs://, https://, or a path "
-                               "inside the image).", default=None, min_length=1)
+    uri: Optional[str] = field(
+        "Absolute path of a model folder inside the engine image (weights baked into a derived image); vLLM "
+        "and the guard's tokenizer read it in place. Remote schemes (s3://, gs://, https://) are not "
+        "supported: copy the weights into a PersistentVolumeClaim (source.pvc) or load them from the Hub "
+        "(source.huggingFace, with model.cache to download once).", default=None, min_length=2,
+        max_length=1024,
+        x_kubernetes_validations=[rule("self.startsWith('/')",
+                                       "model.source.uri must be an absolute path inside the engine image, "
+                                       "such as /opt/models/llama; s3://, gs:// and https:// are not "
+                                       "supported: use model.source.pvc or model.source.huggingFace")])
+
+
+@dataclasses.dataclass(kw_only=True)
+class CacheClaim:
+    """A PersistentVolumeClaim holding the Hugging Face cache of every replica: the first replica to start
+    downloads the weights into it, the others (scale-out, rollouts, restarts) load them from it. Name an
+    existing claim (claimName), or give size for the operator to create <service>-model-cache, owned by
+    the InferenceService and deleted with it. Replicas on several nodes need ReadWriteMany (NFS, CephFS,
+    EFS, Filestore, ...)."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("has(self.claimName) != has(self.size)",
+             "model.cache.persistentVolumeClaim: set exactly one of claimName (an existing claim) and size "
+             "(the operator creates the claim <service>-model-cache)"),
+        rule("!has(self.claimName) || (!has(self.storageClassName) && !has(self.accessMode))",
+             "model.cache.persistentVolumeClaim.storageClassName and accessMode are for the claim the operator "
+             "creates; an existing claim (claimName) has its own, so remove them"),
+    ]}
+    claim_name: Optional[str] = field("An existing claim in the namespace, writable by the engine (uid/gid "
+                                      "65532; the pod's fsGroup).", default=None, pattern=DNS_SUBDOMAIN,
+                                      max_length=253)
+    size: Any = field("Storage of the claim the operator creates: above the weights, about 2 bytes a "
+                      "parameter in bf16 (20Gi for 8B, 150Gi for 70B).", default=None, **QUANTITY)
+    storage_class_name: Optional[str] = field("StorageClass of the claim the operator creates; unset: the "
+                                              "cluster's default class.", default=None, pattern=DNS_SUBDOMAIN,
+                                              max_length=253)
+    access_mode: Optional[str] = field("Access mode of the claim the operator creates. ReadWriteMany "
+                                       "(default) shares it between replicas on any node; ReadWriteOnce only "
+                                       "between replicas on one node.", default=None,
+                                       enum=["ReadWriteMany", "ReadWriteOnce"])
+
+
+@dataclasses.dataclass(kw_only=True)
+class CacheHostPath:
+    """A directory on each GPU node holding the Hugging Face cache: each node downloads the weights once,
+    and every later replica on that node loads them from disk. The directory must exist on the node and be
+    writable by uid 65532 (create it when the node is provisioned), and the namespace's Pod Security level
+    must allow hostPath volumes (privileged)."""
+    path: str = field("Absolute directory path on the node.", pattern=r"^/.+", max_length=1024)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelCacheSpec:
+    """Where weights downloaded from the Hugging Face Hub are kept. Without persistentVolumeClaim or
+    hostPath they go to the pod's own emptyDir and every pod start downloads them again."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("!(has(self.persistentVolumeClaim) && has(self.hostPath))",
+             "set at most one of model.cache.persistentVolumeClaim and model.cache.hostPath")]}
+    persistent_volume_claim: Optional[CacheClaim] = field("A claim shared by the replicas.", default=None)
+    host_path: Optional[CacheHostPath] = field("A directory on each node.", default=None)
+    ephemeral_storage: Any = field(
+        "Without persistentVolumeClaim or hostPath: the size limit of the pod's emptyDir the weights download "
+        "into, requested as ephemeral-storage so the scheduler picks a node with that much disk. Size it "
+        "above the weights (about 2 bytes a parameter in bf16).", default="50Gi", **QUANTITY)
 
 
 @dataclasses.dataclass(kw_only=True)
 class ModelSpec:
     """The model served."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("!(has(self.cache.persistentVolumeClaim) || has(self.cache.hostPath)) || "
+             "!(has(self.source.pvc) || has(self.source.uri))",
+             "model.cache keeps downloads from the Hugging Face Hub; model.source.pvc and model.source.uri are "
+             "read in place, so remove model.cache.persistentVolumeClaim or model.cache.hostPath",
+             field_path=".cache")]}
     name: str = field("Model identifier: a Hugging Face id such as meta-llama/Llama-3.1-8B-Instruct, "
                       "or a descriptive name when source.pvc or source.uri is set.", min_length=1, max_length=256)
     served_name: Optional[str] = field("Name clients pass as `model` in OpenAI API requests. "
                                        "Defaults to model.name.", default=None, min_length=1, max_length=256)
     source: ModelSource = field("Where the weights come from.", factory=ModelSource)
     max_model_len: Optional[int] = field("Maximum context length (prompt + output tokens) the engine "
-                                         "allocates for. Defaults to the model's own.", default=None,
+                                         "allocates for (--max-model-len). Unset: the model's own, which "
+                                         "the guard reads from vLLM once it is up.", default=None,
                                          minimum=128, maximum=2097152)
+    cache: ModelCacheSpec = field("Where downloaded weights are kept, so a pod start need not download them "
+                                  "again.", factory=ModelCacheSpec)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,6 +197,11 @@ class EngineSpec:
                                       "resources.gpusPerReplica.", default=1, minimum=1, maximum=16)
     gpu_memory_utilization_percent: int = field("Share of GPU memory vLLM may use for weights, activations "
                                                 "and KV cache.", default=90, minimum=10, maximum=98)
+    cuda_allocator_config: str = field(
+        "PyTorch's CUDA caching-allocator options for vLLM (PYTORCH_CUDA_ALLOC_CONF). The default grows "
+        "segments in place instead of splitting them, PyTorch's remedy for fragmentation; set other options "
+        "to replace it, or an empty string to leave PyTorch's defaults.",
+        default="expandable_segments:True", max_length=512)
     kv_cache: KVCacheSpec = field("KV-cache layout.", factory=KVCacheSpec)
     prefix_caching: str = field("Reuse KV blocks of shared prompt prefixes.", default="Enabled",
                                 enum=["Enabled", "Disabled"])
@@ -304,13 +384,18 @@ class AutoscalingSpec:
 
 @dataclasses.dataclass(kw_only=True)
 class FragmentationAuditSpec:
-    """GPU memory fragmentation audit: 1 - largest allocatable block / free memory."""
+    """GPU memory fragmentation audit, from inside the engine: the share of PyTorch's caching allocator's
+    reserved memory held in inactive split blocks (docs/metrics.md)."""
     interval_seconds: int = field("How often to audit.", default=3600, minimum=60, maximum=604800)
     threshold_percent: int = field("Fragmentation above this is reported (Event, condition, alert).",
                                    default=25, minimum=1, maximum=100)
-    remediation: str = field("None only reports; RestartReplica restarts the worst replica when the "
-                             "PodDisruptionBudget and spare capacity allow.", default="None",
-                             enum=["None", "RestartReplica"])
+    remediation: str = field("None only reports; RestartReplica restarts a replica above the threshold whose "
+                             "allocation retries or OOMs are rising, one at a time, when the "
+                             "PodDisruptionBudget allows and the other ready replicas have KV headroom for its "
+                             "load.", default="None", enum=["None", "RestartReplica"])
+    restart_cooldown_seconds: int = field("RestartReplica: at least this long between two restarts of the "
+                                          "service's replicas, and after the operator starts.", default=3600,
+                                          minimum=300, maximum=604800)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -328,7 +413,7 @@ class MonitoringSpec:
 
 
 # Volumes the engine pod has already; a volume of pod.volumes may not reuse their names.
-RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model"]
+RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "model-cache"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -479,8 +564,14 @@ class ScalingDecision:
 @dataclasses.dataclass(kw_only=True)
 class FragmentationStatus:
     """Result of the last fragmentation audit."""
-    percent: Optional[int] = field("Worst replica's fragmentation, percent.", default=None)
+    percent: Optional[int] = field("Worst replica's fragmentation: inactive split / reserved bytes of vLLM's "
+                                   "allocator, percent.", default=None)
     worst_replica: Optional[str] = field("Pod with the worst fragmentation.", default=None)
+    losing_memory_replica: Optional[str] = field("Pod above the threshold whose allocation retries or OOMs rose "
+                                                 "since the previous audit.", default=None)
+    last_restart_time: Optional[str] = field("When a replica was last restarted for fragmentation.",
+                                             default=None)
+    last_restarted_replica: Optional[str] = field("The replica restarted then.", default=None)
     time: Optional[str] = field("When the audit ran.", default=None)
     verdict: str = field("OK, AboveThreshold or Unavailable (no replica could report).", default="Unavailable")
     recommendation: str = field("What to do about it.", default="")
@@ -497,6 +588,8 @@ class InferenceServiceStatus:
     endpoint: Optional[str] = field("In-cluster URL of the OpenAI-compatible API.", default=None)
     kv_cache_usage_percent: Optional[int] = field("Mean KV-cache usage over ready replicas.", default=None)
     ttft_p99_milliseconds: Optional[int] = field("Observed time-to-first-token p99 at the guard.", default=None)
+    kv_waste_percent: Optional[int] = field("Share of the KV blocks in use holding no token of an in-flight "
+                                            "request, mean over replicas that know it.", default=None)
     last_scaling: Optional[ScalingDecision] = field("The autoscaler's last action.", default=None)
     fragmentation: Optional[FragmentationStatus] = field("Last fragmentation audit.", default=None)
     isolation_violations: list[str] = field("Foreign pods found on nodes reserved for this service.",

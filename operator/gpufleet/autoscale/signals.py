@@ -26,6 +26,7 @@ class ReplicaSample:
     shed_total: float = 0.0              # cumulative guard rejections that mean "overloaded"
     ttft_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's TTFT
     queue_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's queue time
+    kv_waste: float | None = None        # 0..1, KV blocks in use holding no token (None: unknown now)
 
     @property
     def load(self) -> float:
@@ -42,6 +43,7 @@ def _samples(text: str):
 def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
     kv: dict[str, float] = {}
     waiting = running = queued = in_flight = shed = 0.0
+    waste: float | None = None
     ttft: dict[float, float] = {}
     queue: dict[float, float] = {}
     for name, _labels, value in _samples(engine_text):
@@ -56,6 +58,8 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
             queued += value
         elif name == guard.IN_FLIGHT:
             in_flight += value
+        elif name == guard.KV_WASTE_RATIO:
+            waste = value
         elif name == guard.REJECTIONS + "_total" and labels.get("reason") in SHED_REASONS:
             shed += value
         elif name == guard.TTFT_SECONDS + "_bucket":
@@ -67,7 +71,8 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
     usage = next((kv[n] for n in KV_USAGE if n in kv), None)
     return ReplicaSample(pod=pod, ok=True, kv_usage=usage, engine_waiting=waiting, engine_running=running,
                          guard_queued=queued, guard_in_flight=in_flight, shed_total=shed,
-                         ttft_buckets=tuple(sorted(ttft.items())), queue_buckets=tuple(sorted(queue.items())))
+                         ttft_buckets=tuple(sorted(ttft.items())), queue_buckets=tuple(sorted(queue.items())),
+                         kv_waste=waste)
 
 
 def quantile_from_buckets(buckets: list[tuple[float, float]], q: float) -> float | None:

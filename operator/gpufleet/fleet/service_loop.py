@@ -4,8 +4,9 @@ Ticked by the shared ``FleetLoop`` (one per operator). Decisions come
 from the pure policies; this class does the reading and the writing: status
 fields, one Event per action, metrics, the pod-deletion-cost mark before a
 scale-in (cleared from a replica that outlives it), and evictions for
-fragmentation remediation. An action is applied under the service's lock in
-the ``Controller``, so it and a reconcile never interleave.
+fragmentation remediation (only under every rule of
+``audit.fragmentation.may_restart``). An action is applied under the
+service's lock in the ``Controller``, so it and a reconcile never interleave.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import collections
 import logging
 import time
+from datetime import datetime, timezone
 
 from ..api import SpecError, parse_spec
 from ..api import v1alpha1 as t
@@ -45,6 +47,9 @@ class ServiceLoop:
         self._spec_key: tuple | None = None
         self._spec = None
         self.removals: dict[str, int] = {}  # pod marked for scale-in -> the replica count it was marked for
+        self.watching_since: float | None = None  # first tick of this operator process for the service
+        self.audit_baseline: dict[str, tuple[int, int]] = {}  # pod -> (alloc retries, OOMs) at the last audit
+        self.scaled_in_this_pass = False
 
     def spec_of(self, body: dict):
         """The parsed spec, parsed once per generation; None when invalid."""
@@ -85,6 +90,9 @@ class ServiceLoop:
 
     async def tick(self, body: dict, pods: list[dict], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        if self.watching_since is None:
+            self.watching_since = now
+        self.scaled_in_this_pass = False
         spec = self.spec_of(body)
         if spec is None:
             return  # the reconciler reports InvalidSpec
@@ -95,6 +103,9 @@ class ServiceLoop:
             mean = sum(kv) / len(kv)
             self.rt.metrics.kv_usage.labels(self.ns, self.name).set(mean)
             fields["kvCacheUsagePercent"] = round(mean * 100)
+        waste = [s.kv_waste for s in samples if s.ok and s.kv_waste is not None]
+        if waste:
+            fields["kvWastePercent"] = round(100 * sum(waste) / len(waste))
         p99 = self.ttft_p99(samples, now)
         if p99 is not None:
             fields["ttftP99Milliseconds"] = round(p99 * 1000)
@@ -105,7 +116,7 @@ class ServiceLoop:
             await self.rt.controller.write_status(body, fields, conditions)
         await self.release_deletion_costs(body, pods)
         if self.audit_due(body, spec, now):
-            await self.audit(body, spec, ready, now)
+            await self.audit(body, spec, ready, now, samples=samples, pods=pods)
 
     async def autoscale(self, body: dict, spec, samples, now: float, fields: dict) -> list[dict]:
         """Decide on the samples; act on a decision (and write ``fields`` with it).
@@ -158,6 +169,7 @@ class ServiceLoop:
                          self.ns, self.name, fresh_current, current, decision.target)
                 return
             direction = "up" if decision.target > current else "down"
+            self.scaled_in_this_pass = direction == "down"
             victim = policy.least_loaded(samples) if direction == "down" else None
             if victim:
                 await self.mark_for_removal(victim, decision.target)
@@ -244,17 +256,18 @@ class ServiceLoop:
             self.last_audit = now - interval + FIRST_AUDIT_DELAY_S
         return now - self.last_audit >= interval
 
-    async def audit(self, body, spec, ready, now: float) -> None:
+    async def audit(self, body, spec, ready, now: float, *, samples=(), pods=()) -> None:
         self.last_audit = now
         reports = await asyncio.gather(*(self.rt.reader.audit(p["name"], p["ip"]) for p in ready))
         replicas = [frag.replica_from_report(p["name"], rep, err) for p, (rep, err) in zip(ready, reports)]
         cfg = spec.audit.fragmentation
-        result = frag.evaluate(replicas, cfg.threshold_percent / 100, cfg.remediation)
+        result = frag.evaluate(replicas, cfg.threshold_percent / 100, cfg.remediation, self.audit_baseline)
+        self.audit_baseline = frag.counters(replicas)
         stamp = cond.now_iso()
         previous = (body.get("status") or {}).get("fragmentation") or {}
-        fstatus = {"percent": None if result.ratio is None else round(result.ratio * 100),
-                   "worstReplica": result.worst, "time": stamp, "verdict": result.verdict,
-                   "recommendation": result.recommendation}
+        fstatus = {**previous, "percent": None if result.ratio is None else round(result.ratio * 100),
+                   "worstReplica": result.worst, "losingMemoryReplica": result.restart_candidate, "time": stamp,
+                   "verdict": result.verdict, "recommendation": result.recommendation}
         ok = result.verdict != "AboveThreshold"
         await self.rt.controller.write_status(body, {"fragmentation": fstatus}, [cond.condition(
             cond.FRAGMENTATION_OK, ok, result.verdict, result.recommendation,
@@ -265,8 +278,8 @@ class ServiceLoop:
             await self.rt.kube.event(body, reason="FragmentationHigh", type_="Warning",
                                      message=f"{result.worst}: {result.ratio:.0%} > "
                                              f"{cfg.threshold_percent}%; {result.recommendation}")
-            if cfg.remediation == "RestartReplica":
-                await self.remediate(body, result.worst)
+            if cfg.remediation == "RestartReplica" and result.restart_candidate:
+                await self.remediate(body, result.restart_candidate, spec, samples, pods, now)
         elif result.verdict != previous.get("verdict"):
             await self.rt.kube.event(body, reason=f"Fragmentation{result.verdict}", message=result.recommendation)
         annotations = body.get("metadata", {}).get("annotations") or {}
@@ -274,12 +287,23 @@ class ServiceLoop:
             await self.rt.kube.merge_patch(t.API_VERSION, t.KIND, self.name, {"metadata": {"annotations": {
                 names.ANNOTATION_AUDIT_REQUEST: None}}}, self.ns)
 
-    async def remediate(self, body, pod: str) -> None:
+    def restart_context(self, body, spec, samples, pods, now: float, pdb_allowed: int) -> frag.RestartContext:
         status = body.get("status") or {}
+        last = (status.get("fragmentation") or {}).get("lastRestartTime")
+        return frag.RestartContext(
+            now=now, watching_since=self.watching_since if self.watching_since is not None else now,
+            cooldown_seconds=spec.audit.fragmentation.restart_cooldown_seconds,
+            last_restart_ago=_seconds_since(last),
+            ready_replicas=status.get("readyReplicas", 0), desired_replicas=status.get("desiredReplicas", 0),
+            pods_terminating=sum(1 for p in pods if p["deleting"]), pdb_disruptions_allowed=pdb_allowed,
+            scaling_in=self.scaled_in_this_pass or bool(self.removals),
+            kv_usage={s.pod: s.kv_usage for s in samples if s.ok and s.kv_usage is not None},
+            kv_high=policy.Thresholds.from_spec(spec.autoscaling).kv_high)
+
+    async def remediate(self, body, pod: str, spec, samples, pods, now: float) -> None:
         pdb = await self.rt.kube.get_or_none("policy/v1", "PodDisruptionBudget", names.pdb_name(self.name), self.ns)
         allowed = (pdb or {}).get("status", {}).get("disruptionsAllowed", 0)
-        ok, why = frag.can_restart(ready_replicas=status.get("readyReplicas", 0),
-                                   desired_replicas=status.get("desiredReplicas", 0), pdb_disruptions_allowed=allowed)
+        ok, why = frag.may_restart(pod, self.restart_context(body, spec, samples, pods, now, allowed))
         if not ok:
             await self.rt.kube.event(body, reason="RemediationDeferred", type_="Warning",
                                      message=f"not restarting {pod}: {why}")
@@ -287,8 +311,23 @@ class ServiceLoop:
         try:  # the Eviction API re-checks the budget atomically
             await self.rt.kube.request("POST", f"/api/v1/namespaces/{self.ns}/pods/{pod}/eviction", body={
                 "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": self.ns}})
-            await self.rt.kube.event(body, reason="ReplicaRestarted",
-                                     message=f"evicted {pod} to clear GPU memory fragmentation")
         except ApiError as e:
             await self.rt.kube.event(body, reason="RemediationDeferred", type_="Warning",
                                      message=f"eviction of {pod} refused: {e.message}")
+            return
+        await self.rt.kube.event(body, reason="ReplicaRestarted",
+                                 message=f"evicted {pod}: GPU memory fragmented and allocation retries or OOMs "
+                                         f"rising ({why})")
+        fstatus = (body.get("status") or {}).get("fragmentation") or {}
+        await self.rt.controller.write_status(body, {"fragmentation": {
+            **fstatus, "lastRestartTime": cond.now_iso(), "lastRestartedReplica": pod}})
+
+
+def _seconds_since(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    try:
+        then = datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    return (datetime.now(timezone.utc) - then).total_seconds()

@@ -3,20 +3,39 @@ from gpufleet_dev.devcluster.fleet import build_node
 
 from gpufleet.api import parse_spec
 from gpufleet.audit import fragmentation as frag
-from gpufleet.audit.stranded import find_stranded, node_inventory
+from gpufleet.audit.stranded import find_stranded, node_inventory, tolerates
 from gpufleet.isolation.verify import violations_for
 from gpufleet.manifests import names
 
 
-def test_fragmentation_verdicts():
-    reps = [frag.replica_from_report("a", {"fragmentationRatio": 0.1, "device": {"available": True}}),
-            frag.replica_from_report("b", {"fragmentationRatio": 0.4, "device": {"available": True}}),
+def report(ratio, retries=0, ooms=0):
+    return {"fragmentationRatio": ratio, "allocRetries": retries, "ooms": ooms, "device": {"available": True}}
+
+
+def test_fragmentation_alone_is_reported_but_is_no_reason_to_restart():
+    reps = [frag.replica_from_report("a", report(0.1)), frag.replica_from_report("b", report(0.4, retries=5)),
             frag.replica_from_report("c", None, "timeout")]
-    r = frag.evaluate(reps, 0.25, "None")
+    r = frag.evaluate(reps, 0.25, "RestartReplica", previous={"a": (0, 0), "b": (5, 0)})
     assert (r.verdict, r.worst, r.ratio) == ("AboveThreshold", "b", 0.4)
-    assert "kubectl delete pod b" in r.recommendation
-    ok = frag.evaluate(reps[:1], 0.25, "None")
-    assert ok.verdict == "OK"
+    assert r.restart_candidate is None and "no restart needed" in r.recommendation
+    assert frag.evaluate(reps[:1], 0.25, "None").verdict == "OK"
+
+
+def test_a_replica_above_the_threshold_whose_retries_or_ooms_rise_is_losing_memory():
+    reps = [frag.replica_from_report("a", report(0.3, retries=9)), frag.replica_from_report("b", report(0.4)),
+            frag.replica_from_report("c", report(0.35, ooms=1)), frag.replica_from_report("d", report(0.2, 50))]
+    r = frag.evaluate(reps, 0.25, "None", previous={"a": (4, 0), "b": (0, 0), "c": (0, 0), "d": (1, 0)})
+    assert r.worst == "b"                   # the most fragmented, but its allocator copes
+    assert r.restart_candidate == "c"       # the most fragmented of those losing memory
+    assert "kubectl delete pod c" in r.recommendation
+    # d's retries rose, but it is under the threshold: not a candidate.
+    assert frag.counters(reps) == {"a": (9, 0), "b": (0, 0), "c": (0, 1), "d": (50, 0)}
+
+
+def test_no_baseline_means_no_candidate():
+    """The first audit after the operator starts (or of a new pod) has nothing to compare: no burst."""
+    reps = [frag.replica_from_report("a", report(0.9, retries=1000, ooms=3))]
+    assert frag.evaluate(reps, 0.25, "RestartReplica", previous={}).restart_candidate is None
 
 
 def test_cpu_replicas_report_unavailable_instead_of_numbers():
@@ -27,17 +46,42 @@ def test_cpu_replicas_report_unavailable_instead_of_numbers():
     assert r.verdict == "Unavailable" and r.ratio is None and "no CUDA device" in r.recommendation
 
 
-def test_restart_needs_budget_and_spare_capacity():
-    assert frag.can_restart(ready_replicas=3, desired_replicas=3, pdb_disruptions_allowed=1)[0]
-    assert not frag.can_restart(ready_replicas=1, desired_replicas=1, pdb_disruptions_allowed=1)[0]
-    assert not frag.can_restart(ready_replicas=3, desired_replicas=3, pdb_disruptions_allowed=0)[0]
-    assert not frag.can_restart(ready_replicas=2, desired_replicas=3, pdb_disruptions_allowed=1)[0]
+def restart(**over):
+    base = dict(now=10_000.0, watching_since=0.0, cooldown_seconds=3600.0, last_restart_ago=None,
+                ready_replicas=3, desired_replicas=3, pods_terminating=0, pdb_disruptions_allowed=1,
+                scaling_in=False, kv_usage={"a": 0.4, "b": 0.4, "c": 0.4}, kv_high=0.8)
+    return frag.may_restart("b", frag.RestartContext(**{**base, **over}))
 
 
-def pod(name, node, gpus=1, model=None, service=None, ns="ml"):
+def test_a_restart_is_allowed_when_every_rule_holds():
+    ok, why = restart()
+    assert ok and "60% KV usage" in why
+
+
+def test_restart_rules_each_block_on_their_own():
+    cases = {
+        "scale-in": (dict(scaling_in=True), "scale-in"),
+        "operator just started": (dict(watching_since=9_000.0), "no burst after a start"),
+        "cooldown": (dict(last_restart_ago=600.0), "cooldown"),
+        "one at a time (not ready)": (dict(ready_replicas=2), "one replica at a time"),
+        "one at a time (terminating)": (dict(pods_terminating=1), "1 terminating"),
+        "only replica": (dict(ready_replicas=1, desired_replicas=1, kv_usage={"b": 0.1}), "only ready replica"),
+        "budget": (dict(pdb_disruptions_allowed=0), "PodDisruptionBudget"),
+        "no headroom": (dict(kv_usage={"a": 0.6, "b": 0.5, "c": 0.6}), "85% KV usage"),
+        "unread load": (dict(kv_usage={"a": 0.1, "c": 0.1}), "cannot be placed"),
+    }
+    for name, (over, reason) in cases.items():
+        ok, why = restart(**over)
+        assert not ok and reason in why, (name, why)
+    assert restart(last_restart_ago=3700.0)[0]  # past the cooldown
+
+
+def pod(name, node, gpus=1, model=None, service=None, ns="ml", mode=None):
     labels = {}
     if model:
         labels[names.LABEL_MODEL] = model
+    if mode:
+        labels[names.LABEL_ISOLATION] = mode
     if service:
         labels[names.LABEL_SERVICE] = service
     return {"metadata": {"name": name, "namespace": ns, "labels": labels},
@@ -71,6 +115,52 @@ def test_dedicated_neighbours_strand_the_rest_of_a_node():
     assert find_stranded(node_inventory(nodes, pods), [small_a, small_b]) == []  # a can use its own node
     only_b = find_stranded(node_inventory(nodes, pods), [small_b])
     assert only_b and only_b[0].free == 7 and "gpufleet.dev/node-pool=other" in only_b[0].why
+
+
+def test_an_exclusive_neighbour_strands_its_node_even_for_a_shared_service():
+    """Before: adding any Shared service hid every GPU an Exclusive pod stranded."""
+    shared = parse_spec({"model": {"name": "org/s"}, "isolation": {"mode": "Shared"}})
+    same_model = parse_spec({"model": {"name": "org/x"}, "isolation": {"mode": "Shared"}})
+    nodes = [node("n0")]
+    pods = [pod("x-1", "n0", 1, model=names.model_label("org/x"), mode="Exclusive")]
+    for candidates in ([shared], [shared, same_model]):
+        stranded = find_stranded(node_inventory(nodes, pods), candidates)
+        assert [(x.node, x.free) for x in stranded] == [("n0", 7)]
+        assert "Exclusive neighbour" in stranded[0].why
+
+
+def test_a_dedicated_neighbour_strands_its_node_for_other_models_only():
+    other = parse_spec({"model": {"name": "org/b"}, "isolation": {"mode": "Shared"}})
+    same = parse_spec({"model": {"name": "org/a"}, "isolation": {"mode": "Shared"}})
+    nodes = [node("n0")]
+    pods = [pod("a-1", "n0", 2, model=names.model_label("org/a"), mode="Dedicated")]
+    stranded = find_stranded(node_inventory(nodes, pods), [other])
+    assert [(x.node, x.free) for x in stranded] == [("n0", 6)] and "Dedicated neighbour" in stranded[0].why
+    assert find_stranded(node_inventory(nodes, pods), [other, same]) == []  # org/a may join its own
+
+
+def test_a_taint_no_service_tolerates_strands_the_node():
+    plain = parse_spec({"model": {"name": "org/a"}})
+    tolerant = parse_spec({"model": {"name": "org/b"}, "isolation": {"tolerations": [
+        {"key": "team", "operator": "Equal", "value": "research", "effect": "NoSchedule"}]}})
+    tainted = node("n0")
+    tainted["spec"]["taints"].append({"key": "team", "value": "research", "effect": "NoSchedule"})
+    stranded = find_stranded(node_inventory([tainted], []), [plain])
+    assert [(x.node, x.free) for x in stranded] == [("n0", 8)]
+    assert "taint team=research:NoSchedule not tolerated" in stranded[0].why
+    assert find_stranded(node_inventory([tainted], []), [plain, tolerant]) == []
+    # The GPU taint every engine pod tolerates strands nothing.
+    assert find_stranded(node_inventory([node("n1")], []), [plain]) == []
+
+
+def test_toleration_matching_follows_kubernetes():
+    taint = {"key": "team", "value": "research", "effect": "NoSchedule"}
+    assert tolerates([{"operator": "Exists"}], taint)                                   # tolerates everything
+    assert tolerates([{"key": "team", "operator": "Exists"}], taint)
+    assert tolerates([{"key": "team", "operator": "Equal", "value": "research"}], taint)  # any effect
+    assert not tolerates([{"key": "team", "operator": "Equal", "value": "ops"}], taint)
+    assert not tolerates([{"key": "team", "operator": "Exists", "effect": "NoExecute"}], taint)
+    assert not tolerates([{"key": "nvidia.com/gpu", "operator": "Exists"}], taint)
 
 
 def test_isolation_violations_name_the_offending_pods():

@@ -10,6 +10,7 @@ from gpufleet.autoscale.signals import ReplicaSample
 from gpufleet.controller import Controller
 from gpufleet.fleet.service_loop import DELETION_COST, ServiceLoop
 from gpufleet.kube.errors import ApiError
+from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
 from tests.support.fake_kube import FakeKube
@@ -273,27 +274,138 @@ def pdb(allowed):
             "metadata": {"name": "chat-engine", "namespace": "ml"}, "status": {"disruptionsAllowed": allowed}}
 
 
-async def test_remediation_evicts_the_worst_replica_when_the_budget_allows(kube):
+def restart_isvc(desired=3, ready=3, **status):
+    body = isvc(desired=desired, ready=ready, audit={"fragmentation": {
+        "intervalSeconds": 604800, "thresholdPercent": 25, "remediation": "RestartReplica",
+        "restartCooldownSeconds": 600}})
+    body["status"].update(status)
+    return body
+
+
+class AuditingReader(FakeReader):
+    """Replicas' /audit reports: (fragmentation, alloc retries, OOMs) per pod, changed between audits."""
+
+    def __init__(self, kv, memory):
+        super().__init__(kv)
+        self.memory = memory
+
+    async def audit(self, pod, ip):
+        ratio, retries, ooms = self.memory[pod]
+        return {"fragmentationRatio": ratio, "allocRetries": retries, "ooms": ooms,
+                "device": {"available": True}}, None
+
+
+PODS = [pod("a"), pod("b"), pod("c")]
+
+
+async def audit_twice(kube, body, *, kv=None, retries_after=40, pods=PODS, now=10_000.0):
+    """Two audits of three replicas; b is 40% fragmented and its retries go 3 -> ``retries_after``."""
+    kube.put(body)
+    loop = make_loop(kube)
+    loop.rt.reader = AuditingReader(kv or {"a": 0.3, "b": 0.3, "c": 0.3},
+                                    {"a": (0.05, 0, 0), "b": (0.40, 3, 0), "c": (0.10, 0, 0)})
+    loop.watching_since = 0.0
+    spec = loop.spec_of(body)
+    ready = [p for p in pods if p["ready"] and not p["deleting"]]
+    samples = [await loop.rt.reader.sample(p["name"], p["ip"]) for p in ready]
+    await loop.audit(body, spec, ready, now - 3600, samples=samples, pods=pods)
+    loop.rt.reader.memory["b"] = (0.40, retries_after, 0)
+    await loop.audit(kube.obj("InferenceService", "chat"), spec, ready, now, samples=samples, pods=pods)
+    return loop
+
+
+async def test_a_fragmented_replica_losing_memory_is_restarted_and_the_restart_recorded(kube):
     kube.put(pdb(1))
+    await audit_twice(kube, restart_isvc())
+    assert kube.evictions == ["b"]
+    assert kube.event_reasons() == ["FragmentationHigh", "FragmentationHigh", "ReplicaRestarted"]
+    f = status(kube)["fragmentation"]
+    assert f["lastRestartedReplica"] == "b" and f["lastRestartTime"] and f["percent"] == 40
+    assert f["losingMemoryReplica"] == "b"
+
+
+async def test_fragmentation_without_rising_retries_restarts_nothing(kube):
+    kube.put(pdb(1))
+    await audit_twice(kube, restart_isvc(), retries_after=3)
+    assert kube.evictions == [] and "RemediationDeferred" not in kube.event_reasons()
+    assert status(kube)["fragmentation"].get("losingMemoryReplica") is None
+
+
+async def test_no_restart_right_after_the_operator_starts(kube):
+    kube.put(pdb(1))
+    body = restart_isvc()
+    kube.put(body)
     loop = make_loop(kube)
-    await loop.remediate(isvc(desired=2, ready=2), "b")
-    assert kube.evictions == ["b"] and kube.event_reasons() == ["ReplicaRestarted"]
+    loop.rt.reader = AuditingReader({}, {"a": (0.9, 100, 5), "b": (0.9, 100, 5), "c": (0.9, 100, 5)})
+    ready = PODS
+    samples = [await loop.rt.reader.sample(p["name"], p["ip"]) for p in ready]
+    await loop.tick(body, ready, now=50.0)  # the loop starts watching
+    for i, now in enumerate((60.0, 120.0, 180.0)):
+        loop.rt.reader.memory = {p: (0.9, 200 + i, 5) for p in "abc"}
+        await loop.audit(kube.obj("InferenceService", "chat"), loop.spec_of(body), ready, now,
+                         samples=samples, pods=ready)
+    assert kube.evictions == []
+    deferred = [e["message"] for e in kube.events if e["reason"] == "RemediationDeferred"]
+    assert deferred and all("no burst after a start" in m for m in deferred)
 
 
-@pytest.mark.parametrize("ready, allowed", [(1, 1), (2, 0)], ids=["no-spare-replica", "budget-spent"])
-async def test_remediation_is_deferred_without_spare_capacity(kube, ready, allowed):
+async def test_a_restart_waits_out_the_cooldown_of_the_last_one(kube):
+    kube.put(pdb(1))
+    recent = c.now_iso()
+    await audit_twice(kube, restart_isvc(fragmentation={"lastRestartTime": recent, "lastRestartedReplica": "a"}))
+    assert kube.evictions == []
+    assert any("cooldown" in e["message"] for e in kube.events if e["reason"] == "RemediationDeferred")
+
+
+async def test_one_replica_at_a_time(kube):
+    kube.put(pdb(1))
+    await audit_twice(kube, restart_isvc(desired=3, ready=2),
+                      pods=[pod("a"), pod("b"), pod("c", ready=False), pod("d", deleting=True)])
+    assert kube.evictions == []
+    assert any("one replica at a time" in e["message"] for e in kube.events)
+
+
+async def test_no_restart_when_the_others_lack_kv_headroom_for_its_load(kube):
+    kube.put(pdb(1))
+    await audit_twice(kube, restart_isvc(), kv={"a": 0.6, "b": 0.6, "c": 0.6})
+    assert kube.evictions == []
+    assert any("90% KV usage" in e["message"] and "watermark" in e["message"] for e in kube.events)
+
+
+@pytest.mark.parametrize("pods, allowed, reason", [
+    ([pod("b")], 1, "only ready replica"),
+    (PODS, 0, "PodDisruptionBudget allows no disruption"),
+], ids=["no-spare-replica", "budget-spent"])
+async def test_remediation_is_deferred_without_spare_capacity(kube, pods, allowed, reason):
     kube.put(pdb(allowed))
+    await audit_twice(kube, restart_isvc(desired=len(pods), ready=len(pods)), pods=pods)
+    assert kube.evictions == []
+    assert any(reason in e["message"] for e in kube.events if e["reason"] == "RemediationDeferred")
+
+
+async def test_never_in_the_same_pass_as_a_scale_in(kube):
+    kube.put(pdb(1))
+    body = restart_isvc()
+    body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4, "scaleDownStabilizationSeconds": 0}
+    body["metadata"]["annotations"] = {names.ANNOTATION_AUDIT_REQUEST: "now"}
+    kube.put(body)
+    kube.put(deployment(3, 3))
     loop = make_loop(kube)
-    await loop.remediate(isvc(desired=2, ready=ready), "b")
-    assert kube.evictions == [] and kube.event_reasons() == ["RemediationDeferred"]
-    assert "not restarting b" in kube.events[0]["message"]
+    loop.rt.reader = AuditingReader({"a": 0.01, "b": 0.01, "c": 0.01},
+                                    {"a": (0.05, 0, 0), "b": (0.40, 50, 0), "c": (0.10, 0, 0)})
+    loop.watching_since = -100_000.0
+    loop.audit_baseline = {"a": (0, 0), "b": (3, 0), "c": (0, 0)}
+    await loop.tick(kube.obj("InferenceService", "chat"), PODS, now=10_000.0)
+    assert scale_events(kube) == ["ScaledDown"]
+    assert kube.evictions == []
+    assert any("scale-in" in e["message"] for e in kube.events if e["reason"] == "RemediationDeferred")
 
 
 async def test_an_eviction_the_budget_refuses_is_reported_not_raised(kube):
     kube.put(pdb(1))
     kube.eviction_error = ApiError(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's "
                                                            "disruption budget.")
-    loop = make_loop(kube)
-    await loop.remediate(isvc(desired=2, ready=2), "b")
-    assert kube.event_reasons() == ["RemediationDeferred"]
-    assert "violate the pod's disruption budget" in kube.events[0]["message"]
+    await audit_twice(kube, restart_isvc())
+    assert kube.event_reasons()[-1] == "RemediationDeferred"
+    assert "violate the pod's disruption budget" in kube.events[-1]["message"]
+    assert "lastRestartTime" not in status(kube)["fragmentation"]
