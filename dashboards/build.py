@@ -345,7 +345,7 @@ def fleet_overview() -> dict[str, Any]:
                      [target(f"namespace_service:gpufleet_kv_cache_usage:ratio{{{sel}}}",
                              "{{namespace}}/{{service}}")], unit="percentunit", max_value=1), 12)
     g.add(timeseries("GPU memory fragmentation", "Worst replica's fragmentation per service, from the "
-                     "audit (1 − largest allocatable block / free memory).",
+                     "audit (inactive split / reserved bytes of vLLM's caching allocator).",
                      [target(f"max by (namespace, service) (gpufleet_fragmentation_ratio{{{sel}}})",
                              "{{namespace}}/{{service}}")], unit="percentunit", max_value=1), 12)
 
@@ -504,6 +504,29 @@ def service() -> dict[str, Any]:
                      [target(f"sum(rate(vllm:num_preemptions_total{{{sel}}}[$__rate_interval]))", "preemptions")],
                      unit="ops"), 8)
 
+    g.row("GPU memory inside vLLM")
+    g.add(timeseries("Allocator memory per replica",
+                     "PyTorch's caching allocator in vLLM, per replica (all its devices): reserved from the GPU, "
+                     "allocated to live tensors, and inactive split (reserved, free, usable only by "
+                     "allocations that fit its pieces).",
+                     [target(f"sum by (pod) (gpufleet_engine_gpu_memory_reserved_bytes{{{sel}}})", "reserved {{pod}}"),
+                      target(f"sum by (pod) (gpufleet_engine_gpu_memory_allocated_bytes{{{sel}}})",
+                             "allocated {{pod}}"),
+                      target(f"sum by (pod) (gpufleet_engine_gpu_memory_inactive_split_bytes{{{sel}}})",
+                             "inactive split {{pod}}")], unit="bytes"), 8)
+    g.add(timeseries("Allocation retries and OOMs per minute",
+                     "The symptom of lost memory: cudaMalloc failed, the allocator flushed its cache and "
+                     "retried (each a stall), or failed outright (OOM). Should be 0.",
+                     [target(f"sum by (pod) (rate(gpufleet_engine_gpu_memory_alloc_retries_total{{{sel}}}[5m])) * 60",
+                             "retries {{pod}}"),
+                      target(f"sum by (pod) (rate(gpufleet_engine_gpu_memory_ooms_total{{{sel}}}[5m])) * 60",
+                             "OOMs {{pod}}")], unit="short"), 8)
+    g.add(timeseries("KV-pool waste", "Share of the KV blocks in use that hold no token of an in-flight "
+                     "request, per replica (a few percent with paged blocks; gaps: a request of unknown "
+                     "length was in flight).",
+                     [target(f"gpufleet_guard_kv_waste_ratio{{{sel}}}", "{{pod}}")],
+                     unit="percentunit", max_value=1), 8)
+
     g.row("Queueing and batching")
     g.add(timeseries("Queue time p95 by class", "Time from arrival to dispatch to vLLM.",
                      _quantiles_by_class("gpufleet_guard_queue_seconds", sel), unit="s"), 8)
@@ -539,9 +562,11 @@ def service() -> dict[str, Any]:
                       target(f"max(gpufleet_service_max_replicas{{{sel}}})", "max"),
                       target(f"max(gpufleet_service_crashlooping_replicas{{{sel}}})", "crash-looping")],
                      unit="none"), 8)
-    g.add(timeseries("GPU memory fragmentation", "Worst replica's fragmentation from the audit, and "
-                     "the threshold (GpufleetFragmentationHigh).",
-                     [target(f"max(gpufleet_fragmentation_ratio{{{sel}}})", "fragmentation"),
+    g.add(timeseries("GPU memory fragmentation", "Per replica and device, inactive split / reserved bytes of "
+                     "vLLM's allocator; the audit's worst replica, and the threshold (GpufleetFragmentationHigh).",
+                     [target(f"max by (pod, device) (gpufleet_engine_gpu_memory_fragmentation_ratio{{{sel}}})",
+                             "{{pod}} gpu{{device}}"),
+                      target(f"max(gpufleet_fragmentation_ratio{{{sel}}})", "audit (worst replica)"),
                       target(f"namespace_service:gpufleet_fragmentation_threshold:ratio{{{sel}}}", "threshold")],
                      unit="percentunit", max_value=1), 8)
     g.add(timeseries("Isolation and reconciliation", "Foreign pods on the service's reserved nodes, "
