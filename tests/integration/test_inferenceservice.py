@@ -55,20 +55,35 @@ async def test_create_update_drift_delete(control_plane, operator, kube, namespa
     assert table.split("\n")[0].split()[:5] == ["NAME", "READY", "REASON", "REPLICAS", "DESIRED"]
     assert "AllReplicasReady" in table
 
-    # Update: a guard setting changes the ConfigMap and rolls the pods.
+    # Update: an admission setting changes the ConfigMap only; the running guards reload it,
+    # and vLLM keeps running (the pod template, hence the pods, stay as they are).
     dep = await kube.get("apps/v1", "Deployment", "chat-engine", namespace)
     old_hash = dep["spec"]["template"]["metadata"]["annotations"]["gpufleet.dev/config-hash"]
+    pods = sorted(p["metadata"]["uid"] for p in await kube.list("v1", "Pod", namespace))
     apply(control_plane, namespace, manifest("chat", autoscaling={"minReplicas": 2, "maxReplicas": 4},
                                              admission={"kvWatermarkPercent": 10}))
 
+    async def configured():
+        o = await isvc(kube, namespace, "chat")
+        cm = await kube.get("v1", "ConfigMap", "chat-guard", namespace)
+        return (o.get("status") or {}).get("observedGeneration") == 2 and \
+            json.loads(cm["data"]["guard.json"])["kvWatermarkPercent"] == 10
+    await wait_for(configured, timeout=30, what="the new guard config in the ConfigMap")
+    d = await kube.get("apps/v1", "Deployment", "chat-engine", namespace)
+    assert d["spec"]["template"] == dep["spec"]["template"]
+    assert d["metadata"]["generation"] == dep["metadata"]["generation"]
+    assert sorted(p["metadata"]["uid"] for p in await kube.list("v1", "Pod", namespace)) == pods
+
+    # An engine setting rolls the pods: vLLM only takes it at start.
+    apply(control_plane, namespace, manifest("chat", autoscaling={"minReplicas": 2, "maxReplicas": 4},
+                                             admission={"kvWatermarkPercent": 10}, engine={"maxNumSeqs": 128}))
+
     async def rolled():
         d = await kube.get("apps/v1", "Deployment", "chat-engine", namespace)
-        cm = await kube.get("v1", "ConfigMap", "chat-guard", namespace)
-        new = d["spec"]["template"]["metadata"]["annotations"]["gpufleet.dev/config-hash"]
-        return new != old_hash and json.loads(cm["data"]["guard.json"])["kvWatermarkPercent"] == 10
-    await wait_for(rolled, timeout=30, what="the new guard config to roll out")
+        return d["spec"]["template"]["metadata"]["annotations"]["gpufleet.dev/config-hash"] != old_hash
+    await wait_for(rolled, timeout=30, what="the new engine config to roll out")
     obj = await wait_ready(kube, namespace, "chat", replicas=2)
-    assert obj["status"]["observedGeneration"] == 2
+    assert obj["status"]["observedGeneration"] == 3
     rs = await kube.list("apps/v1", "ReplicaSet", namespace)
     assert len(rs) == 2  # the old and the new revision
 
@@ -169,6 +184,18 @@ INVALID = [
     ({"isolation": {"tolerations": [{"value": "v"}]}}, "a toleration without a key must have operator Exists"),
     # An objective of 100% leaves no error budget for the burn-rate alerts to divide by.
     ({"slo": {"availabilityPercent": "100"}}, "spec.slo.availabilityPercent in body should match"),
+    ({"model": {"name": "m", "source": {"uri": "s3://bucket/llama"}}},
+     "model.source.uri must be an absolute path inside the engine image"),
+    ({"model": {"name": "m", "cache": {"persistentVolumeClaim": {}}}},
+     "model.cache.persistentVolumeClaim: set exactly one of claimName (an existing claim) and size"),
+    ({"model": {"name": "m", "cache": {"persistentVolumeClaim": {"claimName": "w", "accessMode": "ReadWriteOnce"}}}},
+     "storageClassName and accessMode are for the claim the operator creates"),
+    ({"model": {"name": "m", "cache": {"persistentVolumeClaim": {"size": "1Gi"}, "hostPath": {"path": "/d"}}}},
+     "set at most one of model.cache.persistentVolumeClaim and model.cache.hostPath"),
+    ({"model": {"name": "m", "source": {"pvc": {"claimName": "w"}}, "cache": {"hostPath": {"path": "/d"}}}},
+     "model.source.pvc and model.source.uri are read in place"),
+    ({"model": {"name": "m", "cache": {"ephemeralStorage": "-5Gi"}}},
+     "spec.model.cache.ephemeralStorage in body should match"),
 ]
 
 
@@ -181,6 +208,25 @@ def test_invalid_input_is_rejected_by_the_apiserver_naming_the_field(control_pla
     result = apply(control_plane, namespace, obj, check=False)
     assert result.returncode != 0, "the apiserver accepted an invalid object"
     assert message in result.stderr, result.stderr
+
+
+async def test_a_model_cache_claim_is_created_owned_and_mounted(control_plane, operator, kube, namespace):
+    """The claim passes the real API server and every replica mounts it over HF_HOME. (No volume
+    provisioner runs here: the claim stays Pending and so do the pods; a real cluster binds it.)"""
+    apply(control_plane, namespace, manifest("cached", model={
+        "name": "meta-llama/Llama-3.1-8B-Instruct",
+        "cache": {"persistentVolumeClaim": {"size": "40Gi", "accessMode": "ReadWriteMany"}}}))
+    claim = await wait_for(lambda: kube.get_or_none("v1", "PersistentVolumeClaim", "cached-model-cache", namespace),
+                           timeout=30, what="the model cache claim")
+    owner = await isvc(kube, namespace, "cached")
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "40Gi"
+    dep = await wait_for(lambda: kube.get_or_none("apps/v1", "Deployment", "cached-engine", namespace),
+                         timeout=30, what="the engine Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "cached-model-cache"}} in pod["volumes"]
+    assert "ephemeral-storage" not in pod["containers"][0]["resources"]["requests"]
 
 
 def test_kubectl_explain_teaches_the_fields(control_plane, crds_installed):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpufleet_engine.contract import gpu_memory
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV
 
 from ..api.v1alpha1 import InferenceServiceSpec, VolumeMount
-from . import guard_config, names, placement
+from . import guard_config, model_cache, names, placement
 
 CONFIG_DIR = "/etc/gpufleet"
 DRAIN_SLACK_SECONDS = 30
@@ -49,13 +50,14 @@ def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
 
 
 def build_configmap(isvc: dict, spec: InferenceServiceSpec) -> tuple[dict, str]:
-    """The guard ConfigMap and the hash of its content (rolls the pods when it changes)."""
+    """The guard ConfigMap and the hash of its restart fields (rolls the pods when it changes)."""
     meta = isvc["metadata"]
-    rendered = guard_config.render(guard_config.build_guard_config(meta["name"], meta["namespace"], spec))
+    config = guard_config.build_guard_config(meta["name"], meta["namespace"], spec)
     cm = {"apiVersion": "v1", "kind": "ConfigMap",
           "metadata": _meta(isvc, names.configmap_name(meta["name"])),
-          "data": {"guard.json": rendered}}
-    return cm, guard_config.config_hash(rendered)
+          "data": {"guard.json": guard_config.render(config)}}
+    # Only what a restart applies is hashed: admission changes reach the running guards live.
+    return cm, guard_config.config_hash(config)
 
 
 def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
@@ -69,8 +71,6 @@ def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], l
     if hf and hf.credentials_secret_ref:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": hf.credentials_secret_ref.name, "key": hf.credentials_secret_ref.key}}})
-    if hf and hf.revision:
-        env.append({"name": "GPUFLEET_MODEL_REVISION", "value": hf.revision})
     return volumes, mounts, env
 
 
@@ -83,6 +83,12 @@ def _volume_mount(m: VolumeMount) -> dict:
 
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return spec.admission.request_timeout_seconds + DRAIN_SLACK_SECONDS
+
+
+def _allocator_env(spec: InferenceServiceSpec) -> list[dict]:
+    """PYTORCH_CUDA_ALLOC_CONF from spec.engine.cudaAllocatorConfig (expandable segments unless set)."""
+    conf = spec.engine.cuda_allocator_config
+    return [{"name": gpu_memory.ALLOCATOR_ENV, "value": conf}] if conf else []
 
 
 def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_hash: str) -> dict:
@@ -102,15 +108,19 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         "image": spec.engine.image,
         "command": ["gpufleet-engine", "vllm", "--config", config_arg],
         # No port: vLLM listens on the pod's loopback (guard.json's engine.host); the guard is the way in.
-        "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *engine_runtime_env(), *model_env,
+        "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *engine_runtime_env(), *model_env,
                 # vLLM-CPU sizes its threads to the request (whole cores, rounded up): see cpu_budget.py.
                 {"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
-                    "resource": "requests.cpu", "divisor": "1"}}}],
-        "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus},
+                    "resource": "requests.cpu", "divisor": "1"}}},
+                *_allocator_env(spec), {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH}],
+        "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus,
+                                   **model_cache.requests(spec)},
                       "limits": {"memory": str(res.memory), **gpus}},
         "volumeMounts": [config_mount, {"name": "cache", "mountPath": CACHE_DIR},
+                         *model_cache.mounts(spec, read_only=False),
                          {"name": "engine-tmp", "mountPath": "/tmp"},
                          {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts,
+                         {"name": gpu_memory.VOLUME, "mountPath": gpu_memory.MOUNT_PATH},
                          *(_volume_mount(m) for m in pod.volume_mounts)],
         # vLLM must outlive the guard's drain, or in-flight requests die with it.
         "lifecycle": {"preStop": drain},
@@ -124,10 +134,16 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
         # The guard counts tokens with the model's own tokenizer: it reads the same weights
         # location (and Hugging Face cache and token) as the engine, read-only.
-        "env": [{"name": "HF_HOME", "value": "/cache/huggingface"}, *model_env],
+        # No GPU: it requests none, and NVIDIA's runtime must not show it the node's (an image built
+        # on CUDA's sets NVIDIA_VISIBLE_DEVICES=all). GPU memory comes from vLLM's plugin's reports.
+        "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *model_env,
+                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
+                {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH}],
         # The root filesystem is read-only; loading a tokenizer needs a temporary directory.
         "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache", "readOnly": True},
-                         {"name": "guard-tmp", "mountPath": "/tmp"}, *model_mounts],
+                         *model_cache.mounts(spec, read_only=True),
+                         {"name": "guard-tmp", "mountPath": "/tmp"}, *model_mounts,
+                         {"name": gpu_memory.VOLUME, "mountPath": gpu_memory.MOUNT_PATH, "readOnly": True}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2,
                            "failureThreshold": 2, "timeoutSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
@@ -140,17 +156,19 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
     }
     pod_spec = {
         "containers": [engine, guard],
-        "securityContext": pod_security_context(),
+        "securityContext": {**pod_security_context(), **model_cache.pod_security(spec, RUN_AS_USER)},
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "nodeSelector": placement.node_selector(spec),
         "tolerations": placement.tolerations(spec),
         "volumes": [
             {"name": "guard-config", "configMap": {"name": names.configmap_name(service)}},
-            {"name": "cache", "emptyDir": {}},
+            {"name": "cache", "emptyDir": model_cache.emptydir(spec)},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
             {"name": "guard-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
             {"name": "engine-tmp", "emptyDir": {}},
+            {"name": gpu_memory.VOLUME, "emptyDir": {"sizeLimit": "16Mi"}},
             *model_volumes,
+            *model_cache.volumes(service, spec),
             *pod.volumes,
         ],
         "enableServiceLinks": False,

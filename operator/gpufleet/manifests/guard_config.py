@@ -7,6 +7,7 @@ this module only says which spec field fills which contract field.
 from __future__ import annotations
 
 import hashlib
+import json
 
 from gpufleet_engine.contract.endpoints import ENGINE_HOST
 from gpufleet_engine.contract.guard_config import (
@@ -17,6 +18,7 @@ from gpufleet_engine.contract.guard_config import (
     SpeculativeConfig,
     default_routes,
     render,
+    restart_document,
 )
 
 from ..api.v1alpha1 import InferenceServiceSpec
@@ -43,6 +45,7 @@ def served_name(spec: InferenceServiceSpec) -> str:
 
 def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec) -> GuardConfig:
     engine, adm = spec.engine, spec.admission
+    hf = spec.model.source.hugging_face
     classes = tuple(QueueClass(c.name, c.level, float(c.max_queue_seconds)) for c in adm.queue_classes)
     engine_config = EngineConfig(
         runtime=engine.runtime,
@@ -51,7 +54,9 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
         # vLLM listens on the pod's loopback: only the guard, in the same pod, reaches it.
         host=ENGINE_HOST,
         port=names.ENGINE_PORT,
-        max_model_len=spec.model.max_model_len or EngineConfig.max_model_len,
+        # Unset: vLLM serves the model's own context and the guard reads it from vLLM.
+        max_model_len=spec.model.max_model_len,
+        revision=hf.revision if hf else None,
         tensor_parallel_size=engine.tensor_parallel_size,
         gpu_memory_utilization=engine.gpu_memory_utilization_percent / 100,
         block_size=engine.kv_cache.block_size,
@@ -74,11 +79,13 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
         engine_url=f"http://{ENGINE_HOST}:{names.ENGINE_PORT}",
         served_model_name=served_name(spec),
         tokenizer=model_location(spec),
+        tokenizer_revision=hf.revision if hf else None,
         block_size=engine.kv_cache.block_size,
         kv_watermark_percent=adm.kv_watermark_percent,
         reservation=adm.reservation,
         reservation_quantile_percent=adm.reservation_quantile_percent,
-        max_context_tokens=adm.max_context_tokens or engine_config.max_model_len,
+        # Both unset: what vLLM serves, read by the guard from vLLM.
+        max_context_tokens=adm.max_context_tokens or spec.model.max_model_len,
         over_length_policy=adm.over_length_policy,
         request_timeout_seconds=float(adm.request_timeout_seconds),
         drain_timeout_seconds=float(adm.request_timeout_seconds),
@@ -94,5 +101,9 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
     )
 
 
-def config_hash(rendered: str) -> str:
+def config_hash(config: GuardConfig) -> str:
+    """The hash of what only a pod restart applies (vLLM's engine section, the guard's layout): the
+    pod template carries it, so those changes roll the pods and the live ones (admission, queues,
+    limits) reach the running guards through the ConfigMap alone (docs/guard-config.md)."""
+    rendered = json.dumps(restart_document(config), sort_keys=True)
     return hashlib.sha256(rendered.encode()).hexdigest()[:16]

@@ -47,6 +47,10 @@ def networkpolicy_name(service: str) -> str:
     return f"{service}-engine"
 
 
+def model_cache_claim_name(service: str) -> str:
+    return f"{service}-model-cache"
+
+
 def model_label(model: str) -> str:
     """A label value identifying a model (ids hold '/', ':' and can exceed 63 chars)."""
     clean = re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-_.")[:50].strip("-_.")

