@@ -17,7 +17,7 @@ from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRIC
 from ..autoscale.signals import ReplicaSample, parse_replica
 from ..manifests import names
 
-AUDIT_TIMEOUT_S = 20.0
+AUDIT_TIMEOUT_S = 5.0
 
 
 class ReplicaReader:
@@ -55,7 +55,8 @@ class ReplicaReader:
 
     async def audit(self, pod: str, ip: str) -> tuple[dict | None, str | None]:
         try:
-            # The guard probes device memory in a child process: allow it more time than a metrics read.
+            # /audit reads the vLLM plugin's small report files; it runs rarely, so a busy guard gets
+            # more time than the per-second metrics reads.
             return json.loads(await self._get(f"http://{ip}:{self.guard_port}/audit",
                                               aiohttp.ClientTimeout(total=AUDIT_TIMEOUT_S))), None
         except Exception as e:
