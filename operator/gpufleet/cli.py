@@ -8,6 +8,7 @@ from gpufleet_engine.cli import engine
 from .commands import crd, run
 from .fleet.audit_command import audit
 from .planning.commands import plan
+from .router.command import router
 
 
 @click.group()
@@ -21,6 +22,7 @@ main.add_command(crd)
 main.add_command(audit)
 main.add_command(plan)
 main.add_command(engine)
+main.add_command(router)
 
 
 def _development_commands() -> list[click.Command]:

@@ -1,0 +1,60 @@
+"""`gpufleet router`: run the router (docs/router.md)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import click
+
+from .server import RouterSettings
+
+
+@click.command()
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
+              help="Kubeconfig path; default $KUBECONFIG, then in-cluster, then ~/.kube/config.")
+@click.option("--namespace", "namespaces", multiple=True,
+              help="Route to InferenceServices in these namespaces only (repeatable); default: every namespace.")
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int, help="The OpenAI API, /metrics and probes.")
+@click.option("--discovery-interval-seconds", default=2.0, show_default=True, type=click.FloatRange(0.1),
+              help="How often InferenceServices and engine pods are listed.")
+@click.option("--reading-interval-seconds", default=1.0, show_default=True, type=click.FloatRange(0.1),
+              help="How often each replica's guard /metrics is read (free KV blocks, readiness).")
+@click.option("--prefix-blocks", default=4, show_default=True, type=click.IntRange(0),
+              help="Leading KV blocks of a prompt hashed for prefix affinity; 0 turns affinity off.")
+@click.option("--load-factor", default=0.25, show_default=True, type=click.FloatRange(0.0),
+              help="Prefix affinity passes over a replica using more than (1 + this) x the mean KV blocks.")
+@click.option("--max-body-bytes", default=8 << 20, show_default=True, type=click.IntRange(1),
+              help="Larger request bodies get 413.")
+@click.option("--drain-grace-seconds", default=5.0, show_default=True, type=click.FloatRange(0.0),
+              help="On SIGTERM, stay unready but serving this long (endpoint removal, pooled connections) "
+                   "before closing the listener.")
+@click.option("-v", "--verbose", is_flag=True)
+def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, reading_interval_seconds,
+           prefix_blocks, load_factor, max_body_bytes, drain_grace_seconds, verbose) -> None:
+    """Run the router: one OpenAI endpoint for the fleet."""
+    from ..kube.client import KubeClient
+    from ..kube.config import KubeConfig, KubeConfigError
+    from .server import serve
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = KubeConfig.auto(kubeconfig)
+    except KubeConfigError as e:
+        raise click.ClickException(str(e)) from None
+    settings = RouterSettings(namespaces=tuple(namespaces), discovery_interval=discovery_interval_seconds,
+                              reading_interval=reading_interval_seconds, prefix_blocks=prefix_blocks,
+                              load_factor=load_factor, max_body_bytes=max_body_bytes,
+                              drain_grace=drain_grace_seconds)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with KubeClient(config) as kube:
+            await serve(kube, settings, host, port, stop)
+
+    asyncio.run(main())

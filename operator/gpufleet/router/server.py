@@ -1,0 +1,371 @@
+"""The router's HTTP server: one OpenAI endpoint in front of every InferenceService in scope.
+
+A request is read (bounded), its ``model`` names the service (table.py),
+choice.py names the replica, and the body goes to that replica's guard
+unchanged. The answer comes back as it arrives, chunk by chunk, so streamed
+tokens are not held. A 429 from the first replica, or a connection that
+fails before it answers, is sent once more to another replica: nothing has
+gone to the client yet. Refused twice, the client gets the 429 with the
+earlier of the replicas' Retry-After hints.
+
+The I/O around the pure core: ``Fleet`` keeps the route table current from
+the API server and each replica's reading current from its guard.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from typing import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from gpufleet_engine.contract.endpoints import GUARD_METRICS_PATH
+
+from ..api import API_VERSION, KIND
+from ..kube.client import KubeClient
+from ..kube.pods import is_serving
+from ..manifests import names
+from . import requests as rq
+from .choice import Pick, Picker, Reading, prefix_key
+from .metrics import Outcome, RouterMetrics
+from .signals import parse_guard
+from .table import Route, Table, build_table
+
+log = logging.getLogger("gpufleet.router")
+
+# Headers that describe one connection, not the request (RFC 9110 7.6.1), and the ones aiohttp sets itself.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                        "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
+NO_REPLICA_RETRY_AFTER_SECONDS = 5
+# A guard answers these before it admits a request (KV watermark, queue full or timed out; draining,
+# engine down): the request never started, so another replica may take it.
+RETRIED_STATUSES = (429, 503)
+
+
+@dataclasses.dataclass
+class RouterSettings:
+    namespaces: tuple[str, ...] = ()        # empty: cluster-wide
+    discovery_interval: float = 2.0         # seconds between listings of services and pods
+    reading_interval: float = 1.0           # seconds between reads of each replica's guard /metrics
+    reading_timeout: float = 1.0
+    prefix_blocks: int = 4                  # leading KV blocks hashed for prefix affinity
+    load_factor: float = 0.25               # bounded-load slack over the mean
+    max_body_bytes: int = 8 << 20
+    connect_timeout: float = 2.0
+    guard_port: int = names.GUARD_PORT
+    # On SIGTERM: this long unready but still serving, so Services and clients' pooled
+    # connections move to another router, before the listener closes (as the guard's drain).
+    drain_grace: float = 5.0
+    drain_timeout: float = 60.0             # then answers in progress get this long to finish
+
+
+class Fleet:
+    """The route table and each service's picker, kept current by two loops."""
+
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.table = Table({})
+        self.pickers: dict[str, Picker] = {}
+        self.listed = asyncio.Event()       # the first listing succeeded: the router can route
+        self.draining = False
+        self._problems: tuple[str, ...] = ()
+
+    def update(self, table: Table) -> None:
+        for problem in set(table.problems) - set(self._problems):
+            log.warning("%s", problem)
+        self._problems = table.problems
+        self.table = table
+        for model, route in table.routes.items():
+            picker = self.pickers.setdefault(model, Picker(self.settings.load_factor))
+            picker.set_replicas(route.replicas)
+        for model in set(self.pickers) - set(table.routes):
+            del self.pickers[model]
+            self.metrics.replicas.remove(model)
+        for model, picker in self.pickers.items():
+            self.metrics.replicas.labels(model).set(len(picker.eligible()))
+
+    async def list_once(self, kube: KubeClient) -> None:
+        services: list[dict] = []
+        pods: list[dict] = []
+        selector = f"{names.LABEL_NAME}={names.ENGINE_APP}"
+        for ns in self.settings.namespaces or (None,):
+            services += await kube.list(API_VERSION, KIND, ns)
+            pods += await kube.list("v1", "Pod", ns, label_selector=selector)
+        self.update(build_table(services, pods, is_serving, self.settings.guard_port))
+        self.listed.set()
+
+    async def discover(self, kube: KubeClient) -> None:
+        while True:
+            try:
+                await self.list_once(kube)
+            except Exception as e:  # keep routing on the last table; say why it is not refreshed
+                log.warning("cannot list InferenceServices and engine pods: %s", e)
+            await asyncio.sleep(self.settings.discovery_interval)
+
+    async def read_once(self, http: aiohttp.ClientSession) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.reading_timeout)
+
+        async def read(model: str, picker: Picker, pod: str, address: str) -> None:
+            taken_at = self.clock()
+            reading: Reading | None
+            try:
+                async with http.get(f"http://{address}{GUARD_METRICS_PATH}", timeout=timeout) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"answered {r.status}")
+                    reading = parse_guard(await r.text(), taken_at)
+            except Exception as e:  # unreadable: its room is unknown until the next read
+                log.debug("cannot read %s (%s): %s", pod, address, e)
+                self.metrics.readings_failed.labels(model).inc()
+                reading = None
+            picker.observe(pod, reading)
+
+        await asyncio.gather(*(read(model, picker, r.pod, r.address)
+                               for model, picker in list(self.pickers.items())
+                               for r in picker.replicas.values() if r.serving))
+        for model, picker in self.pickers.items():
+            self.metrics.replicas.labels(model).set(len(picker.eligible()))
+
+    async def read(self, http: aiohttp.ClientSession) -> None:
+        while True:
+            started = self.clock()
+            await self.read_once(http)
+            await asyncio.sleep(max(0.0, self.settings.reading_interval - (self.clock() - started)))
+
+
+def error_response(status: int, body: dict, retry_after: float | None = None) -> web.Response:
+    headers = {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+    try:
+        return float(resp.headers["Retry-After"])
+    except (KeyError, ValueError):
+        return None
+
+
+class Router:
+    def __init__(self, fleet: Fleet, http: aiohttp.ClientSession):
+        self.fleet = fleet
+        self.http = http
+        self.metrics = fleet.metrics
+        self.settings = fleet.settings
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
+
+        async def close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
+            if self.fleet.draining:
+                response.force_close()
+                response.headers["Connection"] = "close"
+        app.on_response_prepare.append(close_while_draining)
+
+        def proxied(route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+            async def handler(request: web.Request) -> web.StreamResponse:
+                return await self.handle(request, route)
+            return handler
+
+        for route in rq.ROUTES:
+            app.router.add_post(route, proxied(route))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.render_metrics)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": model, "object": "model", "created": 0, "owned_by": "gpufleet",
+             "root": route.model, "namespace": route.namespace, "service": route.service}
+            for model, route in sorted(self.fleet.table.routes.items())]})
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"alive": True})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        reasons = ([] if self.fleet.listed.is_set() else ["services not listed yet"]) + \
+            (["draining"] if self.fleet.draining else [])
+        return web.json_response({"ready": not reasons, "reasons": reasons}, status=503 if reasons else 200)
+
+    def _refuse(self, model: str, outcome: str, status: int, body: dict,
+                retry_after: float | None = None) -> web.Response:
+        self.metrics.requests.labels(model, outcome).inc()
+        return error_response(status, body, retry_after)
+
+    async def handle(self, request: web.Request, route: str) -> web.StreamResponse:
+        arrived = self.fleet.clock()
+        try:
+            body = await self._read_body(request)
+            parsed = rq.parse(body, route)
+            target = self.fleet.table.routes.get(parsed.model)
+            if target is None:
+                served = self.fleet.table.models
+                raise rq.BadRequest(404, f"The model {parsed.model!r} does not exist here. Served models: "
+                                         f"{', '.join(served) if served else '(none)'}.",
+                                    param="model", code="model_not_found")
+        except rq.BadRequest as e:
+            return self._refuse("", Outcome.INVALID, e.status, e.body())
+        try:
+            return await self._forward(request, route, body, parsed, target)
+        finally:
+            self.metrics.request_seconds.labels(parsed.model).observe(self.fleet.clock() - arrived)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = rq.BadRequest(413, f"The request body is over the router's limit of {limit} bytes; send a "
+                                       f"shorter prompt.", kind="invalid_request_error", code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        body = await request.content.read(limit + 1)
+        if len(body) > limit:
+            raise too_large
+        return body
+
+    async def _forward(self, request: web.Request, route: str, body: bytes, parsed: rq.Parsed,
+                       target: Route) -> web.StreamResponse:
+        model = parsed.model
+        picker = self.fleet.pickers[model]
+        key = prefix_key(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks)
+        if key is not None:
+            self.metrics.prefix_keyed.labels(model).inc()
+        cost = parsed.cost_blocks(target.block_size, route)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        tried: list[str] = []
+        refusals: list[_Refused] = []
+        failure = ""
+        for attempt in range(2):
+            pick = picker.pick(cost, key, exclude=tried)
+            if pick is None:
+                break
+            pod = pick.replica.pod
+            tried.append(pod)
+            if attempt:
+                self.metrics.retries.labels(model, "rejected" if refusals else "connect_failed").inc()
+            picker.sent(pod, cost, self.fleet.clock())
+            try:
+                return await self._exchange(request, route, body, headers, pick, model)
+            except _Refused as r:
+                refusals.append(r)
+            except _Unreachable as u:
+                failure = u.message
+            finally:
+                picker.finished(pod)
+        if refusals:
+            # Every replica tried refused: the earliest any of them expects room is the hint.
+            hints = [r.retry_after for r in refusals if r.retry_after is not None]
+            last = refusals[-1]
+            self.metrics.requests.labels(model, Outcome.REJECTED).inc()
+            out = web.Response(status=last.status, body=last.body, content_type=last.content_type)
+            if hints:
+                out.headers["Retry-After"] = str(max(1, math.ceil(min(hints))))
+            return out
+        if failure:
+            return self._refuse(model, Outcome.ERROR, 502, rq.error_body(
+                f"No replica of {target.namespace}/{target.service} answered: {failure}", "server_error",
+                code="replica_unreachable"), NO_REPLICA_RETRY_AFTER_SECONDS)
+        return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(
+            f"No replica of {target.namespace}/{target.service} (model {model!r}) is ready to take requests.",
+            "service_unavailable", code="no_ready_replica"), NO_REPLICA_RETRY_AFTER_SECONDS)
+
+    async def _exchange(self, request: web.Request, route: str, body: bytes, headers: dict, pick: Pick,
+                        model: str) -> web.StreamResponse:
+        """Send to one replica. Raises _Refused (it answered 429 or 503: not admitted) or
+        _Unreachable (nothing answered) before anything is written to the client."""
+        self.metrics.picks.labels(model, pick.reason).inc()
+        if pick.affinity_hit:
+            self.metrics.prefix_affinity_hits.labels(model).inc()
+        url = f"http://{pick.replica.address}{route}"
+        try:
+            upstream = await self.http.post(url, data=body, headers=headers)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise _Unreachable(f"{pick.replica.pod} ({pick.replica.address}): {type(e).__name__}: {e}") from None
+        try:
+            if upstream.status in RETRIED_STATUSES:
+                raise _Refused(upstream.status, await upstream.read(), upstream.content_type, _retry_after(upstream))
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for k, v in upstream.headers.items():
+                if k.lower() not in HOP_BY_HOP:
+                    response.headers.add(k, v)
+            if upstream.headers.get("Content-Length") is not None:
+                response.content_length = int(upstream.headers["Content-Length"])
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            outcome = Outcome.OK if upstream.status < 400 else (
+                Outcome.REJECTED if upstream.status in (429, 503) else
+                Outcome.INVALID if upstream.status < 500 else Outcome.ERROR)
+            self.metrics.requests.labels(model, outcome).inc()
+            return response
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(model, Outcome.CANCELLED).inc()
+            raise
+        except (aiohttp.ClientError, ConnectionResetError) as e:
+            # The replica or the client broke off mid-answer: bytes went out, so no retry.
+            self.metrics.requests.labels(model, Outcome.ERROR).inc()
+            log.warning("answer from %s broke off: %s", pick.replica.pod, e)
+            raise
+        finally:
+            upstream.close()
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, body: bytes, content_type: str, retry_after: float | None):
+        self.status, self.body, self.content_type, self.retry_after = status, body, content_type, retry_after
+
+
+class _Unreachable(Exception):
+    def __init__(self, message: str):
+        self.message = message
+
+
+def client_session(settings: RouterSettings) -> aiohttp.ClientSession:
+    # No total timeout: an answer streams as long as the guard lets it (it times requests out itself).
+    # Bytes pass as they come (no decompression), so Content-Encoding and Content-Length stay true.
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+        timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
+        auto_decompress=False)
+
+
+async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int,
+                stop: asyncio.Event) -> None:
+    """Run until ``stop`` is set, then drain: unready (still serving) for the grace, then stop
+    listening and let answers in progress finish."""
+    metrics = RouterMetrics()
+    fleet = Fleet(settings, metrics)
+    http = client_session(settings)
+    router = Router(fleet, http)
+    tasks = [asyncio.create_task(fleet.discover(kube), name="router-discovery"),
+             asyncio.create_task(fleet.read(http), name="router-readings")]
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=settings.drain_timeout)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("router listening on %s:%d (%s)", host, port,
+                 ", ".join(settings.namespaces) if settings.namespaces else "every namespace")
+        await stop.wait()
+        fleet.draining = True
+        log.info("draining: unready for %gs, then answers in progress get up to %gs", settings.drain_grace,
+                 settings.drain_timeout)
+        await asyncio.sleep(settings.drain_grace)
+    finally:
+        await runner.cleanup()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await http.close()

@@ -1,0 +1,293 @@
+"""The router's HTTP server against in-process stand-ins for guards: requests
+go to the replica choice.py names, answers stream through chunk by chunk, a
+refusal before any byte is retried once elsewhere, and bad requests get
+OpenAI-format errors without reaching a replica."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gpufleet.router.choice import Replica
+from gpufleet.router.metrics import RouterMetrics
+from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
+from gpufleet.router.table import Route, Table
+
+MODEL = "tiny"
+
+
+class FakeGuard:
+    """A guard's surface: /metrics with its KV ledger, and the OpenAI routes."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.free = 50
+        self.ready = 1
+        self.refuse_with: tuple[int, float] | None = None   # (status, Retry-After)
+        self.chunks = [b"data: {\"n\": 1}\n\n", b"data: {\"n\": 2}\n\n", b"data: [DONE]\n\n"]
+        self.release = asyncio.Event()
+        self.release.set()
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        self.cancelled = asyncio.Event()
+        self.server: TestServer | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return f"127.0.0.1:{self.server.port}"
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=f"gpufleet_guard_kv_free_blocks {self.free}\ngpufleet_guard_kv_reserved_blocks 0\n"
+                                 f"gpufleet_guard_kv_total_blocks 100\ngpufleet_guard_kv_watermark_blocks 0\n"
+                                 f"gpufleet_guard_ready {self.ready}\n")
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        self.headers.append(dict(request.headers))
+        if self.refuse_with:
+            status, retry_after = self.refuse_with
+            return web.json_response({"error": {"message": "full", "type": "rate_limit_error", "param": None,
+                                                "code": "kv_watermark"}}, status=status,
+                                     headers={"Retry-After": str(retry_after)})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Replica": self.name})
+        await resp.prepare(request)
+        try:
+            for i, chunk in enumerate(self.chunks):
+                await resp.write(chunk)
+                if i == 0:
+                    await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        await resp.write_eof()
+        return resp
+
+    async def start(self) -> FakeGuard:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        for route in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
+            app.router.add_post(route, self.complete)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        return self
+
+
+class Harness:
+    def __init__(self, guards: list[FakeGuard], settings: RouterSettings):
+        self.guards = {g.name: g for g in guards}
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.fleet = Fleet(settings, self.metrics)
+        self.http = client_session(settings)
+        self.router = Router(self.fleet, self.http)
+        self.server = TestServer(self.router.app(), host="127.0.0.1")
+        self.client = aiohttp.ClientSession()
+
+    def route(self, *replicas: Replica, model: str = MODEL) -> Route:
+        return Route(namespace="ml", service=model, model=model, block_size=16, min_replicas=1, max_replicas=2,
+                     replicas=replicas)
+
+    def publish(self, routes: list[Route]) -> None:
+        self.fleet.update(Table({r.model: r for r in routes}))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def post(self, payload, route: str = "/v1/completions", headers: dict | None = None):
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return self.client.post(self.url + route, data=data,
+                                headers={"Content-Type": "application/json", **(headers or {})})
+
+    def count(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+async def harness():
+    guards = [await FakeGuard(n).start() for n in ("a", "b")]
+    h = Harness(guards, RouterSettings(prefix_blocks=4))
+    await h.server.start_server()
+    h.publish([h.route(*(Replica(g.name, g.address) for g in guards))])
+    await h.fleet.read_once(h.http)
+    yield h
+    await h.client.close()
+    await h.http.close()
+    await h.server.close()
+    for g in guards:
+        g.release.set()
+        await g.server.close()
+
+
+def completion(prompt: str = "hello", **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, **extra}
+
+
+async def test_the_replica_with_more_free_kv_gets_the_request(harness):
+    harness.guards["a"].free, harness.guards["b"].free = 10, 80
+    await harness.fleet.read_once(harness.http)
+    async with harness.post(completion()) as r:
+        assert r.status == 200 and r.headers["X-Replica"] == "b"
+        await r.read()
+    assert harness.count("gpufleet_router_picks_total", model=MODEL, reason="kv_free") == 1
+    assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="ok") == 1
+
+
+async def test_the_body_and_the_clients_headers_reach_the_replica_unchanged(harness):
+    payload = completion(temperature=0.3, user="u1")
+    async with harness.post(payload, headers={"X-Request-Class": "batch", "Authorization": "Bearer t"}) as r:
+        await r.read()
+    got = harness.guards[r.headers["X-Replica"]]
+    assert got.bodies == [payload]
+    assert got.headers[0]["X-Request-Class"] == "batch" and got.headers[0]["Authorization"] == "Bearer t"
+
+
+async def test_a_stream_reaches_the_client_chunk_by_chunk(harness):
+    for g in harness.guards.values():
+        g.release.clear()
+    async with harness.post(completion(stream=True)) as r:
+        assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+        # The replica holds its second chunk until told: the first must already be here.
+        first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+        assert first == b'data: {"n": 1}\n\n'
+        harness.guards[r.headers["X-Replica"]].release.set()
+        rest = await r.read()
+    assert rest == b'data: {"n": 2}\n\ndata: [DONE]\n\n'
+
+
+async def test_a_client_that_leaves_mid_stream_cancels_the_replicas_request(harness):
+    for g in harness.guards.values():
+        g.release.clear()
+    r = await harness.post(completion(stream=True))
+    await r.content.readuntil(b"\n\n")
+    guard = harness.guards[r.headers["X-Replica"]]
+    r.close()
+    await asyncio.wait_for(guard.cancelled.wait(), 5)
+    await asyncio.sleep(0.1)
+    assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="cancelled") == 1
+    assert harness.fleet.pickers[MODEL].in_flight == {}
+
+
+async def test_a_429_is_retried_once_on_the_other_replica(harness):
+    harness.guards["a"].free, harness.guards["b"].free = 90, 10
+    harness.guards["a"].refuse_with = (429, 3)
+    await harness.fleet.read_once(harness.http)
+    async with harness.post(completion()) as r:
+        assert r.status == 200 and r.headers["X-Replica"] == "b"
+        await r.read()
+    assert len(harness.guards["a"].bodies) == 1
+    assert harness.count("gpufleet_router_retries_total", model=MODEL, reason="rejected") == 1
+
+
+async def test_refused_by_every_replica_the_client_gets_429_with_the_earliest_hint(harness):
+    harness.guards["a"].refuse_with = (429, 7)
+    harness.guards["b"].refuse_with = (429, 2)
+    async with harness.post(completion()) as r:
+        assert r.status == 429 and r.headers["Retry-After"] == "2"
+        body = await r.json()
+    assert body["error"]["code"] == "kv_watermark"
+    assert len(harness.guards["a"].bodies) + len(harness.guards["b"].bodies) == 2
+    assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="rejected") == 1
+
+
+async def test_an_unreachable_replica_is_passed_over(harness):
+    dead = Replica("a-dead", "127.0.0.1:1")
+    harness.publish([harness.route(dead, Replica("b", harness.guards["b"].address))])
+    harness.guards["b"].free = 1
+    await harness.fleet.read_once(harness.http)   # the dead one's read fails: its room is unknown
+    harness.fleet.pickers[MODEL].observe("b", None)  # neither read: the first try goes by name order, to the dead one
+    async with harness.post(completion()) as r:
+        assert r.status == 200 and r.headers["X-Replica"] == "b"
+        await r.read()
+    assert harness.count("gpufleet_router_retries_total", model=MODEL, reason="connect_failed") == 1
+    assert harness.count("gpufleet_router_readings_failed_total", model=MODEL) == 1
+
+
+async def test_a_draining_replica_takes_nothing(harness):
+    harness.guards["a"].ready = 0
+    harness.guards["a"].free = 99
+    await harness.fleet.read_once(harness.http)
+    for i in range(4):
+        async with harness.post(completion(f"prompt {i} " * 40)) as r:
+            assert r.headers["X-Replica"] == "b"
+            await r.read()
+    assert harness.count("gpufleet_router_replicas", model=MODEL) == 1
+
+
+async def test_requests_sharing_a_long_prefix_reach_one_replica(harness):
+    system = "You are a terse assistant for the billing team. " * 10
+    seen = set()
+    for i in range(6):
+        async with harness.post({"model": MODEL, "max_tokens": 4, "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]},
+                route="/v1/chat/completions") as r:
+            assert r.status == 200
+            await r.read()
+            if i:
+                seen.add(r.headers["X-Replica"])
+    assert len(seen) == 1
+    assert harness.count("gpufleet_router_prefix_affinity_hits_total", model=MODEL) >= 5
+
+
+async def test_models_lists_every_served_model(harness):
+    harness.publish([harness.route(Replica("a", harness.guards["a"].address)), harness.route(model="other")])
+    async with harness.client.get(harness.url + "/v1/models") as r:
+        doc = await r.json()
+    assert doc["object"] == "list" and [m["id"] for m in doc["data"]] == ["other", MODEL]
+
+
+async def test_an_unknown_model_gets_404_listing_the_served_ones(harness):
+    async with harness.post({"model": "gpt-9", "prompt": "x"}) as r:
+        assert r.status == 404
+        err = (await r.json())["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and MODEL in err["message"]
+    assert harness.count("gpufleet_router_requests_total", model="", outcome="invalid") == 1
+    assert not any(g.bodies for g in harness.guards.values())
+
+
+@pytest.mark.parametrize("payload, status, fragment", [
+    (b"{oops", 400, "not valid JSON"),
+    (json.dumps({"prompt": "x"}).encode(), 400, "no `model`"),
+    (json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode(), 413, "over the router's limit"),
+])
+async def test_bad_requests_get_a_clear_4xx_and_never_reach_a_replica(payload, status, fragment):
+    guard = await FakeGuard("a").start()
+    h = Harness([guard], RouterSettings(max_body_bytes=4096))
+    await h.server.start_server()
+    h.publish([h.route(Replica("a", guard.address))])
+    try:
+        async with h.post(payload) as r:
+            assert r.status == status
+            err = (await r.json())["error"]
+        assert fragment in err["message"] and err["type"] == "invalid_request_error"
+        assert guard.bodies == []
+        assert h.count("gpufleet_router_requests_total", model="", outcome="invalid") == 1
+    finally:
+        await h.client.close()
+        await h.http.close()
+        await h.server.close()
+        await guard.server.close()
+
+
+async def test_a_service_without_a_ready_replica_answers_503_with_retry_after(harness):
+    harness.publish([harness.route(Replica("a", harness.guards["a"].address, serving=False))])
+    async with harness.post(completion()) as r:
+        assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+        assert (await r.json())["error"]["code"] == "no_ready_replica"
+
+
+async def test_readiness_waits_for_the_first_listing_and_ends_with_the_drain(harness):
+    async with harness.client.get(harness.url + "/readyz") as r:
+        assert r.status == 503
+    harness.fleet.listed.set()
+    async with harness.client.get(harness.url + "/readyz") as r:
+        assert r.status == 200
+    harness.fleet.draining = True
+    async with harness.client.get(harness.url + "/readyz") as r:
+        assert r.status == 503 and (await r.json())["reasons"] == ["draining"]
+        assert r.headers["Connection"] == "close"
