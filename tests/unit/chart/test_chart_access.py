@@ -34,7 +34,7 @@ def one(docs, kind, name=None):
 
 def operator_args(docs) -> dict:
     """The Deployment's args as the operator's own command line parser reads them."""
-    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = one(docs, "Deployment", "gpufleet-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "run"
     return run.make_context("run", list(args[1:])).params
 
@@ -44,7 +44,7 @@ def test_by_default_the_operator_gives_engines_a_policy_naming_its_own_pods_and_
     params = operator_args(docs)
     assert params["network_policies"] is True
     assert params["network_policy_operator_namespace"] == "gpufleet-system"
-    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pod_labels = one(docs, "Deployment", "gpufleet-operator")["spec"]["template"]["metadata"]["labels"]
     # The labels the engines' policy admits are the operator pods' own.
     assert params["network_policy_operator_labels"].items() <= pod_labels.items()
     assert params["network_policy_operator_labels"]
@@ -58,7 +58,7 @@ def test_by_default_the_operator_gives_engines_a_policy_naming_its_own_pods_and_
 def test_the_operators_policy_selects_its_pods_and_lets_it_reach_the_api_server_dns_and_engines(helm):
     docs = render(helm, "--set", "networkPolicy.clientNamespaces={gateway}")
     policy = one(docs, "NetworkPolicy")["spec"]
-    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pod_labels = one(docs, "Deployment", "gpufleet-operator")["spec"]["template"]["metadata"]["labels"]
     assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert policy["policyTypes"] == ["Ingress", "Egress"]
     scrape, = policy["ingress"]
@@ -70,7 +70,8 @@ def test_the_operators_policy_selects_its_pods_and_lets_it_reach_the_api_server_
     # The chart names the engines as the operator builds them: a test, since YAML cannot import.
     assert engines["to"][0]["podSelector"]["matchLabels"] == {names.LABEL_NAME: names.ENGINE_APP}
     assert engines["ports"] == [{"protocol": "TCP", "port": names.GUARD_PORT}]
-    assert operator_args(docs)["network_policy_client_namespaces"] == ("gateway",)
+    # The router's namespace (the release's) joins the named ones while the router is on.
+    assert operator_args(docs)["network_policy_client_namespaces"] == ("gateway", "gpufleet-system")
 
 
 def test_api_server_addresses_narrow_the_operators_egress(helm):
@@ -118,7 +119,7 @@ def test_inferenceservices_aggregate_into_the_built_in_roles(helm):
 
 
 def test_operator_liveness_and_readiness_ask_different_questions(helm):
-    container = one(render(helm), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    container = one(render(helm), "Deployment", "gpufleet-operator")["spec"]["template"]["spec"]["containers"][0]
     live, ready = container["livenessProbe"]["httpGet"], container["readinessProbe"]["httpGet"]
     # Liveness: kopf's own endpoint (its loop answers); readiness: able to lead (reaches the Lease).
     assert (live["path"], live["port"]) == ("/healthz", "probes")

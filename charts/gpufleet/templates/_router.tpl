@@ -1,0 +1,19 @@
+{{- define "gpufleet.router.name" -}}gpufleet-router{{- end -}}
+
+{{- define "gpufleet.router.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpufleet.router.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "gpufleet.router.labels" -}}
+{{ include "gpufleet.router.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpufleet
+app.kubernetes.io/component: router
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "gpufleet.router.serviceAccountName" -}}
+{{- default "gpufleet-router" .Values.router.serviceAccount.name -}}
+{{- end -}}

@@ -1,0 +1,81 @@
+"""The chart's router: a Deployment of two replicas with a PDB, its own Service,
+read-only RBAC on InferenceServices and pods, the engines' NetworkPolicy
+admitting it, and an HTTPRoute only when asked for and pointed at a Gateway."""
+import yaml
+
+from tests.unit.chart.test_chart import helm, template  # noqa: F401  (the helm fixture)
+
+
+def objects(helm, *args) -> dict[tuple[str, str], dict]:  # noqa: F811
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(template(helm, *args).stdout) if d}
+
+
+def test_the_router_runs_two_replicas_behind_its_own_service_and_a_pdb(helm):  # noqa: F811
+    docs = objects(helm)
+    dep = docs[("Deployment", "gpufleet-router")]
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["args"][0] == "router" and "--port=8000" in container["args"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
+    labels = dep["spec"]["selector"]["matchLabels"]
+    svc = docs[("Service", "gpufleet-router")]
+    assert svc["spec"]["selector"] == labels and svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert docs[("PodDisruptionBudget", "gpufleet-router")]["spec"]["selector"]["matchLabels"] == labels
+    # The operator's Service and monitor select the operator only, never the router.
+    assert docs[("Service", "gpufleet-operator-metrics")]["spec"]["selector"]["app.kubernetes.io/name"] == \
+        "gpufleet-operator"
+
+
+def test_the_router_may_only_read_inferenceservices_and_pods(helm):  # noqa: F811
+    docs = objects(helm)
+    rules = docs[("ClusterRole", "gpufleet-router")]["rules"]
+    assert {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]} == {
+        ("serving.gpufleet.dev", "inferenceservices"), ("", "pods")}
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in rules)
+    binding = docs[("ClusterRoleBinding", "gpufleet-router")]
+    assert binding["subjects"][0]["name"] == "gpufleet-router"
+    assert docs[("Deployment", "gpufleet-router")]["spec"]["template"]["spec"]["serviceAccountName"] == \
+        "gpufleet-router"
+
+
+def test_the_engines_policy_admits_the_routers_namespace(helm):  # noqa: F811
+    args = objects(helm)[("Deployment", "gpufleet-operator")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args.count("--network-policy-client-namespace=gpufleet-system") == 1
+    args = objects(helm, "--set", "networkPolicy.clientNamespaces={gpufleet-system}")[
+        ("Deployment", "gpufleet-operator")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args.count("--network-policy-client-namespace=gpufleet-system") == 1
+
+
+def test_the_router_routes_the_operators_namespaces_unless_told_otherwise(helm):  # noqa: F811
+    def namespaces(*args):
+        dep = objects(helm, *args)[("Deployment", "gpufleet-router")]
+        return [a for a in dep["spec"]["template"]["spec"]["containers"][0]["args"] if a.startswith("--namespace")]
+    assert namespaces() == []
+    assert namespaces("--set", "watchNamespaces={ml,chat}") == ["--namespace=ml", "--namespace=chat"]
+    assert namespaces("--set", "watchNamespaces={ml}", "--set", "router.namespaces={chat}") == ["--namespace=chat"]
+
+
+def test_an_httproute_needs_a_gateway_and_points_at_the_routers_service(helm):  # noqa: F811
+    assert not [k for k in objects(helm) if k[0] == "HTTPRoute"]
+    out = template(helm, "--set", "router.httpRoute.enabled=true", check=False)
+    assert out.returncode != 0 and "router.httpRoute.parentRefs must name the Gateway" in out.stderr
+    route = objects(helm, "--set", "router.httpRoute.enabled=true", "--set", "router.httpRoute.parentRefs[0].name=gw",
+                    "--set", "router.httpRoute.hostnames={llm.example.com}")[("HTTPRoute", "gpufleet-router")]
+    assert route["spec"]["parentRefs"] == [{"name": "gw"}] and route["spec"]["hostnames"] == ["llm.example.com"]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "gpufleet-router", "port": 80}]
+
+
+def test_router_off_renders_nothing_of_it(helm):  # noqa: F811
+    docs = objects(helm, "--set", "router.enabled=false")
+    assert not [k for k in docs if "router" in k[1]]
+    args = docs[("Deployment", "gpufleet-operator")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--network-policy-client-namespace=gpufleet-system" not in args
+
+
+def test_bad_router_values_are_refused_naming_the_value(helm):  # noqa: F811
+    out = template(helm, "--set", "router.replicaCount=0", check=False)
+    assert out.returncode != 0 and "at '/router/replicaCount': minimum: got 0, want 1" in out.stderr
+    out = template(helm, "--set", "router.loadFactor=-1", check=False)
+    assert out.returncode != 0 and "/router/loadFactor" in out.stderr
