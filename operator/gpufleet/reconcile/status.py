@@ -5,6 +5,7 @@ import dataclasses
 
 from ..api.v1alpha1 import InferenceServiceSpec
 from ..manifests import names
+from ..manifests.model_cache import FETCH_CONTAINER
 from . import conditions as c
 
 
@@ -31,7 +32,9 @@ def unschedulable_pods(pods: list[dict]) -> list[tuple[str, str]]:
 def crashlooping_pods(pods: list[dict]) -> list[str]:
     out = []
     for p in pods:
-        for cs in p.get("status", {}).get("containerStatuses", []) or []:
+        st = p.get("status", {})
+        # The model-fetch init container too: a download that keeps failing (gated repo, no network).
+        for cs in [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]:
             if (cs.get("state", {}).get("waiting") or {}).get("reason") == "CrashLoopBackOff":
                 out.append(p["metadata"]["name"])
                 break
@@ -51,11 +54,41 @@ def blocked_pods(pods: list[dict]) -> list[tuple[str, str, str]]:
     for p in pods:
         if p.get("metadata", {}).get("deletionTimestamp"):
             continue
-        for cs in p.get("status", {}).get("containerStatuses", []) or []:
+        st = p.get("status", {})
+        for cs in [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]:
             waiting = cs.get("state", {}).get("waiting") or {}
             if waiting.get("reason") in BLOCKED_REASONS:
                 out.append((p["metadata"]["name"], waiting["reason"], waiting.get("message", "")))
                 break
+    return out
+
+
+def downloading_pods(pods: list[dict]) -> list[tuple[str, str]]:
+    """(pod name, since) for pods whose model-fetch init container is downloading the weights."""
+    out = []
+    for p in pods:
+        if p.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        for cs in p.get("status", {}).get("initContainerStatuses") or []:
+            running = cs.get("state", {}).get("running")
+            if cs.get("name") == FETCH_CONTAINER and running:
+                out.append((p["metadata"]["name"], running.get("startedAt", "")))
+    return out
+
+
+def failed_downloads(pods: list[dict]) -> list[tuple[str, str]]:
+    """(pod name, the download's last words) for pods whose model-fetch init container failed and is
+    retried (a gated repository without a token, a revision that does not exist, no route to the Hub)."""
+    out = []
+    for p in pods:
+        if p.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        for cs in p.get("status", {}).get("initContainerStatuses") or []:
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            if cs.get("name") == FETCH_CONTAINER and last.get("exitCode") not in (None, 0) \
+                    and not (cs.get("state") or {}).get("running"):
+                words = " ".join((last.get("message") or last.get("reason") or "").split())
+                out.append((p["metadata"]["name"], words[-500:]))
     return out
 
 
@@ -84,6 +117,15 @@ def derive_status(*, service: str, namespace: str, generation: int, spec: Infere
             reason, msg = "ContainersCannotStart", f"pod {blocked[0][0]}: {blocked[0][1]}: {blocked[0][2]}"
         elif desired == 0:
             reason, msg = "ScaledToZero", "spec.replicas is 0"
+        elif failed := failed_downloads(observed.pods):
+            reason, msg = "ModelDownloadFailed", (
+                f"0/{desired} replicas ready; {FETCH_CONTAINER} of {failed[0][0]} failed and is retried: "
+                f"{failed[0][1]}")
+        elif downloading := downloading_pods(observed.pods):
+            reason, msg = "DownloadingModel", (
+                f"0/{desired} replicas ready; {len(downloading)} downloading the weights into the model cache "
+                f"(init container {FETCH_CONTAINER} of {downloading[0][0]}, since {downloading[0][1]}; "
+                f"kubectl logs {downloading[0][0]} -c {FETCH_CONTAINER} shows the files)")
         else:
             reason, msg = "EngineStarting", f"0/{desired} replicas ready; engines are loading the model"
         updates.append(c.condition(c.READY, False, reason, msg, generation=generation))
