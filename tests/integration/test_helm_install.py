@@ -97,11 +97,23 @@ async def test_the_operators_network_policy_selects_the_operators_pods(control_p
     selector = ",".join(f"{k}={v}" for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
 
     async def operator_pods():
-        pods = await kube.list("v1", "Pod", RELEASE_NS, label_selector="app.kubernetes.io/instance=gpufleet")
+        pods = await kube.list("v1", "Pod", RELEASE_NS, label_selector="app.kubernetes.io/instance=gpufleet,"
+                                                                         "app.kubernetes.io/name=gpufleet-operator")
         return pods if len(pods) == 2 else None
     pods = await wait_for(operator_pods, timeout=60, what="the chart's two operator pods")
     selected = await kube.list("v1", "Pod", RELEASE_NS, label_selector=selector)
     assert {p["metadata"]["name"] for p in selected} == {p["metadata"]["name"] for p in pods}
+
+
+@pytest.mark.parametrize("verb, resource, allowed", [
+    ("list", "inferenceservices.serving.gpufleet.dev", "yes"),
+    ("watch", "inferenceservices.serving.gpufleet.dev", "yes"),
+    ("patch", "inferenceservices.serving.gpufleet.dev", "no"),
+    ("list", "pods", "yes"), ("get", "secrets", "no"), ("create", "pods", "no")])
+def test_the_router_may_read_services_and_pods_and_nothing_more(control_plane, installed, verb, resource, allowed):
+    router = f"system:serviceaccount:{RELEASE_NS}:gpufleet-router"
+    got = control_plane.kubectl("auth", "can-i", verb, resource, "--as", router, "-A", check=False).stdout.strip()
+    assert got == allowed, (verb, resource, got)
 
 
 @pytest.fixture
