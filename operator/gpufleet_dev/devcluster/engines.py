@@ -47,7 +47,10 @@ LOCAL_MODELS = {"tiny": "tiny", "tiny-llama": "tiny", "smollm2": "smollm2",
                 "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2"}
 # guard.json keys that describe the container layout, not the service: the
 # local launcher sets these itself (model path, addresses).
-LAYOUT_KEYS = {"listenPort", "engineUrl", "tokenizer"}
+# listenHost among them: the guard listens on its pod IP. The operator's 0.0.0.0 would make the
+# first backed guard take port 8080 on every pod IP and the others fail to bind, while it answered
+# their readiness probes and requests.
+LAYOUT_KEYS = {"listenHost", "listenPort", "engineUrl", "tokenizer"}
 ENGINE_LAYOUT_KEYS = {"model", "port", "host", "runtime"}
 
 
