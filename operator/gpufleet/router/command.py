@@ -30,9 +30,15 @@ from .server import RouterSettings
 @click.option("--drain-grace-seconds", default=5.0, show_default=True, type=click.FloatRange(0.0),
               help="On SIGTERM, stay unready but serving this long (endpoint removal, pooled connections) "
                    "before closing the listener.")
+@click.option("--hold-timeout-seconds", default=120.0, show_default=True, type=click.FloatRange(0.0),
+              help="A request for a service with no ready replica waits this long for one (a cold start), "
+                   "then gets 503 with Retry-After from the cold starts measured.")
+@click.option("--hold-max-requests", default=256, show_default=True, type=click.IntRange(0),
+              help="Most requests held per service; more get 503 at once.")
 @click.option("-v", "--verbose", is_flag=True)
 def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, reading_interval_seconds,
-           prefix_blocks, load_factor, max_body_bytes, drain_grace_seconds, verbose) -> None:
+           prefix_blocks, load_factor, max_body_bytes, drain_grace_seconds, hold_timeout_seconds,
+           hold_max_requests, verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
     from ..kube.client import KubeClient
     from ..kube.config import KubeConfig, KubeConfigError
@@ -47,7 +53,8 @@ def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, readi
     settings = RouterSettings(namespaces=tuple(namespaces), discovery_interval=discovery_interval_seconds,
                               reading_interval=reading_interval_seconds, prefix_blocks=prefix_blocks,
                               load_factor=load_factor, max_body_bytes=max_body_bytes,
-                              drain_grace=drain_grace_seconds)
+                              drain_grace=drain_grace_seconds, hold_timeout=hold_timeout_seconds,
+                              hold_max_requests=hold_max_requests)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -14,13 +14,14 @@ class Outcome:
     OK = "ok"                    # the replica's answer went to the client (any 2xx)
     REJECTED = "rejected"        # a replica's 429/503 refusal passed on (after the one retry)
     INVALID = "invalid"          # a 4xx: the router's own (bad JSON, no model, unknown model, too large) or a guard's
-    UNAVAILABLE = "unavailable"  # no replica to send it to
+    UNAVAILABLE = "unavailable"  # no replica became ready while it was held, or too many were held
     ERROR = "error"              # a replica failed (5xx, connection lost before any byte went out)
     CANCELLED = "cancelled"      # the client went away first
 
 
 OUTCOMES = (Outcome.OK, Outcome.REJECTED, Outcome.INVALID, Outcome.UNAVAILABLE, Outcome.ERROR, Outcome.CANCELLED)
 RETRY_REASONS = ("rejected", "connect_failed")
+_COLD_START_SECONDS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -44,6 +45,11 @@ class RouterMetrics:
                                          ["model"], buckets=_SECONDS, registry=r)
         self.replicas = Gauge(PREFIX + "replicas", "Replicas the router may send to (serving and ready by its "
                               "guard's last reading).", ["model"], registry=r)
+        self.held = Gauge(PREFIX + "held_requests", "Requests waiting for a replica of a service that has none "
+                          "ready (a cold start).", ["model"], registry=r)
+        self.cold_start_seconds = Histogram(PREFIX + "cold_start_seconds", "From the first request that found no "
+                                            "ready replica to the first replica ready for it.", ["model"],
+                                            buckets=_COLD_START_SECONDS, registry=r)
         self.readings_failed = Counter(PREFIX + "readings_failed", "Guard /metrics reads that failed.",
                                        ["model"], registry=r)
 

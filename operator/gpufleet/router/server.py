@@ -14,6 +14,7 @@ the API server and each replica's reading current from its guard.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -31,6 +32,7 @@ from ..kube.pods import is_serving
 from ..manifests import names
 from . import requests as rq
 from .choice import Pick, Picker, Reading, prefix_key
+from .cold_start import ColdStarts
 from .metrics import Outcome, RouterMetrics
 from .signals import parse_guard
 from .table import Route, Table, build_table
@@ -40,7 +42,7 @@ log = logging.getLogger("gpufleet.router")
 # Headers that describe one connection, not the request (RFC 9110 7.6.1), and the ones aiohttp sets itself.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                         "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
-NO_REPLICA_RETRY_AFTER_SECONDS = 5
+UNREACHABLE_RETRY_AFTER_SECONDS = 5
 # A guard answers these before it admits a request (KV watermark, queue full or timed out; draining,
 # engine down): the request never started, so another replica may take it.
 RETRIED_STATUSES = (429, 503)
@@ -61,6 +63,10 @@ class RouterSettings:
     # connections move to another router, before the listener closes (as the guard's drain).
     drain_grace: float = 5.0
     drain_timeout: float = 60.0             # then answers in progress get this long to finish
+    # A request for a service with no replica to take it waits this long for one (a cold start),
+    # at most this many per service; then 503 with Retry-After from the measured cold starts.
+    hold_timeout: float = 120.0
+    hold_max_requests: int = 256
 
 
 class Fleet:
@@ -76,6 +82,9 @@ class Fleet:
         self.listed = asyncio.Event()       # the first listing succeeded: the router can route
         self.draining = False
         self._problems: tuple[str, ...] = ()
+        self.held: dict[str, collections.deque[asyncio.Future]] = {}
+        self.cold_since: dict[str, float] = {}   # model -> when its first request found no replica
+        self.cold_starts: dict[str, ColdStarts] = {}
 
     def update(self, table: Table) -> None:
         for problem in set(table.problems) - set(self._problems):
@@ -90,6 +99,7 @@ class Fleet:
             self.metrics.replicas.remove(model)
         for model, picker in self.pickers.items():
             self.metrics.replicas.labels(model).set(len(picker.eligible()))
+        self.release_held()
 
     async def list_once(self, kube: KubeClient) -> None:
         services: list[dict] = []
@@ -131,6 +141,50 @@ class Fleet:
                                for r in picker.replicas.values() if r.serving))
         for model, picker in self.pickers.items():
             self.metrics.replicas.labels(model).set(len(picker.eligible()))
+        self.release_held()
+
+    # --- requests held through a cold start ------------------------------------------
+
+    def cold(self, model: str) -> ColdStarts:
+        return self.cold_starts.setdefault(model, ColdStarts())
+
+    async def hold(self, model: str, deadline: float) -> bool:
+        """Wait, in arrival order, until the service has a replica to try; False at the deadline."""
+        queue = self.held.setdefault(model, collections.deque())
+        self.cold_since.setdefault(model, self.clock())
+        waiter = asyncio.get_running_loop().create_future()
+        queue.append(waiter)
+        self.metrics.held.labels(model).set(len(queue))
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), max(0.0, deadline - self.clock()))
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if waiter in queue:
+                queue.remove(waiter)
+            self.metrics.held.labels(model).set(len(queue))
+
+    def held_count(self, model: str) -> int:
+        return len(self.held.get(model, ()))
+
+    def release_held(self) -> None:
+        """Wake the requests held for each service that now has a replica, first come first."""
+        for model, picker in self.pickers.items():
+            if not picker.eligible():
+                continue
+            started = self.cold_since.pop(model, None)
+            if started is not None:
+                seconds = self.clock() - started
+                self.cold(model).record(seconds)
+                self.metrics.cold_start_seconds.labels(model).observe(seconds)
+                log.info("%s: a replica is ready %.1fs after the first request found none", model, seconds)
+            queue = self.held.get(model)
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+            self.metrics.held.labels(model).set(0)
 
     async def read(self, http: aiohttp.ClientSession) -> None:
         while True:
@@ -246,13 +300,33 @@ class Router:
         tried: list[str] = []
         refusals: list[_Refused] = []
         failure = ""
-        for attempt in range(2):
+        arrived = self.fleet.clock()
+        deadline = arrived + self.settings.hold_timeout
+        attempt = 0
+        while attempt < 2:
             pick = picker.pick(cost, key, exclude=tried)
             if pick is None:
-                break
+                if tried:
+                    break
+                # No replica can take it (none yet, all starting, or scaled to zero): hold it.
+                if self.fleet.held_count(model) >= self.settings.hold_max_requests:
+                    return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(
+                        f"{self.settings.hold_max_requests} requests already wait for a replica of "
+                        f"{target.namespace}/{target.service} (model {model!r}); retry later.",
+                        "service_unavailable", code="hold_queue_full"),
+                        self.fleet.cold(model).retry_after(self.fleet.clock() - arrived))
+                if not await self.fleet.hold(model, deadline):
+                    waited = self.fleet.clock() - arrived
+                    return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(
+                        f"No replica of {target.namespace}/{target.service} (model {model!r}) became ready "
+                        f"within {waited:.0f}s.", "service_unavailable", code="no_ready_replica"),
+                        self.fleet.cold(model).retry_after(waited))
+                picker = self.fleet.pickers.get(model, picker)
+                continue
+            attempt += 1
             pod = pick.replica.pod
             tried.append(pod)
-            if attempt:
+            if attempt > 1:
                 self.metrics.retries.labels(model, "rejected" if refusals else "connect_failed").inc()
             picker.sent(pod, cost, self.fleet.clock())
             try:
@@ -272,13 +346,9 @@ class Router:
             if hints:
                 out.headers["Retry-After"] = str(max(1, math.ceil(min(hints))))
             return out
-        if failure:
-            return self._refuse(model, Outcome.ERROR, 502, rq.error_body(
-                f"No replica of {target.namespace}/{target.service} answered: {failure}", "server_error",
-                code="replica_unreachable"), NO_REPLICA_RETRY_AFTER_SECONDS)
-        return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(
-            f"No replica of {target.namespace}/{target.service} (model {model!r}) is ready to take requests.",
-            "service_unavailable", code="no_ready_replica"), NO_REPLICA_RETRY_AFTER_SECONDS)
+        return self._refuse(model, Outcome.ERROR, 502, rq.error_body(
+            f"No replica of {target.namespace}/{target.service} answered: {failure}", "server_error",
+            code="replica_unreachable"), UNREACHABLE_RETRY_AFTER_SECONDS)
 
     async def _exchange(self, request: web.Request, route: str, body: bytes, headers: dict, pick: Pick,
                         model: str) -> web.StreamResponse:

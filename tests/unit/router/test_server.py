@@ -274,11 +274,60 @@ async def test_bad_requests_get_a_clear_4xx_and_never_reach_a_replica(payload, s
         await guard.server.close()
 
 
-async def test_a_service_without_a_ready_replica_answers_503_with_retry_after(harness):
+async def test_a_request_for_a_service_without_a_ready_replica_is_held_until_one_is_ready(harness):
+    starting = Replica("a", harness.guards["a"].address, serving=False)
+    harness.publish([harness.route(starting)])
+    order = []
+
+    async def send(i: int) -> None:
+        async with harness.post(completion(f"held {i}")) as r:
+            assert r.status == 200
+            await r.read()
+            order.append(i)
+
+    first = asyncio.create_task(send(0))
+    await wait_held(harness, 1)
+    second = asyncio.create_task(send(1))
+    await wait_held(harness, 2)
+    assert not first.done()
+    harness.publish([harness.route(Replica("a", harness.guards["a"].address))])   # the replica is Ready
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert [b["prompt"] for b in harness.guards["a"].bodies] == ["held 0", "held 1"]   # arrival order
+    assert harness.count("gpufleet_router_held_requests", model=MODEL) == 0
+    assert harness.count("gpufleet_router_cold_start_seconds_count", model=MODEL) == 1
+
+
+async def wait_held(harness, n: int) -> None:
+    for _ in range(200):
+        if harness.count("gpufleet_router_held_requests", model=MODEL) == n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never {n} held")
+
+
+async def test_a_held_request_times_out_with_503_and_the_measured_cold_start_as_retry_after(harness):
+    harness.settings.hold_timeout = 0.3
+    harness.fleet.cold(MODEL).record(40.0)
     harness.publish([harness.route(Replica("a", harness.guards["a"].address, serving=False))])
     async with harness.post(completion()) as r:
-        assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
-        assert (await r.json())["error"]["code"] == "no_ready_replica"
+        assert r.status == 503
+        assert int(r.headers["Retry-After"]) == 40        # 40 s measured, 0.3 s waited: rounded up
+        err = (await r.json())["error"]
+    assert err["code"] == "no_ready_replica" and "became ready" in err["message"]
+    assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="unavailable") == 1
+    assert harness.fleet.held_count(MODEL) == 0
+
+
+async def test_past_the_hold_limit_a_request_is_refused_at_once(harness):
+    harness.settings.hold_max_requests = 1
+    harness.publish([harness.route(Replica("a", harness.guards["a"].address, serving=False))])
+    held = asyncio.create_task(harness.post(completion()).__aenter__())
+    await wait_held(harness, 1)
+    async with harness.post(completion()) as r:
+        assert r.status == 503 and (await r.json())["error"]["code"] == "hold_queue_full"
+        assert int(r.headers["Retry-After"]) >= 1
+    held.cancel()
+    await asyncio.gather(held, return_exceptions=True)
 
 
 async def test_readiness_waits_for_the_first_listing_and_ends_with_the_drain(harness):
