@@ -17,8 +17,9 @@ Two signals, in this order:
 2. Free KV, for everything else (a prefix not seen before, a prompt shorter
    than a block, or no replica on the ring within its bound): the replica
    with the most KV blocks free for admission: the guard's last reading,
-   less what this router sent it since that reading was taken (the reading
-   cannot include those yet). A request whose prefix is new is placed by
+   less what this router sent it since that reading was taken and is still
+   running (the reading cannot include those yet; finished ones freed their
+   blocks). A request whose prefix is new is placed by
    room, not by hash: it is likely unique, and nothing caches it yet.
 
 Replicas that are not ready or are draining are never chosen. A replica not
@@ -58,6 +59,14 @@ class Reading:
     free_blocks: int           # blocks the guard would admit into now: free less the watermark, unreserved
     total_blocks: int
     queued: int = 0            # waiting in the guard's queues
+
+
+@dataclasses.dataclass(eq=False)
+class Sent:
+    """One request this router sent, counted against its replica's room until a reading includes it
+    or it finishes (compared by identity: two requests of one size at one instant are two)."""
+    at: float
+    blocks: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +131,7 @@ class Picker:
         self.replicas: dict[str, Replica] = {}
         self.readings: dict[str, Reading] = {}
         self.in_flight: dict[str, int] = {}
-        self._sent: dict[str, list[tuple[float, int]]] = {}  # pod -> [(sent_at, blocks)] since its reading
+        self._sent: dict[str, list[Sent]] = {}  # pod -> requests sent since its last reading, still running
         self._ring = Ring(())
         self._ring_pods: frozenset[str] = frozenset()
 
@@ -147,13 +156,21 @@ class Picker:
             return
         self.readings[pod] = reading
         # Sends before the read began are in its numbers; later ones are not.
-        self._sent[pod] = [(t, b) for t, b in self._sent.get(pod, []) if t >= reading.taken_at]
+        self._sent[pod] = [x for x in self._sent.get(pod, []) if x.at >= reading.taken_at]
 
-    def sent(self, pod: str, blocks: int, now: float) -> None:
-        self._sent.setdefault(pod, []).append((now, max(0, blocks)))
+    def sent(self, pod: str, blocks: int, now: float) -> Sent:
+        """A request went to ``pod``; pass what this returns to ``finished``."""
+        ticket = Sent(now, max(0, blocks))
+        self._sent.setdefault(pod, []).append(ticket)
         self.in_flight[pod] = self.in_flight.get(pod, 0) + 1
+        return ticket
 
-    def finished(self, pod: str) -> None:
+    def finished(self, pod: str, ticket: Sent | None = None) -> None:
+        """The request's answer ended: its blocks are free again, so a reading taken before that
+        no longer owes them (one taken after never counted them)."""
+        sent = self._sent.get(pod)
+        if ticket is not None and sent and ticket in sent:
+            sent.remove(ticket)
         left = self.in_flight.get(pod, 0) - 1
         if left > 0:
             self.in_flight[pod] = left
@@ -176,7 +193,7 @@ class Picker:
         reading = self.readings.get(pod)
         if reading is None:
             return None
-        return reading.free_blocks - sum(b for _, b in self._sent.get(pod, []))
+        return reading.free_blocks - sum(x.blocks for x in self._sent.get(pod, []))
 
     def pick(self, cost_blocks: int, key: str | None, exclude: Iterable[str] = ()) -> Pick | None:
         """The replica for a request needing about ``cost_blocks`` KV blocks whose

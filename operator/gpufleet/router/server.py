@@ -328,7 +328,7 @@ class Router:
             tried.append(pod)
             if attempt > 1:
                 self.metrics.retries.labels(model, "rejected" if refusals else "connect_failed").inc()
-            picker.sent(pod, cost, self.fleet.clock())
+            ticket = picker.sent(pod, cost, self.fleet.clock())
             try:
                 return await self._exchange(request, route, body, headers, pick, model)
             except _Refused as r:
@@ -336,7 +336,7 @@ class Router:
             except _Unreachable as u:
                 failure = u.message
             finally:
-                picker.finished(pod)
+                picker.finished(pod, ticket)
         if refusals:
             # Every replica tried refused: the earliest any of them expects room is the hint.
             hints = [r.retry_after for r in refusals if r.retry_after is not None]

@@ -205,3 +205,14 @@ def test_prefix_keys_depend_only_on_the_leading_whole_blocks():
 def test_a_negative_load_factor_is_refused():
     with pytest.raises(ValueError, match="load_factor"):
         Picker(-0.1)
+
+
+def test_a_request_that_finished_before_the_next_reading_no_longer_counts_against_its_replica():
+    p = picker("a")
+    read(p, "a", 50, at=1.0)
+    first = p.sent("a", 20, now=2.0)
+    p.sent("a", 10, now=2.5)
+    p.finished("a", first)
+    assert p.room("a") == 40
+    p.finished("a", first)        # twice is once
+    assert p.room("a") == 40
