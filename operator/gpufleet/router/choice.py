@@ -2,25 +2,24 @@
 
 Two signals, in this order:
 
-1. Prefix affinity, for a prefix seen before. Requests whose prompts begin
-   with the same blocks (a shared system prompt) should reach the replica
-   that already holds those blocks in vLLM's prefix cache. The prompt's
-   leading blocks are hashed and the hash placed on a consistent-hash ring
-   of the service's replicas, so every router maps a prefix to the same
-   replica without talking to the others, and a replica coming or going
-   moves only its own keys. The load is bounded (Mirrokni et al.,
-   "Consistent Hashing with Bounded Loads"): walking the ring from the key,
-   a replica already carrying ceil((1 + load_factor) x the mean) + 1 of the
-   router's requests in flight, or without room for the request, is passed
-   over, so a popular prefix spills to the next replica on the ring (which
-   then caches it too) instead of piling onto one.
-2. Free KV, for everything else (a prefix not seen before, a prompt shorter
-   than a block, or no replica on the ring within its bound): the replica
-   with the most KV blocks free for admission: the guard's last reading,
-   less what this router sent it since that reading was taken and is still
+1. Prefix affinity. Requests whose prompts begin with the same blocks (a
+   shared system prompt) should reach the replica that already holds those
+   blocks in vLLM's prefix cache. The prompt's leading blocks are hashed and
+   the hash placed on a consistent-hash ring of the service's replicas, so
+   every router maps a prefix to the same replica without talking to the
+   others, and a replica coming or going moves only its own keys. The load
+   is bounded (Mirrokni et al., "Consistent Hashing with Bounded Loads"):
+   walking the ring from the key, a replica already carrying
+   ceil((1 + load_factor) x the mean) + 1 of the router's requests in
+   flight, or without room for the request, is passed over, so a popular
+   prefix spills to the next replica on the ring (which then caches it too)
+   instead of piling onto one.
+2. Free KV, for everything else (a prompt shorter than one block, or no
+   replica on the ring within its bound and with room): the replica with
+   the most KV blocks free for admission: the guard's last reading, less
+   what this router sent it since that reading was taken and is still
    running (the reading cannot include those yet; finished ones freed their
-   blocks). A request whose prefix is new is placed by
-   room, not by hash: it is likely unique, and nothing caches it yet.
+   blocks).
 
 Replicas that are not ready or are draining are never chosen. A replica not
 read yet counts as having no known room: it is chosen by affinity or, when
@@ -32,13 +31,11 @@ import bisect
 import dataclasses
 import hashlib
 import math
-from collections import OrderedDict
 from typing import Iterable, Sequence
 
 VIRTUAL_NODES = 64
 DEFAULT_LOAD_FACTOR = 0.25
 AFFINITY_SLACK = 1     # requests over the bounded-load capacity a prefix's replica may still take
-SEEN_PREFIXES = 65536  # prefix keys remembered per service (least recently seen forgotten first)
 
 
 class Reason:
@@ -122,12 +119,10 @@ class Picker:
     """One service's replicas as this router sees them: readings, its own
     sends since each reading, and its requests in flight."""
 
-    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR, seen_prefixes: int = SEEN_PREFIXES):
+    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR):
         if load_factor < 0:
             raise ValueError(f"load_factor must be >= 0, got {load_factor}")
         self.load_factor = load_factor
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._seen_max = seen_prefixes
         self.replicas: dict[str, Replica] = {}
         self.readings: dict[str, Reading] = {}
         self.in_flight: dict[str, int] = {}
@@ -203,7 +198,7 @@ class Picker:
         if not candidates:
             return None
         by_pod = {r.pod: r for r in candidates}
-        if key is not None and self._seen_before(key):
+        if key is not None:
             chosen = self._affinity(by_pod, cost_blocks, key)
             if chosen is not None:
                 return Pick(chosen, Reason.AFFINITY, True)
@@ -214,16 +209,6 @@ class Picker:
             return Pick(best, Reason.KV, key is not None and self._first_on_ring(by_pod, key) == best.pod)
         best = min(candidates, key=lambda r: (self.in_flight.get(r.pod, 0), r.pod))
         return Pick(best, Reason.LEAST_BUSY, key is not None and self._first_on_ring(by_pod, key) == best.pod)
-
-    def _seen_before(self, key: str) -> bool:
-        """Whether a request with this prefix came before (and is remembered): only then can a
-        replica hold it. Recorded either way."""
-        seen = key in self._seen
-        self._seen[key] = None
-        self._seen.move_to_end(key)
-        while len(self._seen) > self._seen_max:
-            self._seen.popitem(last=False)
-        return seen
 
     def _ring_of(self, pods: Iterable[str]) -> Ring:
         wanted = frozenset(self.replicas)

@@ -76,16 +76,14 @@ def test_before_any_reading_the_least_busy_replica_takes_it():
     assert p.in_flight == {}
 
 
-def test_a_new_prefix_is_placed_by_room_and_the_ones_after_it_follow_the_ring():
+def test_requests_sharing_a_prefix_go_to_its_replica_on_the_ring_while_it_has_room():
     p = picker("a", "b", "c", "d")
     for pod in "abcd":
         read(p, pod, 80 if pod != "c" else 90)
     key = prefix_key("You are a helpful assistant. " * 20, 64, 4)
-    first = p.pick(2, key)
-    assert (first.replica.pod, first.reason) == ("c", Reason.KV)   # nothing caches it yet: most room
-    later = [p.pick(2, key) for _ in range(10)]
-    assert {x.replica.pod for x in later} == {Ring("abcd").walk(key)[0]}
-    assert all(x.reason == Reason.AFFINITY and x.affinity_hit for x in later)
+    picks = [p.pick(2, key) for _ in range(10)]
+    assert {x.replica.pod for x in picks} == {Ring("abcd").walk(key)[0]}
+    assert all(x.reason == Reason.AFFINITY and x.affinity_hit for x in picks)
 
 
 def test_different_prefixes_spread_over_the_replicas():
@@ -93,8 +91,6 @@ def test_different_prefixes_spread_over_the_replicas():
     for pod in "abcd":
         read(p, pod, 80)
     keys = [prefix_key(f"system prompt {i:04d} " * 30, 64, 4) for i in range(400)]
-    for key in keys:
-        p.pick(2, key)
     counts = collections.Counter(p.pick(2, key).replica.pod for key in keys)
     assert set(counts) == set("abcd")
     assert min(counts.values()) > 400 / 4 * 0.5, counts
@@ -106,7 +102,6 @@ def test_a_popular_prefix_spills_to_the_next_replica_on_the_ring_past_the_load_b
     home = Ring("abc").walk(key)
     for pod in "abc":
         read(p, pod, 100)
-    p.pick(1, key)
     placed = []
     for _ in range(9):
         pick = p.pick(1, key)
@@ -126,7 +121,6 @@ def test_an_affinity_replica_without_room_leaves_the_choice_to_the_ring_then_fre
     p = picker("a", "b", "c")
     key = "k"
     home, second, third = Ring("abc").walk(key)
-    p.pick(1, key)
     read(p, home, 3)
     read(p, second, 50)
     read(p, third, 60)
@@ -138,15 +132,6 @@ def test_an_affinity_replica_without_room_leaves_the_choice_to_the_ring_then_fre
     read(p, home, 9)
     pick = p.pick(10, key)
     assert (pick.replica.pod, pick.reason, pick.affinity_hit) == (home, Reason.KV, True)
-
-
-def test_only_so_many_prefixes_are_remembered():
-    p = Picker(seen_prefixes=2)
-    p.set_replicas([Replica("a", "x:1"), Replica("b", "y:1")])
-    for key in ("k1", "k2", "k3"):
-        p.pick(1, key)
-    assert p.pick(1, "k1").reason == Reason.LEAST_BUSY   # forgotten: placed as new
-    assert p.pick(1, "k3").reason == Reason.AFFINITY
 
 
 def test_every_replica_lacking_room_falls_back_to_the_most_room():
