@@ -4,7 +4,7 @@
 setup:
 	scripts/setup.sh
 
-demo: setup
+demo: setup images
 	.venv/bin/gpufleet demo
 
 # The operator and CPU engine images (docs/dev-cluster.md): built offline, cached
@@ -12,16 +12,14 @@ demo: setup
 images: setup
 	.venv/bin/gpufleet dev images
 
-# Linters and type checks first: they take seconds and fail fast.
-test: setup lint
+# Linters and type checks first: they take seconds and fail fast. Then the images
+# (cached by content), the main suite, and the real-node tests (tests/realnode:
+# the chart's operator as a pod, engines as pods on a real kubelet with
+# containerd) as their own session: an in-cluster operator owns their namespaces.
+test: setup lint images
 	.venv/bin/python -m pytest -q --ignore=tests/realnode
+	.venv/bin/python -m pytest -q tests/realnode
 
-# The real-node tests (tests/realnode: the chart's operator as a pod, engines as
-# pods on a real kubelet with containerd) run as their own session: the other
-# tests' host-process operator watches every namespace and would fight the
-# in-cluster one. Not yet part of `make test`: on 2 cores a second vLLM pod
-# beside a serving one took 7-8 min to become Ready and four of the six tests
-# timed out in their one full run (docs/dev-cluster.md).
 test-realnode: setup images
 	.venv/bin/python -m pytest -q tests/realnode
 

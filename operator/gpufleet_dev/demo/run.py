@@ -124,8 +124,9 @@ def operator_kubeconfig(state: dict, work: Path) -> str:
 
 def start_operator(kubeconfig: str, work: Path, port: int) -> subprocess.Popen:
     log = open(work / "operator.log", "ab")
+    # The demo's namespace only: services of other work on the same local cluster are not its own.
     return subprocess.Popen([sys.executable, "-m", "gpufleet.cli", "run", "--kubeconfig", kubeconfig,
-                             "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
+                             "--namespace", NAMESPACE, "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
                              "--audit-interval-seconds", "10"], stdout=log, stderr=subprocess.STDOUT)
 
 
