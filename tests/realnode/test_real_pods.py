@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import time
 import uuid
@@ -211,6 +212,10 @@ async def test_completions_through_the_service(service, install, kube, built_ima
     statuses = {c["name"]: c for c in pods[0]["status"]["containerStatuses"]}
     assert set(statuses) == {"vllm", "guard"} and all(c["ready"] and c["started"] for c in statuses.values())
     assert {c["image"] for c in pods[0]["spec"]["containers"]} == {built_images["engine-cpu"]}
+    # vLLM listens on the pod's loopback only: its port on the pod's address refuses, the guard's answers.
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((pods[0]["status"]["podIP"], names.ENGINE_PORT), timeout=5).close()
+    socket.create_connection((pods[0]["status"]["podIP"], names.GUARD_PORT), timeout=5).close()
     client = openai.AsyncOpenAI(base_url=f"http://{service}/v1", api_key="none", max_retries=0, timeout=60)
     try:
         out = await client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=8)
