@@ -21,7 +21,7 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
-from . import context, sli
+from . import context, route_costs, sli
 from .admission import KvLedger
 from .audit import SequenceLength, kv_waste
 from .context import ContextTooLong, InvalidRequest, Limits
@@ -49,7 +49,8 @@ _INLINE_TOKENIZE_BYTES = 16384
 # structure, tools and small batches, and 1 MiB for everything else.
 BODY_BYTES_PER_TOKEN = 64
 BODY_BYTES_FLOOR = 1024 * 1024
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# usage.completion_tokens (OpenAI routes) or usage.output_tokens (/v1/responses, /v1/messages).
+_COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 
 
 def max_body_bytes(max_context_tokens: int) -> int:
@@ -232,15 +233,16 @@ class Guard:
         finally:
             self.drain.leave()
 
-    async def _prepare(self, raw: bytes, route: str) -> context.Prepared:
+    async def _prepare(self, raw: bytes, path: str) -> context.Prepared:
+        """``path``: vLLM's route the request was sent to; its cost model is route_costs'."""
         assert self.limits is not None  # handle() refuses requests until the context is known
         try:
             body = json.loads(raw)
         except ValueError as e:  # bad JSON or bad UTF-8
             raise InvalidRequest(f"the body is not valid JSON: {e}") from None
         if len(raw) > _INLINE_TOKENIZE_BYTES:
-            return await asyncio.to_thread(context.prepare, route, body, self.tokenizer, self.limits)
-        return context.prepare(route, body, self.tokenizer, self.limits)
+            return await asyncio.to_thread(route_costs.prepare, path, body, self.tokenizer, self.limits)
+        return route_costs.prepare(path, body, self.tokenizer, self.limits)
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, or Rejection 413 past the limit, before any of it is parsed. A declared length
@@ -300,7 +302,7 @@ class Guard:
             return self._refuse(queue_class, early)
         try:
             raw = await self._read_body(request)
-            prepared = await self._prepare(raw, route)
+            prepared = await self._prepare(raw, request.path)
         except Rejection as r:
             return self._refuse(queue_class, r)
         except ContextTooLong as e:
@@ -448,7 +450,7 @@ class _Exchange:
         headers["content-type"] = "application/json"
         assert guard.upstream.session is not None
         try:
-            async with _post_once_more_if_closed(guard.upstream.session, guard.upstream.url(route), payload,
+            async with _post_once_more_if_closed(guard.upstream.session, guard.upstream.url(self.request.path), payload,
                                                  headers) as resp:
                 out_headers = {h: resp.headers[h] for h in FORWARDED_RESPONSE_HEADERS if h in resp.headers}
                 out_headers.update(self._extra_headers())

@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import ipaddress
 import logging
 import signal
-from typing import Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 
-from . import audit, engine_metrics, reload, served_context
-from .context import CHAT, COMPLETIONS, EMBEDDINGS
+from . import audit, engine_metrics, reload, served_context, vllm_endpoints
 from .contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from .contract.guard_config import GuardConfig
-from .contract.guard_metrics import Reason
 from .metrics import CONTENT_TYPE
 from .proxy import Guard, error_response, max_body_bytes
 from .tokens import HfTokenizer, Tokenizer, generation_default_max_tokens
@@ -51,24 +46,6 @@ def build_app(guard: Guard) -> web.Application:
         response.headers["Connection"] = "close"
     app.on_response_prepare.append(close_while_draining)
 
-    def proxied(route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handler(request: web.Request) -> web.StreamResponse:
-            return await guard.handle(request, route)
-        return handler
-
-    async def models(request: web.Request) -> web.StreamResponse:
-        if not guard.engine_up:
-            return error_response(503, Reason.ENGINE_DOWN, f"The model engine is not available: "
-                                  f"{guard.engine_problem}", guard.config.retry_after_seconds)
-        assert guard.upstream.session is not None
-        try:
-            async with guard.upstream.session.get(guard.upstream.url("/v1/models")) as resp:
-                return web.Response(body=await resp.read(), status=resp.status,
-                                    content_type=resp.content_type)
-        except aiohttp.ClientError as e:
-            return error_response(503, Reason.ENGINE_DOWN, f"The model engine is not available: {e}",
-                                  guard.config.retry_after_seconds)
-
     async def metrics(request: web.Request) -> web.Response:
         guard.refresh_gauges()
         return web.Response(body=guard.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -93,7 +70,7 @@ def build_app(guard: Guard) -> web.Application:
     async def drain_start(request: web.Request) -> web.Response:
         # The pod's preStop hooks call this over loopback; nobody else may
         # take a replica out of service.
-        if not _is_loopback(request.remote):
+        if not vllm_endpoints.is_loopback(request.remote):
             return error_response(403, "forbidden", "POST /drain is accepted from the pod itself only.")
         guard.drain.begin()
         guard.refresh_gauges()
@@ -106,25 +83,16 @@ def build_app(guard: Guard) -> web.Application:
                              guard.sequences_at_read)
         return web.json_response(audit.assemble(guard.config.service, guard.config.namespace, device, kv))
 
-    app.router.add_post(CHAT, proxied(CHAT))
-    app.router.add_post(COMPLETIONS, proxied(COMPLETIONS))
-    app.router.add_post(EMBEDDINGS, proxied(EMBEDDINGS))
     app.router.add_get("/drain", drain_status)
     app.router.add_post("/drain", drain_start)
-    app.router.add_get("/v1/models", models)
     app.router.add_get(GUARD_METRICS_PATH, metrics)
     app.router.add_get(ENGINE_METRICS_PATH, vllm_metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/audit", audit_report)
+    # vLLM's own API (vllm_routes.py): admitted, answered with the guard's state, or passed through.
+    vllm_endpoints.register(app, guard)
     return app
-
-
-def _is_loopback(remote: str | None) -> bool:
-    try:
-        return remote is not None and ipaddress.ip_address(remote).is_loopback
-    except ValueError:
-        return False
 
 
 def freeze_startup_heap() -> None:
@@ -241,7 +209,8 @@ class GuardServer:
         assert self.guard is not None
         self.guard.drain.begin()
         self.guard.refresh_gauges()
-        timeout = self.config.drain_timeout_seconds if timeout is None else timeout
+        # The guard's config, not the one it started with: drainTimeoutSeconds is a live setting.
+        timeout = self.guard.config.drain_timeout_seconds if timeout is None else timeout
         log.info("draining: %d requests to finish, up to %gs", self.guard.drain.active, timeout)
         finished = await self.guard.drain.wait_idle(timeout)
         if not finished:
