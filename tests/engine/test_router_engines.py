@@ -30,15 +30,15 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 MODEL = "tiny"
 BLOCK_SIZE = 32
 KV_BLOCKS = 64          # 2048 tokens per replica
-PROMPTS = 6             # x about 330 tokens: more than one pool caches, half of them fits
-REQUESTS = 36
+PROMPTS = 12            # x about 8 blocks: more than one 64-block pool caches, half of them fits
+REQUESTS = 60
 WORDS = ("invoice refund shipping warranty helmet lock frame wheel brake chain saddle pedal gear tyre light "
          "basket bell pump mirror rack").split()
 
 
 def system_prompt(seed: int) -> str:
     rng = random.Random(seed)
-    return f"Policy {seed}. " + " ".join(rng.choice(WORDS) for _ in range(300))
+    return f"Policy {seed}. " + " ".join(rng.choice(WORDS) for _ in range(150))
 
 
 def trace(seed: int, offset: int) -> list[tuple[str, str]]:
@@ -131,3 +131,44 @@ async def test_a_stream_through_the_router_arrives_in_several_chunks(router):
             assert r.status == 200
             chunks = [line async for line in r.content if line.startswith(b"data: ")]
     assert len(chunks) >= 3 and chunks[-1].strip() == b"data: [DONE]"
+
+
+async def run_mixed(urls: list[str], clients: int, per_client: int, seed: int) -> dict:
+    """Closed loop: ``clients`` clients, each sending ``per_client`` requests, one long (about 20 KV
+    blocks with its answer) in four, the rest short; the i-th request of all goes to urls[i % len(urls)].
+    Counts 429s (the client gets no retry) and goodput: answered tokens per second."""
+    rng = random.Random(seed)
+    plan = [[rng.random() < 0.25 for _ in range(per_client)] for _ in range(clients)]
+    counter = iter(range(clients * per_client))
+    statuses: list[int] = []
+    tokens = 0
+    started = time.monotonic()
+
+    async def client(http: aiohttp.ClientSession, longs: list[bool]) -> None:
+        nonlocal tokens
+        for long in longs:
+            i = next(counter)
+            prompt = (f"Request {i}. " + " ".join(rng.choice(WORDS) for _ in range(220))) if long else f"Hi {i}."
+            async with http.post(f"{urls[i % len(urls)]}/v1/completions", json={
+                    "model": MODEL, "prompt": prompt, "max_tokens": 96 if long else 16,
+                    "ignore_eos": True}) as r:
+                statuses.append(r.status)
+                if r.status == 200:
+                    tokens += (await r.json())["usage"]["completion_tokens"]
+                else:
+                    await r.read()
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(client(http, longs) for longs in plan))
+    elapsed = time.monotonic() - started
+    return {"429": statuses.count(429), "ok": statuses.count(200), "goodput_tokens_per_s": tokens / elapsed}
+
+
+async def test_kv_aware_choice_against_round_robin_on_mixed_lengths(replicas, router):
+    url, fleet = router
+    guards = [e.guard_url for e in replicas]
+    baseline = await run_mixed(guards, clients=12, per_client=8, seed=7)
+    routed = await run_mixed([url], clients=12, per_client=8, seed=7)
+    retries = sum(s.value for f in fleet.metrics.registry.collect() for s in f.samples
+                  if s.name == "gpufleet_router_retries_total")
+    print(f"\nmixed lengths, 12 clients: round robin {baseline}; router {routed} ({retries:.0f} retried)")
+    assert routed["ok"] >= baseline["ok"], (routed, baseline)

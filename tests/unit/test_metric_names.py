@@ -1,6 +1,7 @@
 """The metric catalog (docs/metrics.md) is exactly what the code exports, so
 dashboards and alerts (which may only use catalogued names) use real names."""
 from gpufleet.metrics import OperatorMetrics
+from gpufleet.router.metrics import RouterMetrics
 from gpufleet_engine.metrics import GuardMetrics
 from tests.unit.observability.assets import catalog
 
@@ -14,7 +15,8 @@ def exported(registry) -> dict[str, str]:
 
 
 def test_catalog_matches_the_code():
-    code = {**exported(OperatorMetrics().registry), **exported(GuardMetrics(["interactive"]).registry)}
+    code = {**exported(OperatorMetrics().registry), **exported(GuardMetrics(["interactive"]).registry),
+            **exported(RouterMetrics().registry)}
     documented = {n: t for n, t in catalog().items() if n.startswith("gpufleet_")}
     assert set(documented) - set(code) == set(), "documented but not exported"
     assert set(code) - set(documented) == set(), "exported but not in docs/metrics.md"
