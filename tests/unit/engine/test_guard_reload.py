@@ -202,3 +202,17 @@ def test_a_file_that_does_not_change_is_not_reapplied(tmp_path):
     assert outcome is not None and outcome.result == reload.APPLIED and outcome.changed == () and applied == []
     path.unlink()  # mid-swap: nothing to read, nothing changes
     assert watcher.check() is None
+
+
+async def test_a_drain_waits_as_long_as_the_reloaded_setting_says(reloading, fake_vllm):
+    start, write = reloading
+    fake_vllm.hold = asyncio.Event()
+    guard = await start(drainTimeoutSeconds=300)
+    async with aiohttp.ClientSession() as s:
+        held = asyncio.create_task(s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}))
+        await wait_for(lambda: fake_vllm.running == 1, timeout=5, interval=0.005, what="a request at vLLM")
+        write(drainTimeoutSeconds=0.2)
+        await until_reloaded(s, guard, "applied")
+        assert await asyncio.wait_for(guard.drain(), timeout=5) is False  # gave up after 0.2 s, not 300
+        fake_vllm.hold.set()
+        (await held).release()
