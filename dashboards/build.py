@@ -373,6 +373,27 @@ def fleet_overview() -> dict[str, Any]:
                      [target("namespace_service_sli:gpufleet_guard_sli_error:ratio_rate5m"
                              f'{{{sel}, sli="availability"}}', "{{namespace}}/{{service}}")], unit="percentunit"), 12)
 
+    g.row("Router")
+    g.add(timeseries("Router requests by outcome", "Requests through `gpufleet router` per second, by "
+                     "outcome (docs/router.md); invalid: the router's own 4xx or a guard's.",
+                     [target("sum by (outcome) (rate(gpufleet_router_requests_total[$__rate_interval]))",
+                             "{{outcome}}")], unit="reqps", stack=True), 6)
+    g.add(timeseries("Replica picks by reason", "Why the router chose each replica: prefix affinity "
+                     "(the prompt's prefix on the consistent-hash ring) or the most free KV blocks.",
+                     [target("sum by (reason) (rate(gpufleet_router_picks_total[$__rate_interval]))",
+                             "{{reason}}")], unit="ops", stack=True), 6)
+    g.add(timeseries("Prefix-affinity hits", "Share of requests with a prefix key that reached the "
+                     "replica caching that prefix.",
+                     [target("sum by (model) (rate(gpufleet_router_prefix_affinity_hits_total[$__rate_interval])) "
+                             "/ sum by (model) (rate(gpufleet_router_prefix_keyed_requests_total"
+                             "[$__rate_interval]))", "{{model}}")], unit="percentunit", max_value=1), 6)
+    g.add(timeseries("Held requests and cold starts", "Requests the router holds for a service with no "
+                     "ready replica, and the p90 time to a first ready replica.",
+                     [target("sum by (model) (gpufleet_router_held_requests)", "held: {{model}}"),
+                      target("histogram_quantile(0.9, sum by (le, model) (rate("
+                             "gpufleet_router_cold_start_seconds_bucket[$__rate_interval])))",
+                             "cold start p90 (s): {{model}}")], unit="none"), 6)
+
     g.row("Operator")
     g.add(timeseries("Reconcile errors", "Failed reconciliations per second per service "
                      "(GpufleetReconcileErrors).",
