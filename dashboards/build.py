@@ -389,10 +389,11 @@ def fleet_overview() -> dict[str, Any]:
                              "[$__rate_interval]))", "{{model}}")], unit="percentunit", max_value=1), 6)
     g.add(timeseries("Held requests and cold starts", "Requests the router holds for a service with no "
                      "ready replica, and the p90 time to a first ready replica.",
-                     [target("sum by (model) (gpufleet_router_held_requests)", "held: {{model}}"),
-                      target("histogram_quantile(0.9, sum by (le, model) (rate("
-                             "gpufleet_router_cold_start_seconds_bucket[$__rate_interval])))",
-                             "cold start p90 (s): {{model}}")], unit="none"), 6)
+                     [target(f"sum by (namespace, service) (gpufleet_router_held_requests{{{sel}}})",
+                             "held: {{namespace}}/{{service}}"),
+                      target("histogram_quantile(0.9, sum by (le, namespace, service) (rate("
+                             f"gpufleet_router_cold_start_seconds_bucket{{{sel}}}[$__rate_interval])))",
+                             "cold start p90 (s): {{namespace}}/{{service}}")], unit="none"), 6)
 
     g.row("Operator")
     g.add(timeseries("Reconcile errors", "Failed reconciliations per second per service "

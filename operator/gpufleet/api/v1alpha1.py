@@ -364,7 +364,9 @@ class AutoscalingSpec:
     ]}
     mode: str = field("Auto: the operator sets replicas from the engines' signals. Manual: spec.replicas "
                       "(or kubectl scale) sets them.", default="Auto", enum=["Auto", "Manual"])
-    min_replicas: int = field("Fewest replicas.", default=1, minimum=1, maximum=1000)
+    min_replicas: int = field("Fewest replicas. 0 (Auto mode): the service scales to zero after "
+                              "scaleToZeroAfterSeconds without a request, and back to one when `gpufleet router` "
+                              "holds a request for it (docs/router.md).", default=1, minimum=0, maximum=1000)
     max_replicas: int = field("Most replicas.", default=4, minimum=1, maximum=1000)
     kv_high_watermark_percent: int = field("Scale out when mean KV-cache usage exceeds this.", default=80,
                                            minimum=1, maximum=100)
@@ -380,6 +382,9 @@ class AutoscalingSpec:
     scale_down_stabilization_seconds: int = field("Signals must stay low this long before scaling in.",
                                                   default=300, minimum=0, maximum=86400)
     max_scale_up_step: int = field("Most replicas added in one action.", default=2, minimum=1, maximum=100)
+    scale_to_zero_after_seconds: int = field("With minReplicas 0: scale to zero after this long with no "
+                                             "request arriving and none in flight.", default=600, minimum=30,
+                                             maximum=604800)
 
 
 @dataclasses.dataclass(kw_only=True)

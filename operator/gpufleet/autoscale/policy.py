@@ -8,6 +8,11 @@ waiting and every replica readable. Bounded steps, no action while new
 replicas are still starting, and an unreadable replica is never taken for an
 idle one.
 
+With minReplicas 0, a service with no request arriving and none in flight for
+``scale_to_zero_s`` goes to zero (scale-in by KV usage stops at one), and a
+service at zero goes to one as soon as a router holds a request for it
+(``demand``).
+
 A replica that stays not ready past ``not_ready_grace_s`` (unschedulable,
 crash-looping, a model that never loads) must not freeze the service: from
 then on decisions are made on the ready replicas, and the observation says so.
@@ -38,13 +43,15 @@ class Thresholds:
     max_step: int
     queue_time_s: float = 1.0
     not_ready_grace_s: float = NOT_READY_GRACE_S
+    scale_to_zero_s: float | None = None  # None: never to zero (minReplicas >= 1)
 
     @classmethod
     def from_spec(cls, auto) -> "Thresholds":
         return cls(auto.min_replicas, auto.max_replicas, auto.kv_high_watermark_percent / 100,
                    auto.kv_low_watermark_percent / 100, auto.queue_depth_threshold,
                    auto.scale_up_stabilization_seconds, auto.scale_down_stabilization_seconds,
-                   auto.max_scale_up_step, queue_time_s=auto.queue_time_threshold_milliseconds / 1000)
+                   auto.max_scale_up_step, queue_time_s=auto.queue_time_threshold_milliseconds / 1000,
+                   scale_to_zero_s=auto.scale_to_zero_after_seconds if auto.min_replicas == 0 else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,8 @@ class PolicyState:
     queue_seen: tuple[tuple[str, Buckets], ...] = ()  # per pod cumulative queue-time buckets last tick
     queue_window: tuple[tuple[float, Buckets], ...] = ()  # (when, queue-time observations since the tick before)
     not_ready_since: float | None = None  # since when fewer replicas are ready than wanted
+    idle_since: float | None = None  # since when no request arrived and none ran (scale to zero)
+    requests_seen: tuple[tuple[str, float], ...] = ()  # per pod cumulative finished requests last tick
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +126,38 @@ def observe(samples: list[ReplicaSample], state: PolicyState, now: float = 0.0) 
                                     queue_seen=queue_seen, queue_window=queue_window)
 
 
+def _idle_since(samples: list[ReplicaSample], state: PolicyState, now: float, demand: int) -> float | None:
+    """Since when the service has been idle: nothing arrived (finished-request counters unchanged),
+    nothing running or waiting, no request held by a router, every replica read. None: busy now."""
+    before = dict(state.requests_seen)
+    busy = demand > 0 or not samples or any(
+        not s.ok or s.pod not in before or s.requests_total != before[s.pod] or s.guard_in_flight
+        or s.guard_queued or s.engine_running or s.engine_waiting for s in samples)
+    if busy:
+        return None
+    return state.idle_since if state.idle_since is not None else now
+
+
+def _to_or_from_zero(th: Thresholds, current: int, samples: list[ReplicaSample], state: PolicyState,
+                     now: float, demand: int) -> tuple[Decision | None, PolicyState]:
+    if current == 0:
+        state = dataclasses.replace(state, idle_since=None, requests_seen=(), high_since=None, low_since=None)
+        if demand > 0:
+            return Decision(1, "RouterDemand", f"a router holds {demand} request(s) for this service"), state
+        return None, state
+    idle_since = _idle_since(samples, state, now, demand)
+    state = dataclasses.replace(state, idle_since=idle_since,
+                                requests_seen=tuple((s.pod, s.requests_total) for s in samples if s.ok))
+    assert th.scale_to_zero_s is not None
+    if idle_since is not None and now - idle_since >= th.scale_to_zero_s:
+        return Decision(0, "Idle", f"no request for {now - idle_since:.0f}s"), \
+            dataclasses.replace(state, idle_since=None, high_since=None, low_since=None)
+    return None, state
+
+
 def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSample], state: PolicyState,
-           now: float) -> tuple[Decision | None, PolicyState, Observation]:
+           now: float, demand: int = 0) -> tuple[Decision | None, PolicyState, Observation]:
+    """``demand``: requests routers hold for this service (they found no replica to take them)."""
     obs, state = observe(samples, state, now)
     high_since, low_since = state.high_since, state.low_since
     decision = None
@@ -136,6 +175,11 @@ def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSam
         decision = Decision(target, "OutOfBounds",
                             f"{current} replicas is outside {th.min_replicas}..{th.max_replicas}")
         return decision, dataclasses.replace(state, high_since=None, low_since=None), obs
+
+    if th.scale_to_zero_s is not None:
+        zero, state = _to_or_from_zero(th, current, samples, state, now, demand)
+        if zero is not None or current == 0:
+            return zero, state, obs
 
     # Past the grace the replicas that never became ready are not waited for: the
     # sizing and the "every replica readable" test count the ready ones.
@@ -170,7 +214,8 @@ def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSam
                 and not obs.unreadable and obs.readable == serving)
         if calm:
             low_since = low_since if low_since is not None else now
-            if current > th.min_replicas and now - low_since >= th.down_stabilization_s:
+            # Zero is for an idle service only (above), never a step of scaling in by KV usage.
+            if current > max(1, th.min_replicas) and now - low_since >= th.down_stabilization_s:
                 decision = Decision(current - 1, "KVLowWatermark",
                                     f"KV usage {obs.kv_usage:.0%} < {th.kv_low:.0%} for "
                                     f"{now - low_since:.0f}s with nothing waiting")

@@ -27,6 +27,7 @@ class ReplicaSample:
     ttft_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's TTFT
     queue_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's queue time
     kv_waste: float | None = None        # 0..1, KV blocks in use holding no token (None: unknown now)
+    requests_total: float = 0.0          # cumulative requests the guard finished (any outcome): arrivals
 
     @property
     def load(self) -> float:
@@ -42,7 +43,7 @@ def _samples(text: str):
 
 def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
     kv: dict[str, float] = {}
-    waiting = running = queued = in_flight = shed = 0.0
+    waiting = running = queued = in_flight = shed = requests = 0.0
     waste: float | None = None
     ttft: dict[float, float] = {}
     queue: dict[float, float] = {}
@@ -60,6 +61,8 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
             in_flight += value
         elif name == guard.KV_WASTE_RATIO:
             waste = value
+        elif name == guard.REQUESTS + "_total":
+            requests += value
         elif name == guard.REJECTIONS + "_total" and labels.get("reason") in SHED_REASONS:
             shed += value
         elif name == guard.TTFT_SECONDS + "_bucket":
@@ -72,7 +75,7 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
     return ReplicaSample(pod=pod, ok=True, kv_usage=usage, engine_waiting=waiting, engine_running=running,
                          guard_queued=queued, guard_in_flight=in_flight, shed_total=shed,
                          ttft_buckets=tuple(sorted(ttft.items())), queue_buckets=tuple(sorted(queue.items())),
-                         kv_waste=waste)
+                         kv_waste=waste, requests_total=requests)
 
 
 def quantile_from_buckets(buckets: list[tuple[float, float]], q: float) -> float | None:

@@ -7,6 +7,7 @@ def register_loops(runtime, audit_interval: float = 30.0) -> None:
     """Enable the fleet loops on the operator runtime (started with it)."""
     from .cluster_audit import ClusterAuditor
     from .fleet_loop import FleetLoop
+    from .router_demand import RouterDemand
     from .scrape import ReplicaReader
 
     runtime.reader = ReplicaReader()
@@ -20,3 +21,9 @@ def register_loops(runtime, audit_interval: float = 30.0) -> None:
     async def cluster_audits(_rt) -> None:
         await auditor.run_forever()
     runtime.loops.append(cluster_audits)
+
+    demand = RouterDemand(runtime, interval=runtime.fleet_interval)
+
+    async def router_demand(_rt) -> None:
+        await demand.run_forever()
+    runtime.loops.append(router_demand)

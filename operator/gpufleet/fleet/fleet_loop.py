@@ -45,6 +45,8 @@ class FleetLoop:
         self._due: dict[Key, float] = {}
         self._running: dict[Key, asyncio.Task] = {}
         self._wake = asyncio.Event()
+        # Requests the routers hold per service (router_demand.py): wakes a service at zero replicas.
+        self.demand: dict[Key, int] = {}
 
     # --- fed by the watch handlers ------------------------------------------------
 
@@ -81,9 +83,15 @@ class FleetLoop:
 
     # --- the loop -----------------------------------------------------------------------
 
+    def wake(self) -> None:
+        """Run a pass now (a router holds requests for a service that may be at zero)."""
+        self._wake.set()
+
     def wants_tick(self, key: Key) -> bool:
         body = self.services[key]
         if names.ANNOTATION_AUDIT_REQUEST in (body["metadata"].get("annotations") or {}):
+            return True
+        if self.demand.get(key):  # requests held for it: it may be at zero replicas
             return True
         return bool(readable_replicas(list(self.pods.get(key, {}).values())))
 
@@ -123,7 +131,7 @@ class FleetLoop:
                 if loop is None:
                     loop = self._loops[key] = ServiceLoop(self.rt, *key)
                 pods = list(self.pods.get(key, {}).values())
-                await loop.tick(body, pods)
+                await loop.tick(body, pods, demand=self.demand.get(key, 0))
         except ApiError as e:
             log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
         except Exception:

@@ -88,7 +88,8 @@ class ServiceLoop:
 
     # --- one tick -----------------------------------------------------------------
 
-    async def tick(self, body: dict, pods: list[dict], now: float | None = None) -> None:
+    async def tick(self, body: dict, pods: list[dict], now: float | None = None, demand: int = 0) -> None:
+        """``demand``: requests routers hold for the service (it may be at zero replicas)."""
         now = time.monotonic() if now is None else now
         if self.watching_since is None:
             self.watching_since = now
@@ -111,14 +112,14 @@ class ServiceLoop:
             fields["ttftP99Milliseconds"] = round(p99 * 1000)
         conditions: list[dict] = []
         if spec.autoscaling.mode == "Auto":
-            conditions = await self.autoscale(body, spec, samples, now, fields)
+            conditions = await self.autoscale(body, spec, samples, now, fields, demand)
         if fields or conditions:
             await self.rt.controller.write_status(body, fields, conditions)
         await self.release_deletion_costs(body, pods)
         if self.audit_due(body, spec, now):
             await self.audit(body, spec, ready, now, samples=samples, pods=pods)
 
-    async def autoscale(self, body: dict, spec, samples, now: float, fields: dict) -> list[dict]:
+    async def autoscale(self, body: dict, spec, samples, now: float, fields: dict, demand: int = 0) -> list[dict]:
         """Decide on the samples; act on a decision (and write ``fields`` with it).
         Returns the Scaling condition to write when there is no action but its state changed."""
         status = body.get("status") or {}
@@ -126,7 +127,8 @@ class ServiceLoop:
         ready = status.get("readyReplicas", 0)
         th = policy.Thresholds.from_spec(spec.autoscaling)
         decision, self.state, obs = policy.decide(th, current=current, ready=ready, samples=samples,
-                                                  state=self.state, now=now)
+                                                  state=self.state, now=now,
+                                                  demand=demand)
         if decision is not None and decision.target != current:
             await self.act(body, spec, decision, current, samples, fields)
             return []

@@ -116,7 +116,10 @@ def derive_status(*, service: str, namespace: str, generation: int, spec: Infere
         elif blocked:
             reason, msg = "ContainersCannotStart", f"pod {blocked[0][0]}: {blocked[0][1]}: {blocked[0][2]}"
         elif desired == 0:
-            reason, msg = "ScaledToZero", "spec.replicas is 0"
+            reason, msg = "ScaledToZero", (
+                "spec.replicas is 0" if spec.autoscaling.mode == "Manual" else
+                f"no request for {spec.autoscaling.scale_to_zero_after_seconds}s (minReplicas 0); a request "
+                f"through gpufleet router starts a replica and waits for it")
         elif failed := failed_downloads(observed.pods):
             reason, msg = "ModelDownloadFailed", (
                 f"0/{desired} replicas ready; {FETCH_CONTAINER} of {failed[0][0]} failed and is retried: "

@@ -45,10 +45,12 @@ class RouterMetrics:
                                          ["model"], buckets=_SECONDS, registry=r)
         self.replicas = Gauge(PREFIX + "replicas", "Replicas the router may send to (serving and ready by its "
                               "guard's last reading).", ["model"], registry=r)
+        # By service, not model: the operator reads this to scale a service up from zero.
         self.held = Gauge(PREFIX + "held_requests", "Requests waiting for a replica of a service that has none "
-                          "ready (a cold start).", ["model"], registry=r)
+                          "ready (a cold start).", ["namespace", "service"], registry=r)
         self.cold_start_seconds = Histogram(PREFIX + "cold_start_seconds", "From the first request that found no "
-                                            "ready replica to the first replica ready for it.", ["model"],
+                                            "ready replica to the first replica ready for it.",
+                                            ["namespace", "service"],
                                             buckets=_COLD_START_SECONDS, registry=r)
         self.readings_failed = Counter(PREFIX + "readings_failed", "Guard /metrics reads that failed.",
                                        ["model"], registry=r)

@@ -154,7 +154,7 @@ class Fleet:
         self.cold_since.setdefault(model, self.clock())
         waiter = asyncio.get_running_loop().create_future()
         queue.append(waiter)
-        self.metrics.held.labels(model).set(len(queue))
+        self.metrics.held.labels(*self._service(model)).set(len(queue))
         try:
             await asyncio.wait_for(asyncio.shield(waiter), max(0.0, deadline - self.clock()))
             return True
@@ -163,7 +163,11 @@ class Fleet:
         finally:
             if waiter in queue:
                 queue.remove(waiter)
-            self.metrics.held.labels(model).set(len(queue))
+            self.metrics.held.labels(*self._service(model)).set(len(queue))
+
+    def _service(self, model: str) -> tuple[str, str]:
+        route = self.table.routes.get(model)
+        return (route.namespace, route.service) if route else ("", model)
 
     def held_count(self, model: str) -> int:
         return len(self.held.get(model, ()))
@@ -177,14 +181,15 @@ class Fleet:
             if started is not None:
                 seconds = self.clock() - started
                 self.cold(model).record(seconds)
-                self.metrics.cold_start_seconds.labels(model).observe(seconds)
+                self.metrics.cold_start_seconds.labels(*self._service(model)).observe(seconds)
                 log.info("%s: a replica is ready %.1fs after the first request found none", model, seconds)
             queue = self.held.get(model)
             while queue:
                 waiter = queue.popleft()
                 if not waiter.done():
                     waiter.set_result(None)
-            self.metrics.held.labels(model).set(0)
+            if queue is not None:
+                self.metrics.held.labels(*self._service(model)).set(0)
 
     async def read(self, http: aiohttp.ClientSession) -> None:
         while True:

@@ -64,7 +64,11 @@ def test_the_operators_policy_selects_its_pods_and_lets_it_reach_the_api_server_
     scrape, = policy["ingress"]
     assert scrape["ports"] == [{"protocol": "TCP", "port": 9090}]
     assert scrape["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["monitoring"]
-    api, dns, engines = policy["egress"]
+    api, dns, engines, routers = policy["egress"]
+    # The routers' metrics (held requests wake a service at zero), in the release namespace only.
+    assert routers["to"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gpufleet-router",
+                                                              "app.kubernetes.io/instance": "gpufleet"}}}]
+    assert routers["ports"] == [{"protocol": "TCP", "port": 8000}]
     assert {p["port"] for p in api["ports"]} == {443, 6443} and "to" not in api
     assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
     # The chart names the engines as the operator builds them: a test, since YAML cannot import.

@@ -55,7 +55,7 @@ async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
         def __init__(self, rt, ns, name):
             self.name = name
 
-        async def tick(self, body, pods):
+        async def tick(self, body, pods, demand=0):
             ticks.append(self.name)
             if self.name == "slow":
                 await release.wait()   # a replica that never answers

@@ -23,11 +23,10 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 FLEET = "gpufleet-fleet-overview.json"
 SERVICE = "gpufleet-service.json"
 # Metrics without namespace/service labels, shown fleet-wide.
-# Series without namespace/service labels: the router's are per served model (docs/router.md).
+# Series without namespace/service labels: most of the router's are per served model (docs/router.md).
 FLEET_WIDE = {"gpufleet_stranded_gpus", "gpufleet_reconcile_duration_seconds_bucket",
               "gpufleet_router_requests_total", "gpufleet_router_picks_total",
-              "gpufleet_router_prefix_affinity_hits_total", "gpufleet_router_prefix_keyed_requests_total",
-              "gpufleet_router_held_requests", "gpufleet_router_cold_start_seconds_bucket"}
+              "gpufleet_router_prefix_affinity_hits_total", "gpufleet_router_prefix_keyed_requests_total"}
 
 dashboards = committed_dashboards()
 all_queries = [(f"{file}: {where}", expr) for file, d in dashboards.items() for where, expr in dashboard_queries(d)]

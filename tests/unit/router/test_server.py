@@ -295,13 +295,13 @@ async def test_a_request_for_a_service_without_a_ready_replica_is_held_until_one
     harness.publish([harness.route(Replica("a", harness.guards["a"].address))])   # the replica is Ready
     await asyncio.wait_for(asyncio.gather(first, second), 10)
     assert [b["prompt"] for b in harness.guards["a"].bodies] == ["held 0", "held 1"]   # arrival order
-    assert harness.count("gpufleet_router_held_requests", model=MODEL) == 0
-    assert harness.count("gpufleet_router_cold_start_seconds_count", model=MODEL) == 1
+    assert harness.count("gpufleet_router_held_requests", namespace="ml", service=MODEL) == 0
+    assert harness.count("gpufleet_router_cold_start_seconds_count", namespace="ml", service=MODEL) == 1
 
 
 async def wait_held(harness, n: int) -> None:
     for _ in range(200):
-        if harness.count("gpufleet_router_held_requests", model=MODEL) == n:
+        if harness.count("gpufleet_router_held_requests", namespace="ml", service=MODEL) == n:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"never {n} held")

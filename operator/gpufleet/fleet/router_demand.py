@@ -1,0 +1,97 @@
+"""Requests the routers hold for services with no ready replica (scale from zero).
+
+Every second, each router pod's /metrics is read for
+``gpufleet_router_held_requests{namespace, service}``; the router pods are
+listed every ``list_interval`` seconds by their label. The sums per service
+land in the fleet loop's ``demand``, which the service loops pass to the
+policy: a service at zero with a request held goes to one replica at its next
+tick (docs/router.md). Read-only for the routers: they need no write access to
+InferenceServices to wake one up."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+ROUTER_SELECTOR = "app.kubernetes.io/name=gpufleet-router"
+HELD = "gpufleet_router_held_requests"
+DEFAULT_PORT = 8000
+
+
+def parse_held(text: str) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == HELD and s.value > 0:
+                key = (s.labels.get("namespace", ""), s.labels.get("service", ""))
+                out[key] = out.get(key, 0) + int(s.value)
+    return out
+
+
+def router_address(pod: dict) -> str | None:
+    """host:port of a running router pod's API port (named http), None when it has no IP yet."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip or pod["metadata"].get("deletionTimestamp"):
+        return None
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http":
+                return f"{ip}:{port['containerPort']}"
+    return f"{ip}:{DEFAULT_PORT}"
+
+
+class RouterDemand:
+    def __init__(self, runtime, *, interval: float = 1.0, list_interval: float = 10.0,
+                 addresses: list[str] | None = None):
+        """``addresses``: fixed router host:port list instead of listing pods (tests, a router outside)."""
+        self.rt = runtime
+        self.interval = interval
+        self.list_interval = list_interval
+        self.fixed = addresses
+        self.addresses: list[str] = list(addresses or [])
+        self._listed_at = float("-inf")
+        self._timeout = aiohttp.ClientTimeout(total=min(1.0, interval))
+        self._session: aiohttp.ClientSession | None = None
+
+    async def read_once(self) -> dict[tuple[str, str], int]:
+        if self.fixed is None and time.monotonic() - self._listed_at >= self.list_interval:
+            try:
+                pods = await self.rt.kube.list("v1", "Pod", None, label_selector=ROUTER_SELECTOR)
+                self.addresses = [a for p in pods if (a := router_address(p))]
+                self._listed_at = time.monotonic()
+            except Exception as e:  # keep the last list; say why it is not refreshed
+                log.warning("cannot list router pods: %s", e)
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        session = self._session
+
+        async def read(address: str) -> dict[tuple[str, str], int]:
+            try:
+                async with session.get(f"http://{address}/metrics") as r:
+                    return parse_held(await r.text()) if r.status == 200 else {}
+            except Exception as e:  # a router that does not answer holds nothing we can see
+                log.debug("cannot read router %s: %s", address, e)
+                return {}
+        total: dict[tuple[str, str], int] = {}
+        for held in await asyncio.gather(*(read(a) for a in self.addresses)):
+            for key, n in held.items():
+                total[key] = total.get(key, 0) + n
+        return total
+
+    async def run_forever(self) -> None:
+        try:
+            while True:
+                fleet = self.rt.fleet
+                if fleet is not None and self.rt.acting():
+                    fleet.demand = await self.read_once()
+                    if fleet.demand:
+                        fleet.wake()
+                await asyncio.sleep(self.interval)
+        finally:
+            if self._session is not None:
+                await self._session.close()
