@@ -80,13 +80,16 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
               help="A namespace whose Prometheus scrapes the engines (repeatable).")
 @click.option("--network-policy-same-namespace/--no-network-policy-same-namespace", default=True,
               show_default=True, help="Let pods in an InferenceService's own namespace reach its engines.")
+@click.option("--router-address", "router_addresses", multiple=True, metavar="HOST:PORT",
+              help="Read held requests (scale from zero) from these routers instead of the gpufleet-router "
+                   "pods found by label (repeatable): a router running outside the cluster.")
 @click.option("-v", "--verbose", is_flag=True)
 def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, leader_elect,
         leader_elect_resource_name, leader_elect_resource_namespace, leader_elect_lease_duration,
         leader_elect_renew_deadline, leader_elect_retry_period, leader_elect_identity, fleet_loops,
         fleet_interval_seconds, resync_seconds, audit_interval_seconds, podmonitor_labels, network_policies,
         network_policy_operator_namespace, network_policy_operator_labels, network_policy_client_namespaces,
-        network_policy_prometheus_namespaces, network_policy_same_namespace, verbose) -> None:
+        network_policy_prometheus_namespaces, network_policy_same_namespace, router_addresses, verbose) -> None:
     """Run the operator."""
     import kopf
 
@@ -128,7 +131,8 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
             leader_elect_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}", timing)
     if fleet_loops:
         from .fleet import register_loops
-        register_loops(runtime, audit_interval=audit_interval_seconds)
+        register_loops(runtime, audit_interval=audit_interval_seconds,
+                       router_addresses=list(router_addresses) or None)
     memo = kopf.Memo(runtime=runtime, worker_limit=worker_limit)
     # Standalone for kopf: its peering pauses lower-priority operators; one leader is elected on a Lease instead.
     asyncio.run(kopf.operator(

@@ -3,8 +3,9 @@ and fragmentation audits (one shared paced loop), and cluster-wide audits."""
 from __future__ import annotations
 
 
-def register_loops(runtime, audit_interval: float = 30.0) -> None:
-    """Enable the fleet loops on the operator runtime (started with it)."""
+def register_loops(runtime, audit_interval: float = 30.0, router_addresses: list[str] | None = None) -> None:
+    """Enable the fleet loops on the operator runtime (started with it). ``router_addresses``:
+    the routers to read held requests from; default: the gpufleet-router pods found by label."""
     from .cluster_audit import ClusterAuditor
     from .fleet_loop import FleetLoop
     from .router_demand import RouterDemand
@@ -22,7 +23,7 @@ def register_loops(runtime, audit_interval: float = 30.0) -> None:
         await auditor.run_forever()
     runtime.loops.append(cluster_audits)
 
-    demand = RouterDemand(runtime, interval=runtime.fleet_interval)
+    demand = RouterDemand(runtime, interval=runtime.fleet_interval, addresses=router_addresses)
 
     async def router_demand(_rt) -> None:
         await demand.run_forever()
