@@ -37,9 +37,9 @@ class VllmRoute:
     # classHeaderPolicy) and output-length statistics the request shares.
     accounted_as: str | None = None
 
-    @property
-    def pattern(self) -> re.Pattern[str]:
-        return re.compile("^" + re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(self.path)) + "$")
+    def matches(self, path: str) -> bool:
+        """Whether a request's ``path`` is this route (a {name} segment matches any one segment)."""
+        return _PATTERNS[self.path].match(path) is not None
 
 
 def _admitted(path: str, accounted_as: str, reason: str) -> VllmRoute:
@@ -131,9 +131,13 @@ ROUTES: tuple[VllmRoute, ...] = (
 )
 
 
+_PATTERNS = {r.path: re.compile("^" + re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(r.path)) + "$")
+             for r in ROUTES}
+
+
 def find(path: str) -> list[VllmRoute]:
     """The table's routes whose path matches ``path`` (a request's), any method."""
-    return [r for r in ROUTES if r.pattern.match(path)]
+    return [r for r in ROUTES if r.matches(path)]
 
 
 def allowed_methods(path: str) -> set[str]:

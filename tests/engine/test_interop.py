@@ -138,6 +138,11 @@ async def test_the_sdks_see_through_the_guard_what_they_see_from_vllm(engine):
         await outcome("responses.stream", c.responses.create(model="tiny", input="Say hello.",
                                                              max_output_tokens=8, stream=True))
         await outcome("embeddings", c.embeddings.create(model="tiny", input="Hello"))
+        # Routes vLLM serves only with a response store or an audio model: the same refusal either way.
+        await outcome("responses.retrieve", c.responses.retrieve("resp_unknown"))
+        await outcome("responses.cancel", c.responses.cancel("resp_unknown"))
+        await outcome("audio.transcriptions", c.audio.transcriptions.create(
+            model="tiny", file=("a.wav", b"RIFF0000WAVE", "audio/wav")))
         return out
 
     before = await _ok_requests(engine.guard_url)
@@ -148,6 +153,7 @@ async def test_the_sdks_see_through_the_guard_what_they_see_from_vllm(engine):
         assert g[0] == d[0], f"{name}: through the guard {g}, from vLLM {d}"
     assert direct["completions"][0] == "ok" and direct["responses.stream"][0] == "ok"
     assert direct["embeddings"][0] == 404 and direct["models.retrieve"][0] == 404  # vLLM's own answers
+    assert all(direct[name][0] != "ok" for name in ("responses.retrieve", "responses.cancel", "audio.transcriptions"))
     streamed = guarded["responses.stream"][1]
     assert streamed[-1].type == "response.completed" and streamed[-1].response.usage.output_tokens <= 8
     admitted_ok = ("completions", "completions.stream", "chat", "chat.stream", "responses", "responses.stream")
