@@ -48,6 +48,8 @@ class RouterMetrics:
         # By service, not model: the operator reads this to scale a service up from zero.
         self.held = Gauge(PREFIX + "held_requests", "Requests waiting for a replica of a service that has none "
                           "ready (a cold start).", ["namespace", "service"], registry=r)
+        self.held_total = Counter(PREFIX + "held", "Requests that found no ready replica and waited for one "
+                                  "(a cold start), answered or not.", ["namespace", "service"], registry=r)
         self.cold_start_seconds = Histogram(PREFIX + "cold_start_seconds", "From the first request that found no "
                                             "ready replica to the first replica ready for it.",
                                             ["namespace", "service"],

@@ -154,6 +154,7 @@ class Fleet:
         self.cold_since.setdefault(model, self.clock())
         waiter = asyncio.get_running_loop().create_future()
         queue.append(waiter)
+        self.metrics.held_total.labels(*self._service(model)).inc()
         self.metrics.held.labels(*self._service(model)).set(len(queue))
         try:
             await asyncio.wait_for(asyncio.shield(waiter), max(0.0, deadline - self.clock()))

@@ -79,3 +79,11 @@ def test_bad_router_values_are_refused_naming_the_value(helm):  # noqa: F811
     assert out.returncode != 0 and "at '/router/replicaCount': minimum: got 0, want 1" in out.stderr
     out = template(helm, "--set", "router.loadFactor=-1", check=False)
     assert out.returncode != 0 and "/router/loadFactor" in out.stderr
+
+
+def test_prometheus_scrapes_the_routers_keeping_their_service_labels(helm):  # noqa: F811
+    assert ("ServiceMonitor", "gpufleet-router") not in objects(helm)
+    docs = objects(helm, "--set", "monitoring.serviceMonitor.enabled=true")
+    monitor = docs[("ServiceMonitor", "gpufleet-router")]["spec"]
+    assert monitor["selector"]["matchLabels"] == docs[("Service", "gpufleet-router")]["spec"]["selector"]
+    assert monitor["endpoints"] == [{"port": "http", "interval": "15s", "honorLabels": True}]

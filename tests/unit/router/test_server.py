@@ -296,6 +296,7 @@ async def test_a_request_for_a_service_without_a_ready_replica_is_held_until_one
     await asyncio.wait_for(asyncio.gather(first, second), 10)
     assert [b["prompt"] for b in harness.guards["a"].bodies] == ["held 0", "held 1"]   # arrival order
     assert harness.count("gpufleet_router_held_requests", namespace="ml", service=MODEL) == 0
+    assert harness.count("gpufleet_router_held_total", namespace="ml", service=MODEL) == 2
     assert harness.count("gpufleet_router_cold_start_seconds_count", namespace="ml", service=MODEL) == 1
 
 
