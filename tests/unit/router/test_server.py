@@ -363,3 +363,18 @@ async def test_a_chunked_body_over_the_limit_gets_413(harness):
             yield b"x" * 400
     async with harness.client.post(harness.url + "/v1/completions", data=body()) as r:
         assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+
+
+async def test_a_client_that_honours_the_fleets_retry_after_is_served(harness):
+    for g in harness.guards.values():
+        g.refuse_with = (429, 1)
+    async with harness.post(completion()) as r:
+        assert r.status == 429
+        wait = int(r.headers["Retry-After"])
+        await r.read()
+    for g in harness.guards.values():   # room by the time the hint said
+        g.refuse_with = None
+    await asyncio.sleep(min(wait, 1))
+    async with harness.post(completion()) as r:
+        assert r.status == 200
+        await r.read()
