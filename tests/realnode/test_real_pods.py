@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import socket
 import subprocess
 import time
@@ -24,6 +26,9 @@ from gpufleet_dev.devcluster import node
 from gpufleet_dev.devcluster.binaries import ensure_helm
 
 from gpufleet.manifests import names
+from gpufleet.manifests.children import RUN_AS_USER
+from gpufleet_engine.models import prepare
+from tests.support.fake_hub import FakeHub
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -322,3 +327,66 @@ async def test_missing_secret_is_a_clear_condition(install, kube, control_plane,
                            describe=lambda: control_plane.kubectl("-n", install.work_ns, "get", "inferenceservice",
                                                                   "gated", "-o", "yaml", check=False).stdout[-3000:])
     assert ready["reason"]
+
+
+async def test_weights_download_once_into_a_node_cache(install, kube, control_plane, built_images):
+    """A Hub model with a node-local cache: the first replica's model-fetch init container downloads
+    (from a local Hub mirror, spec.model.source.huggingFace.endpoint), the second finds it all on disk."""
+    # Dedicated isolation keeps other models off the one real node: the earlier services go first.
+    control_plane.kubectl("-n", install.work_ns, "delete", "inferenceservice", "--all", "--wait=true", timeout=180)
+    await wait_for(lambda: _no_engine_pods(kube, install.work_ns), timeout=180, what="the earlier engine pods gone")
+    hub = FakeHub.from_folder(prepare("tiny").path)
+    url = await hub.start(node.NODE_IP)  # the node's own address: pods reach it through the bridge
+    cache = _node_cache_dir(f"/var/tmp/gpufleet-rn-cache-{install.work_ns}")
+    sample = _sample(built_images["engine-cpu"])
+    sample["metadata"]["name"] = "hub"
+    sample["spec"]["model"].update(name="gpufleet/tiny-llama", source={"huggingFace": {"endpoint": url}},
+                                   cache={"hostPath": {"path": str(cache)}})
+    try:
+        started = time.monotonic()
+        control_plane.kubectl("apply", "-n", install.work_ns, "-f", "-", input=yaml.safe_dump(sample))
+        describe = lambda: control_plane.kubectl("-n", install.work_ns, "describe", "pods", check=False).stdout[-4000:]  # noqa: E731
+        await wait_for(lambda: _ready_replicas(kube, install.work_ns, "hub", 1), timeout=420,
+                       what="the first replica Ready", describe=describe)
+        first_ready = time.monotonic() - started
+        weights = sum(len(b) for f, b in hub.files.items() if f.endswith(".safetensors"))
+        first_bytes = hub.sent_bytes
+        assert first_bytes >= weights > 0
+        assert _cached_weights(cache)
+
+        started = time.monotonic()
+        await kube.merge_patch(API, "InferenceService", "hub", {"spec": {"autoscaling": {"minReplicas": 2}}},
+                               install.work_ns)
+        await wait_for(lambda: _ready_replicas(kube, install.work_ns, "hub", 2), timeout=600,
+                       what="the second replica Ready", describe=describe)
+        second_ready = time.monotonic() - started
+        print(f"\n[weights] first replica: {first_bytes} bytes from the Hub, Ready in {first_ready:.0f}s; "
+              f"second: {hub.sent_bytes - first_bytes} bytes, Ready in {second_ready:.0f}s", flush=True)
+        assert hub.sent_bytes == first_bytes, "the second replica downloaded again"
+    finally:
+        control_plane.kubectl("-n", install.work_ns, "delete", "inferenceservice", "hub", "--wait=true",
+                              check=False, timeout=180)
+        await hub.stop()
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _node_cache_dir(path: str) -> Path:
+    """What an admin prepares on each node for a hostPath cache (docs/gpu-cluster.md)."""
+    cache = Path(path)
+    cache.mkdir(parents=True, exist_ok=True)
+    os.chown(cache, RUN_AS_USER, RUN_AS_USER)
+    return cache
+
+
+def _cached_weights(cache: Path) -> list[Path]:
+    return [p for p in (cache / "hub").rglob("*.safetensors") if p.is_file()]
+
+
+async def _no_engine_pods(kube, ns: str) -> bool:
+    return not await _pods(kube, ns, "app.kubernetes.io/name=gpufleet-engine")
+
+
+async def _ready_replicas(kube, ns: str, service: str, replicas: int) -> bool:
+    pods = [p for p in await _pods(kube, ns, names.selector_string(service)) if not p["metadata"].get(
+        "deletionTimestamp")]
+    return len(pods) == replicas and all(_ready(p) for p in pods)

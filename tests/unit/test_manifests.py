@@ -215,3 +215,9 @@ def test_the_engine_learns_its_cpu_request_in_whole_cores():
     env = {e["name"]: e for e in vllm["env"]}
     from gpufleet_engine.cpu_budget import REQUEST_ENV
     assert env[REQUEST_ENV]["valueFrom"] == {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}
+
+
+def test_a_hub_mirror_reaches_the_download():
+    d = deployment(spec(model={"name": "org/m", "source": {"huggingFace": {"endpoint": "http://hub.mirror:8080"}}}))
+    fetch, = d["spec"]["template"]["spec"]["initContainers"]
+    assert {"name": "HF_ENDPOINT", "value": "http://hub.mirror:8080"} in fetch["env"]

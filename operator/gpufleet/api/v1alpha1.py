@@ -54,6 +54,10 @@ class HuggingFaceSource:
     credentials_secret_ref: Optional[SecretKeyRef] = field(
         "Secret holding a Hugging Face token for gated models, exposed to the engine as HF_TOKEN. "
         "Never put a token inline.", default=None)
+    endpoint: Optional[str] = field(
+        "URL of a Hub mirror or proxy to download from instead of the public Hub (HF_ENDPOINT), for "
+        "clusters that reach the Hub only through one. Unset: the public Hub.", default=None, max_length=2048,
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -71,6 +71,8 @@ def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], l
     if hf and hf.credentials_secret_ref:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": hf.credentials_secret_ref.name, "key": hf.credentials_secret_ref.key}}})
+    if hf and hf.endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": hf.endpoint})
     return volumes, mounts, env
 
 
@@ -162,7 +164,9 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             "name": model_cache.FETCH_CONTAINER, "image": spec.engine.image,
             "command": ["gpufleet-engine", "fetch-model", "--config", config_arg],
             "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *engine_runtime_env(), *model_env],
-            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+            # A download waits on the network, not the CPU; the pod's request is the larger of this
+            # and its containers' sum, so more here would only keep replicas off a node.
+            "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
             "volumeMounts": [config_mount, {"name": "cache", "mountPath": CACHE_DIR},
                              *model_cache.mounts(spec, read_only=False), {"name": "engine-tmp", "mountPath": "/tmp"}],
             "securityContext": container_security_context(),

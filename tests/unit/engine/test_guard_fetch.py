@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 from pathlib import Path
 
 import pytest
 
 from gpufleet_engine.contract.guard_config import EngineConfig
 from gpufleet_engine.fetch import fetch, is_hub_model, patterns
+from tests.support.fake_hub import FakeHub
 
 LLAMA_FILES = ["config.json", "generation_config.json", "model-00001-of-00004.safetensors",
                "model-00002-of-00004.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -56,57 +56,14 @@ def test_a_folder_in_the_image_needs_no_download():
     assert fetch(EngineConfig(model="/opt/models/tiny"), list_files=lambda *_: [], download=lambda *_: "") is None
 
 
-class FakeHub:
-    """The Hub's HTTP API as huggingface_hub calls it (tree listing, revision info, resolve HEAD/GET),
-    counting the file bytes it sends."""
-
-    SHA = "c" * 40
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files = files
-        self.sent_bytes = 0
-        self.requested: list[str] = []
-
-    def app(self):
-        from aiohttp import web
-
-        async def handle(request: web.Request) -> web.StreamResponse:
-            path = request.path
-            self.requested.append(path)
-            if "/tree/" in path:
-                return web.json_response([{"type": "file", "path": f, "size": len(b),
-                                           "oid": hashlib.sha1(b).hexdigest()} for f, b in self.files.items()])
-            if "/revision/" in path:
-                return web.json_response({"id": "org/m", "sha": self.SHA,
-                                          "siblings": [{"rfilename": f} for f in self.files]})
-            if "/resolve/" in path:
-                body = self.files[path.split("/resolve/", 1)[1].split("/", 1)[1]]
-                headers = {"X-Repo-Commit": self.SHA, "ETag": f'"{hashlib.sha256(body).hexdigest()}"',
-                           "Content-Length": str(len(body))}
-                if request.method == "HEAD":
-                    return web.Response(headers=headers)
-                self.sent_bytes += len(body)
-                return web.Response(body=body, headers=headers)
-            return web.Response(status=404)
-
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        return app
-
-
 async def test_with_a_shared_cache_the_second_replica_downloads_nothing(tmp_path: Path):
     """The real huggingface_hub against a local Hub: the first fetch sends the weights, the second
     (the next replica on the same cache) only asks for the listing."""
-    from aiohttp import web
     from huggingface_hub import HfApi, snapshot_download
 
     hub = FakeHub({"config.json": b'{"architectures": ["LlamaForCausalLM"]}', "tokenizer.json": b'{"v": 1}',
                    "model.safetensors": b"\1" * 50_000, "original/consolidated.00.pth": b"\2" * 90_000})
-    runner = web.AppRunner(hub.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    url = await hub.start()
     engine = EngineConfig(model="org/m", revision="main")
 
     def replica_start():
@@ -117,7 +74,7 @@ async def test_with_a_shared_cache_the_second_replica_downloads_nothing(tmp_path
         after_first = hub.sent_bytes
         second = await asyncio.to_thread(replica_start)
     finally:
-        await runner.cleanup()
+        await hub.stop()
     assert first is not None and second is not None and first.path == second.path
     assert after_first == 50_000 + len(b'{"architectures": ["LlamaForCausalLM"]}') + len(b'{"v": 1}')
     assert hub.sent_bytes == after_first  # nothing more for the second replica
