@@ -221,7 +221,19 @@ class Router:
         self.settings = fleet.settings
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        @web.middleware
+        async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+            # aiohttp's own 404/405 are plain text: answer them in the OpenAI error format too.
+            try:
+                return await handler(request)
+            except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:
+                self.metrics.requests.labels("", Outcome.INVALID).inc()
+                routes = ", ".join(f"POST {r}" for r in rq.ROUTES) + ", GET /v1/models"
+                return error_response(e.status, rq.error_body(
+                    f"{request.method} {request.path} is not served here; the router serves {routes}.",
+                    "invalid_request_error", code="not_found" if e.status == 404 else "method_not_allowed"))
+
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[openai_errors])
 
         async def close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
             if self.fleet.draining:

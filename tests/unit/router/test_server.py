@@ -378,3 +378,13 @@ async def test_a_client_that_honours_the_fleets_retry_after_is_served(harness):
     async with harness.post(completion()) as r:
         assert r.status == 200
         await r.read()
+
+
+async def test_unknown_paths_and_methods_get_openai_format_errors(harness):
+    async with harness.client.post(harness.url + "/v1/fine_tuning/jobs", json={}) as r:
+        assert r.status == 404
+        err = (await r.json())["error"]
+    assert err["code"] == "not_found" and "/v1/chat/completions" in err["message"]
+    async with harness.client.get(harness.url + "/v1/completions") as r:
+        assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+    assert harness.count("gpufleet_router_requests_total", model="", outcome="invalid") == 2
