@@ -71,6 +71,10 @@ def install(control_plane, built_images):
         "operator": {"auditIntervalSeconds": 5},
         "nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
         "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
+        # The router's two pods on the real node too, small enough to leave room for two engines.
+        "router": {"nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
+                   "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
+                   "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}},
     }
     env = control_plane.env()
     subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns], env=env, capture_output=True)
@@ -267,6 +271,50 @@ async def test_spec_change_rolls_the_deployment_without_failed_requests(service,
                                                           check=False).stdout)
     await asyncio.sleep(3)
     assert load.ok > 0
+    assert load.errors == [], f"{len(load.errors)} failed requests (ok {load.ok}, 429 {load.shed}): {load.errors[:5]}"
+
+
+async def test_a_router_pod_deleted_under_streaming_load_loses_no_request(service, install, kube, control_plane):
+    """Clients reach the model through the router's Service; one of its two pods is deleted (SIGTERM:
+    unready, Connection: close, then the answers in progress finish) and the Deployment replaces it."""
+    selector = "app.kubernetes.io/name=gpufleet-router"
+
+    async def routers_ready() -> list[dict] | None:
+        pods = [p for p in await _pods(kube, install.operator_ns, selector) if not p["metadata"].get(
+            "deletionTimestamp")]
+        return pods if len(pods) == 2 and all(_ready(p) for p in pods) else None
+    describe = lambda: control_plane.kubectl("-n", install.operator_ns, "get", "pods", "-o", "wide",  # noqa: E731
+                                             check=False).stdout
+    pods = await wait_for(routers_ready, timeout=180, what="two router pods Ready", describe=describe)
+    svc = await kube.get("v1", "Service", "gpufleet-router", install.operator_ns)
+    client = openai.AsyncOpenAI(base_url=f"http://{svc['spec']['clusterIP']}/v1", api_key="none", max_retries=0,
+                                timeout=90)
+
+    async def model_listed() -> bool:
+        try:
+            return "tiny-llama" in [m.id async for m in client.models.list()]
+        except openai.APIError:
+            return False
+    await wait_for(model_listed, timeout=60, what="the router listing the model")
+    load, stop = Load(), asyncio.Event()
+
+    async def worker():
+        while not stop.is_set():
+            await _stream_one(client, load)
+            await asyncio.sleep(0.2)
+    tasks = [asyncio.create_task(worker()) for _ in range(2)]
+    try:
+        await asyncio.sleep(5)
+        before = load.ok
+        control_plane.kubectl("-n", install.operator_ns, "delete", "pod", pods[0]["metadata"]["name"], "--wait=false")
+        await wait_for(routers_ready, timeout=180, what="the router Deployment back at two Ready pods",
+                       describe=describe)
+        await asyncio.sleep(5)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        await client.close()
+    assert load.ok > before > 0
     assert load.errors == [], f"{len(load.errors)} failed requests (ok {load.ok}, 429 {load.shed}): {load.errors[:5]}"
 
 
