@@ -20,7 +20,7 @@ class Outcome:
 
 
 OUTCOMES = (Outcome.OK, Outcome.REJECTED, Outcome.INVALID, Outcome.UNAVAILABLE, Outcome.ERROR, Outcome.CANCELLED)
-RETRY_REASONS = ("rejected", "connect_failed")
+RETRY_REASONS = ("rejected", "connect_failed", "scale_out")
 _COLD_START_SECONDS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

@@ -31,6 +31,7 @@ from ..kube.client import KubeClient
 from ..kube.pods import is_serving
 from ..manifests import names
 from . import requests as rq
+from . import shedding
 from .choice import Pick, Picker, Reading, prefix_key
 from .cold_start import ColdStarts
 from .metrics import Outcome, RouterMetrics
@@ -323,12 +324,29 @@ class Router:
         failure = ""
         arrived = self.fleet.clock()
         deadline = arrived + self.settings.hold_timeout
+        # Refused everywhere below maxReplicas: held at most as long as a new replica takes (shedding.py).
+        scale_out_deadline = arrived + min(self.settings.hold_timeout, self.fleet.cold(model).expected())
         attempt = 0
-        while attempt < 2:
+        while True:
+            if attempt >= 2:
+                if not refusals:
+                    break  # nothing answered: not a capacity question
+                route_now = self.fleet.table.routes.get(model, target)
+                wait = shedding.wait_before_retrying(
+                    len(route_now.replicas), route_now.max_replicas,
+                    [r.retry_after for r in refusals if r.retry_after is not None],
+                    scale_out_deadline - self.fleet.clock())
+                if wait is None:
+                    break
+                await asyncio.sleep(wait)
+                picker = self.fleet.pickers.get(model, picker)
+                attempt, tried = 0, []
+                self.metrics.retries.labels(model, "scale_out").inc()
             pick = picker.pick(cost, key, exclude=tried)
             if pick is None:
                 if tried:
-                    break
+                    attempt = 2  # every replica there is was tried
+                    continue
                 # No replica can take it (none yet, all starting, or scaled to zero): hold it.
                 if self.fleet.held_count(model) >= self.settings.hold_max_requests:
                     return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(

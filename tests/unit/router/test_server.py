@@ -388,3 +388,34 @@ async def test_unknown_paths_and_methods_get_openai_format_errors(harness):
     async with harness.client.get(harness.url + "/v1/completions") as r:
         assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
     assert harness.count("gpufleet_router_requests_total", model="", outcome="invalid") == 2
+
+
+async def test_below_max_replicas_a_request_every_replica_refused_is_held_until_there_is_room(harness):
+    # Two replicas of at most three: the refusals are shedding, a replica is coming; the router keeps
+    # the request and tries again after the replicas' hint instead of passing the 429 on.
+    a, b = harness.guards["a"], harness.guards["b"]
+    harness.publish([Route(namespace="ml", service=MODEL, model=MODEL, block_size=16, min_replicas=1,
+                           max_replicas=3, replicas=(Replica("a", a.address), Replica("b", b.address)))])
+    await harness.fleet.read_once(harness.http)
+    a.refuse_with = b.refuse_with = (429, 1)
+
+    async def room_later():
+        await asyncio.sleep(0.5)
+        b.refuse_with = None
+    freed = asyncio.create_task(room_later())
+    async with harness.post(completion()) as r:
+        assert r.status == 200 and r.headers["X-Replica"] == "b"
+        await r.read()
+    await freed
+    assert harness.count("gpufleet_router_retries_total", model=MODEL, reason="scale_out") >= 1
+    assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="rejected") == 0
+
+
+def test_shedding_holds_only_below_max_replicas_and_within_the_time_left():
+    from gpufleet.router.shedding import wait_before_retrying
+    assert wait_before_retrying(2, 2, [3.0], 60) is None          # at max: the client gets the 429
+    assert wait_before_retrying(1, 4, [3.0, 2.0], 60) == 2.0      # the earliest hint
+    assert wait_before_retrying(1, 4, [], 60) == 1.0              # no hint: a second
+    assert wait_before_retrying(1, 4, [30.0], 5) == 5             # never past the time left
+    assert wait_before_retrying(1, 4, [3.0], 0.1) is None         # time is up
+    assert wait_before_retrying(1, 4, [0.0], 60) == 0.2           # never a busy loop
