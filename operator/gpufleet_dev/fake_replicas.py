@@ -1,13 +1,15 @@
-"""Stand-in engine pods for operator tests and benchmarks: vLLM's and the
-guard's /metrics on each pod IP (ports 8000 and 8080), with a KV usage the
-caller sets, so the autoscaler can be driven without running engines."""
+"""Stand-in engine pods for operator tests and benchmarks: the guard's port on
+each pod IP serving the guard's /metrics and vLLM's (``/metrics/engine``, as
+the real guard passes them on), with a KV usage the caller sets, so the
+autoscaler can be driven without running engines."""
 from __future__ import annotations
 
 from aiohttp import web
+from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 
 
 class FakeReplicaMetrics:
-    """vLLM and guard /metrics on each pod IP, with a settable KV usage."""
+    """The guard's and vLLM's metrics on each pod IP's guard port, with a settable KV usage."""
 
     def __init__(self, kv: float = 0.5):
         self.kv = kv
@@ -23,15 +25,13 @@ class FakeReplicaMetrics:
     async def serve(self, ip: str) -> None:
         if ip in self.runners:
             return
-        runners = []
-        for port, handler in ((8000, self._vllm), (8080, self._guard)):
-            app = web.Application()
-            app.router.add_get("/metrics", handler)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, ip, port).start()
-            runners.append(runner)
-        self.runners[ip] = runners
+        app = web.Application()
+        app.router.add_get(GUARD_METRICS_PATH, self._guard)
+        app.router.add_get(ENGINE_METRICS_PATH, self._vllm)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, ip, 8080).start()
+        self.runners[ip] = [runner]
 
     async def close(self) -> None:
         for runners in self.runners.values():

@@ -67,8 +67,13 @@ async def test_a_watermark_change_reaches_the_serving_guard_and_vllm_keeps_its_p
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         async with session.post(engine.guard_url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
-            events = [json.loads(line[6:]) for line in (await r.read()).decode().splitlines()
-                      if line.startswith("data: {")]
+            events = []
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    events.append(json.loads(line[6:]))
+                    # A slow reader (at least ~7 s for the answer), so the stream is still open when
+                    # the guard reloads, however fast the engine generates.
+                    await asyncio.sleep(0.005)
             return events[-1]["usage"]["completion_tokens"]
 
     async with aiohttp.ClientSession() as s:
