@@ -5,6 +5,7 @@ autoscaler can be driven without running engines."""
 from __future__ import annotations
 
 from aiohttp import web
+
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 
 
