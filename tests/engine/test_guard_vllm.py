@@ -84,12 +84,10 @@ async def test_streaming_passes_through_unchanged(engine):
 
     g, d = without_request_identity(events(guarded)), without_request_identity(events(direct))
     assert guarded.endswith("data: [DONE]\n\n") and len(g) > 3  # streamed event by event, not buffered
-    if len(g) == len(d):
-        assert g == d
-    else:
-        # vLLM's frontend folds several tokens into one event when it falls
-        # behind the engine (CPU contention): the framing of two requests may
-        # differ, never what they carry.
+    # vLLM's frontend folds several tokens into one event when it falls behind the engine (CPU
+    # contention), in either run: the framing of two requests may differ (in the number of events or
+    # in where one ends), never what they carry.
+    if g != d:
         assert stream_content(g) == stream_content(d)
 
 

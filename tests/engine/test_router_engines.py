@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 MODEL = "tiny"
 BLOCK_SIZE = 32
 KV_BLOCKS = 64          # 2048 tokens per replica
-PROMPTS = 12            # x about 8 blocks: more than one 64-block pool caches, half of them fits
+PROMPTS = 18            # x about 6 blocks: more than one 64-block pool caches, half of them fits
 REQUESTS = 120          # measured after a warm-up that sends each prompt once to each place it may go
 WORDS = ("invoice refund shipping warranty helmet lock frame wheel brake chain saddle pedal gear tyre light "
          "basket bell pump mirror rack").split()
