@@ -9,6 +9,7 @@ leaving the service at one Ready replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -173,22 +174,33 @@ async def _stream_one(client: openai.AsyncOpenAI, load: Load) -> None:
         await asyncio.sleep(0.2)
 
 
-@pytest.fixture
-async def load(service):
-    """Two streaming clients in a loop through the ClusterIP while the test acts (more starve a second
-    engine's start on a 2-core machine)."""
-    client = openai.AsyncOpenAI(base_url=f"http://{service}/v1", api_key="none", max_retries=0, timeout=90)
+@contextlib.asynccontextmanager
+async def streaming(client: openai.AsyncOpenAI, clients: int = 2):
+    """``clients`` streaming clients in a loop while the body runs (more starve a second engine's
+    start on a 2-core machine); what they saw."""
     result, stop = Load(), asyncio.Event()
 
     async def worker():
         while not stop.is_set():
             await _stream_one(client, result)
             await asyncio.sleep(0.2)
-    tasks = [asyncio.create_task(worker()) for _ in range(2)]
-    yield result
-    stop.set()
-    await asyncio.gather(*tasks)
-    await client.close()
+    tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+    try:
+        yield result
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+
+
+@pytest.fixture
+async def load(service):
+    """Streaming clients through the Service's ClusterIP while the test acts."""
+    client = openai.AsyncOpenAI(base_url=f"http://{service}/v1", api_key="none", max_retries=0, timeout=90)
+    try:
+        async with streaming(client) as result:
+            yield result
+    finally:
+        await client.close()
 
 
 # --- the tests ---------------------------------------------------------------------
@@ -296,23 +308,16 @@ async def test_a_router_pod_deleted_under_streaming_load_loses_no_request(servic
         except openai.APIError:
             return False
     await wait_for(model_listed, timeout=60, what="the router listing the model")
-    load, stop = Load(), asyncio.Event()
-
-    async def worker():
-        while not stop.is_set():
-            await _stream_one(client, load)
-            await asyncio.sleep(0.2)
-    tasks = [asyncio.create_task(worker()) for _ in range(2)]
     try:
-        await asyncio.sleep(5)
-        before = load.ok
-        control_plane.kubectl("-n", install.operator_ns, "delete", "pod", pods[0]["metadata"]["name"], "--wait=false")
-        await wait_for(routers_ready, timeout=180, what="the router Deployment back at two Ready pods",
-                       describe=describe)
-        await asyncio.sleep(5)
+        async with streaming(client) as load:
+            await asyncio.sleep(5)
+            before = load.ok
+            control_plane.kubectl("-n", install.operator_ns, "delete", "pod", pods[0]["metadata"]["name"],
+                                  "--wait=false")
+            await wait_for(routers_ready, timeout=180, what="the router Deployment back at two Ready pods",
+                           describe=describe)
+            await asyncio.sleep(5)
     finally:
-        stop.set()
-        await asyncio.gather(*tasks)
         await client.close()
     assert load.ok > before > 0
     assert load.errors == [], f"{len(load.errors)} failed requests (ok {load.ok}, 429 {load.shed}): {load.errors[:5]}"
