@@ -119,8 +119,8 @@ def _sample(image: str) -> dict:
     return sample
 
 
-async def _service_ready(kube, ns: str, replicas: int) -> bool:
-    pods = [p for p in await _pods(kube, ns, names.selector_string(SERVICE)) if not p["metadata"].get(
+async def _service_ready(kube, ns: str, replicas: int, service: str = SERVICE) -> bool:
+    pods = [p for p in await _pods(kube, ns, names.selector_string(service)) if not p["metadata"].get(
         "deletionTimestamp")]
     return len(pods) == replicas and all(_ready(p) for p in pods)
 
@@ -399,7 +399,7 @@ async def test_weights_download_once_into_a_node_cache(install, kube, control_pl
         started = time.monotonic()
         control_plane.kubectl("apply", "-n", install.work_ns, "-f", "-", input=yaml.safe_dump(sample))
         describe = lambda: control_plane.kubectl("-n", install.work_ns, "describe", "pods", check=False).stdout[-4000:]  # noqa: E731
-        await wait_for(lambda: _ready_replicas(kube, install.work_ns, "hub", 1), timeout=420,
+        await wait_for(lambda: _service_ready(kube, install.work_ns, 1, "hub"), timeout=420,
                        what="the first replica Ready", describe=describe)
         first_ready = time.monotonic() - started
         weights = sum(len(b) for f, b in hub.files.items() if f.endswith(".safetensors"))
@@ -410,7 +410,7 @@ async def test_weights_download_once_into_a_node_cache(install, kube, control_pl
         started = time.monotonic()
         await kube.merge_patch(API, "InferenceService", "hub", {"spec": {"autoscaling": {"minReplicas": 2}}},
                                install.work_ns)
-        await wait_for(lambda: _ready_replicas(kube, install.work_ns, "hub", 2), timeout=600,
+        await wait_for(lambda: _service_ready(kube, install.work_ns, 2, "hub"), timeout=600,
                        what="the second replica Ready", describe=describe)
         second_ready = time.monotonic() - started
         print(f"\n[weights] first replica: {first_bytes} bytes from the Hub, Ready in {first_ready:.0f}s; "
@@ -437,9 +437,3 @@ def _cached_weights(cache: Path) -> list[Path]:
 
 async def _no_engine_pods(kube, ns: str) -> bool:
     return not await _pods(kube, ns, "app.kubernetes.io/name=gpufleet-engine")
-
-
-async def _ready_replicas(kube, ns: str, service: str, replicas: int) -> bool:
-    pods = [p for p in await _pods(kube, ns, names.selector_string(service)) if not p["metadata"].get(
-        "deletionTimestamp")]
-    return len(pods) == replicas and all(_ready(p) for p in pods)

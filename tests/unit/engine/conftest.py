@@ -8,6 +8,7 @@ the model behind it is scripted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,16 +130,23 @@ class FakeVllm:
             self.running -= 1
 
 
-@pytest.fixture
-async def fake_vllm():
-    fake = FakeVllm()
+@contextlib.asynccontextmanager
+async def serving(fake):
+    """``fake.app()`` on a loopback port of its own, its address in ``fake.url``."""
     runner = web.AppRunner(fake.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    yield fake
-    await runner.cleanup()
+    try:
+        yield fake
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def fake_vllm():
+    async with serving(FakeVllm()) as fake:
+        yield fake
 
 
 @pytest.fixture

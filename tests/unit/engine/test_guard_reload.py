@@ -11,19 +11,7 @@ from gpufleet_engine import reload
 from gpufleet_engine.contract import guard_config
 from gpufleet_engine.server import GuardServer
 from tests.support.waiting import wait_for
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{{{want}}} not exported")
-
-
-async def metrics(session, guard) -> str:
-    async with session.get(guard.url + "/metrics") as r:
-        return await r.text()
+from tests.unit.engine.test_guard_proxy import metrics, sample
 
 ENGINE = {"model": "/models/m", "servedModelName": "m", "maxModelLen": 1000, "blockSize": 32, "maxNumSeqs": 8}
 

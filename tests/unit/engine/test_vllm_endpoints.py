@@ -12,7 +12,7 @@ from aiohttp.test_utils import make_mocked_request
 from gpufleet_engine import route_costs
 from gpufleet_engine.context import ContextTooLong, InvalidRequest, Limits
 from tests.support.waiting import wait_for
-from tests.unit.engine.conftest import FakeVllm, WordTokenizer
+from tests.unit.engine.conftest import FakeVllm, WordTokenizer, serving
 
 
 class ApiFakeVllm(FakeVllm):
@@ -37,14 +37,8 @@ class ApiFakeVllm(FakeVllm):
 
 @pytest.fixture
 async def fake_vllm():
-    fake = ApiFakeVllm()
-    runner = web.AppRunner(fake.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    yield fake
-    await runner.cleanup()
+    async with serving(ApiFakeVllm()) as fake:
+        yield fake
 
 
 async def call(method: str, url: str, **kwargs) -> tuple[int, dict | bytes, aiohttp.typedefs.LooseHeaders]:
