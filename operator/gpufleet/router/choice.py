@@ -1,33 +1,48 @@
 """Which replica takes a request: pure, no I/O, no clock of its own.
 
-Two signals, in this order:
+Three signals, in this order:
 
-1. Prefix affinity. Requests whose prompts begin with the same blocks (a
+1. Learned placement. Requests whose prompts begin with the same blocks (a
    shared system prompt) should reach the replica that already holds those
-   blocks in vLLM's prefix cache. The prompt's leading blocks are hashed and
-   the hash placed on a consistent-hash ring of the service's replicas, so
-   every router maps a prefix to the same replica without talking to the
-   others, and a replica coming or going moves only its own keys. The load
-   is bounded (Mirrokni et al., "Consistent Hashing with Bounded Loads"):
-   walking the ring from the key, a replica already carrying
-   ceil((1 + load_factor) x the mean) + 1 of the router's requests in
-   flight, or without room for the request, is passed over, so a popular
-   prefix spills to the next replica on the ring (which then caches it too)
-   instead of piling onto one.
-2. Free KV, for everything else (a prompt shorter than one block, or no
-   replica on the ring within its bound and with room): the replica with
-   the most KV blocks free for admission: the guard's last reading, less
-   what this router sent it since that reading was taken and is still
-   running (the reading cannot include those yet; finished ones freed their
-   blocks).
+   blocks in vLLM's prefix cache. The router remembers, per replica, the
+   leading blocks of the prompts it sent there: a chain of cumulative hashes,
+   one per whole block of the prompt (up to ``MATCH_BLOCKS``), kept in an LRU
+   as large as the replica's KV pool (its reading's total blocks), so what
+   the LRU forgets is about what vLLM's own LRU evicted. A request goes to
+   the replica holding the longest run of its leading blocks, when that run
+   covers at least half of its chain (as SGLang's and vllm-router's
+   cache_aware do with their prefix trees); equal runs are ordered by the
+   consistent-hash ring from the prompt's key (below).
+2. Placement of a prefix no replica holds. Walking the consistent-hash ring
+   from the hash of the prompt's leading blocks, the first replica whose
+   learned footprint (distinct prompt keys remembered) stays within
+   ``FOOTPRINT_FACTOR`` of the mean with this prompt added takes it; past
+   that bound, the smallest footprint. The ring makes every router place a new prefix on the
+   same replica without talking to the others; the footprint bound spreads
+   distinct prefixes evenly over the pools, which the bare ring (a few
+   prompts, a few replicas) does not.
 
-Replicas that are not ready or are draining are never chosen. A replica not
-read yet counts as having no known room: it is chosen by affinity or, when
-nothing has been read, by the fewest requests in flight from this router.
+   Both are under a bounded load (Mirrokni et al., "Consistent Hashing with
+   Bounded Loads"): a replica already carrying ceil((1 + load_factor) x the
+   mean) + 1 of the router's requests in flight, or without room for the
+   request, is not chosen, so a popular prefix spills to another replica
+   (which then caches it too) instead of piling onto one.
+3. Free KV, for everything else (a prompt shorter than one block, or no
+   replica within its bound and with room): the replica with the most KV
+   blocks free for admission: the guard's last reading, less what this
+   router sent it since that reading was taken and is still running (the
+   reading cannot include those yet; finished ones freed their blocks).
+
+Replicas that are not ready or are draining are never chosen (and a replica
+whose guard says not ready forgets what was learned of it: an engine that
+restarted has an empty cache). A replica not read yet counts as having no
+known room: it is chosen by placement or, when nothing has been read, by the
+fewest requests in flight from this router.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import hashlib
 import math
@@ -36,16 +51,20 @@ from typing import Iterable, Sequence
 VIRTUAL_NODES = 64
 DEFAULT_LOAD_FACTOR = 0.25
 AFFINITY_SLACK = 1     # requests over the bounded-load capacity a prefix's replica may still take
+MATCH_BLOCKS = 64      # leading blocks of a prompt remembered per replica
+DEFAULT_POOL_BLOCKS = 4096  # a replica's learned blocks before its first reading says how large its pool is
+FOOTPRINT_FACTOR = 0.1  # a new prefix's ring replica may hold this much more than the mean of learned prefixes
 
 
 class Reason:
     """Why a replica was picked: the ``reason`` label of gpufleet_router_picks_total."""
-    AFFINITY = "prefix_affinity"   # the prefix's replica on the ring, with room
+    AFFINITY = "prefix_affinity"   # the replica holding the longest run of the prompt's leading blocks
+    NEW_PREFIX = "prefix_placed"   # a prefix no replica holds: its ring replica, or the smallest footprint
     KV = "kv_free"                 # the most free KV blocks net of the router's own sends
     LEAST_BUSY = "least_in_flight"  # no reading yet anywhere: fewest in flight from this router
 
 
-REASONS = (Reason.AFFINITY, Reason.KV, Reason.LEAST_BUSY)
+REASONS = (Reason.AFFINITY, Reason.NEW_PREFIX, Reason.KV, Reason.LEAST_BUSY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,22 +93,42 @@ class Replica:
 
 
 @dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A prompt's leading whole blocks: ``key`` (the first ``prefix_blocks`` of them, for the ring)
+    and ``chain``, one cumulative hash per block (the i-th names the first i + 1 blocks)."""
+    key: str
+    chain: tuple[bytes, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Pick:
     replica: Replica
     reason: str
-    affinity_hit: bool         # the request had a prefix key and went to the key's replica
+    affinity_hit: bool         # the replica holds (as far as this router learned) the prompt's prefix
+
+
+def prefix_of(text: str, block_chars: int, blocks: int, match_blocks: int = MATCH_BLOCKS) -> Prefix | None:
+    """The prompt's leading whole blocks of ``block_chars`` characters: the ring key hashes the first
+    ``blocks`` (0 turns prefixes off), the chain covers up to ``max(blocks, match_blocks)``. None when the
+    prompt is shorter than one block (nothing a prefix cache would reuse): vLLM caches whole blocks."""
+    if block_chars <= 0 or blocks <= 0:
+        return None
+    whole = min(max(blocks, match_blocks), len(text) // block_chars)
+    if whole == 0:
+        return None
+    h = hashlib.blake2b(digest_size=8)
+    chain = []
+    for i in range(whole):
+        h.update(text[i * block_chars:(i + 1) * block_chars].encode())
+        chain.append(h.copy().digest())
+    return Prefix(chain[min(blocks, whole) - 1].hex(), tuple(chain))
 
 
 def prefix_key(text: str, block_chars: int, blocks: int) -> str | None:
-    """A hash of the prompt's first ``blocks`` whole blocks of ``block_chars``
-    characters; None when the prompt is shorter than one block (nothing a
-    prefix cache would reuse). Only whole blocks count: vLLM caches whole blocks."""
-    if block_chars <= 0 or blocks <= 0:
-        return None
-    whole = min(blocks, len(text) // block_chars)
-    if whole == 0:
-        return None
-    return hashlib.blake2b(text[:whole * block_chars].encode(), digest_size=8).hexdigest()
+    """A hash of the prompt's first ``blocks`` whole blocks of ``block_chars`` characters; None when the
+    prompt is shorter than one block."""
+    prefix = prefix_of(text, block_chars, blocks, match_blocks=0)
+    return prefix.key if prefix else None
 
 
 def _point(value: str) -> int:
@@ -115,9 +154,47 @@ class Ring:
         return list(seen)
 
 
+class Learned:
+    """The leading blocks this router sent to one replica, least recently sent first, at most ``capacity``;
+    ``prefixes`` counts the distinct prompt keys among them (the footprint new prefixes are spread by)."""
+
+    def __init__(self, capacity: int = DEFAULT_POOL_BLOCKS):
+        self.capacity = max(1, capacity)
+        self.prefixes = 0
+        self._blocks: collections.OrderedDict[bytes, bool] = collections.OrderedDict()  # block -> is a key
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, chain: Sequence[bytes]) -> int:
+        """How many of the chain's leading blocks are held (a block's hash names its whole prefix; tails
+        go before heads, so the longest held block ends the held run)."""
+        for depth in range(len(chain), 0, -1):
+            if chain[depth - 1] in self._blocks:
+                return depth
+        return 0
+
+    def add(self, prefix: Prefix) -> None:
+        # Last block first, so the chain's tail is older than its head and goes first (as vLLM frees a
+        # request's blocks tail first, evicting the ends of prefixes before their shared starts).
+        for block in reversed(prefix.chain):
+            if block in self._blocks:
+                self._blocks.move_to_end(block)
+            else:
+                is_key = block.hex() == prefix.key
+                self._blocks[block] = is_key
+                self.prefixes += is_key
+        self.resize(self.capacity)
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        while len(self._blocks) > self.capacity:
+            self.prefixes -= self._blocks.popitem(last=False)[1]
+
+
 class Picker:
     """One service's replicas as this router sees them: readings, its own
-    sends since each reading, and its requests in flight."""
+    sends since each reading, its requests in flight and the prefixes it sent."""
 
     def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR):
         if load_factor < 0:
@@ -126,6 +203,7 @@ class Picker:
         self.replicas: dict[str, Replica] = {}
         self.readings: dict[str, Reading] = {}
         self.in_flight: dict[str, int] = {}
+        self.learned: dict[str, Learned] = {}
         self._sent: dict[str, list[Sent]] = {}  # pod -> requests sent since its last reading, still running
         self._ring = Ring(())
         self._ring_pods: frozenset[str] = frozenset()
@@ -134,7 +212,7 @@ class Picker:
 
     def set_replicas(self, replicas: Sequence[Replica]) -> None:
         self.replicas = {r.pod: r for r in replicas}
-        for table in (self.readings, self._sent):
+        for table in (self.readings, self._sent, self.learned):
             for pod in list(table):
                 if pod not in self.replicas:
                     del table[pod]
@@ -152,12 +230,26 @@ class Picker:
         self.readings[pod] = reading
         # Sends before the read began are in its numbers; later ones are not.
         self._sent[pod] = [x for x in self._sent.get(pod, []) if x.at >= reading.taken_at]
+        if not reading.ready:
+            self.learned.pop(pod, None)   # draining or its engine down: its cache will not be there
+        elif reading.total_blocks > 0:
+            self._learned(pod).resize(reading.total_blocks)
 
-    def sent(self, pod: str, blocks: int, now: float) -> Sent:
+    def _learned(self, pod: str) -> Learned:
+        learned = self.learned.get(pod)
+        if learned is None:
+            reading = self.readings.get(pod)
+            learned = self.learned[pod] = Learned(
+                reading.total_blocks if reading and reading.total_blocks > 0 else DEFAULT_POOL_BLOCKS)
+        return learned
+
+    def sent(self, pod: str, blocks: int, now: float, prefix: Prefix | None = None) -> Sent:
         """A request went to ``pod``; pass what this returns to ``finished``."""
         ticket = Sent(now, max(0, blocks))
         self._sent.setdefault(pod, []).append(ticket)
         self.in_flight[pod] = self.in_flight.get(pod, 0) + 1
+        if prefix is not None and pod in self.replicas:
+            self._learned(pod).add(prefix)
         return ticket
 
     def finished(self, pod: str, ticket: Sent | None = None) -> None:
@@ -190,25 +282,37 @@ class Picker:
             return None
         return reading.free_blocks - sum(x.blocks for x in self._sent.get(pod, []))
 
-    def pick(self, cost_blocks: int, key: str | None, exclude: Iterable[str] = ()) -> Pick | None:
-        """The replica for a request needing about ``cost_blocks`` KV blocks whose
-        prompt has prefix ``key``; None when no replica is eligible."""
+    def match(self, pod: str, prefix: Prefix) -> int:
+        """Leading blocks of the prompt this router sent to ``pod`` and still remembers."""
+        learned = self.learned.get(pod)
+        return learned.match(prefix.chain) if learned else 0
+
+    def pick(self, cost_blocks: int, prefix: Prefix | None, exclude: Iterable[str] = ()) -> Pick | None:
+        """The replica for a request needing about ``cost_blocks`` KV blocks whose prompt begins with
+        ``prefix``; None when no replica is eligible."""
         excluded = set(exclude)
         candidates = [r for r in self.eligible() if r.pod not in excluded]
         if not candidates:
             return None
         by_pod = {r.pod: r for r in candidates}
-        if key is not None:
-            chosen = self._affinity(by_pod, cost_blocks, key)
+        held = {}
+        if prefix is not None:
+            held = {pod: self.match(pod, prefix) for pod in by_pod}
+            chosen = self._by_prefix(by_pod, cost_blocks, prefix, held)
             if chosen is not None:
-                return Pick(chosen, Reason.AFFINITY, True)
+                return chosen
         read = [(room, r) for r in candidates if (room := self.room(r.pod)) is not None]
         if read:
             # Most room first; among equals, fewer of our requests in flight, then a stable order.
             best = max(read, key=lambda x: (x[0], -self.in_flight.get(x[1].pod, 0), x[1].pod))[1]
-            return Pick(best, Reason.KV, key is not None and self._first_on_ring(by_pod, key) == best.pod)
+            return Pick(best, Reason.KV, self._holds(prefix, held.get(best.pod, 0)))
         best = min(candidates, key=lambda r: (self.in_flight.get(r.pod, 0), r.pod))
-        return Pick(best, Reason.LEAST_BUSY, key is not None and self._first_on_ring(by_pod, key) == best.pod)
+        return Pick(best, Reason.LEAST_BUSY, self._holds(prefix, held.get(best.pod, 0)))
+
+    @staticmethod
+    def _holds(prefix: Prefix | None, matched: int) -> bool:
+        """A match long enough to follow: at least half of the prompt's chain (and a block)."""
+        return prefix is not None and matched > 0 and 2 * matched >= len(prefix.chain)
 
     def _ring_of(self, pods: Iterable[str]) -> Ring:
         wanted = frozenset(self.replicas)
@@ -219,20 +323,29 @@ class Picker:
             self._ring_pods = wanted
         return self._ring
 
-    def _first_on_ring(self, by_pod: dict[str, Replica], key: str) -> str | None:
-        return next((p for p in self._ring_of(by_pod).walk(key) if p in by_pod), None)
-
-    def _affinity(self, by_pod: dict[str, Replica], cost_blocks: int, key: str) -> Replica | None:
-        """The first replica on the ring from ``key`` with room for the request and under its bounded load."""
+    def _by_prefix(self, by_pod: dict[str, Replica], cost_blocks: int, prefix: Prefix,
+                   held: dict[str, int]) -> Pick | None:
+        """Among the replicas under the bounded load and with room: the longest held run of the
+        prompt's blocks; without one, a new placement on the ring within the footprint bound."""
         loads = {pod: self.in_flight.get(pod, 0) for pod in by_pod}
         # Mirrokni et al.: capacity ceil((1 + e) x mean), counting the request being placed, plus one
         # request of slack: at light load (fewer requests than replicas) the bare bound would be 1 and
         # scatter a prefix's concurrent requests, when the replica that caches it has room for them all.
         capacity = math.ceil((1 + self.load_factor) * (sum(loads.values()) + 1) / len(by_pod)) + AFFINITY_SLACK
-        for pod in self._ring_of(by_pod).walk(key):
-            if pod not in by_pod:
-                continue
-            room = self.room(pod)
-            if loads[pod] + 1 <= capacity and (room is None or room >= cost_blocks):
-                return by_pod[pod]
-        return None
+        order = [pod for pod in self._ring_of(by_pod).walk(prefix.key) if pod in by_pod]
+        open_ = [pod for pod in order if loads[pod] + 1 <= capacity
+                 and ((room := self.room(pod)) is None or room >= cost_blocks)]
+        if not open_:
+            return None
+        best = max(open_, key=lambda pod: held[pod])   # the first of the longest, in ring order
+        if self._holds(prefix, held[best]):
+            return Pick(by_pod[best], Reason.AFFINITY, True)
+        # Nobody holds it: the first replica in ring order not holding more than its share of the learned
+        # prefixes (the fewest, or within FOOTPRINT_FACTOR of the mean with this one added).
+        footprint = {pod: self.learned[pod].prefixes if pod in self.learned else 0 for pod in open_}
+        # (At a few prefixes the bound is the fewest; at many, (1 + e) x the mean, so routers that learned
+        # slightly different sets still agree on the ring's replica.)
+        bound = max(min(footprint.values()),
+                    (1 + FOOTPRINT_FACTOR) * (sum(footprint.values()) + 1) / len(open_) - 1)
+        chosen = next(pod for pod in open_ if footprint[pod] <= bound)
+        return Pick(by_pod[chosen], Reason.NEW_PREFIX, False)

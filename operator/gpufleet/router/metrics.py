@@ -33,8 +33,9 @@ class RouterMetrics:
         self.picks = Counter(PREFIX + "picks", "Replica choices by reason (choice.py).", ["model", "reason"],
                              registry=r)
         self.prefix_affinity_hits = Counter(
-            PREFIX + "prefix_affinity_hits", "Requests with a prompt prefix key sent to the replica its "
-            "consistent-hash ring names for it.", ["model"], registry=r)
+            PREFIX + "prefix_affinity_hits", "Requests with a prompt prefix key sent to a replica this router "
+            "had sent at least half of its leading blocks to, and still remembers (a predicted prefix-cache "
+            "hit).", ["model"], registry=r)
         self.prefix_keyed = Counter(PREFIX + "prefix_keyed_requests",
                                     "Requests whose prompt was long enough for a prefix key.", ["model"],
                                     registry=r)

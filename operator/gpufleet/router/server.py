@@ -32,7 +32,7 @@ from ..kube.pods import is_serving
 from ..manifests import names
 from . import requests as rq
 from . import shedding
-from .choice import Pick, Picker, Reading, prefix_key
+from .choice import Pick, Picker, Reading, prefix_of
 from .cold_start import ColdStarts
 from .metrics import Outcome, RouterMetrics
 from .signals import parse_guard
@@ -314,8 +314,8 @@ class Router:
                        target: Route) -> web.StreamResponse:
         model = parsed.model
         picker = self.fleet.pickers[model]
-        key = prefix_key(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks)
-        if key is not None:
+        prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks)
+        if prefix is not None:
             self.metrics.prefix_keyed.labels(model).inc()
         cost = parsed.cost_blocks(target.block_size, route)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -342,7 +342,7 @@ class Router:
                 picker = self.fleet.pickers.get(model, picker)
                 attempt, tried = 0, []
                 self.metrics.retries.labels(model, "scale_out").inc()
-            pick = picker.pick(cost, key, exclude=tried)
+            pick = picker.pick(cost, prefix, exclude=tried)
             if pick is None:
                 if tried:
                     attempt = 2  # every replica there is was tried
@@ -367,7 +367,7 @@ class Router:
             tried.append(pod)
             if attempt > 1:
                 self.metrics.retries.labels(model, "rejected" if refusals else "connect_failed").inc()
-            ticket = picker.sent(pod, cost, self.fleet.clock())
+            ticket = picker.sent(pod, cost, self.fleet.clock(), prefix)
             try:
                 return await self._exchange(request, route, body, headers, pick, model)
             except _Refused as r:
