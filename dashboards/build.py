@@ -559,10 +559,12 @@ def service() -> dict[str, Any]:
     g.add(timeseries("Queue depth by class", "Requests waiting in the guard's queues.",
                      [target(f"sum by (class) (gpufleet_guard_queue_depth{{{sel}}})", "{{class}}")],
                      unit="short", stack=True), 8)
-    g.add(timeseries("Batch fill", "Requests dispatched to vLLM over the guard's concurrency limit, "
-                     "per replica.",
+    g.add(timeseries("Batch fill", "Requests dispatched to vLLM over maxConcurrency, per replica, and "
+                     "the limit in force (lower while the TTFT control holds it down).",
                      [target(f"gpufleet_guard_in_flight{{{sel}}} / gpufleet_guard_max_concurrency{{{sel}}}",
-                             "{{pod}}")], unit="percentunit", max_value=1), 8)
+                             "{{pod}}"),
+                      target(f"gpufleet_guard_concurrency_limit{{{sel}}} / gpufleet_guard_max_concurrency{{{sel}}}",
+                             "limit {{pod}}")], unit="percentunit", max_value=1), 8)
     g.add(timeseries("Engine scheduler", "Requests running and waiting inside vLLM, and tokens per "
                      "engine step.",
                      [target(f"sum(vllm:num_requests_running{{{sel}}})", "running"),

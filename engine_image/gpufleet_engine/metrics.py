@@ -97,6 +97,10 @@ class GuardMetrics:
         self.max_concurrency = Gauge(m.MAX_CONCURRENCY,
                                      "Most requests the guard dispatches to vLLM at once (maxConcurrency).",
                                      registry=r)
+        self.concurrency_limit = Gauge(m.CONCURRENCY_LIMIT,
+                                       "Requests the guard lets into vLLM at once now: maxConcurrency, or "
+                                       "fewer while the TTFT control holds it down (ttftControl).",
+                                       registry=r)
         self.in_flight = Gauge(m.IN_FLIGHT, "Requests dispatched to vLLM and not finished.",
                                registry=r)
         self.kv_free_blocks = Gauge(m.KV_FREE_BLOCKS,

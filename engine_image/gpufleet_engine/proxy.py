@@ -34,6 +34,7 @@ from .queues import MultiLevelQueue
 from .retry_hint import RetryAdvisor
 from .scheduler import Grant, Rejection, Scheduler
 from .tokens import Tokenizer
+from .ttft_limit import ttft_limit_for
 from .upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS, Upstream
 from .vllm_metrics import VllmStats
 
@@ -103,7 +104,7 @@ class Guard:
                                                       config.max_queue_length)
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
                                    config.retry_after_seconds, clock=clock, on_change=self.refresh_gauges,
-                                   aging_seconds=config.aging_seconds)
+                                   aging_seconds=config.aging_seconds, ttft=ttft_limit_for(config))
         self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
         self.drain = Drain()
         self.metrics.max_concurrency.set(config.max_concurrency)
@@ -184,6 +185,7 @@ class Guard:
         for c in self.config.queue_classes:
             m.queue_depth.labels(c.name).set(self.queue.depth(c.name))
         m.in_flight.set(self.scheduler.running)
+        m.concurrency_limit.set(self.scheduler.limit)
         m.kv_free_blocks.set(self.ledger.free_blocks())
         m.kv_reserved_blocks.set(self.ledger.reserved_blocks)
         m.kv_total_blocks.set(self.ledger.total_blocks)
@@ -500,6 +502,7 @@ class _Exchange:
                 if last is None:
                     self.ttft_seconds = now - self.arrived
                     m.ttft_seconds.labels(name).observe(self.ttft_seconds)
+                    self.guard.scheduler.first_token(grant, now, self.prepared.total_prompt_tokens)
                 else:
                     itl.observe(now - last)
                     self.gaps += 1

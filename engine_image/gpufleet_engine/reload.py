@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .contract import guard_config
 from .contract.guard_config import ConfigError, GuardConfig
+from .ttft_limit import ttft_limit_for
 
 if TYPE_CHECKING:
     from .metrics import GuardMetrics
@@ -56,6 +57,7 @@ def apply(guard: "Guard", config: GuardConfig) -> None:
     guard.queue.reconfigure(config.queue_classes, config.aging_seconds, config.max_queue_length)
     scheduler = guard.scheduler
     scheduler.max_concurrency = config.max_concurrency
+    scheduler.ttft = ttft_limit_for(config, scheduler.ttft)
     scheduler.retry_after = config.retry_after_seconds
     scheduler.aging_seconds = config.aging_seconds
     guard.retry.base = config.retry_after_seconds

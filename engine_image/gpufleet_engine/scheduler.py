@@ -21,16 +21,21 @@ had waited since the class's first refusal, so aging promotes it past the
 newcomers of higher classes within (level − 1) × agingSeconds.
 
 A request that fits takes a dispatch slot — at most ``max_concurrency``
-requests talk to vLLM — or waits in the multi-level queue for one, at most
+requests talk to vLLM, fewer while the TTFT control (``ttft_limit.py``) finds
+that more would start too late — or waits in the multi-level queue for one, at most
 its class's ``maxQueueSeconds``. The queue is served best effective level
 first (aging promotes waiting requests, so no class starves), and its head
 is never overtaken: when the head waits for blocks, the requests behind it
 wait too. The KV check is repeated at dispatch because the pool may have
-filled while a request waited.
+filled while a request waited. Under the TTFT control a request waits for a
+slot only as long as the objective leaves room for: when the wait predicted
+from the queue ahead of it and the pace at which slots free is longer, it
+gets 429 at once.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -39,6 +44,7 @@ from .admission import Decision, KvLedger
 from .contract.guard_config import QueueClass
 from .contract.guard_metrics import Reason
 from .queues import Entry, MultiLevelQueue, QueueFull
+from .ttft_limit import TtftLimit
 
 # A request waits for blocks held by lower classes only when it needs more than
 # this many times the mean reservation of the running requests.
@@ -64,6 +70,8 @@ class Grant:
     cost: int
     queue_class: QueueClass
     queued_seconds: float
+    dispatched_at: float = 0.0
+    running_at_dispatch: int = 1   # requests in vLLM once this one was dispatched, itself included
 
 
 @dataclass(eq=False)
@@ -75,8 +83,10 @@ class _Waiter:
 class Scheduler:
     def __init__(self, ledger: KvLedger, queue: MultiLevelQueue[_Waiter], max_concurrency: int,
                  retry_after_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[], None] | None = None, aging_seconds: float = 5.0):
+                 on_change: Callable[[], None] | None = None, aging_seconds: float = 5.0,
+                 ttft: TtftLimit | None = None):
         self.ledger = ledger
+        self.ttft = ttft
         self.queue = queue
         self.max_concurrency = max_concurrency
         self.retry_after = retry_after_seconds
@@ -87,6 +97,43 @@ class Scheduler:
         self.aging_seconds = aging_seconds
         # Per class: when its refusals began, if none of its requests was admitted since.
         self._refused_since: dict[str, float] = {}
+
+    @property
+    def limit(self) -> int:
+        """Requests that may run in vLLM now: max_concurrency, or less under the TTFT control."""
+        if self.ttft is None:
+            return self.max_concurrency
+        return min(self.max_concurrency, self.ttft.limit)
+
+    def first_token(self, grant: Grant, now: float, prompt_tokens: int) -> None:
+        """A streamed request's first chunk arrived: a sample for the TTFT control."""
+        if self.ttft is not None:
+            before = self.ttft.limit
+            self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch)
+            if self.ttft.limit > before:
+                self.dispatch()
+            elif self.ttft.limit != before:
+                self._on_change()
+
+    def _ahead(self, level: int) -> int:
+        return sum(self.queue.depth(c.name) for c in self._classes_at_or_above(level))
+
+    def _ttft_rejection(self, level: int) -> Rejection | None:
+        """The 429 for a request that would wait for a slot longer than the TTFT objective leaves.
+        Only while the TTFT control is what holds it back: at max_concurrency itself requests queue
+        as their class allows, as without the control."""
+        if self.ttft is None or self.running < self.limit or self.limit >= self.max_concurrency:
+            return None
+        wait = self.ttft.predicted_wait(self._ahead(level))
+        if wait <= self.ttft.wait_budget:
+            return None
+        predicted = "no slot has freed yet" if math.isinf(wait) else f"the wait for a slot would be {wait:.2f}s"
+        return Rejection(
+            Reason.TTFT_LIMIT, 429,
+            f"The engine runs {self.running} requests, as many as start within the time-to-first-token "
+            f"objective ({self.ttft.objective_seconds:g}s), and {predicted}, more than the "
+            f"{self.ttft.wait_budget:.2f}s the objective leaves. Retry later.",
+            self.retry_after if math.isinf(wait) else max(self.retry_after, wait))
 
     def kv_rejection(self, cost: int) -> Rejection:
         """The refusal for a request of ``cost`` blocks that does not fit now."""
@@ -131,6 +178,9 @@ class Scheduler:
         """The 429 for a request of ``queue_class`` when not even one block could be admitted and
         waiting could not help, so the caller can refuse before reading the body; else None."""
         now = self._clock()
+        slow = self._ttft_rejection(queue_class.level)
+        if slow is not None:
+            return slow
         d = self.ledger.evaluate(1)
         if d.admitted or self._starving(queue_class, now):
             return None
@@ -143,7 +193,7 @@ class Scheduler:
         return [c for c in self.queue.classes if c.level <= level]
 
     def _grant(self, cost: int, queue_class: QueueClass, queued_seconds: float) -> Grant:
-        grant = Grant(cost, queue_class, queued_seconds)
+        grant = Grant(cost, queue_class, queued_seconds, self._clock(), self.running + 1)
         self.ledger.try_admit(grant, cost)  # callers evaluated it just before, nothing ran in between
         self.running += 1
         level = queue_class.level
@@ -168,10 +218,14 @@ class Scheduler:
                                                                   starving=starving):
             self._refused_since.setdefault(queue_class.name, arrived)
             raise self._kv_rejection(decision)
-        if decision.admitted and self.running < self.max_concurrency and len(self.queue) == 0:
+        if decision.admitted and self.running < self.limit and len(self.queue) == 0:
             grant = self._grant(cost, queue_class, 0.0)
             self._on_change()
             return grant
+        if decision.admitted:
+            slow = self._ttft_rejection(queue_class.level)
+            if slow is not None:
+                raise slow
         if starving:
             # Aging counts from the class's first refusal: it has waited that long, in retries.
             arrived = self._refused_since[queue_class.name]
@@ -206,6 +260,8 @@ class Scheduler:
         return removed
 
     def release(self, grant: Grant) -> None:
+        if self.ttft is not None:
+            self.ttft.released(self._clock(), busy=self.running >= self.limit or len(self.queue) > 0)
         self.ledger.release(grant)
         self.running -= 1
         level = grant.queue_class.level
@@ -220,7 +276,7 @@ class Scheduler:
         behind it waits for the next release; when waiting cannot help, it is
         refused and the next one is tried."""
         changed = False
-        while self.running < self.max_concurrency:
+        while self.running < self.limit:
             now = self._clock()
             entry = self.queue.peek(now)
             if entry is None:

@@ -28,6 +28,9 @@ OVER_LENGTH_POLICIES = ("Reject", "TruncateLeft")
 # grown while the answer streams past it. FullBudget: prompt + max_tokens (or
 # the rest of the context), the worst case.
 RESERVATIONS = ("Predicted", "FullBudget")
+# Objective: fewer requests run in vLLM at once while more would start later than the TTFT
+# objective allows (ttft_limit.py). Off: max_concurrency is the only limit.
+TTFT_CONTROLS = ("Objective", "Off")
 RUNTIMES = ("vllm", "vllm-cpu")
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 CLASS_HEADER = "x-gpufleet-class"
@@ -141,6 +144,7 @@ class GuardConfig:
     request_timeout_seconds: float = _field(300, positive=True, live=True)
     drain_timeout_seconds: float = _field(300, live=True)
     max_concurrency: int = _field(64, low=1, live=True)
+    ttft_control: str = _field("Objective", choices=TTFT_CONTROLS, live=True)
     max_queue_length: int = _field(1024, low=0, live=True)
     class_header: str = _field(CLASS_HEADER, live=True)
     class_header_policy: str = _field("LowerOnly", choices=CLASS_HEADER_POLICIES, live=True)

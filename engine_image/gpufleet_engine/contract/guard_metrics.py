@@ -17,6 +17,8 @@ ITL_SECONDS = PREFIX + "itl_seconds"
 REQUEST_SECONDS = PREFIX + "request_seconds"
 QUEUE_DEPTH = PREFIX + "queue_depth"
 MAX_CONCURRENCY = PREFIX + "max_concurrency"
+# The concurrency in force: max_concurrency, or less while the TTFT control holds it down.
+CONCURRENCY_LIMIT = PREFIX + "concurrency_limit"
 IN_FLIGHT = PREFIX + "in_flight"
 KV_FREE_BLOCKS = PREFIX + "kv_free_blocks"
 KV_RESERVED_BLOCKS = PREFIX + "kv_reserved_blocks"
@@ -83,14 +85,17 @@ class Reason:
     # of this size could ever run it, so adding replicas would not help.
     EXCEEDS_KV_POOL = "exceeds_kv_pool"
     REQUEST_TOO_LARGE = "request_too_large"  # the body is over the size limit (413)
+    # Every slot the TTFT control allows is taken and the request would wait
+    # for one longer than the TTFT objective leaves (ttft_limit.py).
+    TTFT_LIMIT = "ttft_limit"
 
 
 REASONS = (Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL, Reason.CONTEXT_LENGTH,
            Reason.DRAINING, Reason.ENGINE_DOWN, Reason.INVALID_REQUEST, Reason.EXCEEDS_KV_POOL,
-           Reason.REQUEST_TOO_LARGE)
+           Reason.REQUEST_TOO_LARGE, Reason.TTFT_LIMIT)
 
 # Refusals that mean "this replica is overloaded": another replica would have
 # taken the request, so the autoscaler counts them as shedding. A request that
 # cannot fit even an empty replica (EXCEEDS_KV_POOL) is not: scaling out
 # would only add replicas that refuse it too.
-SHED_REASONS = frozenset({Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL})
+SHED_REASONS = frozenset({Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL, Reason.TTFT_LIMIT})

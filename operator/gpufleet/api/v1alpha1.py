@@ -340,6 +340,11 @@ class AdmissionSpec:
                                          default=300, minimum=1, maximum=3600)
     max_concurrency: int = field("Requests the guard lets into the engine at once.", default=64,
                                  minimum=1, maximum=4096)
+    ttft_control: str = field("Objective: the guard lets fewer requests into the engine at once while more "
+                              "would get their first token later than slo.ttftP99Milliseconds allows, and "
+                              "answers 429 (ttft_limit) to those that would wait for a slot longer than the "
+                              "objective leaves. Off: maxConcurrency is the only limit.",
+                              default="Objective", enum=["Objective", "Off"])
     queue_classes: list[QueueClass] = field(
         "Request classes, served lowest level first with aging so none starves.",
         factory=lambda: list(DEFAULT_QUEUE_CLASSES), min_items=1, max_items=8,

@@ -90,6 +90,7 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
         request_timeout_seconds=float(adm.request_timeout_seconds),
         drain_timeout_seconds=float(adm.request_timeout_seconds),
         max_concurrency=adm.max_concurrency,
+        ttft_control=adm.ttft_control,
         queue_classes=classes,
         default_class_by_route={**default_routes(classes),
                                 **{r.route: r.default_class for r in adm.route_classes}},

@@ -1,0 +1,151 @@
+"""How many requests may run in vLLM at once so that time to first token keeps its objective.
+
+Pure: no clock, no I/O; the guard feeds it observations and asks it questions.
+
+vLLM answers a new request's first token after the prefills ahead of it and
+while every running sequence decodes in the same steps: the more requests
+run, the longer each step, the later the first token. The KV watermark keeps
+the pool from running dry, but a pool that holds many short answers admits
+far more concurrent requests than the engine can start promptly. Past that
+point admitting more buys little throughput and costs every newcomer its TTFT.
+
+So the guard keeps a concurrency limit under ``max_concurrency`` and adapts
+it to what it sees, like TCP's congestion window (additive increase,
+multiplicative decrease; Netflix's concurrency-limits do the same for RPC):
+
+- a sample is one streamed request's engine time to first token: from its
+  dispatch to vLLM to its first chunk, without the time it waited in the
+  guard;
+- every ``window`` samples, the window's 90th percentile is compared with
+  the engine's share of the objective (``ENGINE_SHARE`` x slo.ttftP99Seconds):
+  over it, the limit drops to ``DECREASE`` x the requests that were running
+  (at least ``floor``); under half of it while the limit was reached, the
+  limit grows by one;
+- a request whose own prefill takes half the objective says nothing about
+  contention and is left out, so a fleet serving long prompts is not
+  throttled for their length. Its own prefill is estimated from the best
+  prefill rate seen (prompt tokens per second of engine TTFT, over every
+  sample): an upper bound, since no sample is faster than the engine alone.
+
+Requests over the limit wait in the guard's queue, but only as long as the
+objective leaves (``QUEUE_SHARE`` of it): ``wait_budget`` bounds the wait the
+scheduler predicts from the queue ahead and the pace at which slots free.
+Requests that would wait longer get 429 with the predicted wait as the retry
+hint. A service with the control Off keeps ``max_concurrency`` as its only
+limit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .contract.guard_config import GuardConfig
+
+ENGINE_SHARE = 0.6    # of the TTFT objective, for the engine's time to first token (window p90)
+QUEUE_SHARE = 0.3     # of the TTFT objective, for the wait in the guard's queue
+DECREASE = 0.8        # the limit after a window over the engine's share, times the requests running
+QUANTILE = 0.9        # of each window's samples
+WINDOW = 16           # samples per decision
+PACE_WEIGHT = 0.1     # of the newest interval in the moving mean of intervals between freed slots
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank quantile (values not empty)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass
+class TtftLimit:
+    objective_seconds: float   # slo.ttftP99Seconds
+    ceiling: int               # max_concurrency
+    floor: int = 1
+    window: int = WINDOW
+    limit: int = 0             # 0: start at the ceiling
+    decreases: int = 0
+    increases: int = 0
+    _samples: list[float] = field(default_factory=list)
+    _running_sum: int = 0
+    _best_rate: float = 0.0     # prompt tokens per second of engine TTFT, the most seen
+    _last_release: float | None = None
+    _pace: float | None = None  # moving mean of seconds between freed slots
+
+    def __post_init__(self) -> None:
+        if self.objective_seconds <= 0:
+            raise ValueError(f"objective_seconds must be positive, got {self.objective_seconds}")
+        self.ceiling = max(1, self.ceiling)
+        self.floor = max(1, min(self.floor, self.ceiling))
+        self.limit = self.ceiling if self.limit <= 0 else max(self.floor, min(self.limit, self.ceiling))
+
+    @property
+    def engine_target(self) -> float:
+        return ENGINE_SHARE * self.objective_seconds
+
+    @property
+    def wait_budget(self) -> float:
+        """Seconds a request may wait in the guard for a slot under this limit."""
+        return QUEUE_SHARE * self.objective_seconds
+
+    def retune(self, objective_seconds: float, ceiling: int) -> None:
+        """A new objective or max_concurrency (guard.json reloaded): keep what was learned."""
+        unheld = self.limit >= self.ceiling  # the control was not holding the limit down
+        self.objective_seconds = objective_seconds
+        self.ceiling = max(1, ceiling)
+        self.floor = min(self.floor, self.ceiling)
+        self.limit = self.ceiling if unheld else max(self.floor, min(self.limit, self.ceiling))
+        self._samples.clear()
+        self._running_sum = 0
+
+    def observe(self, engine_ttft: float, prompt_tokens: int, running: int) -> None:
+        """One streamed request's first token, ``engine_ttft`` seconds after its dispatch, with
+        ``running`` requests in vLLM when it was dispatched (itself included)."""
+        tokens = max(1, prompt_tokens)
+        self._best_rate = max(self._best_rate, tokens / max(engine_ttft, 1e-6))
+        if tokens / self._best_rate >= self.objective_seconds / 2:
+            return  # its own prefill is most of the objective; contention is not what it measures
+        self._samples.append(engine_ttft)
+        self._running_sum += max(1, running)
+        if len(self._samples) < self.window:
+            return
+        high = quantile(self._samples, QUANTILE)
+        mean_running = self._running_sum / len(self._samples)
+        self._samples.clear()
+        self._running_sum = 0
+        if high > self.engine_target:
+            new = max(self.floor, min(self.limit - 1, math.floor(DECREASE * min(self.limit, mean_running))))
+            if new < self.limit:
+                self.limit = new
+                self.decreases += 1
+        elif high < self.engine_target / 2 and mean_running >= self.limit - 1 and self.limit < self.ceiling:
+            self.limit += 1
+            self.increases += 1
+
+    def released(self, now: float, busy: bool) -> None:
+        """A slot was freed at ``now``; ``busy``: every slot was taken until then. The pace at which
+        queued requests can be dispatched is learned from busy stretches only: an idle minute is no
+        measure of how soon a slot frees under load."""
+        if not busy:
+            self._last_release = None
+            return
+        if self._last_release is not None:
+            interval = max(0.0, now - self._last_release)
+            self._pace = interval if self._pace is None else (
+                (1 - PACE_WEIGHT) * self._pace + PACE_WEIGHT * interval)
+        self._last_release = now
+
+    def predicted_wait(self, ahead: int) -> float:
+        """Seconds until a slot frees for a request with ``ahead`` requests queued before it."""
+        if self._pace is None:
+            return 0.0 if ahead == 0 else math.inf
+        return (ahead + 1) * self._pace
+
+
+def ttft_limit_for(config: GuardConfig, running: TtftLimit | None = None) -> TtftLimit | None:
+    """The TTFT control ``config`` asks for; ``running``: the one in effect, whose learning a
+    reload keeps."""
+    if config.ttft_control == "Off":
+        return None
+    if running is None:
+        return TtftLimit(config.slo.ttft_p99_seconds, config.max_concurrency)
+    running.retune(config.slo.ttft_p99_seconds, config.max_concurrency)
+    return running

@@ -1,0 +1,182 @@
+"""The TTFT control: a concurrency limit that adapts to the engine's time to first token."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from gpufleet_engine.admission import KvLedger, KvSnapshot
+from gpufleet_engine.contract import guard_config
+from gpufleet_engine.contract.guard_config import QueueClass
+from gpufleet_engine.contract.guard_metrics import SHED_REASONS, Reason
+from gpufleet_engine.queues import MultiLevelQueue
+from gpufleet_engine.scheduler import Rejection, Scheduler
+from gpufleet_engine.ttft_limit import DECREASE, WINDOW, TtftLimit, quantile, ttft_limit_for
+from tests.support.waiting import wait_for
+
+OBJECTIVE = 0.5  # seconds: the engine's share is 0.3 s
+
+
+def window(limit: TtftLimit, seconds: float, running: int, prompt: int = 100) -> None:
+    for _ in range(WINDOW):
+        limit.observe(seconds, prompt, running)
+
+
+def test_quantile_is_nearest_rank():
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([float(i) for i in range(1, 11)], 0.9) == 9.0
+    assert quantile([4.0], 0.99) == 4.0
+
+
+def test_starts_at_the_ceiling_and_cuts_to_a_share_of_what_ran_when_first_tokens_are_late():
+    limit = TtftLimit(OBJECTIVE, 64)
+    assert limit.limit == 64
+    window(limit, 0.05, running=40)          # fast: 40 running is fine, and the limit was not reached
+    assert limit.limit == 64 and limit.increases == 0
+    # A baseline for the prompt size is set by the fast samples; now 40 running start too late.
+    window(limit, 0.45, running=40)
+    assert limit.limit == math.floor(DECREASE * 40) == 32 and limit.decreases == 1
+    window(limit, 0.45, running=32)
+    assert limit.limit == math.floor(DECREASE * 32)
+
+
+def test_grows_by_one_per_fast_window_only_while_the_limit_is_reached():
+    limit = TtftLimit(OBJECTIVE, 64, limit=10)
+    window(limit, 0.05, running=5)           # far under the limit: nothing to learn about more
+    assert limit.limit == 10
+    window(limit, 0.05, running=10)
+    window(limit, 0.05, running=11)
+    assert limit.limit == 12 and limit.increases == 2
+    window(limit, 0.2, running=12)           # under the target but not under half of it: hold
+    assert limit.limit == 12
+
+
+def test_never_below_the_floor_nor_above_the_ceiling():
+    limit = TtftLimit(OBJECTIVE, 4, limit=2)
+    limit.observe(0.01, 10_000, 1)           # a long prompt's fast start: prefill is cheap here
+    for _ in range(10):
+        window(limit, 5.0, running=1)
+    assert limit.limit == 1
+    for _ in range(20):
+        window(limit, 0.01, running=limit.limit)
+    assert limit.limit == 4
+
+
+def test_long_prompts_whose_own_prefill_takes_half_the_objective_do_not_throttle():
+    limit = TtftLimit(OBJECTIVE, 64)
+    # 30000-token prompts at best start 0.3 s after dispatch: their own prefill, not contention.
+    window(limit, 0.3, running=1, prompt=30000)
+    window(limit, 0.6, running=50, prompt=30000)
+    assert limit.limit == 64 and limit.decreases == 0
+    # Short prompts that start late still count: at 100k tokens/s their prefill is nothing.
+    window(limit, 0.01, running=1, prompt=50)
+    window(limit, 0.6, running=50, prompt=50)
+    assert limit.limit == 40
+
+
+def test_the_predicted_wait_comes_from_busy_stretches_only():
+    limit = TtftLimit(OBJECTIVE, 8)
+    assert limit.predicted_wait(0) == 0.0 and limit.predicted_wait(1) == math.inf
+    limit.released(0.0, busy=True)
+    limit.released(0.1, busy=True)
+    assert limit.predicted_wait(0) == pytest.approx(0.1)
+    assert limit.predicted_wait(3) == pytest.approx(0.4)
+    limit.released(60.0, busy=False)         # an idle minute: not a pace
+    limit.released(60.1, busy=True)
+    limit.released(60.2, busy=True)
+    assert limit.predicted_wait(0) == pytest.approx(0.1)
+    assert limit.wait_budget == pytest.approx(0.15)
+
+
+def test_a_reload_keeps_what_was_learned_and_off_removes_the_control():
+    config = guard_config.parse({"servedModelName": "m", "tokenizer": "t", "maxConcurrency": 64})
+    running = ttft_limit_for(config)
+    assert running is not None and running.objective_seconds == 2.0
+    running.limit = 20
+    tighter = guard_config.parse({"servedModelName": "m", "tokenizer": "t", "maxConcurrency": 16,
+                                  "slo": {"ttftP99Seconds": 0.4}})
+    assert ttft_limit_for(tighter, running) is running
+    assert (running.limit, running.ceiling, running.objective_seconds) == (16, 16, 0.4)
+    running.limit = 10
+    wider = guard_config.parse({"servedModelName": "m", "tokenizer": "t", "maxConcurrency": 32})
+    ttft_limit_for(wider, running)
+    assert running.limit == 10                # held down by the control: stays
+    running.limit = running.ceiling
+    ttft_limit_for(config, running)
+    assert running.limit == 64                # not held down: follows maxConcurrency up
+    off = guard_config.parse({"servedModelName": "m", "tokenizer": "t", "ttftControl": "Off"})
+    assert ttft_limit_for(off, running) is None
+
+
+def test_a_bad_ttft_control_names_the_field_and_the_choices():
+    with pytest.raises(guard_config.ConfigError) as e:
+        guard_config.parse({"servedModelName": "m", "tokenizer": "t", "ttftControl": "Sometimes"})
+    assert "ttftControl" in str(e.value) and "Objective" in str(e.value)
+
+
+# --- in the scheduler ----------------------------------------------------------------------
+
+STANDARD = QueueClass("standard", 2, 10.0)
+INTERACTIVE = QueueClass("interactive", 1, 10.0)
+
+
+def scheduler(ttft: TtftLimit | None, max_concurrency: int = 8) -> tuple[Scheduler, list[float]]:
+    now = [0.0]
+    ledger = KvLedger(5)
+    ledger.observe(KvSnapshot(1000, 0))
+    s = Scheduler(ledger, MultiLevelQueue((INTERACTIVE, STANDARD), 5.0, 100), max_concurrency, 1.0,
+                  clock=lambda: now[0], ttft=ttft)
+    return s, now
+
+
+async def test_late_first_tokens_lower_the_scheduler_limit_and_the_excess_waits_or_is_refused():
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8))
+    grants = [await s.acquire(1, STANDARD) for _ in range(8)]
+    assert s.limit == 8 and [g.running_at_dispatch for g in grants] == list(range(1, 9))
+    assert s.ttft is not None
+    s.ttft.observe(0.01, 10_000, 1)          # prefill is fast here: late first tokens are contention
+    now[0] = 0.5                              # every first token came 0.5 s after dispatch
+    for g in (grants * 2)[:WINDOW - 1]:
+        s.first_token(g, now[0], 100)
+    ran = (1 + sum(g.running_at_dispatch for g in (grants * 2)[:WINDOW - 1])) / WINDOW
+    assert s.limit == math.floor(DECREASE * ran) == 3
+    # Slots free every 0.06 s while all are taken: the pace of the queue.
+    for g in grants[:5]:
+        now[0] += 0.06
+        s.release(g)
+    assert s.running == 3 == s.limit
+    # Two may wait (0.06 and 0.12 s predicted, within the 0.15 s the objective leaves); the third in
+    # line would wait 0.18 s: refused at once, as a shed the autoscaler counts.
+    waiting = [asyncio.create_task(s.acquire(1, STANDARD)) for _ in range(2)]
+    await wait_for(lambda: len(s.queue) == 2, timeout=2, interval=0, what="two requests queued")
+    with pytest.raises(Rejection) as e:
+        await s.acquire(1, STANDARD)
+    assert e.value.reason == Reason.TTFT_LIMIT and e.value.status == 429 and e.value.retry_after >= 0.18
+    assert "time-to-first-token objective" in e.value.message and Reason.TTFT_LIMIT in SHED_REASONS
+    assert s.early_refusal(STANDARD) is not None           # refused before the body is read, too
+    assert s.early_refusal(INTERACTIVE) is None            # a better class has no one ahead of it
+    for g in grants[5:]:
+        now[0] += 0.06
+        s.release(g)
+    admitted = await asyncio.gather(*waiting)
+    assert len(admitted) == 2 and s.running == 2
+
+
+async def test_at_max_concurrency_itself_requests_queue_as_their_class_allows():
+    s, now = scheduler(TtftLimit(OBJECTIVE, 2), max_concurrency=2)
+    held = [await s.acquire(1, STANDARD) for _ in range(2)]
+    queued = [asyncio.create_task(s.acquire(1, STANDARD)) for _ in range(5)]
+    await wait_for(lambda: len(s.queue) == 5, timeout=2, interval=0, what="five requests queued")
+    assert not any(t.done() for t in queued)
+    for g in held:
+        s.release(g)
+    for t in queued:
+        s.release(await t)
+
+
+async def test_without_the_control_the_limit_is_max_concurrency():
+    s, _ = scheduler(None, max_concurrency=3)
+    g = await s.acquire(1, STANDARD)
+    s.first_token(g, 10.0, 100)
+    assert s.limit == 3
