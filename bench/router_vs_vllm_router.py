@@ -4,15 +4,16 @@
 
 Two replicas (vLLM-CPU + guard each, the tiny model, 64 KV blocks of 32 tokens, prefix caching on, vLLM
 publishing its KV-cache events over ZMQ for kv_aware). One prefix-heavy trace: chat requests whose system
-prompts (about 330 tokens each) come from a set larger than one replica's pool caches at once, sent by a few
-closed-loop streaming clients. The same trace, with a prompt set of its own so no policy starts on another's
-cache, through each front:
+prompts (about 180 tokens each with the chat template: 5 whole blocks and a partial one) come from a set of
+10, about one replica's pool (with the requests running), sent by a few closed-loop streaming clients. The
+same trace, with a prompt set of its own so no policy starts on another's cache, through each front:
 
 - round_robin, cache_aware and kv_aware of ``vllm-router`` (kv_aware reads the engines' KV events, static
   sources; vLLM runs with ``--enable-scale-out`` so the router can render prompts into tokens);
 - gpufleet's router (in process, the replicas given as its table, as tests/engine/test_router_engines.py).
 
-Prefix-cache hit rate from vLLM's own counters (read through each guard's /metrics/engine), TTFT p50/p95,
+Prefix-cache hit rate from vLLM's own counters (read through each guard's /metrics/engine), also as a share
+of the ideal (each prompt prefilled once, on one replica; computed with the model's tokenizer), TTFT p50/p95,
 goodput (requests per second whose TTFT met --ttft-slo-ms) and errors. Prints a Markdown table.
 """
 from __future__ import annotations
@@ -55,6 +56,29 @@ def system_prompt(seed: int) -> str:
 def trace(seed: int, offset: int, prompts: int, requests: int) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     return [(system_prompt(offset + rng.randrange(prompts)), f"Question {i}?") for i in range(requests)]
+
+
+def ideal(requests: list[tuple[str, str]], tokenizer) -> tuple[int, int]:
+    """(hits, queries) in tokens if every prompt had one replica with room for all of them: a request hits
+    the whole blocks it shares with an earlier request of its system prompt; the first of each hits none.
+    Each front has prompts of its own, whose lengths put block boundaries in different places, so this
+    ceiling differs from front to front by a point or two: hit rates are compared as shares of it."""
+    seen: dict[str, list[list[int]]] = {}
+    hits = queries = 0
+    for system, question in requests:
+        ids = tokenizer(tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}], tokenize=False,
+            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        queries += len(ids)
+        best = 0
+        for earlier in seen.get(system, []):
+            n = 0
+            while n < min(len(ids) - 1, len(earlier)) and ids[n] == earlier[n]:
+                n += 1
+            best = max(best, n // BLOCK_SIZE * BLOCK_SIZE)
+        hits += best
+        seen.setdefault(system, []).append(ids)
+    return hits, queries
 
 
 async def prefix_counters(http: aiohttp.ClientSession, guard_url: str) -> tuple[float, float]:
@@ -105,14 +129,22 @@ def summary(runs: list[dict], slo: float) -> dict:
     percentiles over every request, goodput over the summed wall time."""
     ttfts = sorted(t for r in runs for t in r["ttfts"])
     queries, hits, wall = (sum(r[k] for r in runs) for k in ("queries", "hits", "wall_s"))
+    ideal_rate = sum(r["ideal"][0] for r in runs) / max(1, sum(r["ideal"][1] for r in runs))
     errors = [e for r in runs for e in r["errors"]]
 
     def pct(q: float) -> float:
         return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
-    return {"hit_rate": hits / queries if queries else 0.0, "ttft_p50_ms": pct(0.5) * 1000,
+    return {"hit_rate": hits / queries if queries else 0.0, "ideal_hit_rate": ideal_rate,
+            "of_ideal": (hits / queries if queries else 0.0) / ideal_rate if ideal_rate else 0.0,
+            "of_ideal_by_round": [(r["hits"] / r["queries"]) / (r["ideal"][0] / r["ideal"][1])
+                                  if r["queries"] and r["ideal"][0] else 0.0 for r in runs],
+            "ttft_p50_ms": pct(0.5) * 1000,
             "ttft_p95_ms": pct(0.95) * 1000, "goodput_rps": sum(t <= slo for t in ttfts) / wall,
             "wall_s": wall, "ok": len(ttfts), "errors": len(errors), "first_error": errors[:1],
-            "hit_rate_by_round": [r["hits"] / r["queries"] if r["queries"] else 0.0 for r in runs]}
+            "hit_rate_by_round": [r["hits"] / r["queries"] if r["queries"] else 0.0 for r in runs],
+            "prompt_tokens_per_request": queries / len(ttfts) if ttfts else 0.0,
+            "picks": {k: sum(r.get("picks", {}).get(k, 0) for r in runs)
+                      for k in sorted({k for r in runs for k in r.get("picks", {})})}}
 
 
 class VllmRouter:
@@ -171,7 +203,10 @@ async def run_front(front: str, requests: list[tuple[str, str]], guards: list[st
     await server.start_server()
     try:
         await asyncio.sleep(2 * settings.reading_interval)  # its first readings of the guards
-        return await run_trace(f"http://127.0.0.1:{server.port}", requests, guards, clients)
+        done = await run_trace(f"http://127.0.0.1:{server.port}", requests, guards, clients)
+        done["picks"] = {s.labels["reason"]: s.value for f in fleet.metrics.registry.collect()
+                         for s in f.samples if s.name == "gpufleet_router_picks_total"}
+        return done
     finally:
         reads.cancel()
         await server.close()
@@ -188,6 +223,8 @@ async def run(args: argparse.Namespace) -> dict:
                                "--enable-scale-out", "--kv-events-config", json.dumps({
                                    "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[i]})]}})
                for i in range(2)]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(engines[0].model.path))
     try:
         await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
         guards = [e.guard_url for e in engines]
@@ -200,9 +237,12 @@ async def run(args: argparse.Namespace) -> dict:
                 requests = trace(args.seed + round_, 1000 * round_ + 100 * (fronts.index(front) + 1),
                                  args.prompts, args.requests)
                 done = await run_front(front, requests, guards, events, args.clients, work / f"{round_}-{n}.log")
+                done["ideal"] = ideal(requests, tokenizer)
                 runs[front].append(done)
-                print(f"round {round_ + 1} {front}: hit rate {done['hits'] / max(1, done['queries']):.3f}, "
-                      f"wall {done['wall_s']:.1f} s, errors {len(done['errors'])}", flush=True)
+                print(f"round {round_ + 1} {front}: hit rate {done['hits'] / max(1, done['queries']):.3f} "
+                      f"(ideal {done['ideal'][0] / max(1, done['ideal'][1]):.3f}), "
+                      f"wall {done['wall_s']:.1f} s, errors {len(done['errors'])}"
+                      + (f", picks {done['picks']}" if "picks" in done else ""), flush=True)
         results = {front: summary(r, args.ttft_slo_ms / 1000) for front, r in runs.items()}
     finally:
         await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
@@ -213,12 +253,16 @@ async def run(args: argparse.Namespace) -> dict:
 def table(report: dict) -> str:
     lines = [f"{report['rounds']} rounds of {report['requests']} streaming chat requests, {report['clients']} "
              f"closed-loop clients, system "
-             f"prompts drawn from {report['prompts']} of about 330 tokens each; goodput: requests per second "
+             f"prompts drawn from {report['prompts']} of about 180 tokens each; goodput: requests per second "
              f"with TTFT ≤ {report['ttft_slo_ms']} ms.", "",
-             "| front | prefix-cache hit rate (vLLM) | TTFT p50 | TTFT p95 | goodput | wall | errors |",
-             "|---|---|---|---|---|---|---|"]
+             "| front | prefix-cache hit rate (vLLM) | by round | of the ideal | by round | TTFT p50 | TTFT p95 | "
+             "goodput | wall | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for front, r in report["results"].items():
-        lines.append(f"| {front} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p95_ms']:.0f} ms | "
+        by_round = " ".join(f"{x:.3f}".lstrip("0") for x in r["hit_rate_by_round"])
+        of_ideal = " ".join(f"{x:.3f}".lstrip("0") for x in r["of_ideal_by_round"])
+        lines.append(f"| {front} | {r['hit_rate']:.1%} | {by_round} | {r['of_ideal']:.1%} | {of_ideal} | "
+                     f"{r['ttft_p50_ms']:.0f} ms | {r['ttft_p95_ms']:.0f} ms | "
                      f"{r['goodput_rps']:.2f}/s | {r['wall_s']:.1f} s | {r['errors']} |")
     return "\n".join(lines)
 

@@ -130,7 +130,12 @@ async def test_prefix_affinity_beats_round_robin_on_shared_system_prompts(replic
     picks = {k: v for k, v in ((s.labels.get("reason"), s.value) for f in fleet.metrics.registry.collect()
                                for s in f.samples if s.name == "gpufleet_router_picks_total")}
     print(f"router picks: {picks}")
-    assert routed["hit_rate"] > baseline["hit_rate"], (routed, baseline)
+    # Learned placement splits the 18 prompts 9:9, which both pools hold: every measured request goes to
+    # the replica it was placed on. Round robin's pools each hold about half of the prompts (0.68 measured
+    # against 0.87-0.90 routed; the questions are never cached, so 1.47x is the ceiling): counter-based,
+    # not timing, so the margin holds on any machine.
+    assert picks.get("prefix_affinity", 0) >= REQUESTS, picks
+    assert routed["hit_rate"] >= 1.15 * baseline["hit_rate"], (routed, baseline)
 
 
 async def test_a_stream_through_the_router_arrives_in_several_chunks(router):
