@@ -15,9 +15,9 @@ Three signals, in this order:
    consistent-hash ring from the prompt's key (below).
 2. Placement of a prefix no replica holds. Walking the consistent-hash ring
    from the hash of the prompt's leading blocks, the first replica whose
-   learned footprint (distinct prompt keys remembered) stays within
-   ``FOOTPRINT_FACTOR`` of the mean with this prompt added takes it; past
-   that bound, the smallest footprint. The ring makes every router place a new prefix on the
+   learned footprint (distinct prompt keys remembered) is at most
+   ``FOOTPRINT_SLACK`` over the smallest, or within ``FOOTPRINT_FACTOR`` of
+   the mean with this prompt added, takes it. The ring makes every router place a new prefix on the
    same replica without talking to the others; the footprint bound spreads
    distinct prefixes evenly over the pools, which the bare ring (a few
    prompts, a few replicas) does not.
@@ -53,7 +53,10 @@ DEFAULT_LOAD_FACTOR = 0.25
 AFFINITY_SLACK = 1     # requests over the bounded-load capacity a prefix's replica may still take
 MATCH_BLOCKS = 64      # leading blocks of a prompt remembered per replica
 DEFAULT_POOL_BLOCKS = 4096  # a replica's learned blocks before its first reading says how large its pool is
-FOOTPRINT_FACTOR = 0.1  # a new prefix's ring replica may hold this much more than the mean of learned prefixes
+# A new prefix's ring replica may hold this many learned prefixes more than the fewest, or this much more than
+# the mean (bench/router_placement_sim.py: slack 0 is best for one router, 1 keeps two routers near the ring).
+FOOTPRINT_SLACK = 1
+FOOTPRINT_FACTOR = 0.1
 
 
 class Reason:
@@ -341,11 +344,10 @@ class Picker:
         if self._holds(prefix, held[best]):
             return Pick(by_pod[best], Reason.AFFINITY, True)
         # Nobody holds it: the first replica in ring order not holding more than its share of the learned
-        # prefixes (the fewest, or within FOOTPRINT_FACTOR of the mean with this one added).
+        # prefixes: FOOTPRINT_SLACK over the fewest, or FOOTPRINT_FACTOR over the mean with this one added.
+        # The slack keeps two routers, whose learned sets differ, mostly on the ring's (common) choice.
         footprint = {pod: self.learned[pod].prefixes if pod in self.learned else 0 for pod in open_}
-        # (At a few prefixes the bound is the fewest; at many, (1 + e) x the mean, so routers that learned
-        # slightly different sets still agree on the ring's replica.)
-        bound = max(min(footprint.values()),
+        bound = max(min(footprint.values()) + FOOTPRINT_SLACK,
                     (1 + FOOTPRINT_FACTOR) * (sum(footprint.values()) + 1) / len(open_) - 1)
         chosen = next(pod for pod in open_ if footprint[pod] <= bound)
         return Pick(by_pod[chosen], Reason.NEW_PREFIX, False)

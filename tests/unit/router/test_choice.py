@@ -270,10 +270,11 @@ def test_a_match_under_half_of_the_prompt_is_a_new_placement():
         read(p, pod, 100)
     boilerplate = "You are an assistant of the ACME company. " * 4      # 2 blocks of 64 characters and more
     p.sent("a", 1, 0.0, prefix_of(boilerplate + "Policy one. " * 40, 64, 4))
+    p.sent("a", 1, 0.0, prefix_of(boilerplate + "Policy three. " * 40, 64, 4))
     other = prefix_of(boilerplate + "Policy two. " * 40, 64, 4)
     assert 0 < p.match("a", other) < len(other.chain) / 2
     pick = p.pick(1, other)
-    # a holds one learned prefix, b none: the new one goes to b.
+    # a holds two learned prefixes, b none (more than the slack of one): the new one goes to b.
     assert (pick.replica.pod, pick.reason, pick.affinity_hit) == ("b", Reason.NEW_PREFIX, False)
 
 
@@ -282,12 +283,16 @@ def test_new_prefixes_spread_evenly_where_the_bare_ring_would_not():
     p = picker(*pods)
     for pod in pods:
         read(p, pod, 1000)
-    prompts = [prefix_of(text(i), 64, 4) for i in range(10)]
-    ring = collections.Counter(Ring(pods).walk(x.key)[0] for x in prompts)
+    # Ten prompts the bare ring splits 8:2.
+    candidates = [prefix_of(text(i), 64, 4) for i in range(100)]
+    on_a = [x for x in candidates if Ring(pods).walk(x.key)[0] == "a"][:8]
+    on_b = [x for x in candidates if Ring(pods).walk(x.key)[0] == "b"][:2]
+    prompts = on_a[:4] + on_b + on_a[4:]
     for x in prompts:
         pick = p.pick(1, x)
         p.finished(pick.replica.pod, p.sent(pick.replica.pod, 1, 0.0, x))
-    assert {pod: p.learned[pod].prefixes for pod in pods} == {"a": 5, "b": 5}, ring
+    # At most FOOTPRINT_SLACK (1) over the fewest: 6:4 at worst.
+    assert sorted(p.learned[pod].prefixes for pod in pods) in ([5, 5], [4, 6])
     # Each goes back where it was placed.
     for x in prompts:
         assert p.pick(1, x).reason == Reason.AFFINITY
