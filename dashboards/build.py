@@ -379,11 +379,13 @@ def fleet_overview() -> dict[str, Any]:
                      [target("sum by (outcome) (rate(gpufleet_router_requests_total[$__rate_interval]))",
                              "{{outcome}}")], unit="reqps", stack=True), 6)
     g.add(timeseries("Replica picks by reason", "Why the router chose each replica: prefix affinity "
-                     "(the prompt's prefix on the consistent-hash ring) or the most free KV blocks.",
+                     "(the replica it sent the prompt's leading blocks to), a new prefix placed, or the most "
+                     "free KV blocks.",
                      [target("sum by (reason) (rate(gpufleet_router_picks_total[$__rate_interval]))",
                              "{{reason}}")], unit="ops", stack=True), 6)
-    g.add(timeseries("Prefix-affinity hits", "Share of requests with a prefix key that reached the "
-                     "replica caching that prefix.",
+    g.add(timeseries("Prefix-affinity hits", "Share of requests with a prefix key sent to a replica the "
+                     "router had sent at least half of their leading blocks to: its estimate of the "
+                     "prefix-cache hit share.",
                      [target("sum by (model) (rate(gpufleet_router_prefix_affinity_hits_total[$__rate_interval])) "
                              "/ sum by (model) (rate(gpufleet_router_prefix_keyed_requests_total"
                              "[$__rate_interval]))", "{{model}}")], unit="percentunit", max_value=1), 6)
