@@ -336,8 +336,10 @@ class Picker:
         # scatter a prefix's concurrent requests, when the replica that caches it has room for them all.
         capacity = math.ceil((1 + self.load_factor) * (sum(loads.values()) + 1) / len(by_pod)) + AFFINITY_SLACK
         order = [pod for pod in self._ring_of(by_pod).walk(prefix.key) if pod in by_pod]
+        # A replica holding the prompt's leading blocks needs room for the rest only (vLLM shares the
+        # cached blocks); should its guard's ledger still refuse, the retry goes to another replica.
         open_ = [pod for pod in order if loads[pod] + 1 <= capacity
-                 and ((room := self.room(pod)) is None or room >= cost_blocks)]
+                 and ((room := self.room(pod)) is None or room >= cost_blocks - held[pod])]
         if not open_:
             return None
         best = max(open_, key=lambda pod: held[pod])   # the first of the longest, in ring order

@@ -149,21 +149,38 @@ def test_a_popular_prefix_spills_to_the_next_replica_on_the_ring_past_the_load_b
 
 def test_an_affinity_replica_without_room_leaves_the_choice_to_the_ring_then_free_kv():
     p = picker("a", "b", "c")
-    key = prefix_of(text(3), 64, 4)
+    key = prefix_of(text(3), 64, 4)       # 11 blocks
     home, second, third = Ring("abc").walk(key.key)
     read(p, home, 3)
     read(p, second, 50)
     read(p, third, 60)
     p.sent(home, 0, 0.0, key)             # home learned it earlier, but has no room now
-    pick = p.pick(10, key)
+    pick = p.pick(20, key)                # 20 blocks, 11 of them held by home: it needs 9, has 3
     assert (pick.replica.pod, pick.reason, pick.affinity_hit) == (second, Reason.NEW_PREFIX, False)
     read(p, second, 5)
-    pick = p.pick(10, key)
+    pick = p.pick(20, key)
     assert (pick.replica.pod, pick.reason) == (third, Reason.NEW_PREFIX)
     read(p, third, 8)
     read(p, home, 9)
-    pick = p.pick(10, key)
-    assert (pick.replica.pod, pick.reason, pick.affinity_hit) == (home, Reason.KV, True)
+    pick = p.pick(20, key)
+    assert (pick.replica.pod, pick.reason, pick.affinity_hit) == (home, Reason.AFFINITY, True)
+    read(p, home, 7)                      # now nobody has room: the most of it
+    pick = p.pick(20, key)
+    assert (pick.replica.pod, pick.reason, pick.affinity_hit) == (third, Reason.KV, False)
+
+
+def test_a_replica_holding_the_prompt_needs_room_for_the_rest_only():
+    p = picker("a", "b")
+    prompt = prefix_of(text(8), 64, 4)   # 11 blocks
+    read(p, "a", 40)
+    read(p, "b", 40)
+    first = p.pick(14, prompt)
+    p.finished(first.replica.pod, p.sent(first.replica.pod, 14, 0.0, prompt))
+    read(p, first.replica.pod, 5)        # room for the 3 blocks it does not hold, not for all 14
+    pick = p.pick(14, prompt)
+    assert (pick.replica.pod, pick.reason) == (first.replica.pod, Reason.AFFINITY)
+    read(p, first.replica.pod, 2)
+    assert p.pick(14, prompt).replica.pod != first.replica.pod
 
 
 def test_every_replica_lacking_room_falls_back_to_the_most_room():
