@@ -28,7 +28,7 @@ attempts; at 128 clients, preemptions ≤ 1% of admitted requests, admitted
 TTFT p99 ≤ 5× the 1-client p99, no 5xx, every 429 with Retry-After. Exit
 code 0 when every target holds.
 
-    python bench/guard_realistic.py [--duration 40] [--rounds 2] [--json out.json]
+    python bench/guard_realistic.py [--duration 40] [--rounds 2] [--engine-cores 1] [--json out.json]
 """
 from __future__ import annotations
 
@@ -138,8 +138,9 @@ async def guard_numbers(url: str) -> dict:
     return out
 
 
-async def measure(duration: float, sweep_seconds: float, rounds: int) -> tuple[dict, int, dict]:
-    stack = Stack(KV_BLOCKS, max_model_len=MAX_MODEL_LEN)
+async def measure(duration: float, sweep_seconds: float, rounds: int,
+                  engine_cores: str | None = None) -> tuple[dict, int, dict]:
+    stack = Stack(KV_BLOCKS, max_model_len=MAX_MODEL_LEN, engine_cores=engine_cores)
     runs: dict[str, Run] = {}
     try:
         stack.start_vllm()
@@ -229,8 +230,10 @@ def main() -> int:
     parser.add_argument("--sweep-seconds", type=float, default=25.0, help="seconds per concurrency of the sweep")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds at the best concurrency")
     parser.add_argument("--json", type=Path, help="write the raw summaries here")
+    parser.add_argument("--engine-cores", help="bind vLLM to these cores (e.g. 1) and the guards and the load "
+                        "generator to the others, as containers with CPU of their own in a pod")
     args = parser.parse_args()
-    runs, best, learned = asyncio.run(measure(args.duration, args.sweep_seconds, args.rounds))
+    runs, best, learned = asyncio.run(measure(args.duration, args.sweep_seconds, args.rounds, args.engine_cores))
     rows = [summary(r) for r in runs.values()]
     print(table(rows))
     print()
