@@ -7,8 +7,9 @@ Three signals, in this order:
    blocks in vLLM's prefix cache. The router remembers, per replica, the
    leading blocks of the prompts it sent there: a chain of cumulative hashes,
    one per whole block of the prompt (up to ``MATCH_BLOCKS``), kept in an LRU
-   as large as the replica's KV pool (its reading's total blocks), so what
-   the LRU forgets is about what vLLM's own LRU evicted. A request goes to
+   twice as large as the replica's KV pool (its reading's total blocks; the
+   router's blocks, at 4 characters a token, outnumber vLLM's), so what the
+   LRU forgets is about what vLLM's own LRU evicted. A request goes to
    the replica holding the longest run of its leading blocks, when that run
    covers at least half of its chain (as SGLang's and vllm-router's
    cache_aware do with their prefix trees); equal runs are ordered by the
@@ -53,6 +54,11 @@ DEFAULT_LOAD_FACTOR = 0.25
 AFFINITY_SLACK = 1     # requests over the bounded-load capacity a prefix's replica may still take
 MATCH_BLOCKS = 64      # leading blocks of a prompt remembered per replica
 DEFAULT_POOL_BLOCKS = 4096  # a replica's learned blocks before its first reading says how large its pool is
+# Learned blocks kept per block of the replica's pool. The router counts 4 characters a token; tokenizers take
+# 4-6 on English text, so its blocks are up to 1.5x as many as vLLM's for one prompt: an LRU of the pool's size
+# forgets prompts vLLM still holds, and the next request is placed anew elsewhere (a second prefill). Erring
+# the other way costs one miss where the prompt was, which then caches it again.
+LEARNED_PER_POOL_BLOCK = 2
 # A new prefix's ring replica may hold this many learned prefixes more than the fewest, or this much more than
 # the mean (bench/router_placement_sim.py: slack 0 is best for one router, 1 keeps two routers near the ring).
 FOOTPRINT_SLACK = 1
@@ -236,14 +242,14 @@ class Picker:
         if not reading.ready:
             self.learned.pop(pod, None)   # draining or its engine down: its cache will not be there
         elif reading.total_blocks > 0:
-            self._learned(pod).resize(reading.total_blocks)
+            self._learned(pod).resize(LEARNED_PER_POOL_BLOCK * reading.total_blocks)
 
     def _learned(self, pod: str) -> Learned:
         learned = self.learned.get(pod)
         if learned is None:
             reading = self.readings.get(pod)
-            learned = self.learned[pod] = Learned(
-                reading.total_blocks if reading and reading.total_blocks > 0 else DEFAULT_POOL_BLOCKS)
+            learned = self.learned[pod] = Learned(LEARNED_PER_POOL_BLOCK * (
+                reading.total_blocks if reading and reading.total_blocks > 0 else DEFAULT_POOL_BLOCKS))
         return learned
 
     def sent(self, pod: str, blocks: int, now: float, prefix: Prefix | None = None) -> Sent:

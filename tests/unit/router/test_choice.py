@@ -10,6 +10,7 @@ import pytest
 
 from gpufleet.router.choice import (
     DEFAULT_POOL_BLOCKS,
+    LEARNED_PER_POOL_BLOCK,
     MATCH_BLOCKS,
     Learned,
     Picker,
@@ -317,7 +318,7 @@ def test_new_prefixes_spread_evenly_where_the_bare_ring_would_not():
 
 def test_the_learned_blocks_are_bounded_by_the_replicas_pool_tails_and_least_recent_first():
     p = picker("a", "b")
-    read(p, "a", 10, total=16)
+    read(p, "a", 10, total=8)             # twice the pool's blocks are remembered: 16
     old, new = prefix_of(text(1), 64, 4), prefix_of(text(2), 64, 4)
     assert len(old.chain) == len(new.chain) == 11
     p.sent("a", 1, 0.0, old)
@@ -325,7 +326,7 @@ def test_the_learned_blocks_are_bounded_by_the_replicas_pool_tails_and_least_rec
     learned = p.learned["a"]
     assert len(learned) == 16 and learned.prefixes == 2
     assert p.match("a", new) == 11 and p.match("a", old) == 5     # the older prompt lost its tail
-    read(p, "a", 10, total=8)             # a smaller pool read later shrinks what is remembered
+    read(p, "a", 10, total=4)             # a smaller pool read later shrinks what is remembered
     assert len(learned) == 8 and learned.prefixes == 1
     assert p.match("a", old) == 0 and p.match("a", new) == 8
 
@@ -346,8 +347,10 @@ def test_a_replica_that_leaves_or_turns_unready_forgets_what_was_learned():
 
 
 def test_before_a_reading_the_learned_blocks_have_a_default_bound():
-    learned = Learned()
-    assert learned.capacity == DEFAULT_POOL_BLOCKS
+    assert Learned().capacity == DEFAULT_POOL_BLOCKS
+    p = picker("a")
+    p.sent("a", 1, 0.0, prefix_of(text(1), 64, 4))
+    assert p.learned["a"].capacity == LEARNED_PER_POOL_BLOCK * DEFAULT_POOL_BLOCKS
 
 
 def test_prefix_chains_hash_cumulatively_and_the_key_is_the_first_blocks():
