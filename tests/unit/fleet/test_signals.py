@@ -65,5 +65,5 @@ def test_bucket_delta_handles_counter_reset():
 def test_only_capacity_refusals_are_shedding():
     from gpufleet_engine.contract.guard_metrics import REASONS, SHED_REASONS, Reason
 
-    assert SHED_REASONS == {Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL}
+    assert SHED_REASONS == {Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL, Reason.TTFT_LIMIT}
     assert Reason.EXCEEDS_KV_POOL in REASONS and Reason.EXCEEDS_KV_POOL not in SHED_REASONS
