@@ -109,7 +109,7 @@ class Scheduler:
         """A streamed request's first chunk arrived: a sample for the TTFT control."""
         if self.ttft is not None:
             before = self.ttft.limit
-            self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch)
+            self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch, now)
             if self.ttft.limit > before:
                 self.dispatch()
             elif self.ttft.limit != before:

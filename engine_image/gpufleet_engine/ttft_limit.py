@@ -20,7 +20,10 @@ multiplicative decrease; Netflix's concurrency-limits do the same for RPC):
   the engine's share of the objective (``ENGINE_SHARE`` x slo.ttftP99Seconds):
   over it, the limit drops to ``DECREASE`` x the requests that were running
   (at least ``floor``); under half of it while the limit was reached, the
-  limit grows by one;
+  limit grows by a quarter (at least one), so a limit cut during a burst
+  recovers within a few windows;
+- after ``IDLE_RESET_SECONDS`` without a sample the limit starts over at the
+  ceiling: what was learned under an old load says little about the next;
 - a request whose own prefill takes half the objective says nothing about
   contention and is left out, so a fleet serving long prompts is not
   throttled for their length. Its own prefill is estimated from the best
@@ -47,6 +50,8 @@ DECREASE = 0.8        # the limit after a window over the engine's share, times 
 QUANTILE = 0.9        # of each window's samples
 WINDOW = 16           # samples per decision
 PACE_WEIGHT = 0.1     # of the newest interval in the moving mean of intervals between freed slots
+GROWTH = 0.25         # of the limit, added after a fast window in which the limit was reached
+IDLE_RESET_SECONDS = 60.0
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -69,6 +74,7 @@ class TtftLimit:
     _best_rate: float = 0.0     # prompt tokens per second of engine TTFT, the most seen
     _last_release: float | None = None
     _pace: float | None = None  # moving mean of seconds between freed slots
+    _last_sample: float | None = None
 
     def __post_init__(self) -> None:
         if self.objective_seconds <= 0:
@@ -96,9 +102,15 @@ class TtftLimit:
         self._samples.clear()
         self._running_sum = 0
 
-    def observe(self, engine_ttft: float, prompt_tokens: int, running: int) -> None:
+    def observe(self, engine_ttft: float, prompt_tokens: int, running: int, now: float | None = None) -> None:
         """One streamed request's first token, ``engine_ttft`` seconds after its dispatch, with
-        ``running`` requests in vLLM when it was dispatched (itself included)."""
+        ``running`` requests in vLLM when it was dispatched (itself included), at ``now``."""
+        if now is not None:
+            if self._last_sample is not None and now - self._last_sample > IDLE_RESET_SECONDS:
+                self.limit = self.ceiling
+                self._samples.clear()
+                self._running_sum = 0
+            self._last_sample = now
         tokens = max(1, prompt_tokens)
         self._best_rate = max(self._best_rate, tokens / max(engine_ttft, 1e-6))
         if tokens / self._best_rate >= self.objective_seconds / 2:
@@ -117,7 +129,7 @@ class TtftLimit:
                 self.limit = new
                 self.decreases += 1
         elif high < self.engine_target / 2 and mean_running >= self.limit - 1 and self.limit < self.ceiling:
-            self.limit += 1
+            self.limit = min(self.ceiling, self.limit + max(1, math.floor(GROWTH * self.limit)))
             self.increases += 1
 
     def released(self, now: float, busy: bool) -> None:

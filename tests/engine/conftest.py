@@ -50,7 +50,11 @@ def engine():
     """`gpufleet engine local --model tiny` with 64 KV blocks of 32 tokens."""
     cmd = [sys.executable, "-m", "gpufleet_engine", "local", "--model", "tiny", "--port", "0",
            "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK_SIZE),
-           "--max-model-len", str(MAX_MODEL_LEN), "--set", "drainTimeoutSeconds=60"]
+           "--max-model-len", str(MAX_MODEL_LEN), "--set", "drainTimeoutSeconds=60",
+           # The tier tests admission by KV blocks, queues and limits, and asserts their refusal codes.
+           # The TTFT control (tests/unit/engine/test_ttft_limit.py, bench/guard_realistic.py) reacts to
+           # the machine's speed: on a loaded runner it would add ttft_limit refusals of its own.
+           "--set", "ttftControl=Off"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     urls: dict[str, str] = {}
@@ -99,7 +103,7 @@ async def extra_guard(engine, tokenizer):
     async def start(**overrides: Any) -> GuardServer:
         raw = {"servedModelName": "tiny", "tokenizer": "unused", "engineUrl": engine.vllm_url,
                "listenHost": "127.0.0.1", "listenPort": 0, "maxContextTokens": MAX_MODEL_LEN,
-               "blockSize": BLOCK_SIZE, **overrides}
+               "blockSize": BLOCK_SIZE, "ttftControl": "Off", **overrides}
         server = GuardServer(guard_config.parse(raw), tokenizer=tokenizer)
         await server.start()
         servers.append(server)

@@ -41,15 +41,27 @@ def test_starts_at_the_ceiling_and_cuts_to_a_share_of_what_ran_when_first_tokens
     assert limit.limit == math.floor(DECREASE * 32)
 
 
-def test_grows_by_one_per_fast_window_only_while_the_limit_is_reached():
+def test_grows_by_a_quarter_per_fast_window_only_while_the_limit_is_reached():
     limit = TtftLimit(OBJECTIVE, 64, limit=10)
     window(limit, 0.05, running=5)           # far under the limit: nothing to learn about more
     assert limit.limit == 10
     window(limit, 0.05, running=10)
-    window(limit, 0.05, running=11)
-    assert limit.limit == 12 and limit.increases == 2
-    window(limit, 0.2, running=12)           # under the target but not under half of it: hold
-    assert limit.limit == 12
+    assert limit.limit == 12                 # a quarter more
+    window(limit, 0.05, running=3)
+    assert limit.limit == 12                 # the limit was not reached: nothing learned about more
+    window(limit, 0.05, running=12)
+    assert limit.limit == 15 and limit.increases == 2
+    window(limit, 0.2, running=15)           # under the target but not under half of it: hold
+    assert limit.limit == 15
+
+
+def test_after_an_idle_minute_the_limit_starts_over_at_the_ceiling():
+    limit = TtftLimit(OBJECTIVE, 64, limit=5)
+    limit.observe(0.9, 100, 5, now=10.0)
+    limit.observe(0.01, 100, 1, now=30.0)
+    assert limit.limit == 5
+    limit.observe(0.01, 100, 1, now=100.0)
+    assert limit.limit == 64
 
 
 def test_never_below_the_floor_nor_above_the_ceiling():
