@@ -88,8 +88,9 @@ async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(engine):
     static_waste = 1 - held / (streams * MAX_MODEL_LEN)
     print(f"preallocated to {MAX_MODEL_LEN} tokens per request the pool would waste {static_waste:.0%}")
     # Short sequences (~100 tokens) make one partial block a large share; still far below
-    # what reserving the maximum length per request would leave empty.
-    assert best < static_waste / 2 and static_waste > 0.8, (best, static_waste)
+    # what reserving the maximum length per request would leave empty. A stream holds at most
+    # 340 of its 1024 tokens, so preallocation wastes at least 2/3 however late the readings come.
+    assert best < static_waste / 2 and static_waste > 0.6, (best, static_waste)
     assert m.KV_WASTE_RATIO in text  # the gauge exists; its value moves with the streams
 
 
