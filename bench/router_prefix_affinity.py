@@ -22,15 +22,13 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import aiohttp
 from aiohttp.test_utils import TestServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from router_vs_vllm_router import prefix_counters  # noqa: E402
+from router_vs_vllm_router import run_trace  # noqa: E402
 
 from gpufleet.router.choice import Replica  # noqa: E402
 from gpufleet.router.metrics import RouterMetrics  # noqa: E402
@@ -53,39 +51,6 @@ def system_prompt(seed: int, words: int) -> str:
 def trace(seed: int, offset: int, prompts: int, requests: int, words: int) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     return [(system_prompt(offset + rng.randrange(prompts), words), f"Question {i}?") for i in range(requests)]
-
-
-async def run_trace(urls: list[str], requests: list[tuple[str, str]], guards: list[str], clients: int) -> dict:
-    """``clients`` closed-loop streaming clients share ``requests`` in order; the i-th goes to
-    urls[i % len(urls)]."""
-    pending = iter(enumerate(requests))
-    ttfts: list[float] = []
-    errors: list[str] = []
-    async with aiohttp.ClientSession() as http:
-        before = [await prefix_counters(http, g) for g in guards]
-        started = time.monotonic()
-
-        async def client() -> None:
-            for i, (system, question) in pending:
-                sent = time.monotonic()
-                async with http.post(f"{urls[i % len(urls)]}/v1/chat/completions", json={
-                        "model": MODEL, "max_tokens": 8, "stream": True,
-                        "messages": [{"role": "system", "content": system},
-                                     {"role": "user", "content": question}]}) as r:
-                    if r.status != 200:
-                        errors.append(f"{r.status} {(await r.text())[:200]}")
-                        continue
-                    first = None
-                    async for line in r.content:
-                        if first is None and line.startswith(b"data: "):
-                            first = time.monotonic() - sent
-                    ttfts.append(first if first is not None else float("inf"))
-        await asyncio.gather(*(client() for _ in range(clients)))
-        wall = time.monotonic() - started
-        after = [await prefix_counters(http, g) for g in guards]
-    return {"queries": sum(a[0] - b[0] for a, b in zip(after, before)),
-            "hits": sum(a[1] - b[1] for a, b in zip(after, before)),
-            "ttfts": ttfts, "wall_s": wall, "errors": errors}
 
 
 def summary(runs: list[dict]) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import signal
@@ -92,9 +93,11 @@ async def prefix_counters(http: aiohttp.ClientSession, guard_url: str) -> tuple[
     return got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]
 
 
-async def run_trace(url: str, requests: list[tuple[str, str]], guards: list[str], clients: int) -> dict:
-    """``clients`` closed-loop streaming clients share ``requests`` in order."""
-    pending = iter(requests)
+async def run_trace(url: str | list[str], requests: list[tuple[str, str]], guards: list[str], clients: int) -> dict:
+    """``clients`` closed-loop streaming clients share ``requests`` in order; request i goes to
+    ``url``, or with a list to ``url[i % len(url)]`` (round robin by the client)."""
+    urls = [url] if isinstance(url, str) else url
+    pending = iter(enumerate(requests))
     ttfts: list[float] = []
     errors: list[str] = []
     async with aiohttp.ClientSession() as http:
@@ -102,9 +105,9 @@ async def run_trace(url: str, requests: list[tuple[str, str]], guards: list[str]
         started = time.monotonic()
 
         async def client() -> None:
-            for system, question in pending:
+            for i, (system, question) in pending:
                 sent = time.monotonic()
-                async with http.post(f"{url}/v1/chat/completions", json={
+                async with http.post(f"{urls[i % len(urls)]}/v1/chat/completions", json={
                         "model": MODEL, "max_tokens": 8, "stream": True,
                         "messages": [{"role": "system", "content": system},
                                      {"role": "user", "content": question}]}) as r:
@@ -213,7 +216,18 @@ async def run_front(front: str, requests: list[tuple[str, str]], guards: list[st
         await http.close()
 
 
+async def reset_prefix_caches(engines: list[LocalEngine]) -> None:
+    """Empty every engine's prefix cache (vLLM serves /reset_prefix_cache in dev mode only)."""
+    async with aiohttp.ClientSession() as http:
+        for e in engines:
+            async with http.post(e.engine_url + "/reset_prefix_cache") as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{e.engine_url}/reset_prefix_cache answered {r.status}: {await r.text()}")
+
+
 async def run(args: argparse.Namespace) -> dict:
+    if args.same_prompts:
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache; the engines inherit it
     work = Path(tempfile.mkdtemp(prefix="router-bench-"))
     events = [f"tcp://127.0.0.1:{free_port('127.0.0.1')}" for _ in range(2)]
     for i in range(2):
@@ -233,9 +247,14 @@ async def run(args: argparse.Namespace) -> dict:
         for round_ in range(args.rounds):
             # Odd rounds in reverse order: whatever the machine does meanwhile falls on every front.
             for n, front in enumerate(fronts if round_ % 2 == 0 else fronts[::-1]):
-                # A prompt set of its own per run: no front starts on another's cached prefixes.
-                requests = trace(args.seed + round_, 1000 * round_ + 100 * (fronts.index(front) + 1),
-                                 args.prompts, args.requests)
+                if args.same_prompts:
+                    # Every front the same trace in a round, each on emptied caches.
+                    await reset_prefix_caches(engines)
+                    requests = trace(args.seed + round_, 1000 * round_, args.prompts, args.requests)
+                else:
+                    # A prompt set of its own per run: no front starts on another's cached prefixes.
+                    requests = trace(args.seed + round_, 1000 * round_ + 100 * (fronts.index(front) + 1),
+                                     args.prompts, args.requests)
                 done = await run_front(front, requests, guards, events, args.clients, work / f"{round_}-{n}.log")
                 done["ideal"] = ideal(requests, tokenizer)
                 runs[front].append(done)
@@ -275,6 +294,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--ttft-slo-ms", type=int, default=500)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--same-prompts", action="store_true",
+                    help="every front the same prompts in a round, with vLLM's prefix caches emptied before each "
+                         "(vLLM in dev mode for /reset_prefix_cache)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if ROUTER is None:
