@@ -69,8 +69,7 @@ class TtftLimit:
     limit: int = 0             # 0: start at the ceiling
     decreases: int = 0
     increases: int = 0
-    _samples: list[float] = field(default_factory=list)
-    _running_sum: int = 0
+    _samples: list[tuple[float, int]] = field(default_factory=list)  # (engine TTFT, requests running)
     _best_rate: float = 0.0     # prompt tokens per second of engine TTFT, the most seen
     _last_release: float | None = None
     _pace: float | None = None  # moving mean of seconds between freed slots
@@ -100,7 +99,6 @@ class TtftLimit:
         self.floor = min(self.floor, self.ceiling)
         self.limit = self.ceiling if unheld else max(self.floor, min(self.limit, self.ceiling))
         self._samples.clear()
-        self._running_sum = 0
 
     def observe(self, engine_ttft: float, prompt_tokens: int, running: int, now: float | None = None) -> None:
         """One streamed request's first token, ``engine_ttft`` seconds after its dispatch, with
@@ -109,20 +107,17 @@ class TtftLimit:
             if self._last_sample is not None and now - self._last_sample > IDLE_RESET_SECONDS:
                 self.limit = self.ceiling
                 self._samples.clear()
-                self._running_sum = 0
             self._last_sample = now
         tokens = max(1, prompt_tokens)
         self._best_rate = max(self._best_rate, tokens / max(engine_ttft, 1e-6))
         if tokens / self._best_rate >= self.objective_seconds / 2:
             return  # its own prefill is most of the objective; contention is not what it measures
-        self._samples.append(engine_ttft)
-        self._running_sum += max(1, running)
+        self._samples.append((engine_ttft, max(1, running)))
         if len(self._samples) < self.window:
             return
-        high = quantile(self._samples, QUANTILE)
-        mean_running = self._running_sum / len(self._samples)
+        high = quantile([ttft for ttft, _ in self._samples], QUANTILE)
+        mean_running = sum(r for _, r in self._samples) / len(self._samples)
         self._samples.clear()
-        self._running_sum = 0
         if high > self.engine_target:
             new = max(self.floor, min(self.limit - 1, math.floor(DECREASE * min(self.limit, mean_running))))
             if new < self.limit:

@@ -133,13 +133,6 @@ def prefix_of(text: str, block_chars: int, blocks: int, match_blocks: int = MATC
     return Prefix(chain[min(blocks, whole) - 1].hex(), tuple(chain))
 
 
-def prefix_key(text: str, block_chars: int, blocks: int) -> str | None:
-    """A hash of the prompt's first ``blocks`` whole blocks of ``block_chars`` characters; None when the
-    prompt is shorter than one block."""
-    prefix = prefix_of(text, block_chars, blocks, match_blocks=0)
-    return prefix.key if prefix else None
-
-
 def _point(value: str) -> int:
     return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "big")
 
@@ -186,11 +179,12 @@ class Learned:
     def add(self, prefix: Prefix) -> None:
         # Last block first, so the chain's tail is older than its head and goes first (as vLLM frees a
         # request's blocks tail first, evicting the ends of prefixes before their shared starts).
+        key = bytes.fromhex(prefix.key)
         for block in reversed(prefix.chain):
             if block in self._blocks:
                 self._blocks.move_to_end(block)
             else:
-                is_key = block.hex() == prefix.key
+                is_key = block == key
                 self._blocks[block] = is_key
                 self.prefixes += is_key
         self.resize(self.capacity)

@@ -19,9 +19,14 @@ from gpufleet.router.choice import (
     Reason,
     Replica,
     Ring,
-    prefix_key,
     prefix_of,
 )
+
+
+def prefix_key(text: str, block_chars: int, blocks: int) -> str | None:
+    """The ring key alone: the hash of the prompt's first ``blocks`` whole blocks."""
+    prefix = prefix_of(text, block_chars, blocks, match_blocks=0)
+    return prefix.key if prefix else None
 
 
 def picker(*pods: str, load_factor: float = 0.25, serving: dict[str, bool] | None = None) -> Picker:
