@@ -13,7 +13,11 @@ streams past it — and is admitted only if both views agree:
   at least ``watermark`` blocks must stay free. This view also sees blocks
   the guard does not know about (requests that bypassed it, a guard restart).
 - the guard's ledger protects the decodes it admitted: the reservations of
-  all its in-flight requests must fit in the pool. vLLM only reports what a
+  all its in-flight requests, plus one safety margin, must fit in the pool.
+  Predicted reservations are each request's expected blocks, with a
+  variance; the margin is ``z`` standard deviations of their sum (``z`` the
+  normal quantile of ``quantile``), so the answers in flight together fit at
+  that quantile. Full budgets have no variance and need no margin. vLLM only reports what a
   request holds *now*, while a decode keeps growing; admitting on the
   current view alone can run the pool dry mid-decode and force preemptions.
   Extensions (``extend``) may take the reservations past the pool: then
@@ -23,10 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 # vLLM keeps one block of the pool back (its null block): a pool of N blocks
 # serves N - 1.
 RESERVED_BY_ENGINE = 1
+# The ledger's margin at quantile 1 would be infinite: it stands for this one.
+HIGHEST_QUANTILE = 0.9999
 
 
 @dataclass(frozen=True)
@@ -66,12 +73,30 @@ class Decision:
 class KvLedger:
     """Blocks promised to in-flight requests, against vLLM's last reported usage."""
 
-    def __init__(self, watermark_percent: int):
+    def __init__(self, watermark_percent: int, quantile: float = 0.9):
         self.watermark_percent = watermark_percent
+        self.quantile = quantile
         self.snapshot: KvSnapshot | None = None
         self._reserved: dict[object, int] = {}
         self._reserved_total = 0
+        self._variance: dict[object, float] = {}   # blocks², of the requests with a predicted reservation
         self._delta_since_read = 0
+
+    @property
+    def quantile(self) -> float:
+        return self._quantile
+
+    @quantile.setter
+    def quantile(self, q: float) -> None:
+        if not 0 < q <= 1:
+            raise ValueError(f"quantile must be in (0, 1], got {q}")
+        self._quantile = q
+        self._z = max(0.0, NormalDist().inv_cdf(min(q, HIGHEST_QUANTILE)))
+
+    def margin(self, extra_variance: float = 0.0) -> int:
+        """Blocks kept for the answers in flight running longer than expected, together."""
+        variance = sum(self._variance.values()) + extra_variance
+        return math.ceil(self._z * math.sqrt(variance) - 1e-9) if variance > 0 else 0
 
     def observe(self, snapshot: KvSnapshot) -> None:
         """A fresh metrics read: its usage already includes what was promised before it."""
@@ -96,7 +121,8 @@ class KvLedger:
 
     @property
     def reserved_blocks(self) -> int:
-        return self._reserved_total
+        """Blocks promised to in-flight requests: their reservations and the margin."""
+        return self._reserved_total + self.margin()
 
     @property
     def in_flight(self) -> int:
@@ -110,37 +136,47 @@ class KvLedger:
         return max(0, self.snapshot.total_blocks - used)
 
     def unreserved_blocks(self) -> int:
-        return self.capacity - self._reserved_total
+        return self.capacity - self.reserved_blocks
 
-    def evaluate(self, cost: int) -> Decision:
+    def evaluate(self, cost: int, variance: float = 0.0) -> Decision:
+        """Whether a request of ``cost`` blocks (``variance`` blocks² around them) may be admitted now."""
         free = self.free_blocks()
         mark = self.watermark
         unreserved = self.unreserved_blocks()
         if self.snapshot is None:
             return Decision(False, cost, free, mark, unreserved)
-        fits = cost <= unreserved
+        fits = self._reserved_total + cost + self.margin(variance) <= self.capacity
         if not self._reserved and free == self.snapshot.total_blocks:
             # The pool is idle, so the watermark protects no one: a request
             # bigger than (pool - watermark) would otherwise be refused forever.
             return Decision(fits, cost, free, mark, unreserved)
         return Decision(fits and free - cost >= mark, cost, free, mark, unreserved)
 
-    def try_admit(self, key: object, cost: int) -> Decision:
+    def try_admit(self, key: object, cost: int, variance: float = 0.0) -> Decision:
         """Reserve ``cost`` blocks for ``key`` if both views allow it."""
-        decision = self.evaluate(cost)
+        decision = self.evaluate(cost, variance)
         if decision.admitted:
             self._reserved[key] = cost
             self._reserved_total += cost
             self._delta_since_read += cost
+            if variance > 0:
+                self._variance[key] = variance
         return decision
 
     def fits_empty(self, cost: int) -> bool:
         """Whether ``cost`` blocks fit the pool with nothing else in it (unknown pool: assume so)."""
         return self.snapshot is None or cost <= self.capacity
 
-    def extend(self, key: object, extra: int) -> None:
-        """An admitted request grew past its reservation by ``extra`` blocks: it holds them now."""
-        if extra <= 0 or key not in self._reserved:
+    def extend(self, key: object, extra: int, variance: float | None = None) -> None:
+        """An admitted request grew past its reservation by ``extra`` blocks: it holds them now.
+        ``variance``: around its new reservation (None: unchanged)."""
+        if key not in self._reserved:
+            return
+        if variance is not None:
+            self._variance.pop(key, None)
+            if variance > 0:
+                self._variance[key] = variance
+        if extra <= 0:
             return
         self._reserved[key] += extra
         self._reserved_total += extra
@@ -152,6 +188,7 @@ class KvLedger:
     def release(self, key: object) -> None:
         """The request finished (or failed): its budget is no longer promised."""
         cost = self._reserved.pop(key, None)
+        self._variance.pop(key, None)
         if cost is not None:
             self._reserved_total -= cost
             self._delta_since_read -= cost

@@ -4,20 +4,27 @@ Answers end at EOS (or a stop sequence) far below ``max_tokens``, and most
 chat clients send no ``max_tokens`` at all, so reserving the worst case would
 run the guard's ledger dry while most of vLLM's KV pool sits empty. The guard
 instead keeps the recent output lengths of each (route, queue class) and
-reserves, per sequence, ``min(budget, that distribution's quantile)``.
+reserves, per sequence, the mean of ``min(budget, length)`` over them, with
+that distribution's variance: the ledger (``admission.py``) adds one safety
+margin for all requests in flight from the sum of their variances, so that
+their answers *together* fit at the configured quantile. A margin per request
+(each one's own 90th percentile) would promise the pool many times over: the
+answers of 32 requests do not all end at their 90th percentile at once.
 
 Until a key has ``min_samples`` finished answers the prior is the full budget
-(the worst case, what FullBudget always reserves): a new replica starts
-conservative and loosens as it learns. An answer that streams past its
-reservation is extended to the same quantile of the answers that were at
-least as long (``extension``), so the ledger keeps tracking what requests
-really hold.
+(the worst case, what FullBudget always reserves) with no variance: a new
+replica starts conservative and loosens as it learns. An answer that streams
+past its reservation is extended to the mean of the answers that were longer
+than what has streamed, with their variance (``extension``), so the ledger
+keeps tracking what requests really hold.
 """
 from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
+from dataclasses import dataclass
 from typing import Hashable
 
 MIN_SAMPLES = 16
@@ -39,23 +46,28 @@ class _Lengths:
         self.order.append(length)
         bisect.insort(self.sorted, length)
 
-    def quantile(self, q: float, above: int = -1) -> int | None:
-        """Nearest-rank ``q`` quantile of the lengths greater than ``above``; None if there are none."""
+    def moments(self, budget: int, above: int = -1) -> tuple[float, float] | None:
+        """Mean and variance of min(budget, length) over the lengths greater than ``above``."""
         start = bisect.bisect_right(self.sorted, above)
         count = len(self.sorted) - start
         if count <= 0:
             return None
-        rank = max(1, math.ceil(q * count))
-        return self.sorted[start + rank - 1]
+        clipped = [min(budget, n) for n in self.sorted[start:]]
+        mean = sum(clipped) / count
+        return mean, sum((n - mean) ** 2 for n in clipped) / count
+
+
+@dataclass(frozen=True)
+class Demand:
+    """Output tokens to reserve per sequence, and the variance of the answer's length around them."""
+    tokens: int
+    variance: float = 0.0
 
 
 class OutputPredictor:
     """Recent output lengths per key → tokens to reserve per sequence."""
 
-    def __init__(self, quantile: float, *, min_samples: int = MIN_SAMPLES, window: int = WINDOW):
-        if not 0 < quantile <= 1:
-            raise ValueError("quantile must be in (0, 1]")
-        self.quantile = quantile
+    def __init__(self, *, min_samples: int = MIN_SAMPLES, window: int = WINDOW):
         self.min_samples = min_samples
         self.window = window
         self._keys: dict[Hashable, _Lengths] = {}
@@ -74,27 +86,31 @@ class OutputPredictor:
             lengths = self._keys[key] = _Lengths(self.window)
         lengths.add(max(0, int(output_tokens)))
 
-    def prediction(self, key: Hashable) -> int | None:
-        """The quantile now, or None while the key has too few samples (the prior applies)."""
+    def prediction(self, key: Hashable) -> float | None:
+        """The mean learned length now, or None while the key has too few samples (the prior applies)."""
         if not self.learned(key):
             return None
-        return self._keys[key].quantile(self.quantile)
+        return statistics.fmean(self._keys[key].order)
 
-    def reserve(self, key: Hashable, budget: int) -> int:
-        """Output tokens to reserve for a new request allowed ``budget``: at least 1, at most ``budget``."""
-        predicted = self.prediction(key)
-        if predicted is None:
-            return budget
-        return max(1, min(budget, predicted))
+    def reserve(self, key: Hashable, budget: int) -> Demand:
+        """What a new request allowed ``budget`` tokens reserves: the mean of min(budget, length)
+        rounded up (at least 1, at most ``budget``) and its variance; the budget while unlearned."""
+        moments = self._keys[key].moments(budget) if self.learned(key) else None
+        if moments is None:
+            return Demand(budget)
+        mean, variance = moments
+        return Demand(max(1, min(budget, math.ceil(mean))), variance)
 
-    def extension(self, key: Hashable, seen: int, budget: int) -> int:
+    def extension(self, key: Hashable, seen: int, budget: int) -> Demand:
         """A new reservation for an answer already ``seen`` tokens long (more than reserved).
 
-        The quantile of the answers that were longer than ``seen``; when none
-        were, twice what has been seen. Always more than ``seen`` unless the
-        budget is reached.
+        The mean and variance of the answers that were longer than ``seen``;
+        when none were, twice what has been seen. Always more than ``seen``
+        unless the budget is reached.
         """
         lengths = self._keys.get(key)
-        longer = lengths.quantile(self.quantile, above=seen) if lengths and self.learned(key) else None
-        target = longer if longer is not None else 2 * max(1, seen)
-        return min(budget, max(seen + 1, target))
+        longer = lengths.moments(budget, above=seen) if lengths and self.learned(key) else None
+        if longer is None:
+            return Demand(min(budget, max(seen + 1, 2 * max(1, seen))))
+        mean, variance = longer
+        return Demand(min(budget, max(seen + 1, math.ceil(mean))), variance)

@@ -122,7 +122,7 @@ class GuardMetrics:
                                        buckets=_OUTPUT_BUCKETS, registry=r)
         self.output_tokens_predicted = Gauge(m.OUTPUT_TOKENS_PREDICTED,
                                              "Output tokens per sequence reserved for a new request now "
-                                             "(the learned quantile; absent until learned).",
+                                             "(the mean of the learned lengths; absent until learned).",
                                              ["route", "class"], registry=r)
         self.output_prediction_ratio = Histogram(m.OUTPUT_PREDICTION_RATIO,
                                                  "Actual output over the output first reserved, per "

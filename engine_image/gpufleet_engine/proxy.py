@@ -27,7 +27,7 @@ from .audit import SequenceLength, kv_waste
 from .context import ContextTooLong, InvalidRequest, Limits
 from .contract.guard_config import GuardConfig, QueueClass
 from .contract.guard_metrics import Reason
-from .demand import OutputPredictor
+from .demand import Demand, OutputPredictor
 from .drain import Drain
 from .metrics import GuardMetrics
 from .queues import MultiLevelQueue
@@ -69,12 +69,14 @@ class _Reservation:
     """What one admitted request holds in the ledger, in output tokens per sequence, and how far
     its answer has streamed (SSE events per sequence: about one token each)."""
 
-    def __init__(self, key: tuple[str, str], prepared: context.Prepared, reserved_output: int):
+    def __init__(self, key: tuple[str, str], prepared: context.Prepared, reserved_output: int,
+                 variance: float = 0.0):
         self.key = key
         self.prepared = prepared
         self.sequences = len(prepared.prompt_tokens) * prepared.sequences_per_prompt
         self.initial_output = reserved_output
         self.output = reserved_output
+        self.variance = variance   # tokens² per sequence, around ``output``
         # Extend when this many events have streamed back (every sequence's share of its reservation).
         self.next_extension = reserved_output * self.sequences if reserved_output < prepared.max_tokens else -1
         self.events = 0
@@ -96,15 +98,16 @@ class Guard:
         # KV waste compares vLLM's blocks in use with the tokens the guard counted when it read them.
         self.metrics.kv_waste = lambda: kv_waste(self.stats, self.block_size, self.sequences_at_read)[0]
         self.predicted = config.reservation == "Predicted"
-        self.predictor = OutputPredictor(config.reservation_quantile_percent / 100)
+        self.predictor = OutputPredictor()
         self.max_body_bytes = max_body_bytes(0)
         self.update_limits()
-        self.ledger = KvLedger(config.kv_watermark_percent)
+        self.ledger = KvLedger(config.kv_watermark_percent, config.reservation_quantile_percent / 100)
         self.queue: MultiLevelQueue = MultiLevelQueue(config.queue_classes, config.aging_seconds,
                                                       config.max_queue_length)
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
                                    config.retry_after_seconds, clock=clock, on_change=self.refresh_gauges,
-                                   aging_seconds=config.aging_seconds, ttft=ttft_limit_for(config))
+                                   aging_seconds=config.aging_seconds, ttft=ttft_limit_for(config),
+                                   crowd=lambda: self.retry.crowd())
         self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
         self.drain = Drain()
         self.metrics.max_concurrency.set(config.max_concurrency)
@@ -267,16 +270,18 @@ class Guard:
                         f"from its maximum context of {context_tokens} tokens).")
 
     def _reservation(self, route: str, queue_class: QueueClass, prepared: context.Prepared) -> _Reservation:
-        """Output tokens per sequence to reserve: the learned quantile (Predicted) or the budget."""
+        """Output tokens per sequence to reserve: the learned mean and its variance (Predicted), or
+        the budget."""
         key = (route, queue_class.name)
         budget = prepared.max_tokens
-        output = self.predictor.reserve(key, budget) if self.predicted and budget else budget
+        demand = self.predictor.reserve(key, budget) if self.predicted and budget else Demand(budget)
+        output = demand.tokens
         if self.predicted and budget and self.ledger.known:
             # Never reserve more than the pool: what does not fit it would be
             # refused while vLLM could still serve it (answers end early).
             while output > 1 and not self.ledger.fits_empty(prepared.block_cost(self.block_size, output)):
                 output = max(1, output // 2)
-        return _Reservation(key, prepared, output)
+        return _Reservation(key, prepared, output, demand.variance)
 
     def _never_fits(self, prepared: context.Prepared, reservation: _Reservation) -> Rejection | None:
         """400 for a request no replica of this size could run, whatever the load."""
@@ -321,7 +326,7 @@ class Guard:
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
                 cost = prepared.block_cost(self.block_size, reservation.output)
-                grant = await self.scheduler.acquire(cost, queue_class)
+                grant = await self.scheduler.acquire(cost, queue_class, self._block_variance(reservation))
                 self.retry.admitted()
                 try:
                     return await exchange.forward(raw, route, grant)
@@ -343,16 +348,23 @@ class Guard:
         """The answer streamed past its reservation: reserve what answers that long went on to use."""
         prepared = reservation.prepared
         seen = reservation.events // reservation.sequences
-        new_output = self.predictor.extension(reservation.key, seen, prepared.max_tokens)
+        demand = self.predictor.extension(reservation.key, seen, prepared.max_tokens)
+        new_output = demand.tokens
         if new_output <= reservation.output:
             reservation.next_extension = -1
             return
         old_cost = prepared.block_cost(self.block_size, reservation.output)
         reservation.output = new_output
-        self.scheduler.extend(grant, prepared.block_cost(self.block_size, new_output) - old_cost)
+        reservation.variance = demand.variance
+        self.scheduler.extend(grant, prepared.block_cost(self.block_size, new_output) - old_cost,
+                              self._block_variance(reservation))
         reservation.next_extension = (new_output * reservation.sequences
                                       if new_output < prepared.max_tokens else -1)
         self.metrics.reservation_extensions.labels(reservation.key[1]).inc()
+
+    def _block_variance(self, reservation: _Reservation) -> float:
+        """The variance of a reservation in blocks²: its sequences' answers vary independently."""
+        return reservation.sequences * reservation.variance / self.block_size ** 2
 
     def learn(self, reservation: _Reservation, completion_tokens: int | None) -> None:
         """A finished answer: its length per sequence joins the distribution."""

@@ -53,7 +53,7 @@ def apply(guard: "Guard", config: GuardConfig) -> None:
     guard.config = config
     guard.ledger.watermark_percent = config.kv_watermark_percent
     guard.predicted = config.reservation == "Predicted"
-    guard.predictor.quantile = config.reservation_quantile_percent / 100
+    guard.ledger.quantile = config.reservation_quantile_percent / 100
     guard.queue.reconfigure(config.queue_classes, config.aging_seconds, config.max_queue_length)
     scheduler = guard.scheduler
     scheduler.max_concurrency = config.max_concurrency

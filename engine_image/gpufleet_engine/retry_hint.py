@@ -71,6 +71,10 @@ class RetryAdvisor:
             return min(self.maximum, max(self.base, 2 * crowd / refusals))
         return min(self.maximum, max(self.base, crowd / (self.k * admissions)))
 
+    def crowd(self) -> float:
+        """Refused clients waiting to retry now: refusal rate × mean hint (Little's law)."""
+        return self._hint_sum.rate(self._clock())
+
     def refused(self) -> float:
         """Record a refusal and return the hint to send with it."""
         value = self.hint()

@@ -49,6 +49,9 @@ from .ttft_limit import TtftLimit
 # A request waits for blocks held by lower classes only when it needs more than
 # this many times the mean reservation of the running requests.
 BIG_REQUEST_FACTOR = 2
+# The TTFT control keeps acting this long after the replica was last seen overloaded: twice the
+# window over which retry_hint counts the crowd.
+OVERLOAD_HOLD_SECONDS = 10.0
 
 
 class Rejection(Exception):
@@ -77,6 +80,7 @@ class Grant:
 @dataclass(eq=False)
 class _Waiter:
     cost: int
+    variance: float
     future: asyncio.Future
 
 
@@ -84,9 +88,13 @@ class Scheduler:
     def __init__(self, ledger: KvLedger, queue: MultiLevelQueue[_Waiter], max_concurrency: int,
                  retry_after_seconds: float, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, aging_seconds: float = 5.0,
-                 ttft: TtftLimit | None = None):
+                 ttft: TtftLimit | None = None, crowd: Callable[[], float] | None = None):
         self.ledger = ledger
         self.ttft = ttft
+        # Clients cycling through refusals, waiting to retry (retry_hint.RetryAdvisor.crowd).
+        self._crowd = crowd or (lambda: 0.0)
+        self._controlling = False   # whether the TTFT control acts (the replica is overloaded)
+        self._overloaded_at: float | None = None
         self.queue = queue
         self.max_concurrency = max_concurrency
         self.retry_after = retry_after_seconds
@@ -98,16 +106,52 @@ class Scheduler:
         # Per class: when its refusals began, if none of its requests was admitted since.
         self._refused_since: dict[str, float] = {}
 
+    def overloaded(self) -> bool:
+        """Whether more is asked of this replica than its KV pool holds at once.
+
+        The demand is the requests in flight, those queued in the guard and
+        the clients cycling through refusals (retry_hint's crowd: refusal rate
+        × mean Retry-After, by Little's law), each at the mean reservation in
+        flight. When it is more than the pool less the watermark, vLLM alone
+        would preempt, and some of it must be refused whatever the guard does.
+        Refusals by the TTFT control keep their clients in the crowd, so they
+        hold the gate open only while those clients would overfill the pool
+        anyway: at a load the pool holds, the gate closes however many
+        requests the control refused."""
+        if not self.ledger.known or self.running == 0:
+            return False
+        in_flight = self.ledger.reserved_blocks
+        asking = len(self.queue) + self._crowd()
+        return in_flight + asking * in_flight / self.running > self.ledger.capacity - self.ledger.watermark
+
+    def _control_acts(self) -> bool:
+        """Whether the TTFT control holds the limit now: only while the replica is overloaded, and
+        for ``OVERLOAD_HOLD_SECONDS`` after. Below that, the guard admits what vLLM alone would
+        serve, as fast as it would; once the overload ends, the control forgets the limit it had
+        learned. The hold bridges the moments after the control cuts the limit: the requests it
+        stops running leave the pool at once, but their clients join the crowd only as they are
+        refused, and the crowd is a rate over seconds."""
+        if self.ttft is None:
+            return False
+        now = self._clock()
+        if self.overloaded():
+            self._overloaded_at = now
+        acting = self._overloaded_at is not None and now - self._overloaded_at < OVERLOAD_HOLD_SECONDS
+        if self._controlling and not acting:
+            self.ttft.reset()
+        self._controlling = acting
+        return acting
+
     @property
     def limit(self) -> int:
         """Requests that may run in vLLM now: max_concurrency, or less under the TTFT control."""
-        if self.ttft is None:
+        if self.ttft is None or not self._control_acts():
             return self.max_concurrency
         return min(self.max_concurrency, self.ttft.limit)
 
     def first_token(self, grant: Grant, now: float, prompt_tokens: int) -> None:
-        """A streamed request's first chunk arrived: a sample for the TTFT control."""
-        if self.ttft is not None:
+        """A streamed request's first chunk arrived: a sample for the TTFT control, while it acts."""
+        if self.ttft is not None and self._control_acts():
             before = self.ttft.limit
             self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch, now)
             if self.ttft.limit > before:
@@ -192,34 +236,36 @@ class Scheduler:
     def _classes_at_or_above(self, level: int) -> list[QueueClass]:
         return [c for c in self.queue.classes if c.level <= level]
 
-    def _grant(self, cost: int, queue_class: QueueClass, queued_seconds: float) -> Grant:
+    def _grant(self, cost: int, variance: float, queue_class: QueueClass, queued_seconds: float) -> Grant:
         grant = Grant(cost, queue_class, queued_seconds, self._clock(), self.running + 1)
-        self.ledger.try_admit(grant, cost)  # callers evaluated it just before, nothing ran in between
+        self.ledger.try_admit(grant, cost, variance)  # evaluated just before, nothing ran in between
         self.running += 1
         level = queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) + cost
         self._refused_since.pop(queue_class.name, None)
         return grant
 
-    def extend(self, grant: Grant, blocks: int) -> None:
-        """A running request's answer outgrew its reservation by ``blocks``."""
+    def extend(self, grant: Grant, blocks: int, variance: float | None = None) -> None:
+        """A running request's answer outgrew its reservation by ``blocks``; ``variance``: around
+        the new reservation."""
+        self.ledger.extend(grant, blocks, variance)
         if blocks <= 0:
             return
-        self.ledger.extend(grant, blocks)
         grant.cost += blocks
         level = grant.queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) + blocks
 
-    async def acquire(self, cost: int, queue_class: QueueClass) -> Grant:
+    async def acquire(self, cost: int, queue_class: QueueClass, variance: float = 0.0) -> Grant:
+        """A grant for a request of ``cost`` blocks (``variance`` blocks² around them)."""
         arrived = self._clock()
-        decision = self.ledger.evaluate(cost)
+        decision = self.ledger.evaluate(cost, variance)
         starving = self._starving(queue_class, arrived)
         if not decision.admitted and not self._may_wait_for_blocks(decision, queue_class.level,
                                                                   starving=starving):
             self._refused_since.setdefault(queue_class.name, arrived)
             raise self._kv_rejection(decision)
         if decision.admitted and self.running < self.limit and len(self.queue) == 0:
-            grant = self._grant(cost, queue_class, 0.0)
+            grant = self._grant(cost, variance, queue_class, 0.0)
             self._on_change()
             return grant
         if decision.admitted:
@@ -230,7 +276,7 @@ class Scheduler:
             # Aging counts from the class's first refusal: it has waited that long, in retries.
             arrived = self._refused_since[queue_class.name]
 
-        waiter = _Waiter(cost, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(cost, variance, asyncio.get_running_loop().create_future())
         try:
             entry = self.queue.push(waiter, queue_class.name, arrived)
         except QueueFull as e:
@@ -286,7 +332,7 @@ class Scheduler:
                 self.queue.pop(now)
                 changed = True
                 continue
-            decision = self.ledger.evaluate(waiter.cost)
+            decision = self.ledger.evaluate(waiter.cost, waiter.variance)
             if not decision.admitted:
                 if self._may_wait_for_blocks(decision, self.queue.effective_level(entry, now), queued=True,
                                              starving=self._starving(entry.queue_class, now)):
@@ -298,6 +344,7 @@ class Scheduler:
                 continue
             self.queue.pop(now)
             changed = True
-            waiter.future.set_result(self._grant(waiter.cost, entry.queue_class, entry.waited(now)))
+            waiter.future.set_result(self._grant(waiter.cost, waiter.variance, entry.queue_class,
+                                                 entry.waited(now)))
         if changed:
             self._on_change()

@@ -30,6 +30,11 @@ multiplicative decrease; Netflix's concurrency-limits do the same for RPC):
   prefill rate seen (prompt tokens per second of engine TTFT, over every
   sample): an upper bound, since no sample is faster than the engine alone.
 
+The limit acts only while the replica is overloaded (``Scheduler.overloaded``:
+more asked of it than its KV pool holds at once, where vLLM alone would
+preempt); below that the guard admits what vLLM alone would serve, as fast
+as it would, and this control is reset and learns nothing.
+
 Requests over the limit wait in the guard's queue, but only as long as the
 objective leaves (``QUEUE_SHARE`` of it): ``wait_budget`` bounds the wait the
 scheduler predicts from the queue ahead and the pace at which slots free.
@@ -100,13 +105,17 @@ class TtftLimit:
         self.limit = self.ceiling if unheld else max(self.floor, min(self.limit, self.ceiling))
         self._samples.clear()
 
+    def reset(self) -> None:
+        """Start over at the ceiling (the load that taught the limit is gone)."""
+        self.limit = self.ceiling
+        self._samples.clear()
+
     def observe(self, engine_ttft: float, prompt_tokens: int, running: int, now: float | None = None) -> None:
         """One streamed request's first token, ``engine_ttft`` seconds after its dispatch, with
         ``running`` requests in vLLM when it was dispatched (itself included), at ``now``."""
         if now is not None:
             if self._last_sample is not None and now - self._last_sample > IDLE_RESET_SECONDS:
-                self.limit = self.ceiling
-                self._samples.clear()
+                self.reset()
             self._last_sample = now
         tokens = max(1, prompt_tokens)
         self._best_rate = max(self._best_rate, tokens / max(engine_ttft, 1e-6))

@@ -24,12 +24,14 @@ from typing import Any, Mapping, Optional
 from .engine_flags import MANAGED_FLAGS, managed_flags_in
 
 OVER_LENGTH_POLICIES = ("Reject", "TruncateLeft")
-# Predicted: prompt + the output length the guard has learned (at a quantile),
+# Predicted: prompt + the mean output length the guard has learned (the ledger adds one
+# margin for all requests in flight, at reservation_quantile_percent),
 # grown while the answer streams past it. FullBudget: prompt + max_tokens (or
 # the rest of the context), the worst case.
 RESERVATIONS = ("Predicted", "FullBudget")
 # Objective: fewer requests run in vLLM at once while more would start later than the TTFT
-# objective allows (ttft_limit.py). Off: max_concurrency is the only limit.
+# objective allows, while the replica is overloaded (ttft_limit.py). Off: max_concurrency is
+# the only limit.
 TTFT_CONTROLS = ("Objective", "Off")
 RUNTIMES = ("vllm", "vllm-cpu")
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")

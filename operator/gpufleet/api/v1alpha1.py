@@ -323,13 +323,16 @@ class AdmissionSpec:
                                       default=5, minimum=0, maximum=90)
     reservation: str = field("KV blocks the guard reserves per admitted request. Predicted: the prompt plus "
                              "the output length learned from recent answers of the same route and class "
-                             "(at reservationQuantilePercent), grown while an answer streams past it; the "
+                             "(its mean, with one margin for all requests in flight at "
+                             "reservationQuantilePercent), grown while an answer streams past it; the "
                              "full budget until 16 answers are known. FullBudget: the prompt plus max_tokens "
                              "(or the rest of the context), the worst case, which refuses traffic vLLM "
                              "alone serves when answers end early.", default="Predicted",
                              enum=["Predicted", "FullBudget"])
-    reservation_quantile_percent: int = field("With reservation Predicted: the quantile of learned output "
-                                              "lengths reserved for a new request.", default=90,
+    reservation_quantile_percent: int = field("With reservation Predicted: the quantile at which the answers "
+                                              "of the requests in flight must together fit their "
+                                              "reservations and the ledger's margin (100 stands for 99.99).",
+                                              default=90,
                                               minimum=50, maximum=100)
     max_context_tokens: Optional[int] = field("Longest prompt + max_tokens accepted. Defaults to "
                                               "model.maxModelLen.", default=None, minimum=16)
@@ -340,8 +343,9 @@ class AdmissionSpec:
                                          default=300, minimum=1, maximum=3600)
     max_concurrency: int = field("Requests the guard lets into the engine at once.", default=64,
                                  minimum=1, maximum=4096)
-    ttft_control: str = field("Objective: the guard lets fewer requests into the engine at once while more "
-                              "would get their first token later than slo.ttftP99Milliseconds allows, and "
+    ttft_control: str = field("Objective: while the replica is overloaded (more asked of it than its KV pool "
+                              "holds at once), the guard lets fewer requests into the engine at once while "
+                              "more would get their first token later than slo.ttftP99Milliseconds allows, and "
                               "answers 429 (ttft_limit) to those that would wait for a slot longer than the "
                               "objective leaves. Off: maxConcurrency is the only limit.",
                               default="Objective", enum=["Objective", "Off"])

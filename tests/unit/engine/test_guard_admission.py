@@ -1,6 +1,8 @@
 """KV-block admission arithmetic."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from gpufleet_engine.admission import KvLedger, KvSnapshot, block_cost, watermark_blocks
@@ -113,3 +115,45 @@ def test_a_request_larger_than_the_usable_pool_is_never_admitted():
 def test_without_a_metrics_read_nothing_is_admitted():
     led = KvLedger(15)
     assert not led.known and not led.try_admit("a", 1).admitted
+
+
+def test_predicted_reservations_share_one_margin_that_grows_with_the_root_of_their_variance():
+    led = ledger(used=0, percent=0)               # z(0.9) = 1.2816
+    assert led.margin() == 0
+    for key in "abcd":
+        assert led.try_admit(key, 5, variance=9.0).admitted   # 3 blocks of standard deviation each
+    # Four answers together vary by sqrt(4 × 9) = 6 blocks, not 4 × 3: the margin is 1.28 × 6.
+    assert led.margin() == 8 and led.reserved_blocks == 20 + 8
+    led.release("a")
+    assert led.margin() == math.ceil(1.2816 * math.sqrt(27)) and led.reserved_blocks == 15 + 7
+
+
+def test_the_margin_counts_in_admission_but_not_in_what_vllm_will_hold():
+    led = ledger(used=0, percent=0)
+    assert led.try_admit("a", 40, variance=100.0).admitted   # margin 13: 53 of 63 promised
+    d = led.evaluate(10, variance=100.0)          # 40 + 10 + 1.28 × sqrt(200) = 69 > 63
+    assert not d.admitted and d.unreserved_blocks == 63 - 53
+    assert led.evaluate(10).admitted              # 40 + 10 + 13 = 63: a full budget adds no variance
+    assert led.free_blocks() == 64 - 40           # vLLM's view: only the 40 blocks
+
+
+def test_extending_a_reservation_replaces_its_variance():
+    led = ledger(used=0, percent=0)
+    led.try_admit("a", 5, variance=16.0)
+    led.extend("a", 10, variance=0.0)             # past every known answer: no variance left
+    assert led.reserved_blocks == 15 and led.margin() == 0
+    led.extend("a", 0, variance=4.0)
+    assert led.reserved_blocks == 15 + 3
+
+
+@pytest.mark.parametrize(("quantile", "margin"), [(0.5, 0), (0.9, 13), (0.99, 24), (1.0, 38)])
+def test_the_quantile_sets_how_many_standard_deviations_the_margin_keeps(quantile, margin):
+    led = ledger(used=0, percent=0)
+    led.quantile = quantile
+    led.try_admit("a", 1, variance=100.0)         # 10 blocks of standard deviation
+    assert led.margin() == margin                 # 1.0 stands for 0.9999: z = 3.72
+
+
+def test_a_quantile_outside_zero_to_one_is_refused_by_name():
+    with pytest.raises(ValueError, match="quantile must be in"):
+        KvLedger(5, quantile=0.0)

@@ -11,7 +11,7 @@ from gpufleet_engine.contract import guard_config
 from gpufleet_engine.contract.guard_config import QueueClass
 from gpufleet_engine.contract.guard_metrics import SHED_REASONS, Reason
 from gpufleet_engine.queues import MultiLevelQueue
-from gpufleet_engine.scheduler import Rejection, Scheduler
+from gpufleet_engine.scheduler import OVERLOAD_HOLD_SECONDS, Rejection, Scheduler
 from gpufleet_engine.ttft_limit import DECREASE, WINDOW, TtftLimit, quantile, ttft_limit_for
 from tests.support.waiting import wait_for
 
@@ -133,12 +133,16 @@ STANDARD = QueueClass("standard", 2, 10.0)
 INTERACTIVE = QueueClass("interactive", 1, 10.0)
 
 
-def scheduler(ttft: TtftLimit | None, max_concurrency: int = 8) -> tuple[Scheduler, list[float]]:
+def scheduler(ttft: TtftLimit | None, max_concurrency: int = 8,
+              crowd: list[float] | None = None) -> tuple[Scheduler, list[float]]:
+    """A scheduler on a 1000-block pool; ``crowd``: the clients waiting to retry (default: 1000,
+    which at a block per request overfills the pool: the replica is overloaded)."""
     now = [0.0]
+    crowd = [1000.0] if crowd is None else crowd
     ledger = KvLedger(5)
     ledger.observe(KvSnapshot(1000, 0))
     s = Scheduler(ledger, MultiLevelQueue((INTERACTIVE, STANDARD), 5.0, 100), max_concurrency, 1.0,
-                  clock=lambda: now[0], ttft=ttft)
+                  clock=lambda: now[0], ttft=ttft, crowd=lambda: crowd[0])
     return s, now
 
 
@@ -192,3 +196,44 @@ async def test_without_the_control_the_limit_is_max_concurrency():
     g = await s.acquire(1, STANDARD)
     s.first_token(g, 10.0, 100)
     assert s.limit == 3
+
+
+async def late_window(s: Scheduler, grants: list, now: list[float]) -> None:
+    """A window of first tokens 0.5 s after dispatch, on a fast prefill: contention."""
+    assert s.ttft is not None
+    s.ttft.observe(0.01, 10_000, 1)
+    now[0] += 0.5
+    for g in (grants * 2)[:WINDOW]:
+        s.first_token(g, now[0], 100)
+
+
+async def test_at_a_load_the_pool_holds_the_control_does_not_act_however_late_the_first_tokens():
+    crowd = [0.0]
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=crowd)
+    grants = [await s.acquire(10, STANDARD) for _ in range(8)]   # 80 blocks of 949 usable
+    await late_window(s, grants, now)
+    assert not s.overloaded() and s.limit == 8 and s.ttft is not None and s.ttft.decreases == 0
+    # 80 clients refused and waiting to retry would still fit (80 + 80 × 10 = 880 blocks): vLLM
+    # alone would serve them all, so the guard does not trade them for latency.
+    crowd[0] = 80
+    await late_window(s, grants, now)
+    assert not s.overloaded() and s.limit == 8 and s.ttft.decreases == 0
+
+
+async def test_under_overload_the_control_acts_and_forgets_its_limit_once_the_crowd_is_gone():
+    crowd = [90.0]                            # 80 + 90 × 10 = 980 blocks asked of 949
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=crowd)
+    grants = [await s.acquire(10, STANDARD) for _ in range(8)]
+    await late_window(s, grants, now)
+    assert s.overloaded() and s.limit < 8 and s.ttft is not None and s.ttft.decreases == 1
+    # The clients it refused are part of the crowd: while they would overfill the pool, it holds.
+    assert s.limit == 3
+    for g in grants[3:]:
+        s.release(g)
+    crowd[0] = 95                             # the five it no longer runs wait to retry: 30 + 950
+    now[0] += OVERLOAD_HOLD_SECONDS
+    assert s.overloaded() and s.limit == 3
+    crowd[0] = 10
+    assert not s.overloaded() and s.limit == 3        # held a while: the crowd is a rate over seconds
+    now[0] += OVERLOAD_HOLD_SECONDS
+    assert s.limit == 8 and s.ttft.limit == 8         # the load that taught it has left
