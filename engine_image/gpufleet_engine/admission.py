@@ -120,6 +120,11 @@ class KvLedger:
         return watermark_blocks(self.total_blocks, self.watermark_percent)
 
     @property
+    def expected_blocks(self) -> int:
+        """Blocks the in-flight requests are expected to hold: their reservations, without the margin."""
+        return self._reserved_total
+
+    @property
     def reserved_blocks(self) -> int:
         """Blocks promised to in-flight requests: their reservations and the margin."""
         return self._reserved_total + self.margin()

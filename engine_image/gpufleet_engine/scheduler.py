@@ -93,7 +93,6 @@ class Scheduler:
         self.ttft = ttft
         # Clients cycling through refusals, waiting to retry (retry_hint.RetryAdvisor.crowd).
         self._crowd = crowd or (lambda: 0.0)
-        self._controlling = False   # whether the TTFT control acts (the replica is overloaded)
         self._overloaded_at: float | None = None
         self.queue = queue
         self.max_concurrency = max_concurrency
@@ -109,10 +108,11 @@ class Scheduler:
     def overloaded(self) -> bool:
         """Whether more is asked of this replica than its KV pool holds at once.
 
-        The demand is the requests in flight, those queued in the guard and
-        the clients cycling through refusals (retry_hint's crowd: refusal rate
-        × mean Retry-After, by Little's law), each at the mean reservation in
-        flight. When it is more than the pool less the watermark, vLLM alone
+        The demand is the requests in flight (their reservations, without the
+        ledger's margin: what they are expected to hold), those queued in the
+        guard and the clients cycling through refusals (retry_hint's crowd:
+        refusal rate × mean Retry-After, by Little's law), each at the mean
+        reservation in flight. When it is more than the pool less the watermark, vLLM alone
         would preempt, and some of it must be refused whatever the guard does.
         Refusals by the TTFT control keep their clients in the crowd, so they
         hold the gate open only while those clients would overfill the pool
@@ -120,27 +120,23 @@ class Scheduler:
         requests the control refused."""
         if not self.ledger.known or self.running == 0:
             return False
-        in_flight = self.ledger.reserved_blocks
+        in_flight = self.ledger.expected_blocks
         asking = len(self.queue) + self._crowd()
         return in_flight + asking * in_flight / self.running > self.ledger.capacity - self.ledger.watermark
 
     def _control_acts(self) -> bool:
         """Whether the TTFT control holds the limit now: only while the replica is overloaded, and
         for ``OVERLOAD_HOLD_SECONDS`` after. Below that, the guard admits what vLLM alone would
-        serve, as fast as it would; once the overload ends, the control forgets the limit it had
-        learned. The hold bridges the moments after the control cuts the limit: the requests it
-        stops running leave the pool at once, but their clients join the crowd only as they are
-        refused, and the crowd is a rate over seconds."""
+        serve, as fast as it would (the control only learns). The hold bridges the moments after
+        the control cuts the limit: the requests it stops running leave the pool at once, but
+        their clients join the crowd only as they are refused, and the crowd is a rate over
+        seconds."""
         if self.ttft is None:
             return False
         now = self._clock()
         if self.overloaded():
             self._overloaded_at = now
-        acting = self._overloaded_at is not None and now - self._overloaded_at < OVERLOAD_HOLD_SECONDS
-        if self._controlling and not acting:
-            self.ttft.reset()
-        self._controlling = acting
-        return acting
+        return self._overloaded_at is not None and now - self._overloaded_at < OVERLOAD_HOLD_SECONDS
 
     @property
     def limit(self) -> int:
@@ -150,10 +146,11 @@ class Scheduler:
         return min(self.max_concurrency, self.ttft.limit)
 
     def first_token(self, grant: Grant, now: float, prompt_tokens: int) -> None:
-        """A streamed request's first chunk arrived: a sample for the TTFT control, while it acts."""
-        if self.ttft is not None and self._control_acts():
+        """A streamed request's first chunk arrived: a sample for the TTFT control."""
+        if self.ttft is not None:
             before = self.ttft.limit
-            self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch, now)
+            self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch, now,
+                              acting=self._control_acts())
             if self.ttft.limit > before:
                 self.dispatch()
             elif self.ttft.limit != before:

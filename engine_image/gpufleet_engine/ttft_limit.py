@@ -18,10 +18,12 @@ multiplicative decrease; Netflix's concurrency-limits do the same for RPC):
   guard;
 - every ``window`` samples, the window's 90th percentile is compared with
   the engine's share of the objective (``ENGINE_SHARE`` x slo.ttftP99Seconds):
-  over it, the limit drops to ``DECREASE`` x the requests that were running
-  (at least ``floor``); under half of it while the limit was reached, the
-  limit grows by a quarter (at least one), so a limit cut during a burst
-  recovers within a few windows;
+  over it, the limit drops to the requests that were running times
+  ``DECREASE``, or times target / p90 when the first tokens came later than
+  that (at least ``DEEPEST_CUT``, and at least ``floor``), so a limit far above
+  what the engine starts in time converges in a few windows; under half of it
+  while the limit was reached, the limit grows by a quarter (at least one), so
+  a limit cut during a burst recovers within a few windows;
 - after ``IDLE_RESET_SECONDS`` without a sample the limit starts over at the
   ceiling: what was learned under an old load says little about the next;
 - a request whose own prefill takes half the objective says nothing about
@@ -33,7 +35,10 @@ multiplicative decrease; Netflix's concurrency-limits do the same for RPC):
 The limit acts only while the replica is overloaded (``Scheduler.overloaded``:
 more asked of it than its KV pool holds at once, where vLLM alone would
 preempt); below that the guard admits what vLLM alone would serve, as fast
-as it would, and this control is reset and learns nothing.
+as it would. The control keeps learning meanwhile, from what ran unheld
+(``observe(acting=False)``), so that the limit is right from the first
+moment of an overload instead of descending from the ceiling through the
+overload's first hundreds of requests.
 
 Requests over the limit wait in the guard's queue, but only as long as the
 objective leaves (``QUEUE_SHARE`` of it): ``wait_budget`` bounds the wait the
@@ -51,7 +56,8 @@ from .contract.guard_config import GuardConfig
 
 ENGINE_SHARE = 0.6    # of the TTFT objective, for the engine's time to first token (window p90)
 QUEUE_SHARE = 0.3     # of the TTFT objective, for the wait in the guard's queue
-DECREASE = 0.8        # the limit after a window over the engine's share, times the requests running
+DECREASE = 0.8        # the limit after a window over the engine's share, times the requests running,
+DEEPEST_CUT = 0.5     # ...or less in proportion to how late first tokens came, down to this share
 QUANTILE = 0.9        # of each window's samples
 WINDOW = 16           # samples per decision
 PACE_WEIGHT = 0.1     # of the newest interval in the moving mean of intervals between freed slots
@@ -110,9 +116,13 @@ class TtftLimit:
         self.limit = self.ceiling
         self._samples.clear()
 
-    def observe(self, engine_ttft: float, prompt_tokens: int, running: int, now: float | None = None) -> None:
+    def observe(self, engine_ttft: float, prompt_tokens: int, running: int, now: float | None = None,
+                acting: bool = True) -> None:
         """One streamed request's first token, ``engine_ttft`` seconds after its dispatch, with
-        ``running`` requests in vLLM when it was dispatched (itself included), at ``now``."""
+        ``running`` requests in vLLM when it was dispatched (itself included), at ``now``.
+        ``acting``: whether the limit held the requests back (else it only learns: a window
+        over the target sets it to the share of what ran, one within the target raises it to
+        what ran, so that it is ready when the replica is overloaded)."""
         if now is not None:
             if self._last_sample is not None and now - self._last_sample > IDLE_RESET_SECONDS:
                 self.reset()
@@ -128,11 +138,20 @@ class TtftLimit:
         mean_running = sum(r for _, r in self._samples) / len(self._samples)
         self._samples.clear()
         if high > self.engine_target:
-            new = max(self.floor, min(self.limit - 1, math.floor(DECREASE * min(self.limit, mean_running))))
-            if new < self.limit:
-                self.limit = new
+            # First tokens come later the more requests run: cut in proportion to how late they
+            # came (at least to DECREASE, at most to DEEPEST_CUT of what ran in one window).
+            cut = max(DEEPEST_CUT, min(DECREASE, self.engine_target / high))
+            ran = min(self.limit, mean_running) if acting else mean_running
+            new = max(self.floor, min(self.ceiling, math.floor(cut * ran + 1e-9)))
+            if new < self.limit and acting:
                 self.decreases += 1
-        elif high < self.engine_target / 2 and mean_running >= self.limit - 1 and self.limit < self.ceiling:
+            if new < self.limit or not acting:
+                self.limit = new
+            return
+        if not acting:
+            # This many ran, the limit not holding them, and started in time: allow as many.
+            self.limit = max(self.limit, min(self.ceiling, math.floor(mean_running)))
+        if high < self.engine_target / 2 and mean_running >= self.limit - 1 and self.limit < self.ceiling:
             self.limit = min(self.ceiling, self.limit + max(1, math.floor(GROWTH * self.limit)))
             self.increases += 1
 

@@ -12,15 +12,15 @@ from gpufleet_engine.contract.guard_config import QueueClass
 from gpufleet_engine.contract.guard_metrics import SHED_REASONS, Reason
 from gpufleet_engine.queues import MultiLevelQueue
 from gpufleet_engine.scheduler import OVERLOAD_HOLD_SECONDS, Rejection, Scheduler
-from gpufleet_engine.ttft_limit import DECREASE, WINDOW, TtftLimit, quantile, ttft_limit_for
+from gpufleet_engine.ttft_limit import DECREASE, DEEPEST_CUT, WINDOW, TtftLimit, quantile, ttft_limit_for
 from tests.support.waiting import wait_for
 
 OBJECTIVE = 0.5  # seconds: the engine's share is 0.3 s
 
 
-def window(limit: TtftLimit, seconds: float, running: int, prompt: int = 100) -> None:
+def window(limit: TtftLimit, seconds: float, running: int, prompt: int = 100, acting: bool = True) -> None:
     for _ in range(WINDOW):
-        limit.observe(seconds, prompt, running)
+        limit.observe(seconds, prompt, running, acting=acting)
 
 
 def test_quantile_is_nearest_rank():
@@ -34,11 +34,27 @@ def test_starts_at_the_ceiling_and_cuts_to_a_share_of_what_ran_when_first_tokens
     assert limit.limit == 64
     window(limit, 0.05, running=40)          # fast: 40 running is fine, and the limit was not reached
     assert limit.limit == 64 and limit.increases == 0
-    # A baseline for the prompt size is set by the fast samples; now 40 running start too late.
-    window(limit, 0.45, running=40)
+    # A baseline for the prompt size is set by the fast samples; now 40 running start a little late.
+    window(limit, 0.33, running=40)
     assert limit.limit == math.floor(DECREASE * 40) == 32 and limit.decreases == 1
+    # Much later than the target (0.3 s): cut in proportion, 0.3 / 0.45 of what ran...
     window(limit, 0.45, running=32)
-    assert limit.limit == math.floor(DECREASE * 32)
+    assert limit.limit == math.floor(32 * 0.3 / 0.45) == 21
+    # ...but never below DEEPEST_CUT of it in one window, whatever one stall did.
+    window(limit, 5.0, running=21)
+    assert limit.limit == math.floor(DEEPEST_CUT * 21) == 10 and limit.decreases == 3
+
+
+def test_while_it_does_not_act_the_limit_learns_what_the_engine_starts_in_time():
+    limit = TtftLimit(OBJECTIVE, 64)
+    limit.observe(0.01, 10_000, 1, acting=False)     # prefill is fast: late first tokens are contention
+    window(limit, 0.45, running=40, acting=False)    # 40 ran, unheld, and started late
+    ran = (1 + 15 * 40) / 16                         # the fast sample shares the window
+    assert limit.limit == math.floor(ran * 0.3 / 0.45) == 25 and limit.decreases == 0
+    window(limit, 0.4, running=40, acting=False)     # a better estimate may be higher: it follows
+    assert limit.limit == math.floor(40 * 0.3 / 0.4) == 30
+    window(limit, 0.05, running=36, acting=False)    # 36 ran in time: at least 36, and a quarter more
+    assert limit.limit == 36 + 9
 
 
 def test_grows_by_a_quarter_per_fast_window_only_while_the_limit_is_reached():
@@ -84,7 +100,7 @@ def test_long_prompts_whose_own_prefill_takes_half_the_objective_do_not_throttle
     # Short prompts that start late still count: at 100k tokens/s their prefill is nothing.
     window(limit, 0.01, running=1, prompt=50)
     window(limit, 0.6, running=50, prompt=50)
-    assert limit.limit == 40
+    assert limit.limit == math.floor(DEEPEST_CUT * 50) == 25    # twice the 0.3 s target
 
 
 def test_the_predicted_wait_comes_from_busy_stretches_only():
@@ -152,7 +168,7 @@ async def test_late_first_tokens_lower_the_scheduler_limit_and_the_excess_waits_
     assert s.limit == 8 and [g.running_at_dispatch for g in grants] == list(range(1, 9))
     assert s.ttft is not None
     s.ttft.observe(0.01, 10_000, 1)          # prefill is fast here: late first tokens are contention
-    now[0] = 0.5                              # every first token came 0.5 s after dispatch
+    now[0] = 0.36                             # every first token came 0.36 s after dispatch
     for g in (grants * 2)[:WINDOW - 1]:
         s.first_token(g, now[0], 100)
     ran = (1 + sum(g.running_at_dispatch for g in (grants * 2)[:WINDOW - 1])) / WINDOW
@@ -207,33 +223,35 @@ async def late_window(s: Scheduler, grants: list, now: list[float]) -> None:
         s.first_token(g, now[0], 100)
 
 
-async def test_at_a_load_the_pool_holds_the_control_does_not_act_however_late_the_first_tokens():
+async def test_at_a_load_the_pool_holds_the_control_only_learns_however_late_the_first_tokens():
     crowd = [0.0]
     s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=crowd)
     grants = [await s.acquire(10, STANDARD) for _ in range(8)]   # 80 blocks of 949 usable
     await late_window(s, grants, now)
-    assert not s.overloaded() and s.limit == 8 and s.ttft is not None and s.ttft.decreases == 0
+    assert not s.overloaded() and s.limit == 8
+    assert s.ttft is not None and s.ttft.limit == math.floor(0.6 * 4.5) and s.ttft.decreases == 0
     # 80 clients refused and waiting to retry would still fit (80 + 80 × 10 = 880 blocks): vLLM
     # alone would serve them all, so the guard does not trade them for latency.
     crowd[0] = 80
     await late_window(s, grants, now)
-    assert not s.overloaded() and s.limit == 8 and s.ttft.decreases == 0
+    assert not s.overloaded() and s.limit == 8
 
 
-async def test_under_overload_the_control_acts_and_forgets_its_limit_once_the_crowd_is_gone():
-    crowd = [90.0]                            # 80 + 90 × 10 = 980 blocks asked of 949
+async def test_under_overload_the_control_acts_at_once_with_what_it_learned_until_the_crowd_is_gone():
+    crowd = [0.0]
     s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=crowd)
     grants = [await s.acquire(10, STANDARD) for _ in range(8)]
-    await late_window(s, grants, now)
-    assert s.overloaded() and s.limit < 8 and s.ttft is not None and s.ttft.decreases == 1
-    # The clients it refused are part of the crowd: while they would overfill the pool, it holds.
-    assert s.limit == 3
-    for g in grants[3:]:
+    await late_window(s, grants, now)                 # learned, not acting: 2
+    assert s.limit == 8 and s.ttft is not None and s.ttft.limit == 2
+    crowd[0] = 90                                     # 80 + 90 × 10 = 980 blocks asked of 949
+    assert s.overloaded() and s.limit == 2            # from the first moment, not after windows
+    for g in grants[2:]:
         s.release(g)
-    crowd[0] = 95                             # the five it no longer runs wait to retry: 30 + 950
+    # The clients it refused are part of the crowd: while they would overfill the pool, it holds.
+    crowd[0] = 96                                     # 20 + 960
     now[0] += OVERLOAD_HOLD_SECONDS
-    assert s.overloaded() and s.limit == 3
+    assert s.overloaded() and s.limit == 2
     crowd[0] = 10
-    assert not s.overloaded() and s.limit == 3        # held a while: the crowd is a rate over seconds
+    assert not s.overloaded() and s.limit == 2        # held a while: the crowd is a rate over seconds
     now[0] += OVERLOAD_HOLD_SECONDS
-    assert s.limit == 8 and s.ttft.limit == 8         # the load that taught it has left
+    assert s.limit == 8 and s.ttft.limit == 2         # no longer acting; what it learned stays
