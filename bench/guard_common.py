@@ -165,6 +165,7 @@ class Attempt:
     e2e: float | None = None
     tokens: int = 0
     retry_after: bool = False
+    sent: float = 0.0                # time.perf_counter() when it was sent
 
 
 @dataclass
@@ -238,7 +239,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict,
                     delay = float(hint_s)
                 else:  # no hint (vLLM's own 503): back off ~1 s with jitter, like the OpenAI clients
                     delay = random.uniform(0.5, 1.5)
-                return Attempt(r.status, retry_after=bool(hint_s or hint_ms)), delay
+                return Attempt(r.status, retry_after=bool(hint_s or hint_ms), sent=sent), delay
             first = None
             tokens = 0
             async for chunk in r.content.iter_any():
@@ -250,9 +251,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict,
                         if usage:
                             tokens = usage["completion_tokens"]
             done = time.perf_counter()
-            return Attempt(200, ttft=first - sent, e2e=done - sent, tokens=tokens), 0.0
+            return Attempt(200, ttft=first - sent, e2e=done - sent, tokens=tokens, sent=sent), 0.0
     except aiohttp.ClientError:
-        return Attempt(0), random.uniform(0.5, 1.5)
+        return Attempt(0, sent=sent), random.uniform(0.5, 1.5)
 
 
 class RunWindow:

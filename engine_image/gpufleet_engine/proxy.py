@@ -326,7 +326,8 @@ class Guard:
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
                 cost = prepared.block_cost(self.block_size, reservation.output)
-                grant = await self.scheduler.acquire(cost, queue_class, self._block_variance(reservation))
+                grant = await self.scheduler.acquire(cost, queue_class, self._block_variance(reservation),
+                                                     streaming=prepared.stream)
                 self.retry.admitted()
                 try:
                     return await exchange.forward(raw, route, grant)

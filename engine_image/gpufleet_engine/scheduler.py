@@ -75,12 +75,14 @@ class Grant:
     queued_seconds: float
     dispatched_at: float = 0.0
     running_at_dispatch: int = 1   # requests in vLLM once this one was dispatched, itself included
+    starting: bool = False         # a streamed request whose first token has not come back yet
 
 
 @dataclass(eq=False)
 class _Waiter:
     cost: int
     variance: float
+    streaming: bool
     future: asyncio.Future
 
 
@@ -100,6 +102,7 @@ class Scheduler:
         self._clock = clock
         self._on_change = on_change or (lambda: None)
         self.running = 0
+        self.starting = 0   # streamed requests dispatched whose first token has not come back yet
         self._held_by_level: dict[int, int] = {}  # blocks reserved by running requests, by class level
         self.aging_seconds = aging_seconds
         # Per class: when its refusals began, if none of its requests was admitted since.
@@ -146,15 +149,29 @@ class Scheduler:
         return min(self.max_concurrency, self.ttft.limit)
 
     def first_token(self, grant: Grant, now: float, prompt_tokens: int) -> None:
-        """A streamed request's first chunk arrived: a sample for the TTFT control."""
+        """A streamed request's first chunk arrived: a sample for the TTFT control, and one
+        request fewer starting."""
+        started = grant.starting
+        if started:
+            grant.starting = False
+            self.starting -= 1
         if self.ttft is not None:
             before = self.ttft.limit
             self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch, now,
                               acting=self._control_acts())
-            if self.ttft.limit > before:
+            if started or self.ttft.limit > before:
                 self.dispatch()
             elif self.ttft.limit != before:
                 self._on_change()
+
+    def _may_start(self) -> bool:
+        """Whether one more request may start now. However many the pool and max_concurrency
+        allow, no more streamed requests start at once (dispatched, first token not back) than
+        the TTFT control's learned limit: a burst of arrivals (a batch job, a failover) would
+        otherwise prefill together, and every one of them would start late. At a steady load
+        the requests starting at once are few and this never holds one back for long; it is
+        what shows an overload in its first moment, as a queue."""
+        return self.ttft is None or self.starting < self.ttft.limit
 
     def _ahead(self, level: int) -> int:
         return sum(self.queue.depth(c.name) for c in self._classes_at_or_above(level))
@@ -168,6 +185,10 @@ class Scheduler:
         wait = self.ttft.predicted_wait(self._ahead(level))
         if wait <= self.ttft.wait_budget:
             return None
+        return self._ttft_refusal(wait)
+
+    def _ttft_refusal(self, wait: float) -> Rejection:
+        assert self.ttft is not None
         predicted = "no slot has freed yet" if math.isinf(wait) else f"the wait for a slot would be {wait:.2f}s"
         return Rejection(
             Reason.TTFT_LIMIT, 429,
@@ -233,8 +254,10 @@ class Scheduler:
     def _classes_at_or_above(self, level: int) -> list[QueueClass]:
         return [c for c in self.queue.classes if c.level <= level]
 
-    def _grant(self, cost: int, variance: float, queue_class: QueueClass, queued_seconds: float) -> Grant:
-        grant = Grant(cost, queue_class, queued_seconds, self._clock(), self.running + 1)
+    def _grant(self, cost: int, variance: float, streaming: bool, queue_class: QueueClass,
+               queued_seconds: float) -> Grant:
+        grant = Grant(cost, queue_class, queued_seconds, self._clock(), self.running + 1, streaming)
+        self.starting += streaming
         self.ledger.try_admit(grant, cost, variance)  # evaluated just before, nothing ran in between
         self.running += 1
         level = queue_class.level
@@ -252,8 +275,10 @@ class Scheduler:
         level = grant.queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) + blocks
 
-    async def acquire(self, cost: int, queue_class: QueueClass, variance: float = 0.0) -> Grant:
-        """A grant for a request of ``cost`` blocks (``variance`` blocks² around them)."""
+    async def acquire(self, cost: int, queue_class: QueueClass, variance: float = 0.0,
+                      streaming: bool = False) -> Grant:
+        """A grant for a request of ``cost`` blocks (``variance`` blocks² around them);
+        ``streaming``: its first token will be reported (``first_token``)."""
         arrived = self._clock()
         decision = self.ledger.evaluate(cost, variance)
         starving = self._starving(queue_class, arrived)
@@ -261,8 +286,8 @@ class Scheduler:
                                                                   starving=starving):
             self._refused_since.setdefault(queue_class.name, arrived)
             raise self._kv_rejection(decision)
-        if decision.admitted and self.running < self.limit and len(self.queue) == 0:
-            grant = self._grant(cost, variance, queue_class, 0.0)
+        if decision.admitted and self.running < self.limit and self._may_start() and len(self.queue) == 0:
+            grant = self._grant(cost, variance, streaming, queue_class, 0.0)
             self._on_change()
             return grant
         if decision.admitted:
@@ -273,7 +298,7 @@ class Scheduler:
             # Aging counts from the class's first refusal: it has waited that long, in retries.
             arrived = self._refused_since[queue_class.name]
 
-        waiter = _Waiter(cost, variance, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(cost, variance, streaming, asyncio.get_running_loop().create_future())
         try:
             entry = self.queue.push(waiter, queue_class.name, arrived)
         except QueueFull as e:
@@ -307,6 +332,9 @@ class Scheduler:
             self.ttft.released(self._clock(), busy=self.running >= self.limit or len(self.queue) > 0)
         self.ledger.release(grant)
         self.running -= 1
+        if grant.starting:
+            grant.starting = False
+            self.starting -= 1
         level = grant.queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) - grant.cost
         self.dispatch()
@@ -319,7 +347,7 @@ class Scheduler:
         behind it waits for the next release; when waiting cannot help, it is
         refused and the next one is tried."""
         changed = False
-        while self.running < self.limit:
+        while self.running < self.limit and self._may_start():
             now = self._clock()
             entry = self.queue.peek(now)
             if entry is None:
@@ -341,7 +369,28 @@ class Scheduler:
                 continue
             self.queue.pop(now)
             changed = True
-            waiter.future.set_result(self._grant(waiter.cost, waiter.variance, entry.queue_class,
-                                                 entry.waited(now)))
+            waiter.future.set_result(self._grant(waiter.cost, waiter.variance, waiter.streaming,
+                                                 entry.queue_class, entry.waited(now)))
+        changed = self._shed_late() or changed
         if changed:
             self._on_change()
+
+    def _shed_late(self) -> bool:
+        """Under the TTFT control, refuse the queued requests that would wait for a slot longer
+        than the objective leaves (the newcomers are refused on arrival; these were queued
+        before the control held them back, e.g. by a burst). True if any was refused."""
+        if self.ttft is None or self.running < self.limit or self.limit >= self.max_concurrency:
+            return False
+        now = self._clock()
+        shed = False
+        kept = 0
+        for entry in self.queue.ordered(now):
+            wait = self.ttft.predicted_wait(kept)
+            if wait <= self.ttft.wait_budget:
+                kept += 1
+                continue
+            self.queue.remove(entry)
+            if not entry.item.future.done():
+                entry.item.future.set_exception(self._ttft_refusal(wait))
+            shed = True
+        return shed

@@ -255,3 +255,36 @@ async def test_under_overload_the_control_acts_at_once_with_what_it_learned_unti
     assert not s.overloaded() and s.limit == 2        # held a while: the crowd is a rate over seconds
     now[0] += OVERLOAD_HOLD_SECONDS
     assert s.limit == 8 and s.ttft.limit == 2         # no longer acting; what it learned stays
+
+
+async def test_a_burst_starts_no_more_streams_at_once_than_the_learned_limit_and_the_rest_queue():
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8, limit=2), crowd=[0.0])
+    first = [await s.acquire(1, STANDARD, streaming=True) for _ in range(2)]
+    assert s.starting == 2 and s.limit == 8               # not overloaded: the limit does not hold
+    third = asyncio.create_task(s.acquire(1, STANDARD, streaming=True))
+    await wait_for(lambda: len(s.queue) == 1, timeout=2, interval=0, what="the third queued")
+    s.first_token(first[0], now[0] + 0.01, 100)            # one has started: the next may
+    g = await third
+    assert s.running == 3 and s.starting == 2 and g.starting
+    s.release(first[1])                                    # ended before its first token
+    assert s.starting == 1
+    # Requests that do not stream are not watched, so they never count as starting.
+    plain = await s.acquire(1, STANDARD)
+    assert not plain.starting and s.starting == 1
+
+
+async def test_under_the_control_requests_queued_by_a_burst_that_would_wait_too_long_are_refused():
+    crowd = [0.0]
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8, limit=2), crowd=crowd)
+    first = [await s.acquire(1, STANDARD, streaming=True) for _ in range(2)]
+    queued = [asyncio.create_task(s.acquire(1, STANDARD, streaming=True)) for _ in range(3)]
+    await wait_for(lambda: len(s.queue) == 3, timeout=2, interval=0, what="three queued")
+    crowd[0] = 2000                                        # the burst was the start of an overload
+    s.first_token(first[0], now[0] + 0.01, 100)
+    # Two run, as many as the limit; no slot has freed yet, so only the head may wait for one.
+    await wait_for(lambda: sum(t.done() for t in queued) == 2, timeout=2, interval=0, what="two refused")
+    refused = [t.exception() for t in queued if t.done()]
+    assert all(isinstance(e, Rejection) and e.reason == Reason.TTFT_LIMIT for e in refused)
+    assert len(s.queue) == 1 and s.running == 2
+    s.release(first[1])
+    assert s.running == 2 and len(s.queue) == 0            # the head got the freed slot
