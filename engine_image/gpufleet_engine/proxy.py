@@ -327,7 +327,8 @@ class Guard:
             async with asyncio.timeout(self.config.request_timeout_seconds):
                 cost = prepared.block_cost(self.block_size, reservation.output)
                 grant = await self.scheduler.acquire(cost, queue_class, self._block_variance(reservation),
-                                                     streaming=prepared.stream)
+                                                     start_tokens=prepared.total_prompt_tokens
+                                                     if prepared.stream else 0)
                 self.retry.admitted()
                 try:
                     return await exchange.forward(raw, route, grant)

@@ -35,6 +35,7 @@ gets 429 at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from .contract.guard_config import QueueClass
 from .contract.guard_metrics import Reason
 from .queues import Entry, MultiLevelQueue, QueueFull
 from .ttft_limit import TtftLimit
+
+log = logging.getLogger("gpufleet_engine.scheduler")
 
 # A request waits for blocks held by lower classes only when it needs more than
 # this many times the mean reservation of the running requests.
@@ -75,14 +78,14 @@ class Grant:
     queued_seconds: float
     dispatched_at: float = 0.0
     running_at_dispatch: int = 1   # requests in vLLM once this one was dispatched, itself included
-    starting: bool = False         # a streamed request whose first token has not come back yet
+    start_tokens: int = 0          # a streamed request's prompt tokens until its first token comes back
 
 
 @dataclass(eq=False)
 class _Waiter:
     cost: int
     variance: float
-    streaming: bool
+    start_tokens: int
     future: asyncio.Future
 
 
@@ -96,13 +99,16 @@ class Scheduler:
         # Clients cycling through refusals, waiting to retry (retry_hint.RetryAdvisor.crowd).
         self._crowd = crowd or (lambda: 0.0)
         self._overloaded_at: float | None = None
+        self._acting = False
         self.queue = queue
         self.max_concurrency = max_concurrency
         self.retry_after = retry_after_seconds
         self._clock = clock
         self._on_change = on_change or (lambda: None)
         self.running = 0
-        self.starting = 0   # streamed requests dispatched whose first token has not come back yet
+        # Streamed requests dispatched whose first token has not come back yet, and their prompt tokens.
+        self.starting = 0
+        self.starting_tokens = 0
         self._held_by_level: dict[int, int] = {}  # blocks reserved by running requests, by class level
         self.aging_seconds = aging_seconds
         # Per class: when its refusals began, if none of its requests was admitted since.
@@ -115,8 +121,9 @@ class Scheduler:
         ledger's margin: what they are expected to hold), those queued in the
         guard and the clients cycling through refusals (retry_hint's crowd:
         refusal rate × mean Retry-After, by Little's law), each at the mean
-        reservation in flight. When it is more than the pool less the watermark, vLLM alone
-        would preempt, and some of it must be refused whatever the guard does.
+        reservation in flight. When it is more than the pool less the watermark, and at
+        least one client is waiting, vLLM alone would preempt, and some of it must be refused
+        whatever the guard does.
         Refusals by the TTFT control keep their clients in the crowd, so they
         hold the gate open only while those clients would overfill the pool
         anyway: at a load the pool holds, the gate closes however many
@@ -125,6 +132,8 @@ class Scheduler:
             return False
         in_flight = self.ledger.expected_blocks
         asking = len(self.queue) + self._crowd()
+        if asking < 1:
+            return False  # a full pool with no one waiting is a pool well used
         return in_flight + asking * in_flight / self.running > self.ledger.capacity - self.ledger.watermark
 
     def _control_acts(self) -> bool:
@@ -138,8 +147,17 @@ class Scheduler:
             return False
         now = self._clock()
         if self.overloaded():
+            if not self._acting:
+                log.info("overloaded: the TTFT control acts (limit %d): %d blocks expected in flight for %d "
+                         "requests, %d queued, %.1f clients waiting to retry; %d usable blocks",
+                         self.ttft.limit, self.ledger.expected_blocks, self.running, len(self.queue),
+                         self._crowd(), self.ledger.capacity - self.ledger.watermark)
             self._overloaded_at = now
-        return self._overloaded_at is not None and now - self._overloaded_at < OVERLOAD_HOLD_SECONDS
+        acting = self._overloaded_at is not None and now - self._overloaded_at < OVERLOAD_HOLD_SECONDS
+        if self._acting and not acting:
+            log.info("no longer overloaded: the TTFT control stops acting (learned limit %d)", self.ttft.limit)
+        self._acting = acting
+        return acting
 
     @property
     def limit(self) -> int:
@@ -151,27 +169,36 @@ class Scheduler:
     def first_token(self, grant: Grant, now: float, prompt_tokens: int) -> None:
         """A streamed request's first chunk arrived: a sample for the TTFT control, and one
         request fewer starting."""
-        started = grant.starting
-        if started:
-            grant.starting = False
-            self.starting -= 1
+        started = self._started(grant)
         if self.ttft is not None:
             before = self.ttft.limit
-            self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch, now,
+            self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch,
                               acting=self._control_acts())
             if started or self.ttft.limit > before:
                 self.dispatch()
             elif self.ttft.limit != before:
                 self._on_change()
 
-    def _may_start(self) -> bool:
-        """Whether one more request may start now. However many the pool and max_concurrency
-        allow, no more streamed requests start at once (dispatched, first token not back) than
-        the TTFT control's learned limit: a burst of arrivals (a batch job, a failover) would
-        otherwise prefill together, and every one of them would start late. At a steady load
-        the requests starting at once are few and this never holds one back for long; it is
-        what shows an overload in its first moment, as a queue."""
-        return self.ttft is None or self.starting < self.ttft.limit
+    def _started(self, grant: Grant) -> bool:
+        """``grant`` is no longer starting (its first token came, or it ended); True if it was."""
+        if not grant.start_tokens:
+            return False
+        self.starting -= 1
+        self.starting_tokens -= grant.start_tokens
+        grant.start_tokens = 0
+        return True
+
+    def _may_start(self, prompt_tokens: int) -> bool:
+        """Whether a request of ``prompt_tokens`` may start now. However many the pool and
+        max_concurrency allow, the streamed requests starting at once (dispatched, first token
+        not back) hold no more prompt tokens than the engine prefills in the TTFT objective's
+        engine share (``TtftLimit.start_budget``); one may always start. A burst of arrivals (a
+        batch job, a failover) would otherwise prefill together, and every one of them would
+        start late. At a steady load few requests start at once and this rarely holds one back,
+        and not for long; in an overload's first moment it is what shows it, as a queue."""
+        if self.ttft is None or self.starting == 0:
+            return True
+        return self.starting_tokens + prompt_tokens <= self.ttft.start_budget
 
     def _ahead(self, level: int) -> int:
         return sum(self.queue.depth(c.name) for c in self._classes_at_or_above(level))
@@ -254,10 +281,12 @@ class Scheduler:
     def _classes_at_or_above(self, level: int) -> list[QueueClass]:
         return [c for c in self.queue.classes if c.level <= level]
 
-    def _grant(self, cost: int, variance: float, streaming: bool, queue_class: QueueClass,
+    def _grant(self, cost: int, variance: float, start_tokens: int, queue_class: QueueClass,
                queued_seconds: float) -> Grant:
-        grant = Grant(cost, queue_class, queued_seconds, self._clock(), self.running + 1, streaming)
-        self.starting += streaming
+        grant = Grant(cost, queue_class, queued_seconds, self._clock(), self.running + 1, start_tokens)
+        if start_tokens:
+            self.starting += 1
+            self.starting_tokens += start_tokens
         self.ledger.try_admit(grant, cost, variance)  # evaluated just before, nothing ran in between
         self.running += 1
         level = queue_class.level
@@ -276,9 +305,10 @@ class Scheduler:
         self._held_by_level[level] = self._held_by_level.get(level, 0) + blocks
 
     async def acquire(self, cost: int, queue_class: QueueClass, variance: float = 0.0,
-                      streaming: bool = False) -> Grant:
+                      start_tokens: int = 0) -> Grant:
         """A grant for a request of ``cost`` blocks (``variance`` blocks² around them);
-        ``streaming``: its first token will be reported (``first_token``)."""
+        ``start_tokens``: its prompt tokens, if it streams (its first token will be reported,
+        ``first_token``); 0 if it does not."""
         arrived = self._clock()
         decision = self.ledger.evaluate(cost, variance)
         starving = self._starving(queue_class, arrived)
@@ -286,8 +316,9 @@ class Scheduler:
                                                                   starving=starving):
             self._refused_since.setdefault(queue_class.name, arrived)
             raise self._kv_rejection(decision)
-        if decision.admitted and self.running < self.limit and self._may_start() and len(self.queue) == 0:
-            grant = self._grant(cost, variance, streaming, queue_class, 0.0)
+        if (decision.admitted and self.running < self.limit and self._may_start(start_tokens)
+                and len(self.queue) == 0):
+            grant = self._grant(cost, variance, start_tokens, queue_class, 0.0)
             self._on_change()
             return grant
         if decision.admitted:
@@ -298,7 +329,7 @@ class Scheduler:
             # Aging counts from the class's first refusal: it has waited that long, in retries.
             arrived = self._refused_since[queue_class.name]
 
-        waiter = _Waiter(cost, variance, streaming, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(cost, variance, start_tokens, asyncio.get_running_loop().create_future())
         try:
             entry = self.queue.push(waiter, queue_class.name, arrived)
         except QueueFull as e:
@@ -332,9 +363,7 @@ class Scheduler:
             self.ttft.released(self._clock(), busy=self.running >= self.limit or len(self.queue) > 0)
         self.ledger.release(grant)
         self.running -= 1
-        if grant.starting:
-            grant.starting = False
-            self.starting -= 1
+        self._started(grant)
         level = grant.queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) - grant.cost
         self.dispatch()
@@ -347,7 +376,7 @@ class Scheduler:
         behind it waits for the next release; when waiting cannot help, it is
         refused and the next one is tried."""
         changed = False
-        while self.running < self.limit and self._may_start():
+        while self.running < self.limit:
             now = self._clock()
             entry = self.queue.peek(now)
             if entry is None:
@@ -367,9 +396,11 @@ class Scheduler:
                 self._refused_since.setdefault(entry.queue_class.name, now)
                 waiter.future.set_exception(self._kv_rejection(decision))
                 continue
+            if not self._may_start(waiter.start_tokens):
+                break  # a request starting returns its first token soon: the head waits for it
             self.queue.pop(now)
             changed = True
-            waiter.future.set_result(self._grant(waiter.cost, waiter.variance, waiter.streaming,
+            waiter.future.set_result(self._grant(waiter.cost, waiter.variance, waiter.start_tokens,
                                                  entry.queue_class, entry.waited(now)))
         changed = self._shed_late() or changed
         if changed:

@@ -24,8 +24,6 @@ multiplicative decrease; Netflix's concurrency-limits do the same for RPC):
   what the engine starts in time converges in a few windows; under half of it
   while the limit was reached, the limit grows by a quarter (at least one), so
   a limit cut during a burst recovers within a few windows;
-- after ``IDLE_RESET_SECONDS`` without a sample the limit starts over at the
-  ceiling: what was learned under an old load says little about the next;
 - a request whose own prefill takes half the objective says nothing about
   contention and is left out, so a fleet serving long prompts is not
   throttled for their length. Its own prefill is estimated from the best
@@ -62,7 +60,6 @@ QUANTILE = 0.9        # of each window's samples
 WINDOW = 16           # samples per decision
 PACE_WEIGHT = 0.1     # of the newest interval in the moving mean of intervals between freed slots
 GROWTH = 0.25         # of the limit, added after a fast window in which the limit was reached
-IDLE_RESET_SECONDS = 60.0
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -84,7 +81,6 @@ class TtftLimit:
     _best_rate: float = 0.0     # prompt tokens per second of engine TTFT, the most seen
     _last_release: float | None = None
     _pace: float | None = None  # moving mean of seconds between freed slots
-    _last_sample: float | None = None
 
     def __post_init__(self) -> None:
         if self.objective_seconds <= 0:
@@ -96,6 +92,13 @@ class TtftLimit:
     @property
     def engine_target(self) -> float:
         return ENGINE_SHARE * self.objective_seconds
+
+    @property
+    def start_budget(self) -> float:
+        """Prompt tokens that may be starting at once (dispatched, first token not back): what
+        the engine prefills in its share of the objective at the best rate seen; unbounded
+        until a first token was seen."""
+        return self._best_rate * self.engine_target if self._best_rate else math.inf
 
     @property
     def wait_budget(self) -> float:
@@ -111,22 +114,12 @@ class TtftLimit:
         self.limit = self.ceiling if unheld else max(self.floor, min(self.limit, self.ceiling))
         self._samples.clear()
 
-    def reset(self) -> None:
-        """Start over at the ceiling (the load that taught the limit is gone)."""
-        self.limit = self.ceiling
-        self._samples.clear()
-
-    def observe(self, engine_ttft: float, prompt_tokens: int, running: int, now: float | None = None,
-                acting: bool = True) -> None:
+    def observe(self, engine_ttft: float, prompt_tokens: int, running: int, acting: bool = True) -> None:
         """One streamed request's first token, ``engine_ttft`` seconds after its dispatch, with
-        ``running`` requests in vLLM when it was dispatched (itself included), at ``now``.
+        ``running`` requests in vLLM when it was dispatched (itself included).
         ``acting``: whether the limit held the requests back (else it only learns: a window
         over the target sets it to the share of what ran, one within the target raises it to
         what ran, so that it is ready when the replica is overloaded)."""
-        if now is not None:
-            if self._last_sample is not None and now - self._last_sample > IDLE_RESET_SECONDS:
-                self.reset()
-            self._last_sample = now
         tokens = max(1, prompt_tokens)
         self._best_rate = max(self._best_rate, tokens / max(engine_ttft, 1e-6))
         if tokens / self._best_rate >= self.objective_seconds / 2:

@@ -71,13 +71,11 @@ def test_grows_by_a_quarter_per_fast_window_only_while_the_limit_is_reached():
     assert limit.limit == 15
 
 
-def test_after_an_idle_minute_the_limit_starts_over_at_the_ceiling():
+def test_an_idle_minute_keeps_what_was_learned():
+    # It learns from every load, held or not, so what it knows is the engine's, not one load's.
     limit = TtftLimit(OBJECTIVE, 64, limit=5)
-    limit.observe(0.9, 100, 5, now=10.0)
-    limit.observe(0.01, 100, 1, now=30.0)
+    limit.observe(0.01, 100, 1)
     assert limit.limit == 5
-    limit.observe(0.01, 100, 1, now=100.0)
-    assert limit.limit == 64
 
 
 def test_never_below_the_floor_nor_above_the_ceiling():
@@ -257,30 +255,40 @@ async def test_under_overload_the_control_acts_at_once_with_what_it_learned_unti
     assert s.limit == 8 and s.ttft.limit == 2         # no longer acting; what it learned stays
 
 
-async def test_a_burst_starts_no_more_streams_at_once_than_the_learned_limit_and_the_rest_queue():
-    s, now = scheduler(TtftLimit(OBJECTIVE, 8, limit=2), crowd=[0.0])
-    first = [await s.acquire(1, STANDARD, streaming=True) for _ in range(2)]
-    assert s.starting == 2 and s.limit == 8               # not overloaded: the limit does not hold
-    third = asyncio.create_task(s.acquire(1, STANDARD, streaming=True))
-    await wait_for(lambda: len(s.queue) == 1, timeout=2, interval=0, what="the third queued")
-    s.first_token(first[0], now[0] + 0.01, 100)            # one has started: the next may
-    g = await third
-    assert s.running == 3 and s.starting == 2 and g.starting
-    s.release(first[1])                                    # ended before its first token
-    assert s.starting == 1
-    # Requests that do not stream are not watched, so they never count as starting.
+async def test_a_burst_starts_no_more_prompt_tokens_at_once_than_the_engine_prefills_in_time():
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=[0.0])
+    assert s.ttft is not None and s.ttft.start_budget == math.inf     # nothing known yet
+    s.ttft.observe(0.01, 1000, 1)             # 100k prompt tokens/s: 30k in the engine's 0.3 s
+    assert s.ttft.start_budget == pytest.approx(30_000)
+    first = [await s.acquire(1, STANDARD, start_tokens=10_000) for _ in range(3)]
+    assert s.starting == 3 and s.starting_tokens == 30_000 and s.limit == 8
+    fourth = asyncio.create_task(s.acquire(1, STANDARD, start_tokens=10_000))
+    await wait_for(lambda: len(s.queue) == 1, timeout=2, interval=0, what="the fourth queued")
+    s.first_token(first[0], now[0] + 0.01, 10_000)    # one has started: the next may
+    g = await fourth
+    assert s.running == 4 and s.starting == 3 and g.start_tokens == 10_000
+    s.release(first[1])                       # ended before its first token
+    assert s.starting == 2 and s.starting_tokens == 20_000
+    # Requests that do not stream are not watched (they never count as starting); and one long
+    # prompt may always start when nothing else is starting.
     plain = await s.acquire(1, STANDARD)
-    assert not plain.starting and s.starting == 1
+    assert not plain.start_tokens and s.starting == 2
+    for grant in (first[2], g):
+        s.first_token(grant, now[0] + 0.01, 10_000)
+    huge = await s.acquire(1, STANDARD, start_tokens=50_000)
+    assert s.starting == 1 and huge.start_tokens == 50_000
 
 
 async def test_under_the_control_requests_queued_by_a_burst_that_would_wait_too_long_are_refused():
     crowd = [0.0]
     s, now = scheduler(TtftLimit(OBJECTIVE, 8, limit=2), crowd=crowd)
-    first = [await s.acquire(1, STANDARD, streaming=True) for _ in range(2)]
-    queued = [asyncio.create_task(s.acquire(1, STANDARD, streaming=True)) for _ in range(3)]
+    assert s.ttft is not None
+    s.ttft.observe(0.01, 1000, 1)             # a start budget of 30k prompt tokens
+    first = [await s.acquire(1, STANDARD, start_tokens=15_000) for _ in range(2)]
+    queued = [asyncio.create_task(s.acquire(1, STANDARD, start_tokens=15_000)) for _ in range(3)]
     await wait_for(lambda: len(s.queue) == 3, timeout=2, interval=0, what="three queued")
     crowd[0] = 2000                                        # the burst was the start of an overload
-    s.first_token(first[0], now[0] + 0.01, 100)
+    s.first_token(first[0], now[0] + 0.01, 15_000)
     # Two run, as many as the limit; no slot has freed yet, so only the head may wait for one.
     await wait_for(lambda: sum(t.done() for t in queued) == 2, timeout=2, interval=0, what="two refused")
     refused = [t.exception() for t in queued if t.done()]
