@@ -44,13 +44,14 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from guard_common import Run, RunWindow, Stack, one_request, run_clients, table  # noqa: E402
+from guard_common import Run, RunWindow, Stack, one_request, percentile, run_clients, table  # noqa: E402
 
 KV_BLOCKS = 512
 MAX_MODEL_LEN = 2048
 VOCAB = 49152
 CHAT_SHARE = 0.6
 SWEEP = (8, 16, 32, 48, 64, 96)
+ONSET_SECONDS = 2.0
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government number "
          "night point home water room mother area money story fact month lot right study book eye job word "
@@ -195,6 +196,13 @@ def summary(run: Run) -> dict:
     return row
 
 
+def settled_ttft(run: Run, q: float) -> float:
+    """The TTFT quantile of the requests sent after the run's first ``ONSET_SECONDS``: without the
+    step from no clients to all of them (a diagnostic; the target counts every admitted request)."""
+    start = min(a.sent for a in run.attempts)
+    return percentile([a.ttft for a in run.ok if a.sent - start >= ONSET_SECONDS], q)
+
+
 def verdict(runs: dict, best: int) -> list[tuple[str, str, bool]]:
     v, g, f = runs["vllm_best"], runs["guard_best"], runs["full_best"]
     c1 = runs["vllm_c1"].ttft(0.99)
@@ -215,7 +223,8 @@ def verdict(runs: dict, best: int) -> list[tuple[str, str, bool]]:
          f"(vLLM alone: {runs['vllm_c128'].preemptions:.0f})", o.preemptions <= 0.01 * admitted),
         ("at 128 clients: admitted TTFT p99 ≤ 5× the 1-client p99 (vLLM alone)",
          f"{1000 * o.ttft(0.99):.0f} vs {1000 * c1:.0f} ms = {o.ttft(0.99) / c1:.2f}× "
-         f"(TTFT control Off: {1000 * runs['off_c128'].ttft(0.99):.0f} ms; "
+         f"(sent after the first {ONSET_SECONDS:g} s: {1000 * settled_ttft(o, 0.99):.0f} ms; "
+         f"TTFT control Off: {1000 * runs['off_c128'].ttft(0.99):.0f} ms; "
          f"vLLM alone: {1000 * runs['vllm_c128'].ttft(0.99):.0f} ms)", o.ttft(0.99) <= 5 * c1),
         ("at 128 clients: no 5xx", f"{o.count(lambda a: a.status >= 500)}", o.count(lambda a: a.status >= 500) == 0),
         ("at 128 clients: every 429 carries Retry-After",
