@@ -45,8 +45,7 @@ def crds_installed(control_plane):
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(root / "crds"))
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                          "crd/inferenceservices.serving.gpufleet.dev")
+    control_plane.wait_established("inferenceservices.serving.gpufleet.dev")
     return True
 
 

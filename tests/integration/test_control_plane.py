@@ -40,8 +40,7 @@ def gpu_deployment(name, gpus, replicas=1):
 def test_crd_is_served_and_schema_violations_are_rejected_by_the_apiserver(control_plane, namespace):
     control_plane.kubectl("apply", "-f", "-", input=CRD)
 
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                          "crd/widgets.harness.gpufleet.dev")
+    control_plane.wait_established("widgets.harness.gpufleet.dev", timeout=30)
     ok = control_plane.kubectl("apply", "-n", namespace, "-f", "-",
                                input="apiVersion: harness.gpufleet.dev/v1\nkind: Widget\n"
                                      "metadata: {name: good}\nspec: {size: 3}\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import time
 from typing import Callable, Iterator
 
 from gpufleet.kube.client import KubeClient
@@ -25,6 +26,19 @@ class ControlPlane:
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
+
+    def wait_established(self, crd: str, timeout: float = 60) -> None:
+        """Until the CRD named ``crd`` is Established. ``kubectl wait`` fails at once, instead of
+        waiting, while an updated CRD has no status conditions yet."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.kubectl("get", f"crd/{crd}", "-o",
+                                'jsonpath={.status.conditions[?(@.type=="Established")].status}', check=False)
+            if proc.returncode == 0 and proc.stdout.strip() == "True":
+                return
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"CRD {crd} not Established after {timeout:g}s: {proc.stdout}{proc.stderr}")
+            time.sleep(0.2)
 
     def client(self) -> KubeClient:
         return KubeClient(KubeConfig.from_file(self.kubeconfig))
