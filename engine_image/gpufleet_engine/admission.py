@@ -80,6 +80,7 @@ class KvLedger:
         self._reserved: dict[object, int] = {}
         self._reserved_total = 0
         self._variance: dict[object, float] = {}   # blocks², of the requests with a predicted reservation
+        self._variance_total = 0.0
         self._delta_since_read = 0
 
     @property
@@ -95,7 +96,7 @@ class KvLedger:
 
     def margin(self, extra_variance: float = 0.0) -> int:
         """Blocks kept for the answers in flight running longer than expected, together."""
-        variance = sum(self._variance.values()) + extra_variance
+        variance = self._variance_total + extra_variance
         return math.ceil(self._z * math.sqrt(variance) - 1e-9) if variance > 0 else 0
 
     def observe(self, snapshot: KvSnapshot) -> None:
@@ -164,9 +165,17 @@ class KvLedger:
             self._reserved[key] = cost
             self._reserved_total += cost
             self._delta_since_read += cost
-            if variance > 0:
-                self._variance[key] = variance
+            self._set_variance(key, variance)
         return decision
+
+    def _set_variance(self, key: object, variance: float) -> None:
+        """``key``'s variance is now ``variance`` (0: none), and the total follows."""
+        self._variance_total -= self._variance.pop(key, 0.0)
+        if variance > 0:
+            self._variance[key] = variance
+            self._variance_total += variance
+        if not self._variance:
+            self._variance_total = 0.0  # no float residue once nothing varies
 
     def fits_empty(self, cost: int) -> bool:
         """Whether ``cost`` blocks fit the pool with nothing else in it (unknown pool: assume so)."""
@@ -178,9 +187,7 @@ class KvLedger:
         if key not in self._reserved:
             return
         if variance is not None:
-            self._variance.pop(key, None)
-            if variance > 0:
-                self._variance[key] = variance
+            self._set_variance(key, variance)
         if extra <= 0:
             return
         self._reserved[key] += extra
@@ -193,7 +200,7 @@ class KvLedger:
     def release(self, key: object) -> None:
         """The request finished (or failed): its budget is no longer promised."""
         cost = self._reserved.pop(key, None)
-        self._variance.pop(key, None)
+        self._set_variance(key, 0.0)
         if cost is not None:
             self._reserved_total -= cost
             self._delta_since_read -= cost

@@ -104,11 +104,11 @@ class Guard:
         self.ledger = KvLedger(config.kv_watermark_percent, config.reservation_quantile_percent / 100)
         self.queue: MultiLevelQueue = MultiLevelQueue(config.queue_classes, config.aging_seconds,
                                                       config.max_queue_length)
+        self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
                                    config.retry_after_seconds, clock=clock, on_change=self.refresh_gauges,
                                    aging_seconds=config.aging_seconds, ttft=ttft_limit_for(config),
-                                   crowd=lambda: self.retry.crowd())
-        self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
+                                   crowd=self.retry.crowd)
         self.drain = Drain()
         self.metrics.max_concurrency.set(config.max_concurrency)
         self.engine_up = False

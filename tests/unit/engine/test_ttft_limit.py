@@ -71,13 +71,6 @@ def test_grows_by_a_quarter_per_fast_window_only_while_the_limit_is_reached():
     assert limit.limit == 15
 
 
-def test_an_idle_minute_keeps_what_was_learned():
-    # It learns from every load, held or not, so what it knows is the engine's, not one load's.
-    limit = TtftLimit(OBJECTIVE, 64, limit=5)
-    limit.observe(0.01, 100, 1)
-    assert limit.limit == 5
-
-
 def test_never_below_the_floor_nor_above_the_ceiling():
     limit = TtftLimit(OBJECTIVE, 4, limit=2)
     limit.observe(0.01, 10_000, 1)           # a long prompt's fast start: prefill is cheap here
