@@ -223,12 +223,18 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, body: dict,
+_JSON = {"content-type": "application/json"}
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict | bytes,
                       path: str = "/v1/completions") -> tuple[Attempt, float]:
-    """One streaming attempt; returns it and the retry delay the server asked for (0 if none)."""
+    """One streaming attempt; returns it and the retry delay the server asked for (0 if none).
+    ``body``: the request, or its JSON already encoded (the clock starts after encoding: it is the
+    client's work, not the server's)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     sent = time.perf_counter()
     try:
-        async with session.post(url + path, json=body) as r:
+        async with session.post(url + path, data=data, headers=_JSON) as r:
             if r.status != 200:
                 await r.read()
                 hint_ms = r.headers.get("retry-after-ms")
@@ -277,7 +283,18 @@ class RunWindow:
         await asyncio.sleep(max(0.0, min(delay, left)))
 
 
-async def run_clients(label: str, vllm_url: str, concurrency: int, window: RunWindow,
+async def _connect(session: aiohttp.ClientSession, url: str, connections: int) -> None:
+    """Open ``connections`` keep-alive connections to ``url`` before the clock starts: clients
+    that call a service keep connections open to it (the OpenAI clients pool them), and a TCP
+    handshake per client in the first instant of a run measures the load generator, not the
+    server. Any answer will do: the guard answers /healthz itself, vLLM a 404 that keeps the connection too."""
+    async def one() -> None:
+        async with session.get(url + "/healthz") as r:
+            await r.read()
+    await asyncio.gather(*(one() for _ in range(connections)))
+
+
+async def run_clients(label: str, url: str, vllm_url: str, concurrency: int, window: RunWindow,
                       client: Callable[[aiohttp.ClientSession, Run, int], Awaitable[None]]) -> Run:
     """``concurrency`` copies of ``client`` (given its index) on one session; the Run with
     vLLM's preemptions over the run, its wall time and the machine's load."""
@@ -285,6 +302,8 @@ async def run_clients(label: str, vllm_url: str, concurrency: int, window: RunWi
     preempt_before, _ = await vllm_counters(vllm_url)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _connect(session, url, concurrency)
+        window.start = time.perf_counter()
         await asyncio.gather(*(client(session, run, i) for i in range(concurrency)))
     run.wall = time.perf_counter() - window.start
     preempt_after, _ = await vllm_counters(vllm_url)
@@ -317,7 +336,7 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
             elif delay:
                 await window.back_off(delay)
 
-    return await run_clients(label, vllm_url, concurrency, window, client)
+    return await run_clients(label, url, vllm_url, concurrency, window, client)
 
 
 def table(rows: list[dict]) -> str:

@@ -65,7 +65,13 @@ def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: 
     return int(min(high, max(low, round(median * math.exp(rng.gauss(0.0, sigma))))))
 
 
-def trace_request(rng: random.Random) -> tuple[str, dict]:
+def trace_request(rng: random.Random) -> tuple[str, bytes]:
+    """(path, JSON body) of one request of the trace."""
+    path, body = trace_body(rng)
+    return path, json.dumps(body).encode()
+
+
+def trace_body(rng: random.Random) -> tuple[str, dict]:
     """(path, body) of one request of the trace."""
     prompt_tokens = _lognormal(rng, 128, 1.0, 16, 1536)
     expected = _lognormal(rng, 40, 0.8, 8, 400)
@@ -87,12 +93,18 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
                       requests: int | None = None, seed: int = 0) -> Run:
     """``concurrency`` clients sending the trace one request after another (see guard_common.closed_loop:
     a refused request waits what the server asked, never past the end of the run, and is retried)."""
+    # Every client's first request is built before the run starts: 128 clients starting at once
+    # are 128 machines, not one process building 128 bodies on the guard's core while the clock runs.
+    rngs = [random.Random(seed * 1000 + index) for index in range(concurrency)]
+    first = [trace_request(rng) for rng in rngs]
     window = RunWindow(duration, requests)
 
     async def client(session: aiohttp.ClientSession, run: Run, index: int) -> None:
-        rng = random.Random(seed * 1000 + index)
+        rng = rngs[index]
+        ready: tuple[str, bytes] | None = first[index]
         while window.more():
-            path, body = trace_request(rng)
+            path, body = ready or trace_request(rng)
+            ready = None
             while True:
                 attempt, delay = await one_request(session, url, body, path)
                 run.attempts.append(attempt)
@@ -102,7 +114,7 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
             if attempt.status == 200:
                 window.completed += 1
 
-    return await run_clients(label, vllm_url, concurrency, window, client)
+    return await run_clients(label, url, vllm_url, concurrency, window, client)
 
 
 def merged(label: str, runs: list[Run]) -> Run:

@@ -41,10 +41,13 @@ from .vllm_metrics import VllmStats
 log = logging.getLogger("gpufleet_engine.proxy")
 
 TRUNCATED_HEADER = "x-gpufleet-truncated-tokens"
-# Bodies larger than this are tokenized on a worker thread so one long prompt
-# does not stall every other request's event-loop work; small ones inline,
-# where a thread hop would cost more than the tokenization.
+# Bodies with more text than this are tokenized on a worker thread so one long
+# prompt does not stall every other request's event-loop work; others inline,
+# where a thread hop would cost more than the tokenization. Only text counts:
+# numbers (token-id prompts, stop_token_ids, logit_bias) are not tokenized, and
+# a burst of such bodies sent to threads spends its time starting threads.
 _INLINE_TOKENIZE_BYTES = 16384
+_NOT_TEXT = b"0123456789,.-+[]{}: \n"
 # The body limit: a prompt of maxContextTokens tokens takes at most ~12 bytes
 # a token as JSON (escaped text or token ids); 64 leaves room for message
 # structure, tools and small batches, and 1 MiB for everything else.
@@ -52,6 +55,13 @@ BODY_BYTES_PER_TOKEN = 64
 BODY_BYTES_FLOOR = 1024 * 1024
 # usage.completion_tokens (OpenAI routes) or usage.output_tokens (/v1/responses, /v1/messages).
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+
+
+def text_bytes(raw: bytes) -> int:
+    """Bytes of ``raw`` that are not numbers or JSON punctuation: about the text to tokenize."""
+    if len(raw) <= _INLINE_TOKENIZE_BYTES:
+        return len(raw)
+    return len(raw.translate(None, _NOT_TEXT))
 
 
 def max_body_bytes(max_context_tokens: int) -> int:
@@ -245,7 +255,7 @@ class Guard:
             body = json.loads(raw)
         except ValueError as e:  # bad JSON or bad UTF-8
             raise InvalidRequest(f"the body is not valid JSON: {e}") from None
-        if len(raw) > _INLINE_TOKENIZE_BYTES:
+        if text_bytes(raw) > _INLINE_TOKENIZE_BYTES:
             return await asyncio.to_thread(route_costs.prepare, path, body, self.tokenizer, self.limits)
         return route_costs.prepare(path, body, self.tokenizer, self.limits)
 

@@ -5,9 +5,10 @@ every second: at 128 clients and ~10 admissions a second that is ~120
 refusals a second, each costing the guard (and, on a CPU host, the engine it
 shares cores with) parsing and bookkeeping for nothing.
 
-The guard estimates the crowd cycling through refusals with Little's law,
-N ≈ refusal rate × mean hint, and tells the next refused client to come back
-after N / (k × admission rate): with k = 6 about six attempts arrive per
+The guard counts the crowd cycling through refusals: every client refused
+until the Retry-After it was given runs out (N: by Little's law, the refusal
+rate × the mean hint), and tells the next refused client to come back after
+N / (k × admission rate): with k = 6 about six attempts arrive per
 opening, so freed blocks wait ~1/(6 × admission rate) for the next one
 (k = 3 left them idle ~7% of a request's time on the 64-block bench), while
 the refusal rate settles near k × the admission rate instead of growing
@@ -17,6 +18,7 @@ over 60 s).
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from typing import Callable
@@ -54,6 +56,7 @@ class RetryAdvisor:
         self._admitted = DecayingCounter(window)
         self._refused = DecayingCounter(window)
         self._hint_sum = DecayingCounter(window)   # sum of hints given, decayed like the refusals
+        self._waiting: list[float] = []   # a heap: when each refused client's Retry-After runs out
 
     def admitted(self) -> None:
         self._admitted.add(self._clock())
@@ -64,16 +67,21 @@ class RetryAdvisor:
         refusals = self._refused.rate(now)
         if refusals <= 0:
             return self.base
-        crowd = self._hint_sum.rate(now)  # refusals/s × mean hint (Little's law)
         admissions = self._admitted.rate(now)
         if admissions <= 1e-3:
-            # Nothing finishes (long requests hold the pool): back off harder each time.
-            return min(self.maximum, max(self.base, 2 * crowd / refusals))
-        return min(self.maximum, max(self.base, crowd / (self.k * admissions)))
+            # Nothing finishes (long requests hold the pool): back off harder each time, twice
+            # the mean hint of late.
+            return min(self.maximum, max(self.base, 2 * self._hint_sum.rate(now) / refusals))
+        return min(self.maximum, max(self.base, self.crowd() / (self.k * admissions)))
 
     def crowd(self) -> float:
-        """Refused clients waiting to retry now: refusal rate × mean hint (Little's law)."""
-        return self._hint_sum.rate(self._clock())
+        """Refused clients waiting to retry now: those whose Retry-After has not run out. Counted,
+        not estimated: a rate over seconds lags the refusals' end by those seconds, and would
+        count clients long after they came back (the TTFT control reads this, Scheduler.overloaded)."""
+        now = self._clock()
+        while self._waiting and self._waiting[0] <= now:
+            heapq.heappop(self._waiting)
+        return float(len(self._waiting))
 
     def refused(self) -> float:
         """Record a refusal and return the hint to send with it."""
@@ -81,4 +89,5 @@ class RetryAdvisor:
         now = self._clock()
         self._refused.add(now)
         self._hint_sum.add(now, value)
+        heapq.heappush(self._waiting, now + value)
         return value

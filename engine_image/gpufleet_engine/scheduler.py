@@ -52,8 +52,7 @@ log = logging.getLogger("gpufleet_engine.scheduler")
 # A request waits for blocks held by lower classes only when it needs more than
 # this many times the mean reservation of the running requests.
 BIG_REQUEST_FACTOR = 2
-# The TTFT control keeps acting this long after the replica was last seen overloaded: twice the
-# window over which retry_hint counts the crowd.
+# The TTFT control keeps acting this long after the replica was last seen overloaded.
 OVERLOAD_HOLD_SECONDS = 10.0
 
 
@@ -113,6 +112,7 @@ class Scheduler:
         self.aging_seconds = aging_seconds
         # Per class: when its refusals began, if none of its requests was admitted since.
         self._refused_since: dict[str, float] = {}
+        self._start_held = False
 
     def overloaded(self) -> bool:
         """Whether more is asked of this replica than its KV pool holds at once.
@@ -120,7 +120,7 @@ class Scheduler:
         The demand is the requests in flight (their reservations, without the
         ledger's margin: what they are expected to hold), those queued in the
         guard and the clients cycling through refusals (retry_hint's crowd:
-        refusal rate × mean Retry-After, by Little's law), each at the mean
+        those whose Retry-After has not run out), each at the mean
         reservation in flight. When it is more than the pool less the watermark, and at
         least one client is waiting, vLLM alone would preempt, and some of it must be refused
         whatever the guard does.
@@ -141,8 +141,7 @@ class Scheduler:
         for ``OVERLOAD_HOLD_SECONDS`` after. Below that, the guard admits what vLLM alone would
         serve, as fast as it would (the control only learns). The hold bridges the moments after
         the control cuts the limit: the requests it stops running leave the pool at once, but
-        their clients join the crowd only as they are refused, and the crowd is a rate over
-        seconds."""
+        their clients join the crowd only as they come back and are refused."""
         if self.ttft is None:
             return False
         now = self._clock()
@@ -203,24 +202,38 @@ class Scheduler:
     def _ahead(self, level: int) -> int:
         return sum(self.queue.depth(c.name) for c in self._classes_at_or_above(level))
 
-    def _ttft_rejection(self, level: int) -> Rejection | None:
-        """The 429 for a request that would wait for a slot longer than the TTFT objective leaves.
-        Only while the TTFT control is what holds it back: at max_concurrency itself requests queue
-        as their class allows, as without the control."""
-        if self.ttft is None or self.running < self.limit or self.limit >= self.max_concurrency:
+    def _held_by_control(self, waits_with_a_slot_free: bool) -> bool:
+        """Whether what keeps a request from starting is the TTFT control: its limit, below
+        max_concurrency, or (a slot being free) its start bound or the queue ahead, which the
+        start bound holds. At max_concurrency itself requests queue as their class allows, as
+        without the control."""
+        if self.running >= self.limit:
+            return self.limit < self.max_concurrency
+        return waits_with_a_slot_free
+
+    def _ttft_rejection(self, level: int, *, known_size: bool = False) -> Rejection | None:
+        """The 429 for a request that would wait longer than the TTFT objective leaves, while the
+        control acts (the replica is overloaded) and is what holds it. ``known_size``: the
+        request was found unable to start now (else it is judged before its size is known, by
+        the slots taken and the queue ahead)."""
+        if self.ttft is None or not self._control_acts():
             return None
-        wait = self.ttft.predicted_wait(self._ahead(level))
+        ahead = self._ahead(level)
+        if not self._held_by_control(known_size or ahead > 0):
+            return None
+        wait = self.ttft.predicted_wait(ahead)
         if wait <= self.ttft.wait_budget:
             return None
         return self._ttft_refusal(wait)
 
     def _ttft_refusal(self, wait: float) -> Rejection:
         assert self.ttft is not None
-        predicted = "no slot has freed yet" if math.isinf(wait) else f"the wait for a slot would be {wait:.2f}s"
+        predicted = "no slot has freed yet" if math.isinf(wait) else f"the wait to start would be {wait:.2f}s"
         return Rejection(
             Reason.TTFT_LIMIT, 429,
-            f"The engine runs {self.running} requests, as many as start within the time-to-first-token "
-            f"objective ({self.ttft.objective_seconds:g}s), and {predicted}, more than the "
+            f"The engine runs {self.running} requests ({self.starting} of them not started yet), as many as "
+            f"start within the time-to-first-token objective ({self.ttft.objective_seconds:g}s), and "
+            f"{predicted}, more than the "
             f"{self.ttft.wait_budget:.2f}s the objective leaves. Retry later.",
             self.retry_after if math.isinf(wait) else max(self.retry_after, wait))
 
@@ -322,7 +335,7 @@ class Scheduler:
             self._on_change()
             return grant
         if decision.admitted:
-            slow = self._ttft_rejection(queue_class.level)
+            slow = self._ttft_rejection(queue_class.level, known_size=True)
             if slow is not None:
                 raise slow
         if starving:
@@ -376,6 +389,7 @@ class Scheduler:
         behind it waits for the next release; when waiting cannot help, it is
         refused and the next one is tried."""
         changed = False
+        self._start_held = False  # whether the start bound holds the head of the queue
         while self.running < self.limit:
             now = self._clock()
             entry = self.queue.peek(now)
@@ -397,6 +411,7 @@ class Scheduler:
                 waiter.future.set_exception(self._kv_rejection(decision))
                 continue
             if not self._may_start(waiter.start_tokens):
+                self._start_held = True
                 break  # a request starting returns its first token soon: the head waits for it
             self.queue.pop(now)
             changed = True
@@ -407,10 +422,11 @@ class Scheduler:
             self._on_change()
 
     def _shed_late(self) -> bool:
-        """Under the TTFT control, refuse the queued requests that would wait for a slot longer
-        than the objective leaves (the newcomers are refused on arrival; these were queued
-        before the control held them back, e.g. by a burst). True if any was refused."""
-        if self.ttft is None or self.running < self.limit or self.limit >= self.max_concurrency:
+        """Under the TTFT control, refuse the queued requests that would wait longer than the
+        objective leaves (the newcomers are refused on arrival; these were queued before the
+        control acted, e.g. in a burst's first moment). True if any was refused."""
+        if (self.ttft is None or len(self.queue) == 0 or not self._control_acts()
+                or not self._held_by_control(self._start_held)):
             return False
         now = self._clock()
         shed = False
