@@ -30,6 +30,7 @@ from .contract.guard_metrics import Reason
 from .demand import Demand, OutputPredictor
 from .drain import Drain
 from .metrics import GuardMetrics
+from .parse_lane import ParseLane
 from .queues import MultiLevelQueue
 from .retry_hint import RetryAdvisor
 from .scheduler import Grant, Rejection, Scheduler
@@ -115,10 +116,11 @@ class Guard:
         self.queue: MultiLevelQueue = MultiLevelQueue(config.queue_classes, config.aging_seconds,
                                                       config.max_queue_length)
         self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
+        self.lane = ParseLane()
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
                                    config.retry_after_seconds, clock=clock, on_change=self.refresh_gauges,
                                    aging_seconds=config.aging_seconds, ttft=ttft_limit_for(config),
-                                   crowd=self.retry.crowd)
+                                   crowd=self.retry.crowd, arriving=lambda: self.lane.waiting)
         self.drain = Drain()
         self.metrics.max_concurrency.set(config.max_concurrency)
         self.engine_up = False
@@ -248,16 +250,23 @@ class Guard:
         finally:
             self.drain.leave()
 
-    async def _prepare(self, raw: bytes, path: str) -> context.Prepared:
-        """``path``: vLLM's route the request was sent to; its cost model is route_costs'."""
-        assert self.limits is not None  # handle() refuses requests until the context is known
-        try:
-            body = json.loads(raw)
-        except ValueError as e:  # bad JSON or bad UTF-8
-            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+    async def _prepare(self, raw: bytes, path: str, queue_class: QueueClass) -> context.Prepared:
+        """``path``: vLLM's route the request was sent to; its cost model is route_costs'. Raises
+        Rejection when, its turn come (parse_lane.py), the request is refused before parsing."""
         if text_bytes(raw) > _INLINE_TOKENIZE_BYTES:
-            return await asyncio.to_thread(route_costs.prepare, path, body, self.tokenizer, self.limits)
-        return route_costs.prepare(path, body, self.tokenizer, self.limits)
+            # A long prompt: tokenized on a thread, off the loop and out of the lane.
+            body = _json(raw)
+            return await asyncio.to_thread(route_costs.prepare, path, body, self.tokenizer, self._limits())
+        async with self.lane.turn():
+            # While it was in line, the requests ahead may have shown an overload.
+            early = self.scheduler.early_refusal(queue_class)
+            if early is not None:
+                raise early
+            return route_costs.prepare(path, _json(raw), self.tokenizer, self._limits())
+
+    def _limits(self) -> Limits:
+        assert self.limits is not None  # handle() refuses requests until the context is known
+        return self.limits
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body, or Rejection 413 past the limit, before any of it is parsed. A declared length
@@ -319,7 +328,7 @@ class Guard:
             return self._refuse(queue_class, early)
         try:
             raw = await self._read_body(request)
-            prepared = await self._prepare(raw, request.path)
+            prepared = await self._prepare(raw, request.path, queue_class)
         except Rejection as r:
             return self._refuse(queue_class, r)
         except ContextTooLong as e:
@@ -403,6 +412,13 @@ class Guard:
         if invalid:
             return invalid_response(r.status, r.message, r.param)
         return error_response(r.status, r.reason, r.message, r.retry_after)
+
+
+def _json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise InvalidRequest(f"the body is not valid JSON: {e}") from None
 
 
 def invalid_response(status: int, message: str, param: str | None = None) -> web.Response:

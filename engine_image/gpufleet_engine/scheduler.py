@@ -92,11 +92,14 @@ class Scheduler:
     def __init__(self, ledger: KvLedger, queue: MultiLevelQueue[_Waiter], max_concurrency: int,
                  retry_after_seconds: float, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] | None = None, aging_seconds: float = 5.0,
-                 ttft: TtftLimit | None = None, crowd: Callable[[], float] | None = None):
+                 ttft: TtftLimit | None = None, crowd: Callable[[], float] | None = None,
+                 arriving: Callable[[], int] | None = None):
         self.ledger = ledger
         self.ttft = ttft
         # Clients cycling through refusals, waiting to retry (retry_hint.RetryAdvisor.crowd).
         self._crowd = crowd or (lambda: 0.0)
+        # Requests read and waiting to be parsed (parse_lane.ParseLane.waiting).
+        self._arriving = arriving or (lambda: 0)
         self._overloaded_at: float | None = None
         self._acting = False
         self.queue = queue
@@ -119,11 +122,15 @@ class Scheduler:
 
         The demand is the requests in flight (their reservations, without the
         ledger's margin: what they are expected to hold), those queued in the
-        guard and the clients cycling through refusals (retry_hint's crowd:
-        those whose Retry-After has not run out), each at the mean
-        reservation in flight. When it is more than the pool less the watermark, and at
-        least one client is waiting, vLLM alone would preempt, and some of it must be refused
-        whatever the guard does.
+        guard, the clients cycling through refusals (retry_hint's crowd:
+        those whose Retry-After has not run out) and the requests read but not
+        yet parsed (parse_lane.py), each at the mean reservation in flight.
+        When it is more than the pool less the watermark by more than the
+        ledger's margin (the uncertainty of what is in flight), vLLM alone
+        would preempt, and some of it must be refused whatever the guard does.
+        Short of the margin it is the pool well used: at the most clients
+        vLLM alone serves without preempting, their demand is the pool's size
+        by definition.
         Refusals by the TTFT control keep their clients in the crowd, so they
         hold the gate open only while those clients would overfill the pool
         anyway: at a load the pool holds, the gate closes however many
@@ -131,10 +138,11 @@ class Scheduler:
         if not self.ledger.known or self.running == 0:
             return False
         in_flight = self.ledger.expected_blocks
-        asking = len(self.queue) + self._crowd()
+        asking = len(self.queue) + self._crowd() + self._arriving()
         if asking < 1:
             return False  # a full pool with no one waiting is a pool well used
-        return in_flight + asking * in_flight / self.running > self.ledger.capacity - self.ledger.watermark
+        usable = self.ledger.capacity - self.ledger.watermark
+        return in_flight + asking * in_flight / self.running > usable + self.ledger.margin()
 
     def _control_acts(self) -> bool:
         """Whether the TTFT control holds the limit now: only while the replica is overloaded, and
@@ -148,9 +156,10 @@ class Scheduler:
         if self.overloaded():
             if not self._acting:
                 log.info("overloaded: the TTFT control acts (limit %d): %d blocks expected in flight for %d "
-                         "requests, %d queued, %.1f clients waiting to retry; %d usable blocks",
-                         self.ttft.limit, self.ledger.expected_blocks, self.running, len(self.queue),
-                         self._crowd(), self.ledger.capacity - self.ledger.watermark)
+                         "requests, %d queued, %d read and not parsed yet, %.0f clients waiting to retry; "
+                         "%d usable blocks, margin %d", self.ttft.limit, self.ledger.expected_blocks,
+                         self.running, len(self.queue), self._arriving(), self._crowd(),
+                         self.ledger.capacity - self.ledger.watermark, self.ledger.margin())
             self._overloaded_at = now
         acting = self._overloaded_at is not None and now - self._overloaded_at < OVERLOAD_HOLD_SECONDS
         if self._acting and not acting:

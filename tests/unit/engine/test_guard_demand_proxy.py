@@ -165,3 +165,17 @@ async def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(guard
         text = await metrics(s, guard)
     assert sample(text, "gpufleet_guard_rejections_total", **{"class": "standard", "reason": "request_too_large"}) == 2
     assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "invalid"}) == 2
+
+
+def test_only_text_sends_a_body_to_a_tokenizer_thread():
+    """Numbers are not tokenized: a burst of token-id prompts or long stop lists stays inline
+    instead of starting worker threads; a long text prompt goes to a thread."""
+    import json
+
+    from gpufleet_engine.proxy import _INLINE_TOKENIZE_BYTES, text_bytes
+    ids = json.dumps({"prompt": list(range(10_000, 20_000)), "stop_token_ids": list(range(5000)),
+                      "max_tokens": 16}).encode()
+    assert len(ids) > 2 * _INLINE_TOKENIZE_BYTES and text_bytes(ids) < 100
+    text = json.dumps({"messages": [{"role": "user", "content": "hello world " * 3000}]}).encode()
+    assert text_bytes(text) > _INLINE_TOKENIZE_BYTES
+    assert text_bytes(b'{"prompt": "hi"}') == len(b'{"prompt": "hi"}')

@@ -65,3 +65,16 @@ def test_a_small_crowd_keeps_the_configured_hint():
     adv = RetryAdvisor(1.0, clock=clock)
     simulate(4, 10, 30, adv, clock)
     assert adv.hint() == 1.0
+
+
+def test_the_crowd_is_the_refused_clients_whose_retry_after_has_not_run_out():
+    clock = Clock()
+    adv = RetryAdvisor(1.0, clock=clock)
+    for _ in range(20):
+        adv.admitted()
+    assert [adv.refused() for _ in range(3)] == [1.0, 1.0, 1.0]
+    assert adv.crowd() == 3
+    clock.t = 0.99
+    assert adv.crowd() == 3
+    clock.t = 1.0
+    assert adv.crowd() == 0   # counted, not a rate over seconds that would still show them

@@ -243,7 +243,7 @@ async def test_under_overload_the_control_acts_at_once_with_what_it_learned_unti
     now[0] += OVERLOAD_HOLD_SECONDS
     assert s.overloaded() and s.limit == 2
     crowd[0] = 10
-    assert not s.overloaded() and s.limit == 2        # held a while: the crowd is a rate over seconds
+    assert not s.overloaded() and s.limit == 2        # held a while after the overload
     now[0] += OVERLOAD_HOLD_SECONDS
     assert s.limit == 8 and s.ttft.limit == 2         # no longer acting; what it learned stays
 
@@ -289,3 +289,36 @@ async def test_under_the_control_requests_queued_by_a_burst_that_would_wait_too_
     assert len(s.queue) == 1 and s.running == 2
     s.release(first[1])
     assert s.running == 2 and len(s.queue) == 0            # the head got the freed slot
+
+
+async def test_in_an_overloads_first_moment_newcomers_behind_the_start_bound_are_refused_unread():
+    """A burst: slots are free, but the start bound holds the queue. Once the replica is overloaded,
+    a newcomer that would wait behind that queue is refused before its body is read (parsing and
+    tokenizing a burst of requests would delay the first tokens of those admitted), and the
+    queued ones that would wait longer than the objective leaves are refused too."""
+    crowd = [0.0]
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=crowd)
+    assert s.ttft is not None
+    s.ttft.observe(0.01, 1000, 1)             # a start budget of 30k prompt tokens
+    s.ttft.released(0.0, busy=True)
+    s.ttft.released(0.5, busy=True)           # a slot frees every 0.5 s: more than the 0.15 s budget
+    first = [await s.acquire(1, STANDARD, start_tokens=15_000) for _ in range(2)]
+    queued = asyncio.create_task(s.acquire(1, STANDARD, start_tokens=15_000))
+    await wait_for(lambda: len(s.queue) == 1, timeout=2, interval=0, what="the third queued")
+    assert s.running == 2 < s.limit
+    # Not overloaded: the newcomer may queue, as vLLM alone would serve it.
+    assert s.early_refusal(STANDARD) is None
+    crowd[0] = 2000
+    early = s.early_refusal(STANDARD)
+    assert early is not None and early.reason == Reason.TTFT_LIMIT and early.status == 429
+    assert early.retry_after is not None and early.retry_after >= 1.0
+    # A newcomer read anyway (its size known) that cannot start now is refused the same way.
+    with pytest.raises(Rejection) as refused:
+        await s.acquire(1, STANDARD, start_tokens=100)
+    assert refused.value.reason == Reason.TTFT_LIMIT
+    s.dispatch()                              # the queued one would wait a slot's 0.5 s: refused
+    with pytest.raises(Rejection) as shed:
+        await queued
+    assert shed.value.reason == Reason.TTFT_LIMIT and len(s.queue) == 0
+    for g in first:
+        s.release(g)
