@@ -322,3 +322,36 @@ async def test_in_an_overloads_first_moment_newcomers_behind_the_start_bound_are
     assert shed.value.reason == Reason.TTFT_LIMIT and len(s.queue) == 0
     for g in first:
         s.release(g)
+
+
+async def test_overload_is_what_vllm_holds_and_what_is_asked_past_the_pool_by_more_than_the_margin():
+    """At the most clients vLLM alone serves without preempting, their demand is the pool's size
+    by definition: a client or two waiting there is the pool well used, not an overload."""
+    crowd, arriving = [0.0], [0]
+    now = [0.0]
+    ledger = KvLedger(5)                          # quantile 0.9: z ≈ 1.28
+    ledger.observe(KvSnapshot(1000, 0))
+    s = Scheduler(ledger, MultiLevelQueue((INTERACTIVE, STANDARD), 5.0, 100), 16, 1.0,
+                  clock=lambda: now[0], ttft=TtftLimit(OBJECTIVE, 16), crowd=lambda: crowd[0],
+                  arriving=lambda: arriving[0])
+    grants = [await s.acquire(100, STANDARD, 400.0) for _ in range(8)]   # each 100 ± 20 blocks
+    usable = ledger.capacity - ledger.watermark   # 949
+    margin = ledger.margin()
+    assert margin == math.ceil(1.2816 * math.sqrt(8 * 400)) and ledger.expected_blocks == 800
+    crowd[0] = 2                                  # 1000 asked of 949: past the pool, within the margin
+    assert 800 + 200 > usable and 800 + 200 <= usable + margin and not s.overloaded()
+    crowd[0] = 3                                  # 1100 > 949 + 73
+    assert s.overloaded()
+    # Requests read and waiting to be parsed are asking too: a burst shows before it is parsed.
+    crowd[0], arriving[0] = 0, 3
+    assert s.overloaded()
+    # What the requests in flight hold is vLLM's view, not their reservations (what each answer
+    # may grow to): read at half of them, the same three asking fit, and so do five more.
+    ledger.observe(KvSnapshot(1000, 400))
+    assert ledger.expected_blocks == 800 and not s.overloaded()
+    arriving[0] = 8                               # 400 + 8 × 50 = 800 ≤ 949 + 73
+    assert not s.overloaded()
+    arriving[0] = 13                              # 400 + 650 = 1050
+    assert s.overloaded()
+    for g in grants:
+        s.release(g)

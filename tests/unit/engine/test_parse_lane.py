@@ -1,0 +1,41 @@
+"""The parse lane: one request parsed per loop turn, so a burst does not hold the loop."""
+from __future__ import annotations
+
+import asyncio
+
+from gpufleet_engine.parse_lane import ParseLane
+
+
+async def test_a_burst_takes_turns_and_the_loop_runs_other_work_between_them():
+    lane = ParseLane()
+    events: list[str] = []
+    seen_waiting: list[int] = []
+
+    async def arrival(i: int) -> None:
+        async with lane.turn():
+            seen_waiting.append(lane.waiting)
+            events.append(f"parse{i}")
+
+    async def relay() -> None:   # an answer being streamed back: one step per loop turn
+        for _ in range(40):
+            events.append("relay")
+            await asyncio.sleep(0)
+
+    await asyncio.gather(*(arrival(i) for i in range(5)), relay())
+    parses = [i for i, e in enumerate(events) if e.startswith("parse")]
+    assert [events[i] for i in parses] == [f"parse{i}" for i in range(5)]       # in arrival order
+    assert all(b - a > 1 for a, b in zip(parses, parses[1:]))                  # a relay step between two
+    assert seen_waiting == [1, 4, 3, 2, 1] and lane.waiting == 0   # the first found the lane free
+
+
+async def test_a_refusal_inside_the_lane_leaves_it_free():
+    lane = ParseLane()
+
+    async def refused() -> None:
+        async with lane.turn():
+            raise ValueError("refused before parsing")
+
+    results = await asyncio.gather(refused(), refused(), return_exceptions=True)
+    assert all(isinstance(r, ValueError) for r in results) and lane.waiting == 0
+    async with lane.turn():
+        assert lane.waiting == 1
