@@ -32,6 +32,9 @@ from statistics import NormalDist
 # vLLM keeps one block of the pool back (its null block): a pool of N blocks
 # serves N - 1.
 RESERVED_BY_ENGINE = 1
+# Of the running sums behind ``held_per_request``, kept at each metrics read: ~20 reads (10 s at
+# the default poll) make the average.
+HELD_DECAY = 0.95
 # The ledger's margin at quantile 1 would be infinite: it stands for this one.
 HIGHEST_QUANTILE = 0.9999
 
@@ -82,6 +85,8 @@ class KvLedger:
         self._variance: dict[object, float] = {}   # blocks², of the requests with a predicted reservation
         self._variance_total = 0.0
         self._delta_since_read = 0
+        self._held_sum = 0.0      # blocks vLLM held at its reads, decayed
+        self._in_flight_sum = 0.0  # requests in flight at those reads, decayed alike
 
     @property
     def quantile(self) -> float:
@@ -103,6 +108,16 @@ class KvLedger:
         """A fresh metrics read: its usage already includes what was promised before it."""
         self.snapshot = snapshot
         self._delta_since_read = 0
+        if self._reserved:
+            self._held_sum = HELD_DECAY * self._held_sum + snapshot.used_blocks
+            self._in_flight_sum = HELD_DECAY * self._in_flight_sum + len(self._reserved)
+
+    @property
+    def held_per_request(self) -> float | None:
+        """Blocks a request in flight holds in vLLM, on average over the last reads (weighted by
+        the requests in flight at each); None before a read with requests in flight. Less than
+        its reservation: answers grow until they end, and end at different times."""
+        return self._held_sum / self._in_flight_sum if self._in_flight_sum else None
 
     @property
     def known(self) -> bool:

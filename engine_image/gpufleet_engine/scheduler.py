@@ -126,7 +126,9 @@ class Scheduler:
         the requests queued in the guard, the clients cycling through refusals
         (retry_hint's crowd: those whose Retry-After has not run out) and the
         requests read but not parsed yet (parse_lane.py), each at what a
-        request in flight holds on average. The replica is overloaded when
+        request in flight held on average over the last reads (the ledger's
+        ``held_per_request``: the requests in flight in a burst's first
+        moment are too few to tell). The replica is overloaded when
         all of it passes the pool less the watermark by more than the
         ledger's margin.
         Not the reservations: they are what each answer may grow to, and
@@ -145,8 +147,11 @@ class Scheduler:
         if asking < 1:
             return False  # a full pool with no one waiting is a pool well used
         held = self.ledger.total_blocks - self.ledger.free_blocks()
+        each = self.ledger.held_per_request
+        if each is None:
+            each = held / self.running
         usable = self.ledger.capacity - self.ledger.watermark
-        return held + asking * held / self.running > usable + self.ledger.margin()
+        return held + asking * each > usable + self.ledger.margin()
 
     def _control_acts(self) -> bool:
         """Whether the TTFT control holds the limit now: only while the replica is overloaded, and

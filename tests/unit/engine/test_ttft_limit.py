@@ -355,3 +355,27 @@ async def test_overload_is_what_vllm_holds_and_what_is_asked_past_the_pool_by_mo
     assert s.overloaded()
     for g in grants:
         s.release(g)
+
+
+async def test_a_burst_is_judged_by_what_requests_held_of_late_not_by_the_first_admitted():
+    """32 clients starting at once, the pool's size in demand, are not an overload because the
+    first request admitted has a long prompt; 128 are."""
+    arriving = [0]
+    ledger = KvLedger(5)
+    ledger.observe(KvSnapshot(1000, 0))
+    s = Scheduler(ledger, MultiLevelQueue((INTERACTIVE, STANDARD), 5.0, 100), 16, 1.0,
+                  clock=lambda: 0.0, ttft=TtftLimit(OBJECTIVE, 16), crowd=lambda: 0.0,
+                  arriving=lambda: arriving[0])
+    steady = [await s.acquire(15, STANDARD) for _ in range(10)]
+    for used in (100, 120, 80):                   # vLLM held ~10 blocks a request at its reads
+        ledger.observe(KvSnapshot(1000, used))
+    assert ledger.held_per_request == pytest.approx(10.0)
+    for g in steady:
+        s.release(g)
+    ledger.observe(KvSnapshot(1000, 0))           # idle: nothing in flight, the average stays
+    long_prompt = await s.acquire(40, STANDARD)
+    arriving[0] = 31                              # 40 + 31 × 10 = 350 of 949 (not 40 + 31 × 40)
+    assert not s.overloaded()
+    arriving[0] = 127                             # 40 + 1270
+    assert s.overloaded()
+    s.release(long_prompt)
