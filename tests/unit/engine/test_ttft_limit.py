@@ -369,7 +369,7 @@ async def test_a_burst_is_judged_by_what_requests_held_of_late_not_by_the_first_
     steady = [await s.acquire(15, STANDARD) for _ in range(10)]
     for used in (100, 120, 80):                   # vLLM held ~10 blocks a request at its reads
         ledger.observe(KvSnapshot(1000, used))
-    assert ledger.held_per_request == pytest.approx(10.0)
+    assert ledger.held_per_request == pytest.approx(10.0, rel=0.01)
     for g in steady:
         s.release(g)
     ledger.observe(KvSnapshot(1000, 0))           # idle: nothing in flight, the average stays
