@@ -28,6 +28,8 @@ class ParseLane:
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
+        """The caller's turn. A caller that leaves it by raising (refused before parsing) passes
+        it on at once: a refusal is cheap, and a line of them should not take a turn each."""
         self.waiting += 1
         try:
             async with self._lock:

@@ -250,18 +250,22 @@ class Guard:
         finally:
             self.drain.leave()
 
-    async def _prepare(self, raw: bytes, path: str, queue_class: QueueClass) -> context.Prepared:
+    async def _prepare(self, raw: bytes, path: str, queue_class: QueueClass, arrived: float) -> context.Prepared:
         """``path``: vLLM's route the request was sent to; its cost model is route_costs'. Raises
         Rejection when, its turn come (parse_lane.py), the request is refused before parsing."""
         if text_bytes(raw) > _INLINE_TOKENIZE_BYTES:
             # A long prompt: tokenized on a thread, off the loop and out of the lane.
             body = _json(raw)
             return await asyncio.to_thread(route_costs.prepare, path, body, self.tokenizer, self._limits())
+        # The requests read since it arrived may have shown an overload; the ones ahead in line,
+        # once it is its turn.
+        early = self.scheduler.early_refusal(queue_class)
+        if early is not None:
+            raise early
         async with self.lane.turn():
-            # While it was in line, the requests ahead may have shown an overload.
-            early = self.scheduler.early_refusal(queue_class)
+            early = self.scheduler.early_refusal(queue_class, waited=self.clock() - arrived)
             if early is not None:
-                raise early
+                raise early   # raised inside: the lane passes on without a loop turn
             return route_costs.prepare(path, _json(raw), self.tokenizer, self._limits())
 
     def _limits(self) -> Limits:
@@ -328,7 +332,7 @@ class Guard:
             return self._refuse(queue_class, early)
         try:
             raw = await self._read_body(request)
-            prepared = await self._prepare(raw, request.path, queue_class)
+            prepared = await self._prepare(raw, request.path, queue_class, arrived)
         except Rejection as r:
             return self._refuse(queue_class, r)
         except ContextTooLong as e:

@@ -78,6 +78,7 @@ class Grant:
     dispatched_at: float = 0.0
     running_at_dispatch: int = 1   # requests in vLLM once this one was dispatched, itself included
     start_tokens: int = 0          # a streamed request's prompt tokens until its first token comes back
+    start_set_tokens: int = 0      # prompt tokens starting once it was dispatched, its own included
 
 
 @dataclass(eq=False)
@@ -189,6 +190,8 @@ class Scheduler:
         request fewer starting."""
         started = self._started(grant)
         if self.ttft is not None:
+            if started:
+                self.ttft.started(now - grant.dispatched_at, grant.start_set_tokens)
             before = self.ttft.limit
             self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch,
                               acting=self._control_acts())
@@ -240,10 +243,28 @@ class Scheduler:
         ahead = self._ahead(level)
         if not self._held_by_control(known_size or ahead > 0):
             return None
-        wait = self.ttft.predicted_wait(ahead)
+        wait = self._predicted_wait(ahead, self._queued_start_tokens(level))
         if wait <= self.ttft.wait_budget:
             return None
         return self._ttft_refusal(wait)
+
+    def _predicted_wait(self, ahead: int, start_tokens_ahead: int) -> float:
+        """Seconds until a request with ``ahead`` queued before it (streaming
+        ``start_tokens_ahead`` prompt tokens) could start: with every slot taken, at the pace
+        slots free; with a slot free, what holds it is the start bound, and it waits for the
+        requests starting (and those ahead) to get their first tokens: as long as their
+        prefill takes, and at least the engine's share of the objective, which the start
+        bound fills. That is more than the queue's share: under the control, a request the
+        start bound holds is refused, not queued."""
+        assert self.ttft is not None
+        if self.running >= self.limit:
+            return self.ttft.predicted_wait(ahead)
+        return max(self.ttft.engine_target, self.ttft.prefill_seconds(self.starting_tokens + start_tokens_ahead))
+
+    def _queued_start_tokens(self, level: int) -> int:
+        names = {c.name for c in self._classes_at_or_above(level)}
+        return sum(e.item.start_tokens for e in self.queue.ordered(self._clock())
+                   if e.queue_class.name in names)
 
     def _ttft_refusal(self, wait: float) -> Rejection:
         assert self.ttft is not None
@@ -295,10 +316,15 @@ class Scheduler:
         since = self._refused_since.get(queue_class.name)
         return since is not None and now - since >= self.aging_seconds
 
-    def early_refusal(self, queue_class: QueueClass) -> Rejection | None:
+    def early_refusal(self, queue_class: QueueClass, waited: float = 0.0) -> Rejection | None:
         """The 429 for a request of ``queue_class`` when not even one block could be admitted and
-        waiting could not help, so the caller can refuse before reading the body; else None."""
+        waiting could not help, or the TTFT control would refuse it whatever its size, so the
+        caller can refuse before parsing the body; else None. ``waited``: seconds it already
+        waited in the guard (in line to be parsed): under the control, past the objective's
+        queue share it is refused, as it would be in the queue."""
         now = self._clock()
+        if self.ttft is not None and waited > self.ttft.wait_budget and self._control_acts():
+            return self._ttft_refusal(waited)
         slow = self._ttft_rejection(queue_class.level)
         if slow is not None:
             return slow
@@ -319,6 +345,7 @@ class Scheduler:
         if start_tokens:
             self.starting += 1
             self.starting_tokens += start_tokens
+            grant.start_set_tokens = self.starting_tokens
         self.ledger.try_admit(grant, cost, variance)  # evaluated just before, nothing ran in between
         self.running += 1
         level = queue_class.level
@@ -449,11 +476,12 @@ class Scheduler:
             return False
         now = self._clock()
         shed = False
-        kept = 0
+        kept = kept_tokens = 0
         for entry in self.queue.ordered(now):
-            wait = self.ttft.predicted_wait(kept)
+            wait = self._predicted_wait(kept, kept_tokens)
             if wait <= self.ttft.wait_budget:
                 kept += 1
+                kept_tokens += entry.item.start_tokens
                 continue
             self.queue.remove(entry)
             if not entry.item.future.done():

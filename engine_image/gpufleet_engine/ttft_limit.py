@@ -60,6 +60,8 @@ QUANTILE = 0.9        # of each window's samples
 WINDOW = 16           # samples per decision
 PACE_WEIGHT = 0.1     # of the newest interval in the moving mean of intervals between freed slots
 GROWTH = 0.25         # of the limit, added after a fast window in which the limit was reached
+START_RATE_WEIGHT = 0.2   # of the newest sample in the moving mean of the rate bursts started at
+START_SAMPLE_SHARE = 0.25  # of the start budget, starting at once, for a first token to say how fast bursts start
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -79,6 +81,7 @@ class TtftLimit:
     increases: int = 0
     _samples: list[tuple[float, int]] = field(default_factory=list)  # (engine TTFT, requests running)
     _best_rate: float = 0.0     # prompt tokens per second of engine TTFT, the most seen
+    _start_rate: float = 0.0    # prompt tokens per second at which bursts got first tokens (moving mean)
     _last_release: float | None = None
     _pace: float | None = None  # moving mean of seconds between freed slots
 
@@ -94,11 +97,34 @@ class TtftLimit:
         return ENGINE_SHARE * self.objective_seconds
 
     @property
+    def start_rate(self) -> float:
+        """Prompt tokens per second at which requests starting together get their first tokens:
+        learned from bursts (``started``), else the best rate seen; 0 before any first token."""
+        return min(self._start_rate, self._best_rate) if self._start_rate else self._best_rate
+
+    @property
     def start_budget(self) -> float:
         """Prompt tokens that may be starting at once (dispatched, first token not back): what
-        the engine prefills in its share of the objective at the best rate seen; unbounded
-        until a first token was seen."""
-        return self._best_rate * self.engine_target if self._best_rate else math.inf
+        starts in the engine's share of the objective at ``start_rate``; unbounded until a
+        first token was seen."""
+        return self.start_rate * self.engine_target if self._best_rate else math.inf
+
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        """Seconds until ``prompt_tokens`` starting now get their first tokens, at ``start_rate``
+        (0 until a first token was seen): how long they keep a newcomer from starting."""
+        return prompt_tokens / self.start_rate if self._best_rate else 0.0
+
+    def started(self, engine_ttft: float, start_set_tokens: int) -> None:
+        """A first token ``engine_ttft`` seconds after dispatch, for a request that started with
+        ``start_set_tokens`` prompt tokens starting (itself included). The best rate is one
+        prompt alone; a burst's prompts start slower together (each adds its own overhead, and
+        the relay of every first token waits its turn), so the start budget learns from the
+        bursts that filled a good part of it."""
+        if not self._best_rate or start_set_tokens < START_SAMPLE_SHARE * self.start_budget:
+            return
+        rate = start_set_tokens / max(engine_ttft, 1e-6)
+        self._start_rate = rate if not self._start_rate else (
+            (1 - START_RATE_WEIGHT) * self._start_rate + START_RATE_WEIGHT * rate)
 
     @property
     def wait_budget(self) -> float:

@@ -39,3 +39,22 @@ async def test_a_refusal_inside_the_lane_leaves_it_free():
     assert all(isinstance(r, ValueError) for r in results) and lane.waiting == 0
     async with lane.turn():
         assert lane.waiting == 1
+
+
+async def test_a_line_of_refusals_passes_without_a_loop_turn_each():
+    lane = ParseLane()
+    events: list[str] = []
+
+    async def refused(i: int) -> None:
+        async with lane.turn():
+            events.append(f"refused{i}")
+            raise ValueError
+
+    async def relay() -> None:
+        for _ in range(3):
+            events.append("relay")
+            await asyncio.sleep(0)
+
+    await asyncio.gather(*(refused(i) for i in range(4)), relay(), return_exceptions=True)
+    refusals = [i for i, e in enumerate(events) if e.startswith("refused")]
+    assert refusals == list(range(refusals[0], refusals[0] + 4))   # back to back
