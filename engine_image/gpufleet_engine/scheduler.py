@@ -30,7 +30,9 @@ wait too. The KV check is repeated at dispatch because the pool may have
 filled while a request waited. Under the TTFT control a request waits for a
 slot only as long as the objective leaves room for: when the wait predicted
 from the queue ahead of it and the pace at which slots free is longer, it
-gets 429 at once.
+gets 429 at once; and a request the start bound holds (a slot free, but the
+requests starting already hold the prompt tokens the engine starts in time)
+gets 429 too, since it would wait about the engine's share of the objective.
 """
 from __future__ import annotations
 

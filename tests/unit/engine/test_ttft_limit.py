@@ -379,3 +379,29 @@ async def test_a_burst_is_judged_by_what_requests_held_of_late_not_by_the_first_
     arriving[0] = 127                             # 40 + 1270
     assert s.overloaded()
     s.release(long_prompt)
+
+
+def test_the_start_budget_learns_how_fast_bursts_start_not_one_prompt_alone():
+    limit = TtftLimit(OBJECTIVE, 8)
+    limit.observe(0.01, 1000, 1)                   # one prompt alone: 100k tokens/s
+    assert limit.start_budget == pytest.approx(30_000)
+    limit.started(0.01, 1000)                      # a small start set says nothing about bursts
+    assert limit.start_budget == pytest.approx(30_000)
+    for _ in range(30):
+        limit.started(0.6, 24_000)                 # bursts of 24k tokens got first tokens after 0.6 s
+    assert limit.start_rate == pytest.approx(40_000, rel=0.01)
+    assert limit.start_budget == pytest.approx(12_000, rel=0.01)
+    assert limit.prefill_seconds(12_000) == pytest.approx(0.3, rel=0.01)
+
+
+async def test_under_the_control_a_request_that_waited_in_line_past_the_queue_share_is_refused_unread():
+    crowd = [0.0]
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=crowd)
+    assert s.ttft is not None and s.ttft.wait_budget == pytest.approx(0.15)
+    g = await s.acquire(1, STANDARD)
+    assert s.early_refusal(STANDARD, waited=0.5) is None      # not overloaded: it may go on
+    crowd[0] = 2000
+    assert s.early_refusal(STANDARD, waited=0.1) is None      # within the queue's share
+    late = s.early_refusal(STANDARD, waited=0.2)
+    assert late is not None and late.reason == Reason.TTFT_LIMIT and late.status == 429
+    s.release(g)
