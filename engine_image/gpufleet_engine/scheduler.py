@@ -215,13 +215,15 @@ class Scheduler:
         """Whether a request of ``prompt_tokens`` may start now. However many the pool and
         max_concurrency allow, the streamed requests starting at once (dispatched, first token
         not back) hold no more prompt tokens than the engine prefills in the TTFT objective's
-        engine share (``TtftLimit.start_budget``); one may always start. A burst of arrivals (a
+        engine share (``TtftLimit.start_budget`` under the control, ``loose_start_budget`` below
+        overload); one may always start. A burst of arrivals (a
         batch job, a failover) would otherwise prefill together, and every one of them would
         start late. At a steady load few requests start at once and this rarely holds one back,
         and not for long; in an overload's first moment it is what shows it, as a queue."""
         if self.ttft is None or self.starting == 0:
             return True
-        return self.starting_tokens + prompt_tokens <= self.ttft.start_budget
+        budget = self.ttft.start_budget if self._control_acts() else self.ttft.loose_start_budget
+        return self.starting_tokens + prompt_tokens <= budget
 
     def _ahead(self, level: int) -> int:
         return sum(self.queue.depth(c.name) for c in self._classes_at_or_above(level))

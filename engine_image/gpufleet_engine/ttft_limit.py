@@ -104,10 +104,18 @@ class TtftLimit:
 
     @property
     def start_budget(self) -> float:
-        """Prompt tokens that may be starting at once (dispatched, first token not back): what
-        starts in the engine's share of the objective at ``start_rate``; unbounded until a
-        first token was seen."""
+        """Prompt tokens that may be starting at once (dispatched, first token not back) while the
+        control acts: what starts in the engine's share of the objective at ``start_rate``;
+        unbounded until a first token was seen."""
         return self.start_rate * self.engine_target if self._best_rate else math.inf
+
+    @property
+    def loose_start_budget(self) -> float:
+        """The same bound below overload, at the best rate seen (one prompt alone): it stops a
+        burst from prefilling far past the objective, and holds back little else, so the guard
+        starts requests about as vLLM alone would. (At the learned burst rate it queued enough at
+        the highest load vLLM serves without preempting to triple the TTFT p99 there.)"""
+        return self._best_rate * self.engine_target if self._best_rate else math.inf
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """Seconds until ``prompt_tokens`` starting now get their first tokens, at ``start_rate``

@@ -392,6 +392,7 @@ def test_the_start_budget_learns_how_fast_bursts_start_not_one_prompt_alone():
     assert limit.start_rate == pytest.approx(40_000, rel=0.01)
     assert limit.start_budget == pytest.approx(12_000, rel=0.01)
     assert limit.prefill_seconds(12_000) == pytest.approx(0.3, rel=0.01)
+    assert limit.loose_start_budget == pytest.approx(30_000)   # below overload: the best rate's
 
 
 async def test_under_the_control_a_request_that_waited_in_line_past_the_queue_share_is_refused_unread():
