@@ -156,6 +156,10 @@ class KvLedger:
         used = max(0, self.snapshot.used_blocks + self._delta_since_read)
         return max(0, self.snapshot.total_blocks - used)
 
+    def held_blocks(self) -> int:
+        """Blocks vLLM holds in its view, corrected for what the guard admitted and finished since the read."""
+        return self.total_blocks - self.free_blocks()
+
     def unreserved_blocks(self) -> int:
         return self.capacity - self.reserved_blocks
 

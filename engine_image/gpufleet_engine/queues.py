@@ -98,10 +98,13 @@ class MultiLevelQueue(Generic[T]):
                 best, best_key = head, key
         return best
 
+    def entries(self) -> list[Entry[T]]:
+        """Every entry, in no particular order."""
+        return [entry for lane in self._lanes.values() for entry in lane]
+
     def ordered(self, now: float) -> list[Entry[T]]:
         """Every entry, in the order ``pop`` would return them if nothing changed meanwhile."""
-        entries = [entry for lane in self._lanes.values() for entry in lane]
-        return sorted(entries, key=lambda e: (self.effective_level(e, now), e.seq))
+        return sorted(self.entries(), key=lambda e: (self.effective_level(e, now), e.seq))
 
     def pop(self, now: float) -> Entry[T] | None:
         entry = self.peek(now)

@@ -149,7 +149,7 @@ class Scheduler:
         asking = len(self.queue) + self._crowd() + self._arriving()
         if asking < 1:
             return False  # a full pool with no one waiting is a pool well used
-        held = self.ledger.total_blocks - self.ledger.free_blocks()
+        held = self.ledger.held_blocks()
         each = self.ledger.held_per_request
         if each is None:
             each = held / self.running
@@ -170,7 +170,7 @@ class Scheduler:
                 log.info("overloaded: the TTFT control acts (limit %d): %d blocks held by %d requests in "
                          "flight, %d queued, %d read and not parsed yet, %.0f clients waiting to retry; "
                          "%d usable blocks, margin %d", self.ttft.limit,
-                         self.ledger.total_blocks - self.ledger.free_blocks(),
+                         self.ledger.held_blocks(),
                          self.running, len(self.queue), self._arriving(), self._crowd(),
                          self.ledger.capacity - self.ledger.watermark, self.ledger.margin())
             self._overloaded_at = now
@@ -247,7 +247,9 @@ class Scheduler:
         ahead = self._ahead(level)
         if not self._held_by_control(known_size or ahead > 0):
             return None
-        wait = self._predicted_wait(ahead, self._queued_start_tokens(level))
+        # The queued prompt tokens matter only when the start bound holds (a slot free).
+        tokens = self._queued_start_tokens(level) if self.running < self.limit else 0
+        wait = self._predicted_wait(ahead, tokens)
         if wait <= self.ttft.wait_budget:
             return None
         return self._ttft_refusal(wait)
@@ -266,9 +268,7 @@ class Scheduler:
         return max(self.ttft.engine_target, self.ttft.prefill_seconds(self.starting_tokens + start_tokens_ahead))
 
     def _queued_start_tokens(self, level: int) -> int:
-        names = {c.name for c in self._classes_at_or_above(level)}
-        return sum(e.item.start_tokens for e in self.queue.ordered(self._clock())
-                   if e.queue_class.name in names)
+        return sum(e.item.start_tokens for e in self.queue.entries() if e.queue_class.level <= level)
 
     def _ttft_refusal(self, wait: float) -> Rejection:
         assert self.ttft is not None
