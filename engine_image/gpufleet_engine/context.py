@@ -244,15 +244,21 @@ def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
+def _token_ids(items: list) -> bool:
+    """Whether every item is an int (JSON's true and false are not): the types are collected in
+    C, not checked one by one in Python, since a prompt may hold a whole context of ids."""
+    return set(map(type, items)) == {int}
+
+
 def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if _token_ids(prompt):
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
             return [list(p) for p in prompt]
     raise InvalidRequest("prompt (or input) must be a string, a list of strings, a list of token ids "
                          "or a list of lists of token ids", "prompt")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Hashable
@@ -32,19 +31,32 @@ WINDOW = 512
 
 
 class _Lengths:
-    """The last ``window`` lengths, kept both in arrival order and sorted."""
+    """The last ``window`` lengths, kept in arrival order and sorted, with the sorted lengths'
+    squares beside them: the moments of a request's reservation are two bisections and two
+    slice sums, not a Python loop over the window on every admission."""
 
     def __init__(self, window: int):
         self.order: deque[int] = deque()
         self.sorted: list[int] = []
+        self.squares: list[int] = []   # squares of ``sorted``, in the same order
+        self.total = 0                 # sum of the window
         self.window = window
 
     def add(self, length: int) -> None:
         if len(self.order) == self.window:
             old = self.order.popleft()
-            del self.sorted[bisect.bisect_left(self.sorted, old)]
+            at = bisect.bisect_left(self.sorted, old)
+            del self.sorted[at]
+            del self.squares[at]
+            self.total -= old
         self.order.append(length)
-        bisect.insort(self.sorted, length)
+        at = bisect.bisect_right(self.sorted, length)
+        self.sorted.insert(at, length)
+        self.squares.insert(at, length * length)
+        self.total += length
+
+    def mean(self) -> float:
+        return self.total / len(self.order)
 
     def moments(self, budget: int, above: int = -1) -> tuple[float, float] | None:
         """Mean and variance of min(budget, length) over the lengths greater than ``above``."""
@@ -52,9 +64,14 @@ class _Lengths:
         count = len(self.sorted) - start
         if count <= 0:
             return None
-        clipped = [min(budget, n) for n in self.sorted[start:]]
-        mean = sum(clipped) / count
-        return mean, sum((n - mean) ** 2 for n in clipped) / count
+        # Lengths in [start, clip) stay as they are; the ones from ``clip`` on count as the budget.
+        clip = max(start, bisect.bisect_right(self.sorted, budget))
+        clipped = len(self.sorted) - clip
+        total = sum(self.sorted[start:clip]) + budget * clipped
+        squares = sum(self.squares[start:clip]) + budget * budget * clipped
+        mean = total / count
+        # Exact integer sums, one division each: E[x²] − E[x]², never below zero.
+        return mean, max(0.0, (squares * count - total * total) / (count * count))
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,7 @@ class OutputPredictor:
         """The mean learned length now, or None while the key has too few samples (the prior applies)."""
         if not self.learned(key):
             return None
-        return statistics.fmean(self._keys[key].order)
+        return self._keys[key].mean()
 
     def reserve(self, key: Hashable, budget: int) -> Demand:
         """What a new request allowed ``budget`` tokens reserves: the mean of min(budget, length)

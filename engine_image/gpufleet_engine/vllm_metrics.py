@@ -18,6 +18,10 @@ WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_WANTED = (*KV_USAGE, CACHE_INFO, RUNNING, WAITING, PREEMPTIONS)
+# The name ends at "{" or " ": a wanted name followed by either starts a wanted line, and no
+# histogram bucket (most of the page) is split or has its labels read.
+_WANTED_PREFIXES = tuple(name + end for name in _WANTED for end in "{ ")
 
 
 class MetricsFormatError(ValueError):
@@ -63,7 +67,7 @@ def parse(text: str) -> VllmStats:
     block_sizes: set[int] = set()
     running = waiting = preemptions = 0.0
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(_WANTED_PREFIXES):
             continue
         parsed = _split(line)
         if parsed is None:

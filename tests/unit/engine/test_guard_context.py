@@ -159,6 +159,9 @@ def test_chat_that_cannot_fit_even_without_history_is_rejected_with_counts(token
     (CHAT, {"messages": [{"content": "x"}]}, "messages[0] must be an object with a role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
     (COMPLETIONS, ["not", "an", "object"], "must be a JSON object"),
+    (COMPLETIONS, {"prompt": [1, 2, True]}, "list of token ids"),
+    (COMPLETIONS, {"prompt": [[1, 2], [3, False]]}, "list of lists of token ids"),
+    (COMPLETIONS, {"prompt": [[1, 2], [3, 4.0]]}, "list of lists of token ids"),
 ])
 def test_malformed_bodies_are_invalid_requests(tokenizer, route, body, message):
     with pytest.raises(InvalidRequest) as e:

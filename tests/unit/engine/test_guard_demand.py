@@ -57,3 +57,29 @@ def test_beyond_every_known_answer_the_reservation_doubles_up_to_the_budget():
     assert p.extension(KEY, seen=30, budget=1000) == Demand(60)
     assert p.extension(KEY, seen=600, budget=1000) == Demand(1000)
     assert OutputPredictor().extension(KEY, seen=0, budget=8) == Demand(2)
+
+
+def test_the_moments_kept_as_sums_equal_the_moments_of_the_window_as_it_slides():
+    """The sorted lengths' squares and the window's total are updated on every answer, so that an
+    admission reads two slice sums; they must agree with the moments taken over the window itself."""
+    import random
+    import statistics
+
+    rng = random.Random(5)
+    p = OutputPredictor(min_samples=1, window=64)
+    window: list[int] = []
+    for _ in range(400):
+        n = int(rng.paretovariate(1.2) * 20)
+        p.observe(KEY, n)
+        window = (window + [n])[-64:]
+        budget, above = rng.choice([16, 64, 300, 5000]), rng.choice([-1, 10, 50])
+        assert p.prediction(KEY) == pytest.approx(statistics.fmean(window))
+        longer = [min(budget, x) for x in window if x > above]
+        extension = p.extension(KEY, above, budget) if above >= 0 else None
+        if above < 0:
+            d = p.reserve(KEY, budget)
+            assert d.variance == pytest.approx(statistics.pvariance(longer), abs=1e-9)
+            assert d.tokens == max(1, min(budget, -(-sum(longer) // len(longer))))
+        elif longer:
+            assert extension is not None
+            assert extension.variance == pytest.approx(statistics.pvariance(longer), abs=1e-9)
