@@ -7,12 +7,15 @@ rate() and absent() in alert rules work before the first failure.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import bisect
+import itertools
+from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .contract import guard_metrics as m
 from .contract.guard_config import SLOConfig
@@ -54,6 +57,66 @@ class _OptionalGauge(Collector):
         yield family
 
 
+class BucketCounts:
+    """One series of a ``CountedHistogram``: its bucket counts (the last one past every bound) and sum."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self, buckets: int):
+        self.counts = [0] * buckets
+        self.sum = 0.0
+
+    def add(self, counts: Sequence[int], total: float) -> None:
+        """Observations counted elsewhere into the same buckets (``CountedHistogram.bounds``)."""
+        for i, n in enumerate(counts):
+            if n:
+                self.counts[i] += n
+        self.sum += total
+
+
+class CountedHistogram(Collector):
+    """A histogram by one label whose observations are counted into its buckets by the caller.
+
+    The inter-chunk gaps of a stream are the guard's only per-token metric: a
+    prometheus_client observe() a chunk (a lock, five calls) was the largest
+    share of the relay's own CPU beside the socket writes, and every CPU cycle
+    the relay spends is taken from vLLM on a shared host. The relay counts a
+    gap with a bisection into ``bounds`` and an increment, and adds a stream's
+    counts here at its end (and every few hundred gaps). Exposed as
+    prometheus_client's Histogram is: ``_bucket{le}``, ``_count``, ``_sum``.
+    """
+
+    def __init__(self, name: str, documentation: str, label: str, buckets: Sequence[float],
+                 registry: CollectorRegistry):
+        self.name, self.documentation, self.label = name, documentation, label
+        self.bounds = sorted(float(b) for b in buckets)
+        self._les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self._series: dict[str, BucketCounts] = {}
+        registry.register(self)
+
+    def labels(self, value: str) -> BucketCounts:
+        series = self._series.get(value)
+        if series is None:
+            series = self._series[value] = BucketCounts(len(self.bounds) + 1)
+        return series
+
+    def observe(self, value: str, amount: float) -> None:
+        """One observation (tests, and callers outside the relay's loop)."""
+        counts = [0] * (len(self.bounds) + 1)
+        counts[bisect.bisect_left(self.bounds, amount)] = 1
+        self.labels(value).add(counts, amount)
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        for value, series in list(self._series.items()):
+            cumulative = list(itertools.accumulate(series.counts))
+            family.add_metric([value], list(zip(self._les, cumulative)), series.sum)
+        yield family
+
+
 class GuardMetrics:
     def __init__(self, classes: list[str], registry: CollectorRegistry | None = None,
                  slo: SLOConfig | None = None, gpu_memory: GpuMemoryReader | None = None):
@@ -85,9 +148,9 @@ class GuardMetrics:
                                       "Time to first token as the client sees it (streaming requests).",
                                       ["class"], buckets=_with(_LATENCY_BUCKETS, slo.ttft_p99_seconds),
                                       registry=r)
-        self.itl_seconds = Histogram(m.ITL_SECONDS,
-                                     "Inter-chunk latency as the client sees it (streaming requests).",
-                                     ["class"], buckets=_with(_ITL_BUCKETS, slo.itl_p99_seconds), registry=r)
+        self.itl_seconds = CountedHistogram(m.ITL_SECONDS,
+                                            "Inter-chunk latency as the client sees it (streaming requests).",
+                                            "class", _with(_ITL_BUCKETS, slo.itl_p99_seconds), r)
         self.request_seconds = Histogram(m.REQUEST_SECONDS,
                                          "End-to-end latency of admitted requests.", ["class"],
                                          buckets=_with(_REQUEST_BUCKETS, slo.request_p99_seconds),

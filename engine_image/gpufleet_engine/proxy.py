@@ -8,6 +8,7 @@ errors at one place, ``_refuse``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import logging
@@ -54,6 +55,8 @@ _NOT_TEXT = b"0123456789,.-+[]{}: \n"
 # structure, tools and small batches, and 1 MiB for everything else.
 BODY_BYTES_PER_TOKEN = 64
 BODY_BYTES_FLOOR = 1024 * 1024
+# A long stream's inter-chunk gaps reach the ITL histogram every this many gaps, not only at its end.
+_FLUSH_GAPS = 256
 # usage.completion_tokens (OpenAI routes) or usage.output_tokens (/v1/responses, /v1/messages).
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 
@@ -118,7 +121,7 @@ class Guard:
         self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
         self.lane = ParseLane()
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
-                                   config.retry_after_seconds, clock=clock, on_change=self.refresh_gauges,
+                                   config.retry_after_seconds, clock=clock,
                                    aging_seconds=config.aging_seconds, ttft=ttft_limit_for(config),
                                    crowd=self.retry.crowd, arriving=lambda: self.lane.waiting)
         self.drain = Drain()
@@ -196,6 +199,9 @@ class Guard:
         self.refresh_gauges()
 
     def refresh_gauges(self) -> None:
+        """Set the state gauges from the scheduler and the ledger: when /metrics is scraped (and on
+        engine and config changes), not on every admission and release, where a dozen gauge
+        writes a request were CPU taken from vLLM on a shared host for values nobody read."""
         m = self.metrics
         for c in self.config.queue_classes:
             m.queue_depth.labels(c.name).set(self.queue.depth(c.name))
@@ -528,39 +534,58 @@ class _Exchange:
         m = self.guard.metrics
         name = self.queue_class.name
         clock = self.guard.clock
-        # Per chunk only a clock read and a histogram observe: every CPU cycle
-        # the guard spends per token is taken from vLLM on a shared host.
+        # Per chunk only a clock read, a bisection and a few local sums: every CPU cycle the
+        # guard spends per token is taken from vLLM on a shared host. The gaps are counted into
+        # the ITL histogram's buckets here and added to it every FLUSH_GAPS and at the end.
         itl = m.itl_seconds.labels(name)
+        bounds = m.itl_seconds.bounds
+        counts = [0] * (len(bounds) + 1)
+        gap_sum = 0.0
         itl_objective = self.guard.config.slo.itl_p99_seconds
+        bisect_left = bisect.bisect_left
+        late = gaps = 0
+        flush_at = _FLUSH_GAPS
         out = web.StreamResponse(status=resp.status, headers=headers)
         self.response = out
         reservation = self.reservation
         last: float | None = None
         previous = chunk = b""
         try:
-            await out.prepare(self.request)
-            async for data in resp.content.iter_any():
-                previous, chunk = chunk, data  # the usage event may straddle the last two
-                await out.write(chunk)
-                now = clock()
-                if last is None:
-                    self.ttft_seconds = now - self.arrived
-                    m.ttft_seconds.labels(name).observe(self.ttft_seconds)
-                    self.guard.scheduler.first_token(grant, now, self.prepared.total_prompt_tokens)
-                else:
-                    itl.observe(now - last)
-                    self.gaps += 1
-                    if now - last > itl_objective:
-                        self.late_gaps += 1
-                last = now
-                # One SSE event per generated token in vLLM's default
-                # streaming, give or take the role and usage events.
-                events = chunk.count(b"data: ")
-                reservation.events += events
-                if tracked.tokens is not None:
-                    tracked.tokens += events
-                if 0 <= reservation.next_extension <= reservation.events:
-                    self.guard.grow(grant, reservation)
+            try:
+                await out.prepare(self.request)
+                async for data in resp.content.iter_any():
+                    previous, chunk = chunk, data  # the usage event may straddle the last two
+                    await out.write(chunk)
+                    now = clock()
+                    if last is None:
+                        self.ttft_seconds = now - self.arrived
+                        m.ttft_seconds.labels(name).observe(self.ttft_seconds)
+                        self.guard.scheduler.first_token(grant, now, self.prepared.total_prompt_tokens)
+                    else:
+                        gap = now - last
+                        counts[bisect_left(bounds, gap)] += 1
+                        gap_sum += gap
+                        gaps += 1
+                        if gap > itl_objective:
+                            late += 1
+                        if gaps == flush_at:
+                            itl.add(counts, gap_sum)
+                            counts = [0] * len(counts)
+                            gap_sum = 0.0
+                            flush_at += _FLUSH_GAPS
+                    last = now
+                    # One SSE event per generated token in vLLM's default
+                    # streaming, give or take the role and usage events.
+                    events = chunk.count(b"data: ")
+                    reservation.events += events
+                    if tracked.tokens is not None:
+                        tracked.tokens += events
+                    if 0 <= reservation.next_extension <= reservation.events:
+                        self.guard.grow(grant, reservation)
+            finally:
+                # However the stream ends (done, the client gone, the timeout): its gaps count.
+                itl.add(counts, gap_sum)
+                self.gaps, self.late_gaps = gaps, late
         except ConnectionResetError:
             self.finish("cancelled")  # the client went away; leaving the context aborts vLLM's request
             return out

@@ -94,7 +94,7 @@ class _Waiter:
 class Scheduler:
     def __init__(self, ledger: KvLedger, queue: MultiLevelQueue[_Waiter], max_concurrency: int,
                  retry_after_seconds: float, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[], None] | None = None, aging_seconds: float = 5.0,
+                 aging_seconds: float = 5.0,
                  ttft: TtftLimit | None = None, crowd: Callable[[], float] | None = None,
                  arriving: Callable[[], int] | None = None):
         self.ledger = ledger
@@ -109,7 +109,6 @@ class Scheduler:
         self.max_concurrency = max_concurrency
         self.retry_after = retry_after_seconds
         self._clock = clock
-        self._on_change = on_change or (lambda: None)
         self.running = 0
         # Streamed requests dispatched whose first token has not come back yet, and their prompt tokens.
         self.starting = 0
@@ -199,8 +198,6 @@ class Scheduler:
                               acting=self._control_acts())
             if started or self.ttft.limit > before:
                 self.dispatch()
-            elif self.ttft.limit != before:
-                self._on_change()
 
     def _started(self, grant: Grant) -> bool:
         """``grant`` is no longer starting (its first token came, or it ended); True if it was."""
@@ -381,9 +378,7 @@ class Scheduler:
             raise self._kv_rejection(decision)
         if (decision.admitted and self.running < self.limit and self._may_start(start_tokens)
                 and len(self.queue) == 0):
-            grant = self._grant(cost, variance, start_tokens, queue_class, 0.0)
-            self._on_change()
-            return grant
+            return self._grant(cost, variance, start_tokens, queue_class, 0.0)
         if decision.admitted:
             slow = self._ttft_rejection(queue_class.level, known_size=True)
             if slow is not None:
@@ -398,7 +393,6 @@ class Scheduler:
         except QueueFull as e:
             raise Rejection(Reason.QUEUE_FULL, 429, f"The guard's queue is full ({e}). Retry later.",
                             self.retry_after) from None
-        self._on_change()
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), queue_class.max_queue_seconds)
         except asyncio.TimeoutError:
@@ -417,7 +411,6 @@ class Scheduler:
     def _abandon(self, entry: Entry[_Waiter]) -> bool:
         removed = self.queue.remove(entry)
         if removed:
-            self._on_change()
             self.dispatch()  # a head that gave up no longer holds back the requests behind it
         return removed
 
@@ -438,7 +431,6 @@ class Scheduler:
         lower-priority running requests hold, it keeps its place and everything
         behind it waits for the next release; when waiting cannot help, it is
         refused and the next one is tried."""
-        changed = False
         self._start_held = False  # whether the start bound holds the head of the queue
         while self.running < self.limit:
             now = self._clock()
@@ -448,7 +440,6 @@ class Scheduler:
             waiter = entry.item
             if waiter.future.done():
                 self.queue.pop(now)
-                changed = True
                 continue
             decision = self.ledger.evaluate(waiter.cost, waiter.variance)
             if not decision.admitted:
@@ -456,7 +447,6 @@ class Scheduler:
                                              starving=self._starving(entry.queue_class, now)):
                     break  # the blocks it lacks are held by requests that finish
                 self.queue.pop(now)
-                changed = True
                 self._refused_since.setdefault(entry.queue_class.name, now)
                 waiter.future.set_exception(self._kv_rejection(decision))
                 continue
@@ -464,12 +454,9 @@ class Scheduler:
                 self._start_held = True
                 break  # a request starting returns its first token soon: the head waits for it
             self.queue.pop(now)
-            changed = True
             waiter.future.set_result(self._grant(waiter.cost, waiter.variance, waiter.start_tokens,
                                                  entry.queue_class, entry.waited(now)))
-        changed = self._shed_late() or changed
-        if changed:
-            self._on_change()
+        self._shed_late()
 
     def _shed_late(self) -> bool:
         """Under the TTFT control, refuse the queued requests that would wait longer than the
