@@ -179,7 +179,7 @@ def report(runs, blocks, saturation, cpu) -> tuple[list[dict], list[tuple[str, s
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--c1-requests", type=int, default=100, help="requests per path at 1 client")
+    parser.add_argument("--c1-requests", type=int, default=300, help="requests per path at 1 client")
     parser.add_argument("--c32-seconds", type=float, default=45.0, help="interleaved run at 32 clients")
     parser.add_argument("--rounds", type=int, default=6, help="rotating throughput rounds at 32 clients")
     parser.add_argument("--round-seconds", type=float, default=10.0)

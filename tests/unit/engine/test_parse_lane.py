@@ -58,3 +58,23 @@ async def test_a_line_of_refusals_passes_without_a_loop_turn_each():
     await asyncio.gather(*(refused(i) for i in range(4)), relay(), return_exceptions=True)
     refusals = [i for i, e in enumerate(events) if e.startswith("refused")]
     assert refusals == list(range(refusals[0], refusals[0] + 4))   # back to back
+
+
+async def test_the_request_parsed_goes_on_in_the_same_turn_only_the_next_in_line_waits():
+    lane = ParseLane()
+    events: list[str] = []
+
+    async def arrival(i: int) -> None:
+        async with lane.turn():
+            events.append(f"parse{i}")
+        events.append(f"forward{i}")   # to vLLM: no loop turn between its parse and this
+
+    async def relay() -> None:
+        for _ in range(6):
+            events.append("relay")
+            await asyncio.sleep(0)
+
+    await asyncio.gather(arrival(0), arrival(1), relay())
+    assert events.index("forward0") == events.index("parse0") + 1
+    assert events.index("forward1") == events.index("parse1") + 1
+    assert "relay" in events[events.index("forward0"):events.index("parse1")]
