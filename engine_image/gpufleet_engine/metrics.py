@@ -7,7 +7,6 @@ rate() and absent() in alert rules work before the first failure.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 from typing import Callable, Iterator, Sequence
 
@@ -99,12 +98,6 @@ class CountedHistogram(Collector):
         if series is None:
             series = self._series[value] = BucketCounts(len(self.bounds) + 1)
         return series
-
-    def observe(self, value: str, amount: float) -> None:
-        """One observation (tests, and callers outside the relay's loop)."""
-        counts = [0] * (len(self.bounds) + 1)
-        counts[bisect.bisect_left(self.bounds, amount)] = 1
-        self.labels(value).add(counts, amount)
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=[self.label])

@@ -458,15 +458,14 @@ class Scheduler:
                                                  entry.queue_class, entry.waited(now)))
         self._shed_late()
 
-    def _shed_late(self) -> bool:
+    def _shed_late(self) -> None:
         """Under the TTFT control, refuse the queued requests that would wait longer than the
         objective leaves (the newcomers are refused on arrival; these were queued before the
-        control acted, e.g. in a burst's first moment). True if any was refused."""
+        control acted, e.g. in a burst's first moment)."""
         if (self.ttft is None or len(self.queue) == 0 or not self._control_acts()
                 or not self._held_by_control(self._start_held)):
-            return False
+            return
         now = self._clock()
-        shed = False
         kept = kept_tokens = 0
         for entry in self.queue.ordered(now):
             wait = self._predicted_wait(kept, kept_tokens)
@@ -477,5 +476,3 @@ class Scheduler:
             self.queue.remove(entry)
             if not entry.item.future.done():
                 entry.item.future.set_exception(self._ttft_refusal(wait))
-            shed = True
-        return shed

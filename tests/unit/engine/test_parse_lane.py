@@ -6,6 +6,13 @@ import asyncio
 from gpufleet_engine.parse_lane import ParseLane
 
 
+async def relay(events: list[str], steps: int) -> None:
+    """An answer being streamed back: one step per loop turn."""
+    for _ in range(steps):
+        events.append("relay")
+        await asyncio.sleep(0)
+
+
 async def test_a_burst_takes_turns_and_the_loop_runs_other_work_between_them():
     lane = ParseLane()
     events: list[str] = []
@@ -16,12 +23,7 @@ async def test_a_burst_takes_turns_and_the_loop_runs_other_work_between_them():
             seen_waiting.append(lane.waiting)
             events.append(f"parse{i}")
 
-    async def relay() -> None:   # an answer being streamed back: one step per loop turn
-        for _ in range(40):
-            events.append("relay")
-            await asyncio.sleep(0)
-
-    await asyncio.gather(*(arrival(i) for i in range(5)), relay())
+    await asyncio.gather(*(arrival(i) for i in range(5)), relay(events, 40))
     parses = [i for i, e in enumerate(events) if e.startswith("parse")]
     assert [events[i] for i in parses] == [f"parse{i}" for i in range(5)]       # in arrival order
     assert all(b - a > 1 for a, b in zip(parses, parses[1:]))                  # a relay step between two
@@ -50,12 +52,7 @@ async def test_a_line_of_refusals_passes_without_a_loop_turn_each():
             events.append(f"refused{i}")
             raise ValueError
 
-    async def relay() -> None:
-        for _ in range(3):
-            events.append("relay")
-            await asyncio.sleep(0)
-
-    await asyncio.gather(*(refused(i) for i in range(4)), relay(), return_exceptions=True)
+    await asyncio.gather(*(refused(i) for i in range(4)), relay(events, 3), return_exceptions=True)
     refusals = [i for i, e in enumerate(events) if e.startswith("refused")]
     assert refusals == list(range(refusals[0], refusals[0] + 4))   # back to back
 
@@ -69,12 +66,7 @@ async def test_the_request_parsed_goes_on_in_the_same_turn_only_the_next_in_line
             events.append(f"parse{i}")
         events.append(f"forward{i}")   # to vLLM: no loop turn between its parse and this
 
-    async def relay() -> None:
-        for _ in range(6):
-            events.append("relay")
-            await asyncio.sleep(0)
-
-    await asyncio.gather(arrival(0), arrival(1), relay())
+    await asyncio.gather(arrival(0), arrival(1), relay(events, 6))
     assert events.index("forward0") == events.index("parse0") + 1
     assert events.index("forward1") == events.index("parse1") + 1
     assert "relay" in events[events.index("forward0"):events.index("parse1")]
