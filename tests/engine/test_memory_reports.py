@@ -45,35 +45,40 @@ async def test_the_plugin_runs_inside_vllm_and_reports_no_cuda_device(engine):
     assert families[m.GPU_MEMORY_ALLOC_RETRIES].samples == []
 
 
-async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(engine):
+async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(extra_guard):
     """Four streams with prompts of 40 tokens (2 blocks of 32 each at first; 300 output tokens
     each, so the guard admits all four into 64 blocks): the pool holds
     their tokens in whole blocks, so at most one partly filled block per sequence is waste
     (plus what one poll of vLLM's metrics lags behind the streams); a pool preallocated to
-    the maximum length would waste most of itself."""
+    the maximum length would waste most of itself.
+
+    A guard of its own reads vLLM's metrics every 50 ms (the default is 0.5 s): on a fast
+    machine the four streams run together for well under a second, too short for two
+    default polls, and the readings must come from at least two polls."""
     streams = 4
+    guard = await extra_guard(metricsPollSeconds=0.05)
     async with aiohttp.ClientSession() as s:
-        responses = []
-        for seed in range(streams):
+        async def start(seed: int) -> aiohttp.ClientResponse:
             body = {"model": "tiny", "prompt": token_ids(40, 900 + seed), "max_tokens": 300, "ignore_eos": True,
                     "stream": True}
-            r = await s.post(engine.guard_url + "/v1/completions", json=body)
+            r = await s.post(guard.url + "/v1/completions", json=body)
             assert r.status == 200
             await r.content.readuntil(b"\n\n")
-            responses.append(r)
+            return r
+        responses = await asyncio.gather(*(start(seed) for seed in range(streams)))
         seen: list[dict] = []
         try:
             async def waste_known():
-                kv = (await get_json(s, engine.guard_url + "/audit"))["kv"]
+                kv = (await get_json(s, guard.url + "/audit"))["kv"]
                 if kv["wasteRatio"] is not None and kv["inFlightRequests"] == streams:
                     seen.append(kv)
-                return len(seen) >= 2
-            # The streams are short on a fast machine: two readings while all four run.
-            await until(waste_known, timeout=30, interval=0.1, what="two readings of the KV waste")
+                # Two polls of vLLM's metrics (the pool's use grows between them as the streams do).
+                return len({kv["usedBlocks"] for kv in seen}) >= 2
+            await until(waste_known, timeout=30, interval=0.02, what="readings of the KV waste from two polls")
         finally:
             for r in responses:
                 r.close()
-        async with s.get(engine.guard_url + "/metrics") as r:
+        async with s.get(guard.url + "/metrics") as r:
             text = await r.text()
     for kv in seen:
         used_slots = kv["usedBlocks"] * BLOCK_SIZE
@@ -104,14 +109,15 @@ async def test_kv_waste_is_unknown_while_a_non_streaming_request_runs(engine):
             return kv if kv["inFlightRequests"] == 1 and kv["usedBlocks"] > 0 else None
         await until(in_flight, timeout=20, interval=0.02, what="the request in flight")
 
-        # The guard reads vLLM's metrics every 0.5 s: the first read after the request started says
-        # the waste is unknown (a reading from before it may still show a number meanwhile).
+        # The guard reads vLLM's metrics every 0.5 s: a read after the request started says the
+        # waste is unknown because of it. A read from before it may still show a number, or
+        # "no KV block in use", meanwhile; the request runs for many reads.
         async def unknown():
             kv = (await get_json(s, engine.guard_url + "/audit"))["kv"]
             assert kv["inFlightRequests"] == 1, f"the request ended before a read of vLLM's metrics: {kv}"
-            return kv if kv["wasteRatio"] is None else None
+            return kv if kv["wasteRatio"] is None and "unknown length" in kv["wasteUnknownBecause"] else None
         kv = await until(unknown, timeout=10, interval=0.02, what="a reading while the request runs")
-        assert "unknown length" in kv["wasteUnknownBecause"]
+        assert "1 in-flight request(s) of unknown length" in kv["wasteUnknownBecause"]
         async with s.get(engine.guard_url + "/metrics") as r:
             text = await r.text()
         if (await get_json(s, engine.guard_url + "/audit"))["kv"]["inFlightRequests"] == 1:
