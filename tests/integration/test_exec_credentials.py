@@ -43,7 +43,7 @@ def gpufleet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_audit_logs_in_through_the_plugin(oncall, tmp_path):
+def test_audit_logs_in_through_the_plugin(crds_installed, oncall, tmp_path):
     result = gpufleet("audit", "--kubeconfig", str(oncall))
     assert result.returncode in (0, 1), result.stderr  # 1: the shared cluster may hold findings
     assert "Stranded GPUs" in result.stdout and "Isolation:" in result.stdout, result.stderr

@@ -29,14 +29,27 @@ def cond(obj, type_):
     return c.get((obj.get("status") or {}).get("conditions"), type_) or {}
 
 
-async def wait_ready(kube, namespace, name, replicas=1, timeout=60):
+async def brief(kube, namespace, name) -> str:
+    """What a timeout needs to say, short enough to survive a truncated CI log: the service's
+    conditions and counts, and where its pods are."""
+    o = await isvc(kube, namespace, name)
+    st = o.get("status") or {}
+    conds = "; ".join(f"{x['type']}={x['status']} {x.get('reason')}: {x.get('message')}"
+                      for x in st.get("conditions") or [])
+    pods = ", ".join(f"{p['metadata']['name']} {p['status'].get('phase')} on {p['spec'].get('nodeName')}"
+                     for p in await kube.list("v1", "Pod", namespace))
+    return (f"generation {o['metadata']['generation']} observed {st.get('observedGeneration')}, "
+            f"ready {st.get('readyReplicas')}/{st.get('desiredReplicas')}; {conds}; pods: {pods or 'none'}")
+
+
+async def wait_ready(kube, namespace, name, replicas=1, timeout=120):
     async def ready():
         o = await isvc(kube, namespace, name)
         st = o.get("status") or {}
         return o if cond(o, "Ready").get("status") == "True" and st.get("readyReplicas") == replicas and \
             st.get("observedGeneration") == o["metadata"]["generation"] else None
     return await wait_for(ready, timeout=timeout, what=f"{name} Ready with {replicas} replicas",
-                          describe=lambda: isvc(kube, namespace, name))
+                          describe=lambda: brief(kube, namespace, name))
 
 
 async def test_create_update_drift_delete(control_plane, operator, kube, namespace):

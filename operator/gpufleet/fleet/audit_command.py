@@ -13,7 +13,7 @@ from ..api import v1alpha1 as t
 from ..kube import lease as lease_api
 from ..kube.client import KubeClient
 from ..kube.config import KubeConfig, KubeConfigError
-from ..kube.errors import ApiError
+from ..kube.errors import ApiError, NotFound
 from ..manifests import names
 from .cluster_audit import audit_report, collect
 
@@ -85,7 +85,14 @@ async def _audit(kubeconfig, namespace, service, timeout) -> int:
             click.echo(f"fragmentation of {namespace}/{service}: {frag.get('verdict')} "
                        f"(worst {frag.get('worstReplica') or '-'} {frag.get('percent', '-')}%) — "
                        f"{frag.get('recommendation', '')}")
-        nodes, pods, services = await collect(kube)
+        try:
+            nodes, pods, services = await collect(kube)
+        except NotFound as e:
+            if "is not served" not in str(e):
+                raise
+            raise click.ClickException(
+                f"this cluster does not serve {t.API_VERSION} {t.KIND}: the CRD is not installed. Install "
+                f"the chart (helm install gpufleet charts/gpufleet ...) or kubectl apply -f crds/") from None
         report = audit_report(nodes, pods, services)
         leases = await _leases(kube)
     problems = 0

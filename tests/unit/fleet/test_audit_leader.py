@@ -27,3 +27,27 @@ def test_a_lapsed_or_released_lease_means_no_leader():
 
 def test_no_lease_means_no_leader_election():
     assert "without leader election" in leader_lines([], NOW)[0]
+
+
+def test_a_cluster_without_the_crd_gets_a_message_not_a_traceback(monkeypatch):
+    import contextlib
+
+    from click.testing import CliRunner
+
+    from gpufleet.fleet import audit_command
+    from gpufleet.kube.errors import NotFound
+
+    @contextlib.asynccontextmanager
+    async def client(_config):
+        yield object()
+
+    async def collect(_kube):
+        raise NotFound(404, "NotFound", "API serving.gpufleet.dev/v1alpha1 is not served")
+
+    monkeypatch.setattr(audit_command.KubeConfig, "auto", staticmethod(lambda _path: object()))
+    monkeypatch.setattr(audit_command, "KubeClient", client)
+    monkeypatch.setattr(audit_command, "collect", collect)
+    result = CliRunner().invoke(audit_command.audit, [])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "does not serve serving.gpufleet.dev/v1alpha1 InferenceService: the CRD is not installed" in result.output
+    assert "kubectl apply -f crds/" in result.output
