@@ -88,8 +88,17 @@ async def test_an_exclusive_neighbour_strands_the_rest_of_its_node_despite_a_sha
     # A Shared service that wants 1 GPU in the pool: the scheduler keeps it off every node.
     apply(control_plane, namespace, service("sh", "org/model-s", pool, replicas=1, gpus=1, mode="Shared"))
     await expect_stranded(kube, operator, pool, 21, "Exclusive neighbour")
-    pods = await kube.list("v1", "Pod", namespace, label_selector="gpufleet.dev/service=sh")
-    assert pods and all(not p["spec"].get("nodeName") for p in pods)  # what the count says: it cannot land
+
+    # What the count says: it cannot land. The count does not wait for the Shared
+    # replica's pod, so wait until kube-scheduler has tried it and said why not.
+    async def unschedulable():
+        pods = await kube.list("v1", "Pod", namespace, label_selector="gpufleet.dev/service=sh")
+        return bool(pods) and all(
+            not p["spec"].get("nodeName") and any(
+                c["type"] == "PodScheduled" and c["status"] == "False" and c.get("reason") == "Unschedulable"
+                for c in p["status"].get("conditions", []))
+            for p in pods)
+    await wait_for(unschedulable, timeout=60, what="the Shared replica's pod refused by kube-scheduler")
 
 
 async def test_a_dedicated_neighbour_strands_its_free_gpus_for_other_models(
