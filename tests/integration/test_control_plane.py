@@ -60,7 +60,7 @@ async def test_gpu_deployment_is_scheduled_onto_a_simulated_gpu_node_and_runs(ku
     async def running_pod():
         pods = await kube.list("v1", "Pod", namespace, label_selector="app=one-gpu")
         return [p for p in pods if p["status"].get("phase") == "Running"]
-    pods = await wait_for(running_pod, timeout=60, what="a Running pod of the GPU deployment")
+    pods = await wait_for(running_pod, timeout=120, what="a Running pod of the GPU deployment")
     rs = await kube.list("apps/v1", "ReplicaSet", namespace, label_selector="app=one-gpu")
     assert len(rs) == 1
     node = await kube.get("v1", "Node", pods[0]["spec"]["nodeName"])

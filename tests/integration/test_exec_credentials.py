@@ -50,8 +50,12 @@ def test_audit_logs_in_through_the_plugin(crds_installed, oncall, tmp_path):
     assert plugin_runs(tmp_path) == 1
 
 
-def test_audit_without_access_says_who_was_refused(control_plane, oncall, namespace):
+async def test_audit_without_access_says_who_was_refused(control_plane, oncall, namespace):
     control_plane.kubectl("delete", "clusterrolebinding", f"gpufleet-test-{namespace}-oncall")
+    # The API server's authorizer drops the binding from its cache shortly after the delete.
+    await wait_for(lambda: control_plane.kubectl(
+        "auth", "can-i", "list", "nodes", "--as", f"system:serviceaccount:{namespace}:oncall",
+        check=False).stdout.strip() == "no", timeout=30, what="the oncall account's access revoked")
     result = gpufleet("audit", "--kubeconfig", str(oncall))
     assert result.returncode != 0
     assert f"system:serviceaccount:{namespace}:oncall" in result.stderr + result.stdout

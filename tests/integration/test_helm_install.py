@@ -79,7 +79,7 @@ async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, 
             obj = await kube.get("serving.gpufleet.dev/v1alpha1", "InferenceService", "chat", namespace)
             conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
             return conds.get("Ready", {}).get("status") == "True"
-        await wait_for(ready, timeout=60, what="the sample Ready under the chart's RBAC",
+        await wait_for(ready, timeout=120, what="the sample Ready under the chart's RBAC",
                        describe=lambda: op.log_tail(20))
         log = (tmp_path / "operator.log").read_text()
         assert "403" not in log and "Forbidden" not in log, op.log_tail(40)
@@ -100,7 +100,7 @@ async def test_the_operators_network_policy_selects_the_operators_pods(control_p
         pods = await kube.list("v1", "Pod", RELEASE_NS, label_selector="app.kubernetes.io/instance=gpufleet,"
                                                                          "app.kubernetes.io/name=gpufleet-operator")
         return pods if len(pods) == 2 else None
-    pods = await wait_for(operator_pods, timeout=60, what="the chart's two operator pods")
+    pods = await wait_for(operator_pods, timeout=120, what="the chart's two operator pods")
     selected = await kube.list("v1", "Pod", RELEASE_NS, label_selector=selector)
     assert {p["metadata"]["name"] for p in selected} == {p["metadata"]["name"] for p in pods}
 
@@ -153,8 +153,9 @@ async def test_the_built_in_roles_cover_inferenceservices(control_plane, people,
 
 
 async def test_an_editor_creates_and_scales_a_service_that_a_viewer_can_only_read(control_plane, people):
-    await wait_for(lambda: can_i(control_plane, people, "editor", "update", f"{ISVC}/scale") == "yes",
-                   timeout=30, what="the chart's roles aggregated into edit")
+    await wait_for(lambda: can_i(control_plane, people, "editor", "update", f"{ISVC}/scale") == "yes"
+                   and can_i(control_plane, people, "viewer", "get", ISVC) == "yes",
+                   timeout=30, what="the chart's roles aggregated into edit and view")
     sample = yaml.safe_load((ROOT / "samples" / "chat.yaml").read_text())
     control_plane.kubectl("apply", "-n", people, "--as", "editor", "-f", "-", input=yaml.safe_dump(sample))
     control_plane.kubectl("scale", "-n", people, "--as", "editor", "inferenceservice/chat", "--replicas=2")

@@ -97,8 +97,14 @@ async def test_create_update_drift_delete(control_plane, operator, kube, namespa
     await wait_for(rolled, timeout=30, what="the new engine config to roll out")
     obj = await wait_ready(kube, namespace, "chat", replicas=2)
     assert obj["status"]["observedGeneration"] == 3
-    rs = await kube.list("apps/v1", "ReplicaSet", namespace)
-    assert len(rs) == 2  # the old and the new revision
+
+    # Ready holds as soon as the operator handled generation 3 (the old revision's pods are
+    # still ready); the Deployment controller makes the new ReplicaSet in its own time.
+    async def two_revisions():
+        rs = await kube.list("apps/v1", "ReplicaSet", namespace)
+        return rs if len(rs) == 2 else None
+    await wait_for(two_revisions, timeout=30, what="the old and the new revision's ReplicaSets",
+                   describe=lambda: kube.list("apps/v1", "ReplicaSet", namespace))
 
     # Drift: a hand edit of a managed field is put back.
     control_plane.kubectl("-n", namespace, "scale", "deployment/chat-engine", "--replicas=5")

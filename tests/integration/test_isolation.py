@@ -59,9 +59,9 @@ async def test_dedicated_models_never_share_a_node_and_a_full_pool_says_why(cont
         pods = await pods_by_node(kube, namespace, svc)
         run = [p for p in pods if p["status"].get("phase") == "Running"]
         return run if len(run) == n else None
-    a_pods = await wait_for(lambda: running("a", 2), timeout=60, what="2 replicas of model a Running")
+    a_pods = await wait_for(lambda: running("a", 2), timeout=120, what="2 replicas of model a Running")
     apply(control_plane, namespace, service("b", "org/model-b", pool, replicas=3, gpus=1))
-    b_pods = await wait_for(lambda: running("b", 3), timeout=60, what="3 replicas of model b Running")
+    b_pods = await wait_for(lambda: running("b", 3), timeout=120, what="3 replicas of model b Running")
     a_nodes = {p["spec"]["nodeName"] for p in a_pods}
     b_nodes = {p["spec"]["nodeName"] for p in b_pods}
     assert not a_nodes & b_nodes, f"models share nodes: a={a_nodes} b={b_nodes}"
@@ -94,7 +94,7 @@ async def test_exclusive_takes_the_whole_node(control_plane, operator, kube, nam
         pods = await pods_by_node(kube, namespace, "svc-x")
         run = [p for p in pods if p["status"].get("phase") == "Running"]
         return run if len(run) == 3 else None
-    pods = await wait_for(three_running, timeout=60, what="3 Exclusive replicas Running")
+    pods = await wait_for(three_running, timeout=120, what="3 Exclusive replicas Running")
     assert len({p["spec"]["nodeName"] for p in pods}) == 3  # one replica per node
     # Any other managed model is kept off those nodes, even as Shared.
     apply(control_plane, namespace, service("svc-y", "org/model-y", pool, replicas=1, gpus=1, mode="Shared"))
@@ -113,7 +113,7 @@ async def test_an_unmanaged_gpu_pod_on_a_dedicated_node_is_reported(control_plan
     async def placed():
         pods = await pods_by_node(kube, namespace, "guarded")
         return [p for p in pods if p["status"].get("phase") == "Running"]
-    node = (await wait_for(placed, timeout=60, what="the dedicated replica Running"))[0]["spec"]["nodeName"]
+    node = (await wait_for(placed, timeout=120, what="the dedicated replica Running"))[0]["spec"]["nodeName"]
 
     async def verified():
         obj = await kube.get(API, "InferenceService", "guarded", namespace)
@@ -135,8 +135,11 @@ async def test_an_unmanaged_gpu_pod_on_a_dedicated_node_is_reported(control_plan
     assert iso["reason"] == "ViolationFound"
     assert f"{namespace}/rogue-job on {node}: unmanaged GPU pod" in iso["message"]
     assert obj["status"]["isolationViolations"] == [f"{namespace}/rogue-job on {node}: unmanaged GPU pod"]
-    events = await kube.list("v1", "Event", namespace, field_selector="involvedObject.name=guarded")
-    assert any(e["reason"] == "IsolationViolated" and "rogue-job" in e["message"] for e in events)
+    # The audit writes the condition first and posts the Event after it (cluster_audit.py).
+    async def violation_event():
+        events = await kube.list("v1", "Event", namespace, field_selector="involvedObject.name=guarded")
+        return any(e["reason"] == "IsolationViolated" and "rogue-job" in e["message"] for e in events)
+    await wait_for(violation_event, timeout=30, what="an IsolationViolated Event naming the rogue pod")
     metrics = operator.metrics_text()
     assert f'gpufleet_isolation_violations{{namespace="{namespace}",service="guarded"}} 1.0' in metrics
 

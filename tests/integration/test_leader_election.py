@@ -214,7 +214,7 @@ async def make_service(kube, namespace: str, fake: FakeReplicaMetrics) -> None:
             if p["status"].get("podIP"):
                 await fake.serve(p["status"]["podIP"])
         return True
-    await wait_for(one_ready_and_served, timeout=60, what="one ready replica")
+    await wait_for(one_ready_and_served, timeout=120, what="one ready replica")
 
 
 async def replicas(kube, namespace: str) -> int:

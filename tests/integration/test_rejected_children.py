@@ -83,5 +83,6 @@ async def test_a_refused_child_is_reported_once_not_retried_and_applied_when_fix
 
     # Fixing the spec applies at once (a new generation is not held back by the backoff).
     apply(control_plane, namespace, manifest("chat", engine={"image": f"{ALLOWED}engine:0.1.0"}))
-    obj = await wait_ready(kube, namespace, "chat", replicas=1, timeout=60)
+    # wait_ready's own timeout: the replica starts on a kwok node, as in test_inferenceservice.py
+    obj = await wait_ready(kube, namespace, "chat", replicas=1)
     assert cond(obj, "Ready")["reason"] == "AllReplicasReady"

@@ -27,7 +27,8 @@ from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module")]
+# The first test's budget includes the module fixture's wait (up to 600 s) for three real engines.
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
 API = "serving.gpufleet.dev/v1alpha1"
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "local-tiny.yaml"

@@ -22,7 +22,8 @@ from gpufleet.reconcile import conditions as c
 from tests.integration.test_router import RouterProcess
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module")]
+# Waits of up to 60 + 30 + 420 (the held request) + 150 s, past the suite's 600 s per test.
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
 API = "serving.gpufleet.dev/v1alpha1"
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "local-tiny.yaml"

@@ -84,7 +84,7 @@ async def test_an_exclusive_neighbour_strands_the_rest_of_its_node_despite_a_sha
         control_plane, operator, kube, namespace, make_pool):
     pool = await make_pool()
     apply(control_plane, namespace, service("ex", "org/model-x", pool, replicas=3, gpus=1, mode="Exclusive"))
-    await wait_for(lambda: running(kube, namespace, "ex", 3), timeout=60, what="3 Exclusive replicas Running")
+    await wait_for(lambda: running(kube, namespace, "ex", 3), timeout=120, what="3 Exclusive replicas Running")
     # A Shared service that wants 1 GPU in the pool: the scheduler keeps it off every node.
     apply(control_plane, namespace, service("sh", "org/model-s", pool, replicas=1, gpus=1, mode="Shared"))
     await expect_stranded(kube, operator, pool, 21, "Exclusive neighbour")
@@ -105,7 +105,7 @@ async def test_a_dedicated_neighbour_strands_its_free_gpus_for_other_models(
         control_plane, operator, kube, namespace, make_pool):
     pool = await make_pool()
     apply(control_plane, namespace, service("ded", "org/model-a", pool, replicas=3, gpus=6, mode="Dedicated"))
-    await wait_for(lambda: running(kube, namespace, "ded", 3), timeout=60, what="3 Dedicated replicas Running")
+    await wait_for(lambda: running(kube, namespace, "ded", 3), timeout=120, what="3 Dedicated replicas Running")
     apply(control_plane, namespace, service("other", "org/model-b", pool, replicas=1, gpus=2, mode="Shared"))
     await expect_stranded(kube, operator, pool, 6, "Dedicated neighbour")
 

@@ -239,6 +239,14 @@ async def test_completions_through_the_service(service, install, kube, built_ima
     socket.create_connection((pods[0]["status"]["podIP"], names.GUARD_PORT), timeout=5).close()
     client = openai.AsyncOpenAI(base_url=f"http://{service}/v1", api_key="none", max_retries=0, timeout=60)
     try:
+        # A Ready pod is in the EndpointSlice first and in kube-proxy's rules a moment later;
+        # until then the ClusterIP refuses connections.
+        async def programmed() -> bool:
+            try:
+                return "tiny-llama" in [m.id async for m in client.models.list()]
+            except openai.APIConnectionError:
+                return False
+        await wait_for(programmed, timeout=30, what="kube-proxy routing the Service to the Ready pod")
         out = await client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=8)
         assert out.choices[0].text and out.usage.completion_tokens > 0
         chat = await client.chat.completions.create(model="tiny-llama", max_tokens=8,
@@ -311,12 +319,15 @@ async def test_a_router_pod_deleted_under_streaming_load_loses_no_request(servic
     try:
         async with streaming(client) as load:
             await asyncio.sleep(5)
+            await wait_for(lambda: load.ok > 0, timeout=120, what="a first stream answered through the router")
             before = load.ok
             control_plane.kubectl("-n", install.operator_ns, "delete", "pod", pods[0]["metadata"]["name"],
                                   "--wait=false")
             await wait_for(routers_ready, timeout=180, what="the router Deployment back at two Ready pods",
                            describe=describe)
             await asyncio.sleep(5)
+            await wait_for(lambda: load.ok > before, timeout=120,
+                           what="streams answered after the router pod was replaced")
     finally:
         await client.close()
     assert load.ok > before > 0
