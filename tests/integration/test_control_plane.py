@@ -1,7 +1,7 @@
 """The local control plane is a real Kubernetes: schema validation, scheduling
 onto simulated GPU nodes, and RBAC are the API server's and scheduler's own."""
 from gpufleet.kube.config import KubeConfig
-from tests.support.waiting import wait_for
+from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 CRD = """
 apiVersion: apiextensions.k8s.io/v1
@@ -60,7 +60,7 @@ async def test_gpu_deployment_is_scheduled_onto_a_simulated_gpu_node_and_runs(ku
     async def running_pod():
         pods = await kube.list("v1", "Pod", namespace, label_selector="app=one-gpu")
         return [p for p in pods if p["status"].get("phase") == "Running"]
-    pods = await wait_for(running_pod, timeout=120, what="a Running pod of the GPU deployment")
+    pods = await wait_for(running_pod, timeout=PODS_START_SECONDS, what="a Running pod of the GPU deployment")
     rs = await kube.list("apps/v1", "ReplicaSet", namespace, label_selector="app=one-gpu")
     assert len(rs) == 1
     node = await kube.get("v1", "Node", pods[0]["spec"]["nodeName"])

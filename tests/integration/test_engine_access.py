@@ -12,7 +12,7 @@ from gpufleet.api import parse_spec
 from gpufleet.kube.errors import ApiError
 from gpufleet.manifests import children
 from gpufleet.manifests.network_policy import EngineIngress, build_network_policy
-from tests.support.waiting import wait_for
+from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 OPERATOR_LABELS = {"app.kubernetes.io/name": "gpufleet-operator", "app.kubernetes.io/instance": "gpufleet"}
 
@@ -58,7 +58,7 @@ async def test_the_policy_is_accepted_and_selects_exactly_the_services_pods(kube
     async def both_created():
         pods = await pod_names(kube, namespace, "")
         return pods if len(pods) == 2 else None
-    everything = await wait_for(both_created, timeout=120, what="one pod of each Deployment")
+    everything = await wait_for(both_created, timeout=PODS_START_SECONDS, what="one pod of each Deployment")
     selected = await pod_names(kube, namespace, selector_string(stored["spec"]["podSelector"]))
     assert len(selected) == 1 and selected < everything
     chat_pods = await pod_names(kube, namespace, "gpufleet.dev/service=chat")
@@ -95,7 +95,7 @@ async def test_engine_pods_pass_pod_security_admission(kube, enforcing_namespace
     await kube.request("POST", path, params={"dryRun": "All"}, body=pod_of(dep))
     # The Deployment's own pods: the ReplicaSet creates them through the same admission.
     await kube.apply(dep)
-    await wait_for(lambda: pod_names(kube, ns, "gpufleet.dev/service=chat"), timeout=120,
+    await wait_for(lambda: pod_names(kube, ns, "gpufleet.dev/service=chat"), timeout=PODS_START_SECONDS,
                    what="the ReplicaSet to create an engine pod")
 
 

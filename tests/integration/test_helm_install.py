@@ -10,7 +10,7 @@ from gpufleet_dev.devcluster.binaries import ensure_helm
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
 
 from gpufleet.kube.config import KubeConfig
-from tests.support.waiting import wait_for
+from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE_NS = "gpufleet-system"
@@ -79,7 +79,7 @@ async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, 
             obj = await kube.get("serving.gpufleet.dev/v1alpha1", "InferenceService", "chat", namespace)
             conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
             return conds.get("Ready", {}).get("status") == "True"
-        await wait_for(ready, timeout=120, what="the sample Ready under the chart's RBAC",
+        await wait_for(ready, timeout=PODS_START_SECONDS, what="the sample Ready under the chart's RBAC",
                        describe=lambda: op.log_tail(20))
         log = (tmp_path / "operator.log").read_text()
         assert "403" not in log and "Forbidden" not in log, op.log_tail(40)
@@ -100,7 +100,7 @@ async def test_the_operators_network_policy_selects_the_operators_pods(control_p
         pods = await kube.list("v1", "Pod", RELEASE_NS, label_selector="app.kubernetes.io/instance=gpufleet,"
                                                                          "app.kubernetes.io/name=gpufleet-operator")
         return pods if len(pods) == 2 else None
-    pods = await wait_for(operator_pods, timeout=120, what="the chart's two operator pods")
+    pods = await wait_for(operator_pods, timeout=PODS_START_SECONDS, what="the chart's two operator pods")
     selected = await kube.list("v1", "Pod", RELEASE_NS, label_selector=selector)
     assert {p["metadata"]["name"] for p in selected} == {p["metadata"]["name"] for p in pods}
 

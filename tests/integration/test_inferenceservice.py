@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from gpufleet.reconcile import conditions as c
-from tests.support.waiting import wait_for
+from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"
 
@@ -42,7 +42,7 @@ async def brief(kube, namespace, name) -> str:
             f"ready {st.get('readyReplicas')}/{st.get('desiredReplicas')}; {conds}; pods: {pods or 'none'}")
 
 
-async def wait_ready(kube, namespace, name, replicas=1, timeout=120):
+async def wait_ready(kube, namespace, name, replicas=1, timeout=PODS_START_SECONDS):
     async def ready():
         o = await isvc(kube, namespace, name)
         st = o.get("status") or {}

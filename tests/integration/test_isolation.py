@@ -8,7 +8,7 @@ import yaml
 from gpufleet_dev.devcluster.fleet import build_node
 
 from gpufleet.reconcile import conditions as c
-from tests.support.waiting import wait_for
+from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"
 
@@ -59,9 +59,9 @@ async def test_dedicated_models_never_share_a_node_and_a_full_pool_says_why(cont
         pods = await pods_by_node(kube, namespace, svc)
         run = [p for p in pods if p["status"].get("phase") == "Running"]
         return run if len(run) == n else None
-    a_pods = await wait_for(lambda: running("a", 2), timeout=120, what="2 replicas of model a Running")
+    a_pods = await wait_for(lambda: running("a", 2), timeout=PODS_START_SECONDS, what="2 replicas of model a Running")
     apply(control_plane, namespace, service("b", "org/model-b", pool, replicas=3, gpus=1))
-    b_pods = await wait_for(lambda: running("b", 3), timeout=120, what="3 replicas of model b Running")
+    b_pods = await wait_for(lambda: running("b", 3), timeout=PODS_START_SECONDS, what="3 replicas of model b Running")
     a_nodes = {p["spec"]["nodeName"] for p in a_pods}
     b_nodes = {p["spec"]["nodeName"] for p in b_pods}
     assert not a_nodes & b_nodes, f"models share nodes: a={a_nodes} b={b_nodes}"
@@ -94,7 +94,7 @@ async def test_exclusive_takes_the_whole_node(control_plane, operator, kube, nam
         pods = await pods_by_node(kube, namespace, "svc-x")
         run = [p for p in pods if p["status"].get("phase") == "Running"]
         return run if len(run) == 3 else None
-    pods = await wait_for(three_running, timeout=120, what="3 Exclusive replicas Running")
+    pods = await wait_for(three_running, timeout=PODS_START_SECONDS, what="3 Exclusive replicas Running")
     assert len({p["spec"]["nodeName"] for p in pods}) == 3  # one replica per node
     # Any other managed model is kept off those nodes, even as Shared.
     apply(control_plane, namespace, service("svc-y", "org/model-y", pool, replicas=1, gpus=1, mode="Shared"))
@@ -113,7 +113,8 @@ async def test_an_unmanaged_gpu_pod_on_a_dedicated_node_is_reported(control_plan
     async def placed():
         pods = await pods_by_node(kube, namespace, "guarded")
         return [p for p in pods if p["status"].get("phase") == "Running"]
-    node = (await wait_for(placed, timeout=120, what="the dedicated replica Running"))[0]["spec"]["nodeName"]
+    placed_pods = await wait_for(placed, timeout=PODS_START_SECONDS, what="the dedicated replica Running")
+    node = placed_pods[0]["spec"]["nodeName"]
 
     async def verified():
         obj = await kube.get(API, "InferenceService", "guarded", namespace)

@@ -27,7 +27,7 @@ from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from gpufleet_dev.fake_replicas import FakeReplicaMetrics
 
 from gpufleet.kube.config import KubeConfig
-from tests.support.waiting import wait_for
+from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"
 LEASE = "gpufleet-operator"
@@ -214,7 +214,7 @@ async def make_service(kube, namespace: str, fake: FakeReplicaMetrics) -> None:
             if p["status"].get("podIP"):
                 await fake.serve(p["status"]["podIP"])
         return True
-    await wait_for(one_ready_and_served, timeout=120, what="one ready replica")
+    await wait_for(one_ready_and_served, timeout=PODS_START_SECONDS, what="one ready replica")
 
 
 async def replicas(kube, namespace: str) -> int:

@@ -7,7 +7,8 @@ import pytest
 import yaml
 from gpufleet_dev.devcluster.fleet import build_node
 
-from tests.support.waiting import wait_for
+from gpufleet.reconcile.status import unschedulable_pods
+from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +85,8 @@ async def test_an_exclusive_neighbour_strands_the_rest_of_its_node_despite_a_sha
         control_plane, operator, kube, namespace, make_pool):
     pool = await make_pool()
     apply(control_plane, namespace, service("ex", "org/model-x", pool, replicas=3, gpus=1, mode="Exclusive"))
-    await wait_for(lambda: running(kube, namespace, "ex", 3), timeout=120, what="3 Exclusive replicas Running")
+    await wait_for(lambda: running(kube, namespace, "ex", 3), timeout=PODS_START_SECONDS,
+                   what="3 Exclusive replicas Running")
     # A Shared service that wants 1 GPU in the pool: the scheduler keeps it off every node.
     apply(control_plane, namespace, service("sh", "org/model-s", pool, replicas=1, gpus=1, mode="Shared"))
     await expect_stranded(kube, operator, pool, 21, "Exclusive neighbour")
@@ -93,11 +95,8 @@ async def test_an_exclusive_neighbour_strands_the_rest_of_its_node_despite_a_sha
     # replica's pod, so wait until kube-scheduler has tried it and said why not.
     async def unschedulable():
         pods = await kube.list("v1", "Pod", namespace, label_selector="gpufleet.dev/service=sh")
-        return bool(pods) and all(
-            not p["spec"].get("nodeName") and any(
-                c["type"] == "PodScheduled" and c["status"] == "False" and c.get("reason") == "Unschedulable"
-                for c in p["status"].get("conditions", []))
-            for p in pods)
+        return bool(pods) and len(unschedulable_pods(pods)) == len(pods) and \
+            all(not p["spec"].get("nodeName") for p in pods)
     await wait_for(unschedulable, timeout=60, what="the Shared replica's pod refused by kube-scheduler")
 
 
@@ -105,7 +104,8 @@ async def test_a_dedicated_neighbour_strands_its_free_gpus_for_other_models(
         control_plane, operator, kube, namespace, make_pool):
     pool = await make_pool()
     apply(control_plane, namespace, service("ded", "org/model-a", pool, replicas=3, gpus=6, mode="Dedicated"))
-    await wait_for(lambda: running(kube, namespace, "ded", 3), timeout=120, what="3 Dedicated replicas Running")
+    await wait_for(lambda: running(kube, namespace, "ded", 3), timeout=PODS_START_SECONDS,
+                   what="3 Dedicated replicas Running")
     apply(control_plane, namespace, service("other", "org/model-b", pool, replicas=1, gpus=2, mode="Shared"))
     await expect_stranded(kube, operator, pool, 6, "Dedicated neighbour")
 

@@ -159,6 +159,14 @@ class Load:
     errors: list[str] = field(default_factory=list)
 
 
+async def model_listed(client: openai.AsyncOpenAI) -> bool:
+    """Whether the model is listed through ``client``: False while its address refuses or errs."""
+    try:
+        return "tiny-llama" in [m.id async for m in client.models.list()]
+    except openai.APIError:
+        return False
+
+
 async def _stream_one(client: openai.AsyncOpenAI, load: Load) -> None:
     try:
         stream = await client.completions.create(model="tiny-llama", prompt="The real node says", max_tokens=12,
@@ -241,12 +249,8 @@ async def test_completions_through_the_service(service, install, kube, built_ima
     try:
         # A Ready pod is in the EndpointSlice first and in kube-proxy's rules a moment later;
         # until then the ClusterIP refuses connections.
-        async def programmed() -> bool:
-            try:
-                return "tiny-llama" in [m.id async for m in client.models.list()]
-            except openai.APIConnectionError:
-                return False
-        await wait_for(programmed, timeout=30, what="kube-proxy routing the Service to the Ready pod")
+        await wait_for(lambda: model_listed(client), timeout=30,
+                       what="kube-proxy routing the Service to the Ready pod")
         out = await client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=8)
         assert out.choices[0].text and out.usage.completion_tokens > 0
         chat = await client.chat.completions.create(model="tiny-llama", max_tokens=8,
@@ -309,13 +313,7 @@ async def test_a_router_pod_deleted_under_streaming_load_loses_no_request(servic
     svc = await kube.get("v1", "Service", "gpufleet-router", install.operator_ns)
     client = openai.AsyncOpenAI(base_url=f"http://{svc['spec']['clusterIP']}/v1", api_key="none", max_retries=0,
                                 timeout=90)
-
-    async def model_listed() -> bool:
-        try:
-            return "tiny-llama" in [m.id async for m in client.models.list()]
-        except openai.APIError:
-            return False
-    await wait_for(model_listed, timeout=60, what="the router listing the model")
+    await wait_for(lambda: model_listed(client), timeout=60, what="the router listing the model")
     try:
         async with streaming(client) as load:
             await asyncio.sleep(5)

@@ -7,6 +7,11 @@ import inspect
 import time
 from typing import Any, Awaitable, Callable
 
+# Pods of a new or scaled Deployment Running on simulated (kwok) nodes, through the
+# Deployment and ReplicaSet controllers and kube-scheduler: seconds on a quiet machine,
+# past a minute on a loaded CI one.
+PODS_START_SECONDS = 120
+
 
 class WaitTimeout(AssertionError):
     pass
