@@ -54,6 +54,12 @@ KV_BLOCKS = 1024       # 32 clients × 10 blocks + the 15% watermark fit: overhe
 PATHS = ("direct", "proxy", "guard")
 
 
+def rotated(items: list[str] | tuple[str, ...], r: int) -> list[str]:
+    """``items`` starting at position ``r`` (modulo their number), so each leads in turn."""
+    k = r % len(items)
+    return [*items[k:], *items[:k]]
+
+
 async def interleaved(urls: dict[str, str], clients: int, *, per_path: int | None = None,
                       duration: float | None = None) -> tuple[dict[str, Run], list[dict[str, Attempt]]]:
     """``clients`` clients whose consecutive requests go to direct, proxy, guard, direct, …; the
@@ -124,7 +130,7 @@ async def in_step(urls: dict[str, str], vllm_url: str, rounds: int) -> list[dict
         await asyncio.sleep(1.0)
         try:
             for r in range(rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
+                order = rotated(names, r)
                 done = dict(await asyncio.gather(*(send(session, p) for p in order)))
                 if all(a.status == 200 for a in done.values()):
                     complete.append(done)
@@ -155,7 +161,7 @@ async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_secon
                 runs[(path, clients)].append(run)
         seed = 0
         for r in range(rounds):
-            order = PATHS[r % 3:] + PATHS[:r % 3]
+            order = rotated(PATHS, r)
             for path in order:
                 seed += 1
                 before = stack.cpu_seconds(path) if path in cpu else 0.0
@@ -170,6 +176,7 @@ async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_secon
 
 
 def differences(blocks: list[dict[str, Attempt]], path: str, metric: str) -> list[float]:
+    """Per block or round, ``path``'s ``metric`` less the direct request's, in ms."""
     return [1000 * (getattr(b[path], metric) - getattr(b["direct"], metric)) for b in blocks]
 
 
@@ -185,7 +192,7 @@ def added(blocks: list[dict[str, Attempt]], path: str, metric: str) -> float:
     its request's ``metric`` less the direct request's of the same block or round. Paired
     requests meet vLLM in nearly the same state, so their differences are less noisy than a
     difference of two medians; requests in step share vLLM's steps outright."""
-    return 1000 * statistics.median(getattr(b[path], metric) - getattr(b["direct"], metric) for b in blocks)
+    return statistics.median(differences(blocks, path, metric))
 
 
 def med(runs: list[Run], metric: str) -> float:
