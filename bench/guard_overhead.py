@@ -17,6 +17,14 @@ target was decided by chance. That measurement is still printed, with its
 interval, as information.) At 32 clients the paths alternate request by
 request, so drift on a shared machine hits all three alike.
 
+Latency is timed at the wire (wire_client.py): the kernel's receive stamp of
+the segment that carried the first event, or ended the stream, not the
+client's clock when it got round to reading it. The load shares a core with
+the relays, and a client timing itself is charged for the relay's work after
+a write (the guard's accounting of a first token or a finished request: the
+client waits for the core until the relay sleeps); a real client is not on
+the guard's core.
+
 vLLM runs on its own core (``--engine-cores 1``, as in the other guard
 benchmarks; ``--engine-cores ''`` shares every core): in a pod the guard is
 its own container with its own CPU, and on a 2-core machine an unpinned vLLM
@@ -41,14 +49,14 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from guard_common import Attempt, Run, Stack, closed_loop, one_request, prompt, table  # noqa: E402
+from guard_common import Attempt, Run, Stack, closed_loop, prompt, table  # noqa: E402
+from wire_client import WireClient  # noqa: E402
 
 KV_BLOCKS = 1024       # 32 clients × 10 blocks + the 15% watermark fit: overhead only, no shedding
 PATHS = ("direct", "proxy", "guard")
@@ -60,43 +68,57 @@ def rotated(items: list[str] | tuple[str, ...], r: int) -> list[str]:
     return [*items[k:], *items[:k]]
 
 
-async def interleaved(urls: dict[str, str], clients: int, *, per_path: int | None = None,
-                      duration: float | None = None) -> tuple[dict[str, Run], list[dict[str, Attempt]]]:
+def _body(rng: random.Random) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": prompt(rng, 256), "max_tokens": 64, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+
+
+def interleaved(urls: dict[str, str], clients: int, *, per_path: int | None = None,
+                duration: float | None = None) -> tuple[dict[str, Run], list[dict[str, Attempt]]]:
     """``clients`` clients whose consecutive requests go to direct, proxy, guard, direct, …; the
     runs by path, and the blocks: each three requests sent one after another, by path.
 
     Request-by-request interleaving puts the three paths in the same vLLM
     batches and under the same background load, which whole-run comparisons
     on a shared 2-core machine cannot promise. Latency only: the paths share
-    vLLM, so throughput is measured in separate rounds.
+    vLLM, so throughput is measured in separate rounds. Timed at the wire
+    (wire_client.py), each client a thread with a connection per path.
     """
     rng = random.Random(7 + clients)
     names = list(urls)
     runs = {path: Run(f"{path} c{clients}", clients) for path in names}
     blocks: dict[int, dict[str, Attempt]] = {}
     counter = 0
+    lock = threading.Lock()
     start = time.perf_counter()
 
-    def more() -> bool:
-        if duration is not None:
-            return time.perf_counter() - start < duration
-        return counter < per_path * len(names)
-
-    async def client(session: aiohttp.ClientSession) -> None:
+    def client() -> None:
         nonlocal counter
-        while more():
-            path = names[counter % len(names)]
-            block = counter // len(names)
-            counter += 1
-            body = {"model": "tiny", "prompt": prompt(rng, 256), "max_tokens": 64, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            attempt, _ = await one_request(session, urls[path], body)
-            runs[path].attempts.append(attempt)
-            blocks.setdefault(block, {})[path] = attempt
+        connections = {path: WireClient(url) for path, url in urls.items()}
+        try:
+            while True:
+                with lock:
+                    if duration is not None and time.perf_counter() - start >= duration:
+                        return
+                    if per_path is not None and counter >= per_path * len(names):
+                        return
+                    path = names[counter % len(names)]
+                    block = counter // len(names)
+                    counter += 1
+                    body = _body(rng)
+                attempt = connections[path].request(body)
+                with lock:
+                    runs[path].attempts.append(attempt)
+                    blocks.setdefault(block, {})[path] = attempt
+        finally:
+            for c in connections.values():
+                c.close()
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(*(client(session) for _ in range(clients)))
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     for run in runs.values():
         run.wall = time.perf_counter() - start
         run.load = os.getloadavg()[0]
@@ -104,39 +126,47 @@ async def interleaved(urls: dict[str, str], clients: int, *, per_path: int | Non
     return runs, complete
 
 
-async def in_step(urls: dict[str, str], vllm_url: str, rounds: int) -> list[dict[str, Attempt]]:
+def _send(connection: WireClient, body: bytes, done: dict[str, Attempt], path: str) -> None:
+    done[path] = connection.request(body)
+
+
+def in_step(urls: dict[str, str], vllm_url: str, rounds: int) -> list[dict[str, Attempt]]:
     """``rounds`` rounds of one request on every path sent together (order rotated each round),
-    while one background stream to vLLM keeps it stepping; the complete rounds, by path."""
+    while one background stream to vLLM keeps it stepping; the complete rounds, by path. Timed
+    at the wire (wire_client.py), a thread and a kept-alive connection per path."""
     rng = random.Random(11)
     names = list(urls)
-    stop = asyncio.Event()
+    stop = threading.Event()
     complete: list[dict[str, Attempt]] = []
 
-    async def background(session: aiohttp.ClientSession) -> None:
+    def background() -> None:
         brng = random.Random(12)
+        stream = WireClient(vllm_url)
         while not stop.is_set():
-            await one_request(session, vllm_url, {"model": "tiny", "prompt": prompt(brng, 16), "max_tokens": 900,
-                                                  "ignore_eos": True, "stream": True})
+            stream.request(json.dumps({"model": "tiny", "prompt": prompt(brng, 16), "max_tokens": 900,
+                                       "ignore_eos": True, "stream": True}).encode())
+        stream.close()
 
-    async def send(session: aiohttp.ClientSession, path: str) -> tuple[str, Attempt]:
-        body = {"model": "tiny", "prompt": prompt(rng, 256), "max_tokens": 64, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        attempt, _ = await one_request(session, urls[path], body)
-        return path, attempt
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
-        stepping = asyncio.create_task(background(session))
-        await asyncio.sleep(1.0)
-        try:
-            for r in range(rounds):
-                order = rotated(names, r)
-                done = dict(await asyncio.gather(*(send(session, p) for p in order)))
-                if all(a.status == 200 for a in done.values()):
-                    complete.append(done)
-        finally:
-            stop.set()
-            await stepping
+    connections = {path: WireClient(url) for path, url in urls.items()}
+    stepping = threading.Thread(target=background)
+    stepping.start()
+    time.sleep(1.0)
+    try:
+        for r in range(rounds):
+            done: dict[str, Attempt] = {}
+            threads = [threading.Thread(target=_send, args=(connections[p], _body(rng), done, p))
+                       for p in rotated(names, r)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if all(a.status == 200 for a in done.values()):
+                complete.append(done)
+    finally:
+        stop.set()
+        stepping.join()
+        for c in connections.values():
+            c.close()
     return complete
 
 
@@ -154,9 +184,9 @@ async def measure(rounds: int, c1_requests: int, c32_seconds: float, round_secon
         urls = {"direct": stack.vllm_url, "proxy": stack.proxy_url, "guard": stack.guard_url}
         for path in PATHS:  # warm every path's connections and caches
             await closed_loop("warm-up", urls[path], stack.vllm_url, 4, requests=6, seed=90)
-        blocks["step"] = await in_step(urls, stack.vllm_url, step_rounds)
+        blocks["step"] = await asyncio.to_thread(in_step, urls, stack.vllm_url, step_rounds)
         for clients, kwargs in ((1, {"per_path": c1_requests}), (32, {"duration": c32_seconds})):
-            by_path, blocks[clients] = await interleaved(urls, clients, **kwargs)
+            by_path, blocks[clients] = await asyncio.to_thread(interleaved, urls, clients, **kwargs)
             for path, run in by_path.items():
                 runs[(path, clients)].append(run)
         seed = 0

@@ -213,6 +213,17 @@ class KvLedger:
         self._reserved_total += extra
         self._delta_since_read += extra
 
+    def resize(self, key: object, cost: int, variance: float = 0.0) -> None:
+        """``key``'s reservation is now ``cost`` blocks (``variance`` around them): a request
+        admitted before its size was known (``Scheduler.grant_ahead``) is now measured."""
+        old = self._reserved.get(key)
+        if old is None:
+            return
+        self._reserved[key] = cost
+        self._reserved_total += cost - old
+        self._delta_since_read += cost - old
+        self._set_variance(key, variance)
+
     def reservation(self, key: object) -> int:
         return self._reserved.get(key, 0)
 

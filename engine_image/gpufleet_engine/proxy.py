@@ -120,6 +120,7 @@ class Guard:
                                                       config.max_queue_length)
         self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
         self.lane = ParseLane()
+        self._sending_ahead = 0  # requests sent ahead of their parse, not parsed yet (_send_ahead)
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
                                    config.retry_after_seconds, clock=clock,
                                    aging_seconds=config.aging_seconds, ttft=ttft_limit_for(config),
@@ -338,6 +339,9 @@ class Guard:
             return self._refuse(queue_class, early)
         try:
             raw = await self._read_body(request)
+            grant = self._grant_ahead(raw, queue_class)
+            if grant is not None:
+                return await self._send_ahead(request, route, queue_class, arrived, raw, grant)
             prepared = await self._prepare(raw, request.path, queue_class, arrived)
         except Rejection as r:
             return self._refuse(queue_class, r)
@@ -346,12 +350,16 @@ class Guard:
         except InvalidRequest as e:
             return self._refuse(queue_class, Rejection(Reason.INVALID_REQUEST, 400, f"Invalid request: {e}",
                                                        param=e.param))
+        return await self._admit(request, route, queue_class, arrived, raw, prepared)
+
+    async def _admit(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
+                     raw: bytes, prepared: context.Prepared) -> web.StreamResponse:
         reservation = self._reservation(route, queue_class, prepared)
         never = self._never_fits(prepared, reservation)
         if never is not None:
             return self._refuse(queue_class, never)
 
-        exchange = _Exchange(self, request, queue_class, arrived, prepared, reservation)
+        exchange = _Exchange(self, request, route, queue_class, arrived, prepared, reservation)
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
                 cost = prepared.block_cost(self.block_size, reservation.output)
@@ -360,7 +368,7 @@ class Guard:
                                                      if prepared.stream else 0)
                 self.retry.admitted()
                 try:
-                    return await exchange.forward(raw, route, grant)
+                    return await exchange.forward(raw, grant)
                 finally:
                     self.tracked.pop(grant, None)
                     self.scheduler.release(grant)
@@ -374,6 +382,71 @@ class Guard:
             # which makes vLLM abort the request.
             exchange.finish("cancelled")
             raise
+
+    def _grant_ahead(self, raw: bytes, queue_class: QueueClass) -> Grant | None:
+        """A grant for sending ``raw`` on before it is parsed (``_send_ahead``), where the replica
+        is far from full and nobody is in line to be parsed; else None. Its bound: one sequence
+        of the whole context, the most a single-sequence request can hold (a request found to
+        need more, n > 1 or a batch, is settled or admitted anew once parsed)."""
+        limits = self._limits()
+        context_tokens = limits.max_context_tokens
+        if (self._sending_ahead or self.lane.waiting or text_bytes(raw) > _INLINE_TOKENIZE_BYTES
+                or (limits.max_model_len is not None and context_tokens < limits.max_model_len)):
+            # Below vLLM's own context the guard refuses (or truncates) requests vLLM would run:
+            # sent ahead, vLLM would start them. At vLLM's context, vLLM refuses what the guard
+            # refuses for length, and the copy sent ahead costs it no more than the client would.
+            return None
+        return self.scheduler.grant_ahead(-(-context_tokens // self.block_size), queue_class, context_tokens)
+
+    async def _send_ahead(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
+                          raw: bytes, grant: Grant) -> web.StreamResponse:
+        """Send the body on to vLLM as the client sent it, then parse and count it while it
+        travels, instead of before: the guard's way in (parse, count, reserve, ~0.5 ms of Python
+        per request) leaves the path to vLLM's first token. Nothing of vLLM's answer reaches
+        the client before the parse admits the request as it was sent (``_Exchange.relay``
+        waits for it). Where it does not — invalid, too long for the context, a body the guard
+        must change (truncation, a max_tokens to fill in), more blocks than the bound held and
+        the pool has — vLLM's connection is closed, which aborts the request there, and the
+        parsed request takes the ordinary way: refused with the same answer, or admitted anew."""
+        self._sending_ahead += 1
+        verdict: asyncio.Future[_Exchange] = asyncio.get_running_loop().create_future()
+        sent = asyncio.ensure_future(_forward(self, request, raw, grant, verdict))
+        try:
+            try:
+                # aiohttp buffers the headers in the POST's first step and writes them with the
+                # body in a task of its own: two loop turns put the request on the wire.
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+            finally:
+                self._sending_ahead -= 1
+            prepared = route_costs.prepare(request.path, _json(raw), self.tokenizer, self._limits())
+            reservation = self._reservation(route, queue_class, prepared)
+            cost = prepared.block_cost(self.block_size, reservation.output)
+            kept = not prepared.changed and self.scheduler.settle(
+                grant, cost, self._block_variance(reservation),
+                prepared.total_prompt_tokens if prepared.stream else 0)
+        except BaseException:
+            await _abort(sent)
+            self.scheduler.release(grant)
+            raise
+        if not kept:
+            await _abort(sent)
+            self.scheduler.release(grant)
+            return await self._admit(request, route, queue_class, arrived, raw, prepared)
+        self.retry.admitted()
+        exchange = _Exchange(self, request, route, queue_class, arrived, prepared, reservation)
+        verdict.set_result(exchange)
+        try:
+            async with asyncio.timeout(self.config.request_timeout_seconds - (self.clock() - arrived)):
+                return await sent  # cancelled with the handler (the client gone) or by the timeout
+        except TimeoutError:
+            return await exchange.timed_out()
+        except asyncio.CancelledError:
+            exchange.finish("cancelled")
+            raise
+        finally:
+            self.tracked.pop(grant, None)
+            self.scheduler.release(grant)
 
     def grow(self, grant: Grant, reservation: _Reservation) -> None:
         """The answer streamed past its reservation: reserve what answers that long went on to use."""
@@ -461,10 +534,11 @@ def _error_type(status: int) -> str:
 class _Exchange:
     """One admitted request on its way to vLLM and back."""
 
-    def __init__(self, guard: Guard, request: web.Request, queue_class: QueueClass, arrived: float,
+    def __init__(self, guard: Guard, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
                  prepared: context.Prepared, reservation: _Reservation):
         self.guard = guard
         self.request = request
+        self.route = route
         self.queue_class = queue_class
         self.arrived = arrived
         self.prepared = prepared
@@ -491,43 +565,44 @@ class _Exchange:
             return {TRUNCATED_HEADER: str(self.prepared.truncated_tokens)}
         return {}
 
-    async def forward(self, raw: bytes, route: str, grant: Grant) -> web.StreamResponse:
+    async def forward(self, raw: bytes, grant: Grant) -> web.StreamResponse:
+        payload = json.dumps(self.prepared.body).encode() if self.prepared.changed else raw
+        return await _forward(self.guard, self.request, payload, grant, self)
+
+    async def relay(self, resp: aiohttp.ClientResponse, grant: Grant) -> web.StreamResponse:
+        """vLLM's answer to the client, and the request accounted."""
         guard = self.guard
         guard.metrics.queue_seconds.labels(self.queue_class.name).observe(grant.queued_seconds)
         single = len(self.prepared.prompt_tokens) == 1 and self.prepared.sequences_per_prompt == 1
         tracked = _Tracked(self.prepared.prompt_tokens[0] if single and self.prepared.stream else None)
         guard.tracked[grant] = tracked
-        payload = json.dumps(self.prepared.body).encode() if self.prepared.changed else raw
-        headers = {h: self.request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in self.request.headers}
-        headers["content-type"] = "application/json"
-        assert guard.upstream.session is not None
-        try:
-            async with _post_once_more_if_closed(guard.upstream.session, guard.upstream.url(self.request.path), payload,
-                                                 headers) as resp:
-                out_headers = {h: resp.headers[h] for h in FORWARDED_RESPONSE_HEADERS if h in resp.headers}
-                out_headers.update(self._extra_headers())
-                if resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    return await self._stream(resp, out_headers, tracked, route, grant)
-                body = await resp.read()
-        except aiohttp.ClientConnectorError:
-            guard.on_engine_unreachable()
-            self.finished = True  # counted as a refusal below, not as a request outcome
-            return guard._refuse(self.queue_class, Rejection(
-                Reason.ENGINE_DOWN, 503, "The model engine is not accepting connections. Retry later.",
-                guard.config.retry_after_seconds), stream=self.prepared.stream)
-        except aiohttp.ClientError as e:
-            if self.response is not None:
-                log.warning("vLLM dropped a stream: %r", e)
-                self.finish("error")
-                return self.response
-            log.warning("vLLM failed a request before answering: %r", e)
-            guard.on_engine_unreachable()
-            self.finish("error")
-            return error_response(502, "engine_error", f"The model engine failed mid-request: {e}")
+        out_headers = {h: resp.headers[h] for h in FORWARDED_RESPONSE_HEADERS if h in resp.headers}
+        out_headers.update(self._extra_headers())
+        if resp.headers.get("content-type", "").startswith("text/event-stream"):
+            return await self._stream(resp, out_headers, tracked, self.route, grant)
+        body = await resp.read()
         self.finish(_outcome(resp.status))
         if resp.status == 200:
             guard.learn(self.reservation, _completion_tokens(body))
         return web.Response(body=body, status=resp.status, headers=out_headers)
+
+    def unreachable(self) -> web.Response:
+        guard = self.guard
+        guard.on_engine_unreachable()
+        self.finished = True  # counted as a refusal below, not as a request outcome
+        return guard._refuse(self.queue_class, Rejection(
+            Reason.ENGINE_DOWN, 503, "The model engine is not accepting connections. Retry later.",
+            guard.config.retry_after_seconds), stream=self.prepared.stream)
+
+    def failed(self, e: aiohttp.ClientError) -> web.StreamResponse:
+        if self.response is not None:
+            log.warning("vLLM dropped a stream: %r", e)
+            self.finish("error")
+            return self.response
+        log.warning("vLLM failed a request before answering: %r", e)
+        self.guard.on_engine_unreachable()
+        self.finish("error")
+        return error_response(502, "engine_error", f"The model engine failed mid-request: {e}")
 
     async def _stream(self, resp: aiohttp.ClientResponse, headers: dict[str, str],
                       tracked: _Tracked, route: str, grant: Grant) -> web.StreamResponse:
@@ -615,6 +690,36 @@ class _Exchange:
         except ConnectionResetError:
             pass
         return self.response
+
+
+async def _forward(guard: Guard, request: web.Request, payload: bytes, grant: Grant,
+                   exchange: _Exchange | asyncio.Future[_Exchange]) -> web.StreamResponse:
+    """POST ``payload`` to vLLM and relay its answer. ``exchange``: a future when the request is
+    sent ahead of its parse (``Guard._send_ahead``): nothing is relayed or accounted before it
+    is set; the task is cancelled instead when the parse does not admit the request as sent."""
+    headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
+    headers["content-type"] = "application/json"
+    assert guard.upstream.session is not None
+    try:
+        async with _post_once_more_if_closed(guard.upstream.session, guard.upstream.url(request.path), payload,
+                                             headers) as resp:
+            admitted = exchange if isinstance(exchange, _Exchange) else await exchange
+            return await admitted.relay(resp, grant)
+    except aiohttp.ClientConnectorError:
+        admitted = exchange if isinstance(exchange, _Exchange) else await exchange
+        return admitted.unreachable()
+    except aiohttp.ClientError as e:
+        admitted = exchange if isinstance(exchange, _Exchange) else await exchange
+        return admitted.failed(e)
+
+
+async def _abort(sent: asyncio.Future) -> None:
+    """Cancel a request sent ahead (``Guard._send_ahead``) and wait until it is gone: leaving
+    aiohttp's request early closes vLLM's connection, which aborts the request there."""
+    sent.cancel()
+    await asyncio.wait([sent])
+    if not sent.cancelled():
+        sent.exception()  # retrieved: it ended before the cancel took, and it is moot
 
 
 @contextlib.asynccontextmanager

@@ -364,6 +364,38 @@ class Scheduler:
         level = grant.queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) + blocks
 
+    def grant_ahead(self, bound: int, queue_class: QueueClass, bound_start_tokens: int) -> Grant | None:
+        """A grant of ``bound`` blocks at once, for a request not parsed yet whose cost and prompt
+        tokens are at most ``bound`` and ``bound_start_tokens`` (``Guard._send_ahead``), or None.
+        Only on a replica far from full: nothing queued, a slot free, no TTFT control acting, and
+        room for another request of ``bound`` after it, so that holding the bound for the moment
+        the parse takes refuses no one who would have fitted. ``settle`` gives it its real size."""
+        if (len(self.queue) or self.running >= self.limit or self._control_acts()
+                or not self._may_start(bound_start_tokens)
+                or not self.ledger.evaluate(2 * bound).admitted):
+            return None
+        return self._grant(bound, 0.0, 0, queue_class, 0.0)
+
+    def settle(self, grant: Grant, cost: int, variance: float, start_tokens: int) -> bool:
+        """``grant`` (from ``grant_ahead``) measured: ``cost`` blocks, ``variance`` around them,
+        ``start_tokens`` as ``acquire`` takes them. False, and nothing changed, when it needs more
+        than it holds and the pool has no room for the rest: release it and admit it anew."""
+        extra = cost - grant.cost
+        if extra > 0 and not self.ledger.evaluate(extra, variance).admitted:
+            return False
+        self.ledger.resize(grant, cost, variance)
+        level = grant.queue_class.level
+        self._held_by_level[level] = self._held_by_level.get(level, 0) + extra
+        grant.cost = cost
+        if start_tokens:
+            self.starting += 1
+            self.starting_tokens += start_tokens
+            grant.start_tokens = start_tokens
+            grant.start_set_tokens = self.starting_tokens
+        if extra < 0 and len(self.queue):
+            self.dispatch()  # what the bound held beyond its real size may let a queued request in
+        return True
+
     async def acquire(self, cost: int, queue_class: QueueClass, variance: float = 0.0,
                       start_tokens: int = 0) -> Grant:
         """A grant for a request of ``cost`` blocks (``variance`` blocks² around them);

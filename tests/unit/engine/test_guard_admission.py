@@ -157,3 +157,19 @@ def test_the_quantile_sets_how_many_standard_deviations_the_margin_keeps(quantil
 def test_a_quantile_outside_zero_to_one_is_refused_by_name():
     with pytest.raises(ValueError, match="quantile must be in"):
         KvLedger(5, quantile=0.0)
+
+
+def test_resize_moves_a_reservation_to_its_measured_size_both_ways():
+    ledger = KvLedger(15)
+    ledger.observe(KvSnapshot(100, 0))
+    ledger.try_admit("a", 32)
+    ledger.resize("a", 6, variance=4.0)
+    assert ledger.reservation("a") == 6 and ledger.expected_blocks == 6
+    assert ledger.free_blocks() == 94          # vLLM's view corrected by the 6, not the 32
+    assert ledger.margin() > 0                 # its variance now counts
+    ledger.resize("a", 40)
+    assert ledger.reservation("a") == 40 and ledger.free_blocks() == 60 and ledger.margin() == 0
+    ledger.release("a")
+    assert ledger.expected_blocks == 0 and ledger.free_blocks() == 100
+    ledger.resize("gone", 5)                   # a released key stays released
+    assert ledger.expected_blocks == 0

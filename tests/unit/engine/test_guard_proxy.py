@@ -66,6 +66,9 @@ async def test_a_request_over_the_kv_watermark_gets_429_with_retry_after(guard_f
 
 
 async def test_over_long_context_is_refused_before_vllm_with_the_counts(guard_factory, fake_vllm):
+    # Below vLLM's own context (which would run it), the guard refuses before sending anything on.
+    # At vLLM's context a request may be sent on ahead of its parse: test_guard_send_ahead.py.
+    fake_vllm.max_model_len = 2048
     guard = await guard_factory(maxContextTokens=50)
     async with aiohttp.ClientSession() as s:
         async with s.post(guard.url + "/v1/completions", json={"prompt": "x " * 45, "max_tokens": 10}) as r:
@@ -81,12 +84,13 @@ async def test_over_long_context_is_refused_before_vllm_with_the_counts(guard_fa
 
 
 async def test_truncate_left_forwards_the_newest_tokens_and_says_how_many_were_cut(guard_factory, fake_vllm):
+    fake_vllm.max_model_len = 2048  # the guard's limit below vLLM's: nothing is sent ahead of the parse
     guard = await guard_factory(maxContextTokens=50, overLengthPolicy="TruncateLeft")
     async with aiohttp.ClientSession() as s:
         async with s.post(guard.url + "/v1/completions", json={"prompt": "x " * 45, "max_tokens": 10}) as r:
             assert r.status == 200
             assert r.headers["x-gpufleet-truncated-tokens"] == "5"
-    assert fake_vllm.seen_bodies[0]["prompt"] == [1] * 40
+    assert [b["prompt"] for b in fake_vllm.seen_bodies] == [[1] * 40]
 
 
 async def test_engine_down_means_fast_503_and_not_ready(guard_factory, fake_vllm):

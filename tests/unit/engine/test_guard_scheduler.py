@@ -221,3 +221,49 @@ async def test_no_class_starves_when_a_higher_one_keeps_the_pool_full():
 
 
 L3_PATIENT = QueueClass("background", 3, 60.0)
+
+
+def test_a_grant_ahead_only_where_the_pool_has_room_for_two_bounds_and_nobody_waits():
+    s = scheduler(max_concurrency=4, blocks=100)      # capacity 99, watermark 15
+    assert s.grant_ahead(50, L2, 1000) is None          # 2 × 50 does not fit
+    grant = s.grant_ahead(32, L2, 1000)
+    assert grant is not None and s.running == 1 and s.ledger.expected_blocks == 32
+    assert s.grant_ahead(32, L2, 1000) is None          # 32 held + 64 > 99 - 15 free in vLLM's view
+
+
+async def test_no_grant_ahead_while_anyone_is_queued_or_every_slot_is_taken():
+    s = scheduler(max_concurrency=1, blocks=200)
+    first = await s.acquire(1, L2)
+    assert s.grant_ahead(8, L2, 100) is None            # no slot
+    waiting = asyncio.create_task(s.acquire(1, L2))
+    await queued(s, 1)
+    s.max_concurrency = 2
+    assert s.grant_ahead(8, L2, 100) is None            # someone in line goes first
+    s.release(first)
+    s.release(await waiting)
+
+
+def test_settle_shrinks_to_the_real_cost_and_counts_a_streamed_start():
+    s = scheduler(max_concurrency=4, blocks=200)
+    grant = s.grant_ahead(32, L2, 1000)
+    assert grant is not None
+    assert s.settle(grant, 6, 0.0, start_tokens=40)
+    assert grant.cost == 6 and s.ledger.expected_blocks == 6 and s._held_by_level[L2.level] == 6
+    assert s.starting == 1 and s.starting_tokens == 40 and grant.start_tokens == 40
+    s.release(grant)
+    assert s.running == 0 and s.starting == 0 and s.ledger.expected_blocks == 0 and s._held_by_level[L2.level] == 0
+
+
+def test_settle_grows_where_the_pool_has_room_and_refuses_where_it_has_not():
+    s = scheduler(max_concurrency=4, blocks=200)     # capacity 199, watermark 30
+    grant = s.grant_ahead(32, L2, 1000)
+    assert grant is not None
+    assert s.settle(grant, 58, 0.0, start_tokens=0)
+    assert grant.cost == 58 and s.ledger.expected_blocks == 58
+    other = s.grant_ahead(32, L2, 1000)
+    assert other is not None
+    assert not s.settle(other, 150, 0.0, start_tokens=0)   # 58 + 150 > 199: left as it was
+    assert other.cost == 32 and s.ledger.expected_blocks == 90
+    s.release(other)
+    s.release(grant)
+    assert s.ledger.expected_blocks == 0 and s.running == 0
