@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 
 from gpufleet_engine import proxy
-
 from tests.unit.engine.test_guard_proxy import metrics, sample, until
 
 
