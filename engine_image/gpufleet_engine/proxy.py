@@ -435,6 +435,7 @@ class Guard:
             return await self._admit(request, route, queue_class, arrived, raw, prepared)
         self.retry.admitted()
         exchange = _Exchange(self, request, route, queue_class, arrived, prepared, reservation)
+        exchange.dispatched(grant)
         verdict.set_result(exchange)
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds - (self.clock() - arrived)):
@@ -544,6 +545,7 @@ class _Exchange:
         self.prepared = prepared
         self.reservation = reservation
         self.response: web.StreamResponse | None = None
+        self.tracked = _Tracked(None)
         self.finished = False
         self.ttft_seconds: float | None = None
         self.gaps = self.late_gaps = 0
@@ -565,17 +567,24 @@ class _Exchange:
             return {TRUNCATED_HEADER: str(self.prepared.truncated_tokens)}
         return {}
 
+    def dispatched(self, grant: Grant) -> None:
+        """Admitted and on its way to vLLM: its queue time counted, and in flight for the audit
+        from now (a request that does not stream gets vLLM's headers only with its whole answer)."""
+        guard = self.guard
+        guard.metrics.queue_seconds.labels(self.queue_class.name).observe(grant.queued_seconds)
+        single = len(self.prepared.prompt_tokens) == 1 and self.prepared.sequences_per_prompt == 1
+        self.tracked = _Tracked(self.prepared.prompt_tokens[0] if single and self.prepared.stream else None)
+        guard.tracked[grant] = self.tracked
+
     async def forward(self, raw: bytes, grant: Grant) -> web.StreamResponse:
+        self.dispatched(grant)
         payload = json.dumps(self.prepared.body).encode() if self.prepared.changed else raw
         return await _forward(self.guard, self.request, payload, grant, self)
 
     async def relay(self, resp: aiohttp.ClientResponse, grant: Grant) -> web.StreamResponse:
         """vLLM's answer to the client, and the request accounted."""
         guard = self.guard
-        guard.metrics.queue_seconds.labels(self.queue_class.name).observe(grant.queued_seconds)
-        single = len(self.prepared.prompt_tokens) == 1 and self.prepared.sequences_per_prompt == 1
-        tracked = _Tracked(self.prepared.prompt_tokens[0] if single and self.prepared.stream else None)
-        guard.tracked[grant] = tracked
+        tracked = self.tracked
         out_headers = {h: resp.headers[h] for h in FORWARDED_RESPONSE_HEADERS if h in resp.headers}
         out_headers.update(self._extra_headers())
         if resp.headers.get("content-type", "").startswith("text/event-stream"):

@@ -4,6 +4,7 @@ the parse does not (invalid, too long, a body to change, more blocks than the bo
 copy aborted and the request answered exactly as without sending ahead."""
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 
@@ -199,3 +200,18 @@ async def test_a_client_gone_mid_stream_leaves_nothing_held(guard_factory, roomy
         await until(lambda: roomy_vllm.disconnects == 1, "vLLM's request to be aborted")
         await until(lambda: guard.guard.scheduler.running == 0, "the grant to be released")
     assert guard.guard.ledger.in_flight == 0
+
+
+async def test_a_request_sent_ahead_is_in_flight_for_the_audit_before_vllm_answers(guard_factory, roomy_vllm):
+    # A request that does not stream gets vLLM's headers only with its whole answer: it must count
+    # as in flight (of unknown length) from its admission, not from vLLM's answer.
+    roomy_vllm.hold = asyncio.Event()
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        sent = asyncio.create_task(s.post(guard.url + "/v1/completions", json={"prompt": "a b", "max_tokens": 5}))
+        await until(lambda: roomy_vllm.running == 1, "vLLM to hold the request")
+        assert [t.tokens for t in guard.guard.tracked.values()] == [None]
+        roomy_vllm.hold.set()
+        async with await sent as r:
+            assert r.status == 200
+    assert guard.guard.tracked == {}
