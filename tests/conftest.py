@@ -30,6 +30,21 @@ async def namespace(control_plane, kube):
     await kube.delete("v1", "Namespace", name)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used the session operator shows what the operator logged about the
+    test's namespace, and its latest lines."""
+    outcome = yield
+    report = outcome.get_result()
+    args = getattr(item, "funcargs", {})
+    proc, ns = args.get("operator"), args.get("namespace")
+    if report.when == "call" and report.failed and hasattr(proc, "log_path"):
+        lines = proc.log_path.read_text(errors="replace").splitlines()
+        about = [line[:300] for line in lines if isinstance(ns, str) and ns in line][-30:]
+        report.sections.append((f"the operator's log on {ns}", "\n".join(about) or "(nothing)"))
+        report.sections.append(("the operator's log (last 20 lines)", "\n".join(x[:300] for x in lines[-20:])))
+
+
 def pytest_collection_modifyitems(config, items):
     # Tests that need the control plane are marked by where they live.
     for item in items:
@@ -56,7 +71,10 @@ def operator(control_plane, crds_installed, tmp_path_factory):
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     # Not the real-node tier's namespaces (rn-*): an in-cluster operator owns those, and two
     # operators reconciling one service would fight when both tiers run on one cluster.
+    # The watch streams' starts, stops and restarts are logged: when the operator misses an
+    # object, its log says whether it was watching that namespace (a failure prints the tail).
     proc = OperatorProcess(control_plane.kubeconfig, log,
-                           ("--audit-interval-seconds", "2", "--namespace", "!rn-*")).start()
+                           ("--audit-interval-seconds", "2", "--namespace", "!rn-*",
+                            "--debug-log", "kopf._cogs.clients.watching")).start()
     yield proc
     proc.stop()

@@ -427,12 +427,10 @@ class Guard:
                 grant, cost, self._block_variance(reservation),
                 prepared.total_prompt_tokens if prepared.stream else 0)
         except BaseException:
-            await _abort(sent)
-            self.scheduler.release(grant)
+            await self._withdraw(sent, grant)
             raise
         if not kept:
-            await _abort(sent)
-            self.scheduler.release(grant)
+            await self._withdraw(sent, grant)
             return await self._admit(request, route, queue_class, arrived, raw, prepared)
         self.retry.admitted()
         exchange = _Exchange(self, request, route, queue_class, arrived, prepared, reservation)
@@ -449,6 +447,11 @@ class Guard:
         finally:
             self.tracked.pop(grant, None)
             self.scheduler.release(grant)
+
+    async def _withdraw(self, sent: asyncio.Future, grant: Grant) -> None:
+        """Abort the copy sent ahead and give its bound back."""
+        await _abort(sent)
+        self.scheduler.release(grant)
 
     def grow(self, grant: Grant, reservation: _Reservation) -> None:
         """The answer streamed past its reservation: reserve what answers that long went on to use."""
@@ -713,14 +716,16 @@ async def _forward(guard: Guard, request: web.Request, payload: bytes, grant: Gr
     try:
         async with _post_once_more_if_closed(guard.upstream.session, guard.upstream.url(request.path), payload,
                                              headers) as resp:
-            admitted = exchange if isinstance(exchange, _Exchange) else await exchange
-            return await admitted.relay(resp, grant)
+            return await (await _admitted(exchange)).relay(resp, grant)
     except aiohttp.ClientConnectorError:
-        admitted = exchange if isinstance(exchange, _Exchange) else await exchange
-        return admitted.unreachable()
+        return (await _admitted(exchange)).unreachable()
     except aiohttp.ClientError as e:
-        admitted = exchange if isinstance(exchange, _Exchange) else await exchange
-        return admitted.failed(e)
+        return (await _admitted(exchange)).failed(e)
+
+
+async def _admitted(exchange: _Exchange | asyncio.Future[_Exchange]) -> _Exchange:
+    """The exchange, once the parse of a request sent ahead has admitted it."""
+    return exchange if isinstance(exchange, _Exchange) else await exchange
 
 
 async def _abort(sent: asyncio.Future) -> None:

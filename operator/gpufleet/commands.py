@@ -83,13 +83,17 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--router-address", "router_addresses", multiple=True, metavar="HOST:PORT",
               help="Read held requests (scale from zero) from these routers instead of the gpufleet-router "
                    "pods found by label (repeatable): a router running outside the cluster.")
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help="Log everything at DEBUG (kopf logs every event).")
+@click.option("--debug-log", "debug_loggers", multiple=True, metavar="LOGGER",
+              help="Log this logger at DEBUG, the rest as usual (repeatable); e.g. kopf._cogs.clients.watching "
+                   "says when each watch stream starts, stops and restarts.")
 def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, leader_elect,
         leader_elect_resource_name, leader_elect_resource_namespace, leader_elect_lease_duration,
         leader_elect_renew_deadline, leader_elect_retry_period, leader_elect_identity, fleet_loops,
         fleet_interval_seconds, resync_seconds, audit_interval_seconds, podmonitor_labels, network_policies,
         network_policy_operator_namespace, network_policy_operator_labels, network_policy_client_namespaces,
-        network_policy_prometheus_namespaces, network_policy_same_namespace, router_addresses, verbose) -> None:
+        network_policy_prometheus_namespaces, network_policy_same_namespace, router_addresses, verbose,
+        debug_loggers) -> None:
     """Run the operator."""
     import kopf
 
@@ -108,6 +112,8 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if not verbose:  # kopf logs every handler success at INFO: one line per pod event
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    for name in debug_loggers:
+        logging.getLogger(name).setLevel(logging.DEBUG)
     try:
         config = KubeConfig.auto(kubeconfig)
     except KubeConfigError as e:

@@ -20,7 +20,8 @@ import copy
 import logging
 import time
 
-from ..kube.errors import ApiError
+from ..api import v1alpha1 as t
+from ..kube.errors import ApiError, NotFound
 from ..manifests import names
 from .service_loop import ServiceLoop, readable_replicas
 
@@ -122,6 +123,7 @@ class FleetLoop:
                 pass
 
     async def _tick(self, key: Key) -> None:
+        body = None
         try:
             async with self._sem:
                 body = self.services.get(key)
@@ -132,12 +134,31 @@ class FleetLoop:
                     loop = self._loops[key] = ServiceLoop(self.rt, *key)
                 pods = list(self.pods.get(key, {}).values())
                 await loop.tick(body, pods, demand=self.demand.get(key, 0))
+        except NotFound as e:
+            if body is not None and self._gone(key, body, e):
+                return
+            log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
         except ApiError as e:
             log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
         except Exception:
             log.exception("fleet loop for %s/%s crashed; continuing", key[0], key[1])
         finally:
             self._running.pop(key, None)
+
+    def _gone(self, key: Key, body: dict, error: NotFound) -> bool:
+        """The API says the service itself is gone, and no newer one took its name meanwhile:
+        its DELETED event never reached this replica (a watch stream broke as it was deleted, and
+        a re-listing says nothing of what vanished). Forget it, or it is read every interval forever."""
+        details = error.body.get("details") or {}
+        if details.get("kind") != t.PLURAL or details.get("name") != key[1]:
+            return False
+        current = self.services.get(key)
+        if current is None or current["metadata"].get("uid") != body["metadata"].get("uid"):
+            return False
+        log.info("fleet loop: %s/%s is gone (its deletion was not seen on the watch); forgetting it", *key)
+        forget = getattr(self.rt, "forget", None)
+        (forget or self.remove_service)(*key)
+        return True
 
     async def pause(self) -> None:
         """Leadership lost: stop the ticks in flight and forget the autoscaler's state, so that

@@ -59,11 +59,21 @@ def test_chart_copies_of_generated_assets_are_current():
     (["--set", "peering.enabled=true"], "additional properties 'peering' not allowed"),
     (["--set", "podAntiAffinity=soft"], "at '/podAntiAffinity': value must be one of"),
     (["--set", "watchNamespace=ml"], "additional properties 'watchNamespace' not allowed"),
+    (["--set", "operator.debugLoggers={kopf watching}"], "at '/operator/debugLoggers/0': 'kopf watching' does not "
+                                                          "match pattern"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(helm, args, message):
     out = template(helm, *args, check=False)
     assert out.returncode != 0
     assert message in out.stderr, out.stderr
+
+
+def test_debug_loggers_reach_the_operators_arguments(helm):
+    docs = [d for d in yaml.safe_load_all(template(helm, "--set", "operator.debugLoggers={kopf._cogs.clients.watching,"
+                                                                  "gpufleet.fleet}").stdout) if d]
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gpufleet-operator")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--debug-log=kopf._cogs.clients.watching" in args and "--debug-log=gpufleet.fleet" in args
 
 
 def test_rbac_has_no_wildcards_and_cannot_read_secrets(helm):

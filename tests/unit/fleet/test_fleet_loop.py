@@ -87,3 +87,33 @@ def test_service_loop_parses_the_spec_once_per_generation(monkeypatch):
     loop.spec_of(body)
     assert len(calls) == 2
     assert loop.spec_of({"metadata": {"uid": "u", "generation": 3}, "spec": {"model": 5}}) is None
+
+
+async def test_a_service_deleted_unseen_is_forgotten_at_its_next_tick(monkeypatch):
+    """Its DELETED event was lost (a watch stream broke as it went): the API's 404 naming it
+    ends its ticks; a 404 about anything else, or about an older copy under that name, does not."""
+    from gpufleet.kube.errors import error_for
+
+    def not_found(kind, name):
+        return error_for(404, {"reason": "NotFound", "message": f'{kind} "{name}" not found',
+                               "details": {"name": name, "kind": kind}}, "")
+
+    raised = {"gone": not_found("inferenceservices", "gone"), "pod": not_found("pods", "pod-0"),
+              "renamed": not_found("inferenceservices", "renamed")}
+
+    class FakeLoop:
+        def __init__(self, rt, ns, name):
+            self.name = name
+
+        async def tick(self, body, pods, demand=0):
+            if self.name == "renamed":  # re-created under its name while the tick was reading
+                fl.upsert_service(svc("renamed", uid="u2"))
+            raise raised[self.name]
+
+    monkeypatch.setattr(fleet_loop, "ServiceLoop", FakeLoop)
+    fl = FleetLoop(runtime=None, interval=1.0)
+    for n in ("gone", "pod", "renamed"):
+        fl.upsert_service(svc(n))
+        await fl._tick(("ml", n))
+    assert set(fl.services) == {("ml", "pod"), ("ml", "renamed")}
+    assert fl.services[("ml", "renamed")]["metadata"]["uid"] == "u2"
