@@ -15,7 +15,11 @@ requests, goodput ≥ 90% of the unguarded saturated throughput, no 5xx, every
 429 with Retry-After, and better TTFT p99 and preemptions than vLLM's own
 shedding. Exit code 0 when every target holds.
 
-    python bench/guard_overload.py [--duration 40] [--json out.json]
+vLLM runs on its own core (``--engine-cores 1``, the default, as in the
+other guard benchmarks; ``--engine-cores ''`` shares every core), as the
+engine and guard containers of a pod have CPU of their own.
+
+    python bench/guard_overload.py [--duration 40] [--engine-cores 1] [--json out.json]
 """
 from __future__ import annotations
 
@@ -115,11 +119,12 @@ def main() -> int:
                         help="--max-num-queued-reqs for vLLM's own shedding (default: 8, the saturating load)")
     parser.add_argument("--watermark", type=int, default=5,
                         help="the guard's kvWatermarkPercent (default 5, the product default)")
-    parser.add_argument("--engine-cores", help="bind vLLM to these cores (e.g. 1) and the guard and the "
-                        "load generator to the rest, as the engine and guard containers of a pod would be")
+    parser.add_argument("--engine-cores", default="1",
+                        help="bind vLLM to these cores and the guard and the load generator to the rest, as the "
+                             "engine and guard containers of a pod would be ('' shares every core)")
     parser.add_argument("--json", type=Path, help="write the raw summaries here")
     args = parser.parse_args()
-    runs = asyncio.run(measure(args.duration, args.queued_limit, args.watermark, args.engine_cores))
+    runs = asyncio.run(measure(args.duration, args.queued_limit, args.watermark, args.engine_cores or None))
     rows = [r.summary() for r in runs.values()]
     print(table(rows))
     print()

