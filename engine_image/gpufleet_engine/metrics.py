@@ -187,6 +187,10 @@ class GuardMetrics:
         self.reservation_extensions = Counter(m.RESERVATION_EXTENSIONS,
                                               "Times an answer streamed past its reservation and the "
                                               "guard reserved more.", ["class"], registry=r)
+        self.sent_ahead = Counter(m.SENT_AHEAD, "Requests sent on to vLLM before the guard parsed them, by "
+                                  "outcome: kept (the copy sent was the one served) or aborted (vLLM's copy "
+                                  "was closed: the parse refused the request, changed it, or found it "
+                                  "bigger than the pool had room for).", ["class", "outcome"], registry=r)
         self.config_reloads = Counter(m.CONFIG_RELOADS, "New versions of guard.json read while running, by "
                                       "result: applied (live settings in effect) or invalid (refused; the "
                                       "running settings stay).", ["result"], registry=r)
@@ -213,6 +217,8 @@ class GuardMetrics:
             self.request_seconds.labels(c)
             self.queue_depth.labels(c)
             self.reservation_extensions.labels(c)
+            for outcome in m.SENT_AHEAD_OUTCOMES:
+                self.sent_ahead.labels(c, outcome)
             for route in _GENERATING_ROUTES:
                 self.output_tokens.labels(route, c)
                 self.output_prediction_ratio.labels(route, c)

@@ -427,12 +427,13 @@ class Guard:
                 grant, cost, self._block_variance(reservation),
                 prepared.total_prompt_tokens if prepared.stream else 0)
         except BaseException:
-            await self._withdraw(sent, grant)
+            await self._withdraw(sent, grant, queue_class)
             raise
         if not kept:
-            await self._withdraw(sent, grant)
+            await self._withdraw(sent, grant, queue_class)
             return await self._admit(request, route, queue_class, arrived, raw, prepared)
         self.retry.admitted()
+        self.metrics.sent_ahead.labels(queue_class.name, "kept").inc()
         exchange = _Exchange(self, request, route, queue_class, arrived, prepared, reservation)
         exchange.dispatched(grant)
         verdict.set_result(exchange)
@@ -448,10 +449,11 @@ class Guard:
             self.tracked.pop(grant, None)
             self.scheduler.release(grant)
 
-    async def _withdraw(self, sent: asyncio.Future, grant: Grant) -> None:
+    async def _withdraw(self, sent: asyncio.Future, grant: Grant, queue_class: QueueClass) -> None:
         """Abort the copy sent ahead and give its bound back."""
         await _abort(sent)
         self.scheduler.release(grant)
+        self.metrics.sent_ahead.labels(queue_class.name, "aborted").inc()
 
     def grow(self, grant: Grant, reservation: _Reservation) -> None:
         """The answer streamed past its reservation: reserve what answers that long went on to use."""

@@ -100,6 +100,8 @@ async def test_the_request_is_on_its_way_to_vllm_before_the_guard_parses_it(guar
     assert seen[-1] is True
     assert text.count("data: ") == 6 and text.endswith("data: [DONE]\n\n")
     assert sample(counted, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "ok"}) == 2
+    assert sample(counted, "gpufleet_guard_sent_ahead_total", **{"class": "standard", "outcome": "kept"}) == 2
+    assert sample(counted, "gpufleet_guard_sent_ahead_total", **{"class": "standard", "outcome": "aborted"}) == 0
     assert guard.guard.ledger.in_flight == 0 and guard.guard.scheduler.running == 0
 
 
@@ -142,6 +144,7 @@ async def test_refused_after_it_was_sent_ahead_the_answer_is_the_guards_and_vllm
     assert roomy_vllm.completed == 0
     assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "invalid"}) == 1
     assert sample(text, "gpufleet_guard_rejections_total", **{"class": "standard", "reason": "context_length"}) == 1
+    assert sample(text, "gpufleet_guard_sent_ahead_total", **{"class": "standard", "outcome": "aborted"}) == 1
     assert guard.guard.ledger.in_flight == 0 and guard.guard.scheduler.running == 0
 
 
