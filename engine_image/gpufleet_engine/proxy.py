@@ -370,8 +370,7 @@ class Guard:
                 try:
                     return await exchange.forward(raw, grant)
                 finally:
-                    self.tracked.pop(grant, None)
-                    self.scheduler.release(grant)
+                    self._done(grant)
         except Rejection as r:
             return self._refuse(queue_class, r, stream=prepared.stream)
         except TimeoutError:
@@ -446,8 +445,12 @@ class Guard:
             exchange.finish("cancelled")
             raise
         finally:
-            self.tracked.pop(grant, None)
-            self.scheduler.release(grant)
+            self._done(grant)
+
+    def _done(self, grant: Grant) -> None:
+        """An admitted request ended: no longer in flight for the audit, its blocks and slot free."""
+        self.tracked.pop(grant, None)
+        self.scheduler.release(grant)
 
     async def _withdraw(self, sent: asyncio.Future, grant: Grant, queue_class: QueueClass) -> None:
         """Abort the copy sent ahead and give its bound back."""
@@ -589,16 +592,14 @@ class _Exchange:
 
     async def relay(self, resp: aiohttp.ClientResponse, grant: Grant) -> web.StreamResponse:
         """vLLM's answer to the client, and the request accounted."""
-        guard = self.guard
-        tracked = self.tracked
         out_headers = {h: resp.headers[h] for h in FORWARDED_RESPONSE_HEADERS if h in resp.headers}
         out_headers.update(self._extra_headers())
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
-            return await self._stream(resp, out_headers, tracked, self.route, grant)
+            return await self._stream(resp, out_headers, grant)
         body = await resp.read()
         self.finish(_outcome(resp.status))
         if resp.status == 200:
-            guard.learn(self.reservation, _completion_tokens(body))
+            self.guard.learn(self.reservation, _completion_tokens(body))
         return web.Response(body=body, status=resp.status, headers=out_headers)
 
     def unreachable(self) -> web.Response:
@@ -620,7 +621,8 @@ class _Exchange:
         return error_response(502, "engine_error", f"The model engine failed mid-request: {e}")
 
     async def _stream(self, resp: aiohttp.ClientResponse, headers: dict[str, str],
-                      tracked: _Tracked, route: str, grant: Grant) -> web.StreamResponse:
+                      grant: Grant) -> web.StreamResponse:
+        tracked, route = self.tracked, self.route  # locals: read per chunk
         m = self.guard.metrics
         name = self.queue_class.name
         clock = self.guard.clock

@@ -134,12 +134,9 @@ class FleetLoop:
                     loop = self._loops[key] = ServiceLoop(self.rt, *key)
                 pods = list(self.pods.get(key, {}).values())
                 await loop.tick(body, pods, demand=self.demand.get(key, 0))
-        except NotFound as e:
-            if body is not None and self._gone(key, body, e):
-                return
-            log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
         except ApiError as e:
-            log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
+            if not (isinstance(e, NotFound) and body is not None and self._gone(key, body, e)):
+                log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
         except Exception:
             log.exception("fleet loop for %s/%s crashed; continuing", key[0], key[1])
         finally:
@@ -156,8 +153,10 @@ class FleetLoop:
         if current is None or current["metadata"].get("uid") != body["metadata"].get("uid"):
             return False
         log.info("fleet loop: %s/%s is gone (its deletion was not seen on the watch); forgetting it", *key)
-        forget = getattr(self.rt, "forget", None)
-        (forget or self.remove_service)(*key)
+        if self.rt is None:  # a loop without a runtime (unit tests): only its own copy to drop
+            self.remove_service(*key)
+        else:
+            self.rt.forget(*key)  # which drops this loop's copy too
         return True
 
     async def pause(self) -> None:
