@@ -65,6 +65,7 @@ def install(control_plane, built_images):
     control_plane.kubectl("create", "namespace", inst.operator_ns)
     control_plane.kubectl("label", "namespace", inst.operator_ns, "pod-security.kubernetes.io/enforce=restricted")
     control_plane.kubectl("create", "namespace", inst.work_ns)
+    # Values as JSON: helm reads YAML 1.2, where a hex tag like 0635778304e6 unquoted is a number.
     repo, tag = built_images["operator"].rsplit(":", 1)
     values = {
         "image": {"repository": repo, "tag": tag, "pullPolicy": "IfNotPresent"},
@@ -80,7 +81,7 @@ def install(control_plane, built_images):
     env = control_plane.env()
     subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns], env=env, capture_output=True)
     out = subprocess.run([inst.helm, "install", "gpufleet", str(ROOT / "charts" / "gpufleet"), "-n", inst.operator_ns,
-                          "-f", "-"], input=yaml.safe_dump(values), env=env, capture_output=True, text=True)
+                          "-f", "-"], input=json.dumps(values), env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     yield inst
     control_plane.kubectl("delete", "namespace", inst.work_ns, "--wait=false", check=False)
