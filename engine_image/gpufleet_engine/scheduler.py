@@ -164,6 +164,7 @@ class Scheduler:
         if self.ttft is None:
             return False
         now = self._clock()
+        self.ttft.recover(now)  # what an overload taught it fades with time (ttft_limit.py)
         if self.overloaded():
             if not self._acting:
                 log.info("overloaded: the TTFT control acts (limit %d): %d blocks held by %d requests in "
@@ -173,7 +174,10 @@ class Scheduler:
                          self.running, len(self.queue), self._arriving(), self._crowd(),
                          self.ledger.capacity - self.ledger.watermark, self.ledger.margin())
             self._overloaded_at = now
-        acting = self._overloaded_at is not None and now - self._overloaded_at < OVERLOAD_HOLD_SECONDS
+        # A replica with nothing running is not overloaded whatever happened before: what fits
+        # is admitted (the hold bridges a cut limit's first moments, not an idle pool).
+        acting = (self.running > 0 and self._overloaded_at is not None
+                  and now - self._overloaded_at < OVERLOAD_HOLD_SECONDS)
         if self._acting and not acting:
             log.info("no longer overloaded: the TTFT control stops acting (learned limit %d)", self.ttft.limit)
         self._acting = acting
@@ -195,7 +199,7 @@ class Scheduler:
                 self.ttft.started(now - grant.dispatched_at, grant.start_set_tokens)
             before = self.ttft.limit
             self.ttft.observe(now - grant.dispatched_at, prompt_tokens, grant.running_at_dispatch,
-                              acting=self._control_acts())
+                              acting=self._control_acts(), now=now)
             if started or self.ttft.limit > before:
                 self.dispatch()
 

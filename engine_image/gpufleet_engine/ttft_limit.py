@@ -62,6 +62,11 @@ PACE_WEIGHT = 0.1     # of the newest interval in the moving mean of intervals b
 GROWTH = 0.25         # of the limit, added after a fast window in which the limit was reached
 START_RATE_WEIGHT = 0.2   # of the newest sample in the moving mean of the rate bursts started at
 START_SAMPLE_SHARE = 0.25  # of the start budget, starting at once, for a first token to say how fast bursts start
+# Time, not only samples: a control that refuses nearly everything gets almost no first tokens to
+# learn from, so what it learned in an overload must fade by itself once the overload is over.
+STALE_SECONDS = 5.0        # a window's samples older than this say nothing about now: dropped
+RECOVERY_HALF_LIFE_SECONDS = 5.0  # a cut limit's gap to the ceiling halves this often, from
+#                            STALE_SECONDS after the last window over the target
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -79,11 +84,13 @@ class TtftLimit:
     limit: int = 0             # 0: start at the ceiling
     decreases: int = 0
     increases: int = 0
-    _samples: list[tuple[float, int]] = field(default_factory=list)  # (engine TTFT, requests running)
+    _samples: list[tuple[float, int, float]] = field(default_factory=list)  # (engine TTFT, running, at)
     _best_rate: float = 0.0     # prompt tokens per second of engine TTFT, the most seen
     _start_rate: float = 0.0    # prompt tokens per second at which bursts got first tokens (moving mean)
     _last_release: float | None = None
     _pace: float | None = None  # moving mean of seconds between freed slots
+    _cut_at: float | None = None   # when a window last came over the target (``now`` given)
+    _cut_limit: int = 0            # the limit that window set
 
     def __post_init__(self) -> None:
         if self.objective_seconds <= 0:
@@ -148,21 +155,42 @@ class TtftLimit:
         self.limit = self.ceiling if unheld else max(self.floor, min(self.limit, self.ceiling))
         self._samples.clear()
 
-    def observe(self, engine_ttft: float, prompt_tokens: int, running: int, acting: bool = True) -> None:
+    def recover(self, now: float) -> None:
+        """Let time undo a cut: from ``STALE_SECONDS`` after the last window over the target, the
+        limit's gap to the ceiling halves every ``RECOVERY_HALF_LIFE_SECONDS``, and the window's
+        samples older than ``STALE_SECONDS`` are dropped. Under a lasting overload windows keep
+        coming over the target sooner than that, so the limit stays where they put it."""
+        if self._samples and now - self._samples[0][2] > STALE_SECONDS:
+            self._samples = [s for s in self._samples if now - s[2] <= STALE_SECONDS]
+        if self._cut_at is None or self.limit >= self.ceiling:
+            return
+        quiet = now - self._cut_at - STALE_SECONDS
+        if quiet <= 0:
+            return
+        gap = (self.ceiling - self._cut_limit) * 0.5 ** (quiet / RECOVERY_HALF_LIFE_SECONDS)
+        self.limit = max(self.limit, min(self.ceiling, math.ceil(self.ceiling - gap - 1e-9)))
+        if self.limit >= self.ceiling:
+            self._cut_at = None
+
+    def observe(self, engine_ttft: float, prompt_tokens: int, running: int, acting: bool = True,
+                now: float | None = None) -> None:
         """One streamed request's first token, ``engine_ttft`` seconds after its dispatch, with
         ``running`` requests in vLLM when it was dispatched (itself included).
         ``acting``: whether the limit held the requests back (else it only learns: a window
         over the target sets it to the share of what ran, one within the target raises it to
-        what ran, so that it is ready when the replica is overloaded)."""
+        what ran, so that it is ready when the replica is overloaded). ``now``: the clock, for
+        ``recover``; without it the control learns from samples alone."""
+        if now is not None:
+            self.recover(now)
         tokens = max(1, prompt_tokens)
         self._best_rate = max(self._best_rate, tokens / max(engine_ttft, 1e-6))
         if tokens / self._best_rate >= self.objective_seconds / 2:
             return  # its own prefill is most of the objective; contention is not what it measures
-        self._samples.append((engine_ttft, max(1, running)))
+        self._samples.append((engine_ttft, max(1, running), now if now is not None else 0.0))
         if len(self._samples) < self.window:
             return
-        high = quantile([ttft for ttft, _ in self._samples], QUANTILE)
-        mean_running = sum(r for _, r in self._samples) / len(self._samples)
+        high = quantile([s[0] for s in self._samples], QUANTILE)
+        mean_running = sum(s[1] for s in self._samples) / len(self._samples)
         self._samples.clear()
         if high > self.engine_target:
             # First tokens come later the more requests run: cut in proportion to how late they
@@ -174,6 +202,8 @@ class TtftLimit:
                 self.decreases += 1
             if new < self.limit or not acting:
                 self.limit = new
+            if now is not None and self.limit < self.ceiling:
+                self._cut_at, self._cut_limit = now, self.limit
             return
         if not acting:
             # This many ran, the limit not holding them, and started in time: allow as many.

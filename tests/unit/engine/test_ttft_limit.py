@@ -12,7 +12,16 @@ from gpufleet_engine.contract.guard_config import QueueClass
 from gpufleet_engine.contract.guard_metrics import SHED_REASONS, Reason
 from gpufleet_engine.queues import MultiLevelQueue
 from gpufleet_engine.scheduler import OVERLOAD_HOLD_SECONDS, Rejection, Scheduler
-from gpufleet_engine.ttft_limit import DECREASE, DEEPEST_CUT, WINDOW, TtftLimit, quantile, ttft_limit_for
+from gpufleet_engine.ttft_limit import (
+    DECREASE,
+    DEEPEST_CUT,
+    RECOVERY_HALF_LIFE_SECONDS,
+    STALE_SECONDS,
+    WINDOW,
+    TtftLimit,
+    quantile,
+    ttft_limit_for,
+)
 from tests.support.waiting import wait_for
 
 OBJECTIVE = 0.5  # seconds: the engine's share is 0.3 s
@@ -240,12 +249,13 @@ async def test_under_overload_the_control_acts_at_once_with_what_it_learned_unti
         s.release(g)
     # The clients it refused are part of the crowd: while they would overfill the pool, it holds.
     crowd[0] = 96                                     # 20 + 960
-    now[0] += OVERLOAD_HOLD_SECONDS
+    now[0] += STALE_SECONDS
     assert s.overloaded() and s.limit == 2
     crowd[0] = 10
     assert not s.overloaded() and s.limit == 2        # held a while after the overload
     now[0] += OVERLOAD_HOLD_SECONDS
-    assert s.limit == 8 and s.ttft.limit == 2         # no longer acting; what it learned stays
+    # No longer acting; and with no first token since, what it learned has faded towards the ceiling.
+    assert s.limit == 8 and 2 < s.ttft.limit < 8
 
 
 async def test_a_burst_starts_no_more_prompt_tokens_at_once_than_the_engine_prefills_in_time():
@@ -406,3 +416,65 @@ async def test_under_the_control_a_request_that_waited_in_line_past_the_queue_sh
     late = s.early_refusal(STANDARD, waited=0.2)
     assert late is not None and late.reason == Reason.TTFT_LIMIT and late.status == 429
     s.release(g)
+
+
+def test_a_cut_limit_recovers_with_time_when_no_first_token_says_otherwise():
+    limit = TtftLimit(OBJECTIVE, 64)
+    limit.observe(0.01, 10_000, 40, now=0.0)         # a fast prefill: the late ones are contention
+    for _ in range(WINDOW - 1):
+        limit.observe(0.6, 100, 40, now=0.0)         # twice the target with 40 running: cut deep
+    assert limit.limit == math.floor(DEEPEST_CUT * 40) == 20
+    limit.recover(STALE_SECONDS)                     # a lull as long as a window may take: kept
+    assert limit.limit == 20
+    limit.recover(STALE_SECONDS + RECOVERY_HALF_LIFE_SECONDS)
+    assert limit.limit == 64 - (64 - 20) // 2 == 42  # the gap to the ceiling halved
+    limit.recover(STALE_SECONDS + 8 * RECOVERY_HALF_LIFE_SECONDS)
+    assert limit.limit == 64                         # a minute of nothing: back at the ceiling
+
+
+def test_under_a_lasting_overload_late_windows_keep_the_limit_down():
+    limit = TtftLimit(OBJECTIVE, 64)
+    limit.observe(0.01, 10_000, 1, now=0.0)
+    t = 0.0
+    for _ in range(10):                               # a window every 2 s, each late: 60 s of it
+        for _ in range(WINDOW):
+            t += 2.0 / WINDOW
+            limit.observe(0.45, 100, limit.limit, now=t)
+    assert limit.limit <= 20 and limit.decreases >= 2
+
+
+def test_samples_older_than_a_window_may_take_do_not_join_a_new_window():
+    limit = TtftLimit(OBJECTIVE, 64)
+    limit.observe(0.01, 10_000, 1, now=0.0)
+    for _ in range(WINDOW - 2):
+        limit.observe(0.6, 100, 40, now=0.0)         # a surge's last, unfinished window
+    for i in range(WINDOW):                           # a minute later, fast first tokens
+        limit.observe(0.05, 100, 40, now=60.0 + i * 0.01)
+    assert limit.limit == 64 and limit.decreases == 0
+
+
+async def test_a_replica_with_nothing_running_admits_what_fits_whatever_it_learned():
+    crowd = [1000.0]                                  # the surge's refused clients, not all gone
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=crowd)
+    grants = [await s.acquire(10, STANDARD) for _ in range(8)]
+    await late_window(s, grants, now)
+    assert s.overloaded() and s.ttft is not None and s.ttft.limit < 8
+    for g in grants:
+        s.release(g)
+    assert s.running == 0 and s.early_refusal(STANDARD, waited=10.0) is None
+    burst = [await s.acquire(10, STANDARD) for _ in range(s.ttft.limit)]
+    assert len(burst) == s.ttft.limit                 # admitted at once, none refused
+
+
+async def test_after_an_overload_and_a_lull_a_burst_that_fits_is_admitted():
+    crowd = [1000.0]
+    s, now = scheduler(TtftLimit(OBJECTIVE, 8), crowd=crowd)
+    grants = [await s.acquire(10, STANDARD) for _ in range(8)]
+    await late_window(s, grants, now)
+    assert s.limit < 8
+    for g in grants:
+        s.release(g)
+    crowd[0] = 0.0                                    # the surge's clients went away
+    now[0] += 60.0                                    # a minute with no traffic
+    burst = [await s.acquire(10, STANDARD) for _ in range(8)]
+    assert len(burst) == 8 and s.running == 8

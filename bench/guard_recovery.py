@@ -1,0 +1,131 @@
+"""Recovery: a surge that engages the TTFT control, a lull, then a burst that fits the pool.
+
+What a new user met right after the demo (issue 28): a replica that had been
+through an overload refused nearly all of a later burst with ``ttft_limit``
+while its KV pool sat empty. vLLM's benchmark client does not retry a 429, so
+every refusal is a failed request.
+
+One vLLM (64 KV blocks, the tiny model) and two guards in front of it:
+
+1. the baseline: a fresh guard takes the burst;
+2. the subject: another guard first takes a surge of streaming clients that
+   honour Retry-After (more than the pool holds: the watermark and the TTFT
+   control both refuse), then nothing for ``--lull`` seconds, then the same
+   burst.
+
+The burst is ``--burst`` requests of 128 prompt and 64 output tokens at
+concurrency 8, each sent once (a 429 is a failure, as in ``vllm bench
+serve``); 8 such requests fit the pool together. Target: the subject serves
+≥ 99% of the burst, and the baseline does too. Exit code 0 when both hold.
+
+    python bench/guard_recovery.py [--surge 60] [--lull 30] [--burst 80] [--engine-cores 1]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from guard_common import Run, RunWindow, Stack, closed_loop, one_request, prompt, run_clients, table  # noqa: E402
+
+KV_BLOCKS = 64
+SURGE_CLIENTS, SURGE_PROMPT, SURGE_OUTPUT = 12, 256, 128   # 12 × 12 blocks: twice the pool
+BURST_CONCURRENCY, BURST_PROMPT, BURST_OUTPUT = 8, 128, 64  # 8 × 6 blocks: fits the pool
+
+
+async def burst(label: str, url: str, vllm_url: str, requests: int, seed: int) -> Run:
+    """``requests`` streaming requests at ``BURST_CONCURRENCY``, each sent once: no retries."""
+    rng = random.Random(seed)
+    bodies = [{"model": "tiny", "prompt": prompt(rng, BURST_PROMPT), "max_tokens": BURST_OUTPUT,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+              for _ in range(requests)]
+    window = RunWindow(None, None)
+
+    async def client(session, run: Run, _index: int) -> None:
+        while bodies:
+            attempt, _delay = await one_request(session, url, bodies.pop())
+            run.attempts.append(attempt)
+
+    return await run_clients(label, url, vllm_url, BURST_CONCURRENCY, window, client)
+
+
+async def refusals(url: str) -> dict[str, float]:
+    """The guard's refusals so far by reason, from its /metrics."""
+    import aiohttp
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("gpufleet_guard_rejections_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def measure(surge: float, lull: float, requests: int, engine_cores: str | None) -> dict:
+    runs: dict[str, Run] = {}
+    stack = Stack(KV_BLOCKS, engine_cores=engine_cores)
+    try:
+        stack.start_vllm()
+        fresh = stack.start_guard("fresh")
+        subject = stack.start_guard()
+        await closed_loop("warm-up", stack.vllm_url, stack.vllm_url, 4, requests=8, seed=99)
+        runs["baseline"] = await burst("fresh guard: burst", fresh, stack.vllm_url, requests, seed=1)
+        fresh_refusals = await refusals(fresh)
+        runs["surge"] = await closed_loop("subject: surge", subject, stack.vllm_url, SURGE_CLIENTS,
+                                          duration=surge, prompt_tokens=SURGE_PROMPT,
+                                          output_tokens=SURGE_OUTPUT, seed=2)
+        during = await refusals(subject)
+        await asyncio.sleep(lull)  # the condition under test: no traffic at all
+        runs["after"] = await burst(f"subject: burst after {lull:g}s lull", subject, stack.vllm_url,
+                                    requests, seed=1)
+        after = await refusals(subject)
+        runs["refusals"] = {"fresh": fresh_refusals, "surge": during, "burst": {k: v - during.get(k, 0.0) for k, v in after.items()}}
+        return runs
+    finally:
+        stack.stop()
+
+
+def verdict(runs: dict, requests: int) -> list[tuple[str, str, bool]]:
+    base, after = runs["baseline"], runs["after"]
+    surge_ttft = runs["refusals"]["surge"].get("ttft_limit", 0.0)
+    return [
+        ("the surge engaged the TTFT control", f"{surge_ttft:.0f} ttft_limit refusals", surge_ttft > 0),
+        ("baseline: a fresh guard serves ≥ 99% of the burst", f"{len(base.ok)}/{requests}",
+         len(base.ok) >= 0.99 * requests),
+        ("after the surge and the lull: ≥ 99% of the burst served",
+         f"{len(after.ok)}/{requests} ({100 * len(after.ok) / requests:.1f}%; fresh guard "
+         f"{100 * len(base.ok) / requests:.1f}%)", len(after.ok) >= 0.99 * requests),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--surge", type=float, default=60.0, help="seconds of surge")
+    parser.add_argument("--lull", type=float, default=30.0, help="seconds with no traffic after it")
+    parser.add_argument("--burst", type=int, default=80, help="requests in the burst")
+    parser.add_argument("--engine-cores", default="1",
+                        help="bind vLLM to these cores, the guards and the clients to the rest ('' shares all)")
+    parser.add_argument("--json", type=Path, help="write the raw summaries here")
+    args = parser.parse_args()
+    runs = asyncio.run(measure(args.surge, args.lull, args.burst, args.engine_cores or None))
+    print(table([r.summary() for k, r in runs.items() if k != "refusals"]))
+    print("\nrefusals by reason:", json.dumps(runs["refusals"]))
+    checks = verdict(runs, args.burst)
+    for name, value, ok in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": [r.summary() for k, r in runs.items() if k != "refusals"],
+                                         "refusals": runs["refusals"], "checks": [
+            {"target": n, "measured": v, "pass": ok} for n, v, ok in checks]}, indent=2))
+    return 0 if all(ok for _, _, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
