@@ -62,8 +62,8 @@ def render_text(*, service: str, spec_summary: dict, ticks: list[Tick], results:
         lines.append("  no scaling decision (load stayed between the watermarks)")
     peak = max((t.kv_percent or 0 for t in ticks), default=0)
     lines += [f"  peak KV usage seen {peak}% (scale-out watermark {spec_summary.get('kvHighWatermarkPercent')}%, "
-              f"scale-in {spec_summary.get('kvLowWatermarkPercent')}%, guard keeps "
-              f"{spec_summary.get('kvWatermarkPercent')}% free)",
+              f"scale-in {spec_summary.get('kvLowWatermarkPercent')}%)",
+              *guarantee_lines(spec_summary.get("kvWatermarkPercent")),
               f"  replicas: max desired {max((t.desired for t in ticks), default=0)}, "
               f"max ready {max((t.ready for t in ticks), default=0)}", "",
               "Audits:"]
@@ -72,6 +72,13 @@ def render_text(*, service: str, spec_summary: dict, ticks: list[Tick], results:
         lines += ["", "Prometheus (real, scraping the guard, vLLM and the operator):"]
         lines += [f"  {k}: {v}" for k, v in prometheus.items()]
     return "\n".join(lines) + "\n"
+
+
+def guarantee_lines(watermark_percent) -> list[str]:
+    """What the guard promises and what it does not, in words the peak usage above cannot contradict."""
+    return [f"  the guard admits a request only while {watermark_percent}% of the KV pool stays free after it; "
+            "the answers it admitted keep growing into that reserve, so usage can pass the line (up to the "
+            "whole pool); a request that does not fit gets 429 with Retry-After"]
 
 
 def render_png(path: Path, ticks: list[Tick], results: list[RequestResult], *, kv_high: int, kv_low: int) -> None:

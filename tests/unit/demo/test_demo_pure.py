@@ -46,5 +46,8 @@ def test_report_tells_what_the_operator_did(tmp_path):
                        audit={"fragmentation": "Unavailable"}, prometheus={})
     assert "1 -> 2 replicas  (KVHighWatermark: KV 85% >= 70%)" in text
     assert "peak KV usage seen 85%" in text and "refused with 429 + Retry-After 1" in text
+    # The watermark is a promise about admission, not about usage: the report does not say "keeps 15% free"
+    # next to a peak of 85% (or 95%) used.
+    assert "keeps 15% free" not in text and "admits a request only while 15% of the KV pool stays free" in text
     render_png(tmp_path / "r.png", ticks, results(), kv_high=70, kv_low=20)
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
