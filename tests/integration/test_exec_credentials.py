@@ -61,6 +61,33 @@ async def test_audit_without_access_says_who_was_refused(control_plane, oncall, 
     assert f"system:serviceaccount:{namespace}:oncall" in result.stderr + result.stdout
 
 
+async def test_audit_with_a_read_only_identity(control_plane, crds_installed, oncall, namespace):
+    """The on-call set-up: view, plus read on InferenceServices, nodes and pods; Leases cannot be
+    listed cluster-wide. Every section is printed, and the exit code is the fleet's health."""
+    control_plane.kubectl("delete", "clusterrolebinding", f"gpufleet-test-{namespace}-oncall")
+    role = f"gpufleet-test-{namespace}-fleet-reader"
+    control_plane.kubectl("create", "clusterrole", role, "--verb=get,list,watch",
+                          "--resource=inferenceservices.serving.gpufleet.dev,nodes,pods")
+    for name, cluster_role in ((f"{role}-view", "view"), (role, role)):
+        control_plane.kubectl("create", "clusterrolebinding", name, f"--clusterrole={cluster_role}",
+                              f"--serviceaccount={namespace}:oncall")
+    try:
+        user = f"system:serviceaccount:{namespace}:oncall"
+        await wait_for(lambda: control_plane.kubectl("auth", "can-i", "list", "nodes", "--as", user,
+                                                     check=False).stdout.strip() == "yes",
+                       timeout=30, what="the oncall account's read access granted")
+        result = gpufleet("audit", "--kubeconfig", str(oncall), "--operator-namespace", namespace)
+        assert result.returncode in (0, 1), result.stdout + result.stderr  # 1: the shared cluster's findings
+        for section in ("Operator leader:", "Stranded GPUs", "Isolation:", "Fragmentation"):
+            assert section in result.stdout, result.stdout
+        assert f"not permitted: get leases.coordination.k8s.io in namespace {namespace}" in result.stdout
+        assert "Traceback" not in result.stderr
+    finally:
+        for name in (role, f"{role}-view"):
+            control_plane.kubectl("delete", "clusterrolebinding", name, "--ignore-not-found")
+        control_plane.kubectl("delete", "clusterrole", role, "--ignore-not-found")
+
+
 def test_failing_plugin_is_reported_with_its_message(tmp_path, control_plane):
     path = write_kubeconfig(tmp_path / "kubeconfig", server=control_plane.server, user=exec_user(
         exec_plugin(tmp_path, exit_code=1, stderr="error: the SSO session has expired")))

@@ -5,6 +5,9 @@ retried with backoff, the rest are reported.
 """
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 
 class ApiError(Exception):
     """The API server answered with an error status."""
@@ -40,8 +43,37 @@ class Invalid(ApiError):
     """422: the object failed validation (schema, CEL rules, admission)."""
 
 
+# The API server's RBAC refusal: 'nodes is forbidden: User "u" cannot list resource "nodes" in API group ""
+# at the cluster scope' (or '... in the namespace "ns"').
+_REFUSAL = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>[\w-]+) resource "(?P<resource>[^"]+)"'
+                      r'(?: in API group "(?P<group>[^"]*)")?(?: in the namespace "(?P<namespace>[^"]*)")?')
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What an identity was not permitted to do: ``verb`` on ``resource`` (plural, with its
+    API group when it has one), in ``namespace`` or at the cluster scope."""
+    verb: str
+    resource: str
+    namespace: str | None = None
+    user: str | None = None
+
+    def __str__(self) -> str:
+        where = f" in namespace {self.namespace}" if self.namespace else ""
+        who = f" (as {self.user})" if self.user else ""
+        return f"not permitted: {self.verb} {self.resource}{where}{who}"
+
+
 class Forbidden(ApiError):
-    pass
+    def refusal(self, verb: str, resource: str, namespace: str | None = None) -> Refusal:
+        """What was refused, from the server's message; ``verb``, ``resource`` and ``namespace``
+        (what was asked) where the message does not say."""
+        m = _REFUSAL.search(self.message)
+        if not m:
+            return Refusal(verb, resource, namespace)
+        group = m["group"]
+        return Refusal(m["verb"], f"{m['resource']}.{group}" if group else m["resource"], m["namespace"],
+                       m["user"] or None)
 
 
 class NotLeading(ApiError):

@@ -36,6 +36,15 @@ def lease_object(namespace: str, name: str, record: LeaseRecord) -> dict:
             "spec": {k: v for k, v in spec.items() if v is not None}}
 
 
+async def get_lease(kube: KubeClient, namespace: str, name: str) -> dict | None:
+    """The Lease object ``namespace/name``, or None where there is none. A GET in one namespace:
+    what a namespaced or read-only identity may do where listing Leases cluster-wide is forbidden."""
+    try:
+        return await kube.get(API_VERSION, KIND, name, namespace)
+    except NotFound:
+        return None
+
+
 class LeaseStore:
     def __init__(self, kube: KubeClient, namespace: str, name: str):
         self.kube = kube

@@ -41,13 +41,15 @@ def test_a_cluster_without_the_crd_gets_a_message_not_a_traceback(monkeypatch):
     async def client(_config):
         yield object()
 
-    async def collect(_kube):
-        raise NotFound(404, "NotFound", "API serving.gpufleet.dev/v1alpha1 is not served")
+    async def read(_kube, api_version, kind, resource):
+        if kind == "InferenceService":
+            raise NotFound(404, "NotFound", "API serving.gpufleet.dev/v1alpha1 is not served")
+        return []
 
     monkeypatch.setattr(audit_command.KubeConfig, "auto", staticmethod(lambda _path: object()))
     monkeypatch.setattr(audit_command, "KubeClient", client)
-    monkeypatch.setattr(audit_command, "collect", collect)
+    monkeypatch.setattr(audit_command, "_read", read)
     result = CliRunner().invoke(audit_command.audit, [])
-    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.exit_code == audit_command.EXIT_UNKNOWN and "Traceback" not in result.output
     assert "does not serve serving.gpufleet.dev/v1alpha1 InferenceService: the CRD is not installed" in result.output
     assert "kubectl apply -f crds/" in result.output
