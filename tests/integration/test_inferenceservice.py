@@ -215,6 +215,10 @@ INVALID = [
      "model.source.pvc and model.source.uri are read in place"),
     ({"model": {"name": "m", "cache": {"ephemeralStorage": "-5Gi"}}},
      "spec.model.cache.ephemeralStorage in body should match"),
+    # Clients send servedName as `model` in OpenAI requests; none can send one with a space.
+    ({"model": {"name": "m", "servedName": "my model"}},
+     "spec.model.servedName: Invalid value: \"string\": spec.model.servedName must not contain whitespace or "
+     "control characters"),
 ]
 
 

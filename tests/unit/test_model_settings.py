@@ -187,3 +187,29 @@ def test_the_api_server_refuses_a_claim_it_cannot_use(claim, ok):
 def test_the_api_server_takes_only_paths_inside_the_image_as_uri(uri, ok):
     rule, = openapi(t.ModelSource)["properties"]["uri"]["x-kubernetes-validations"]
     assert _holds(rule["rule"], uri) is ok and "model.source.uri" in rule["message"]
+
+
+SERVED_NAMES_NO_CLIENT_CAN_SEND = ["my model", " chat", "chat\t", "a\nb", "a\rb", "nul\x00", "bell\x07",
+                                   "del\x7f", "c1\x85", "nbsp\xa0x"]
+SERVED_NAMES_CLIENTS_SEND = [LLAMA, "org/model:tag", "my_model.v2", "chat", "Qwen2.5-7B@main", "é-模型",
+                             "a" * 256]
+
+
+def _served_name_rule():
+    rule, = openapi(t.ModelSpec)["properties"]["servedName"]["x-kubernetes-validations"]
+    return rule
+
+
+@pytest.mark.parametrize("name", SERVED_NAMES_NO_CLIENT_CAN_SEND)
+def test_a_served_name_no_client_can_send_is_refused_naming_the_field(name):
+    rule = _served_name_rule()
+    assert not _holds(rule["rule"], name)
+    assert rule["message"].startswith("spec.model.servedName must not contain whitespace or control characters")
+    problems = validate(spec({"servedName": name}))     # a spec stored past the CRD's rule
+    assert [p for p in problems if p.startswith(rule["message"])], problems
+
+
+@pytest.mark.parametrize("name", SERVED_NAMES_CLIENTS_SEND)
+def test_served_names_clients_send_are_accepted(name):
+    assert _holds(_served_name_rule()["rule"], name)
+    assert validate(spec({"servedName": name})) == []

@@ -33,6 +33,12 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?
 LABEL_VALUE: dict[str, Any] = {"max_length": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
 QUALIFIED_NAME = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                   r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+# What no client can put in the `model` of an OpenAI request (vLLM takes any other non-empty
+# string): ASCII whitespace and control characters, DEL, the C1 controls and the no-break space.
+# Written so that Go's RE2 (the API server's CEL) and Python's re read it alike.
+SERVED_NAME_FORBIDDEN = r"[\x00-\x20\x7f-\xa0]"
+SERVED_NAME_MESSAGE = ("spec.model.servedName must not contain whitespace or control characters: clients send "
+                       "it as `model` in OpenAI requests; use e.g. my-model")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -154,7 +160,11 @@ class ModelSpec:
     name: str = field("Model identifier: a Hugging Face id such as meta-llama/Llama-3.1-8B-Instruct, "
                       "or a descriptive name when source.pvc or source.uri is set.", min_length=1, max_length=256)
     served_name: Optional[str] = field("Name clients pass as `model` in OpenAI API requests. "
-                                       "Defaults to model.name.", default=None, min_length=1, max_length=256)
+                                       "Defaults to model.name. No whitespace or control characters.",
+                                       default=None, min_length=1, max_length=256,
+                                       x_kubernetes_validations=[rule(
+                                           "!self.matches('" + SERVED_NAME_FORBIDDEN.replace("\\", "\\\\") + "')",
+                                           SERVED_NAME_MESSAGE)])
     source: ModelSource = field("Where the weights come from.", factory=ModelSource)
     max_model_len: Optional[int] = field("Maximum context length (prompt + output tokens) the engine "
                                          "allocates for (--max-model-len). Unset: the model's own, which "

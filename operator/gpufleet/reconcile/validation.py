@@ -1,9 +1,11 @@
 """Checks the CRD schema cannot express. Each problem names the field and the fix."""
 from __future__ import annotations
 
+import re
+
 from gpufleet_engine.contract.engine_flags import MANAGED_FLAGS, managed_flags_in
 
-from ..api.v1alpha1 import InferenceServiceSpec
+from ..api.v1alpha1 import SERVED_NAME_FORBIDDEN, SERVED_NAME_MESSAGE, InferenceServiceSpec
 
 
 def validate(spec: InferenceServiceSpec) -> list[str]:
@@ -42,6 +44,8 @@ def _model_problems(spec: InferenceServiceSpec) -> list[str]:
     catch objects stored before those rules existed)."""
     problems = []
     model = spec.model
+    if model.served_name is not None and re.search(SERVED_NAME_FORBIDDEN, model.served_name):
+        problems.append(f"{SERVED_NAME_MESSAGE} (got {model.served_name!r})")
     uri = model.source.uri
     if uri is not None and not uri.startswith("/"):
         problems.append(f"spec.model.source.uri: {uri!r} is not an absolute path inside the engine image; "
