@@ -18,7 +18,7 @@ concurrency 8, each sent once (a 429 is a failure, as in ``vllm bench
 serve``); 8 such requests fit the pool together. Target: the subject serves
 ≥ 99% of the burst, and the baseline does too. Exit code 0 when both hold.
 
-    python bench/guard_recovery.py [--surge 60] [--lull 30] [--burst 80] [--engine-cores 1]
+    python bench/guard_recovery.py [--surge 60] [--lull 30] [--burst 80] [--objective 0.08] [--engine-cores 1]
 """
 from __future__ import annotations
 
@@ -68,14 +68,37 @@ async def refusals(url: str) -> dict[str, float]:
     return out
 
 
-async def measure(surge: float, lull: float, requests: int, engine_cores: str | None) -> dict:
+async def pool_free(url: str) -> None:
+    """Until the guard's last read of vLLM shows its pool empty (the warm-up went to vLLM directly,
+    past the guard, so only a fresh read tells the guard its blocks are free again)."""
+    import aiohttp
+    async with aiohttp.ClientSession() as s:
+        while True:
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+            free = total = None
+            for line in text.splitlines():
+                if line.startswith("gpufleet_guard_kv_free_blocks"):
+                    free = float(line.rsplit(" ", 1)[1])
+                elif line.startswith("gpufleet_guard_kv_total_blocks"):
+                    total = float(line.rsplit(" ", 1)[1])
+            if free is not None and free == total:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def measure(surge: float, lull: float, requests: int, engine_cores: str | None,
+                  objective: float) -> dict:
     runs: dict[str, Run] = {}
-    stack = Stack(KV_BLOCKS, engine_cores=engine_cores)
+    # The tiny model answers in tens of ms; an objective near its surge TTFT engages the control.
+    slo = {"ttftP99Seconds": objective, "itlP99Seconds": 0.1, "requestP99Seconds": 60.0}
+    stack = Stack(KV_BLOCKS, engine_cores=engine_cores, slo=slo)
     try:
         stack.start_vllm()
         fresh = stack.start_guard("fresh")
         subject = stack.start_guard()
         await closed_loop("warm-up", stack.vllm_url, stack.vllm_url, 4, requests=8, seed=99)
+        await pool_free(fresh)
         runs["baseline"] = await burst("fresh guard: burst", fresh, stack.vllm_url, requests, seed=1)
         fresh_refusals = await refusals(fresh)
         runs["surge"] = await closed_loop("subject: surge", subject, stack.vllm_url, SURGE_CLIENTS,
@@ -86,7 +109,8 @@ async def measure(surge: float, lull: float, requests: int, engine_cores: str | 
         runs["after"] = await burst(f"subject: burst after {lull:g}s lull", subject, stack.vllm_url,
                                     requests, seed=1)
         after = await refusals(subject)
-        runs["refusals"] = {"fresh": fresh_refusals, "surge": during, "burst": {k: v - during.get(k, 0.0) for k, v in after.items()}}
+        runs["refusals"] = {"fresh": fresh_refusals, "surge": during,
+                            "burst": {k: v - during.get(k, 0.0) for k, v in after.items()}}
         return runs
     finally:
         stack.stop()
@@ -112,9 +136,11 @@ def main() -> int:
     parser.add_argument("--burst", type=int, default=80, help="requests in the burst")
     parser.add_argument("--engine-cores", default="1",
                         help="bind vLLM to these cores, the guards and the clients to the rest ('' shares all)")
+    parser.add_argument("--objective", type=float, default=0.08,
+                        help="slo.ttftP99Seconds of both guards (default 0.08: the surge engages the control)")
     parser.add_argument("--json", type=Path, help="write the raw summaries here")
     args = parser.parse_args()
-    runs = asyncio.run(measure(args.surge, args.lull, args.burst, args.engine_cores or None))
+    runs = asyncio.run(measure(args.surge, args.lull, args.burst, args.engine_cores or None, args.objective))
     print(table([r.summary() for k, r in runs.items() if k != "refusals"]))
     print("\nrefusals by reason:", json.dumps(runs["refusals"]))
     checks = verdict(runs, args.burst)
