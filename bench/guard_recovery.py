@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from guard_common import Run, RunWindow, Stack, closed_loop, one_request, prompt, run_clients, table  # noqa: E402
 
+from gpufleet_engine.contract.guard_metrics import KV_FREE_BLOCKS, KV_TOTAL_BLOCKS, REJECTIONS  # noqa: E402
+
 KV_BLOCKS = 64
 SURGE_CLIENTS, SURGE_PROMPT, SURGE_OUTPUT = 12, 256, 128   # 12 × 12 blocks: twice the pool
 BURST_CONCURRENCY, BURST_PROMPT, BURST_OUTPUT = 8, 128, 64  # 8 × 6 blocks: fits the pool
@@ -54,15 +56,18 @@ async def burst(label: str, url: str, vllm_url: str, requests: int, seed: int) -
     return await run_clients(label, url, vllm_url, BURST_CONCURRENCY, window, client)
 
 
-async def refusals(url: str) -> dict[str, float]:
-    """The guard's refusals so far by reason, from its /metrics."""
+async def metrics_text(url: str) -> str:
     import aiohttp
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/metrics") as r:
-            text = await r.text()
+            return await r.text()
+
+
+async def refusals(url: str) -> dict[str, float]:
+    """The guard's refusals so far by reason, from its /metrics."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("gpufleet_guard_rejections_total{"):
+    for line in (await metrics_text(url)).splitlines():
+        if line.startswith(REJECTIONS + "_total{"):
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -71,20 +76,16 @@ async def refusals(url: str) -> dict[str, float]:
 async def pool_free(url: str) -> None:
     """Until the guard's last read of vLLM shows its pool empty (the warm-up went to vLLM directly,
     past the guard, so only a fresh read tells the guard its blocks are free again)."""
-    import aiohttp
-    async with aiohttp.ClientSession() as s:
-        while True:
-            async with s.get(url + "/metrics") as r:
-                text = await r.text()
-            free = total = None
-            for line in text.splitlines():
-                if line.startswith("gpufleet_guard_kv_free_blocks"):
-                    free = float(line.rsplit(" ", 1)[1])
-                elif line.startswith("gpufleet_guard_kv_total_blocks"):
-                    total = float(line.rsplit(" ", 1)[1])
-            if free is not None and free == total:
-                return
-            await asyncio.sleep(0.1)
+    while True:
+        free = total = None
+        for line in (await metrics_text(url)).splitlines():
+            if line.startswith(KV_FREE_BLOCKS):
+                free = float(line.rsplit(" ", 1)[1])
+            elif line.startswith(KV_TOTAL_BLOCKS):
+                total = float(line.rsplit(" ", 1)[1])
+        if free is not None and free == total:
+            return
+        await asyncio.sleep(0.1)  # the guard reads vLLM every 0.5 s
 
 
 async def measure(surge: float, lull: float, requests: int, engine_cores: str | None,
