@@ -4,7 +4,10 @@
 setup:
 	scripts/setup.sh
 
-demo: setup images
+# The demo needs the CPU engine image only (its operator runs as a local process); setup builds
+# it while the Go builds still run.
+demo:
+	scripts/setup.sh --images engine-cpu
 	.venv/bin/gpufleet demo
 
 # The operator and CPU engine images (docs/dev-cluster.md): built offline, cached
@@ -12,11 +15,13 @@ demo: setup images
 images: setup
 	.venv/bin/gpufleet dev images
 
-# Linters and type checks first: they take seconds and fail fast. Then the images
-# (cached by content), the main suite, and the real-node tests (tests/realnode:
-# the chart's operator as a pod, engines as pods on a real kubelet with
-# containerd) as their own session: an in-cluster operator owns their namespaces.
-test: setup lint images
+# Setup with the images (cached by content; built while the Go builds run), the linters and type
+# checks, the main suite, and the real-node tests (tests/realnode: the chart's operator as a pod,
+# engines as pods on a real kubelet with containerd) as their own session: an in-cluster operator
+# owns their namespaces.
+test:
+	scripts/setup.sh --images all
+	$(MAKE) --no-print-directory lint
 	.venv/bin/python -m pytest -q --ignore=tests/realnode
 	.venv/bin/python -m pytest -q tests/realnode
 

@@ -109,17 +109,23 @@ class Stack:
         self.procs.append(p)
         wait_until(lambda: _ok(self.vllm_url + "/health"), 600, abort_if_dead=p, what="vLLM")
 
-    def start_guard(self, name: str = "guard", **overrides) -> str:
-        """Start a guard in front of vLLM (``overrides``: guard.json fields); returns its URL. The
-        first one started without a name is ``guard_url``."""
+    def start_guard(self, name: str = "guard", files: dict[str, str] | None = None, **overrides) -> str:
+        """Start a guard in front of vLLM (``overrides``: guard.json fields; ``files``: more files
+        beside it, as demand.json); returns its URL. The first one started without a name is
+        ``guard_url``."""
         # Ports are picked right before use: minutes after construction, on a
         # busy machine, another process may hold the one picked then.
         port = free_port("127.0.0.1")
         raw = {**self.raw, **overrides, "listenPort": port}
         if name == "guard":
             self.guard_port = port
-        path = WORK / f"{name}-{port}.json"
+        # A directory per guard, as a pod mounts its ConfigMap: ``files`` are its other keys.
+        folder = WORK / f"{name}-{port}"
+        folder.mkdir()
+        path = folder / "guard.json"
         path.write_text(json.dumps(raw))
+        for file_name, text in (files or {}).items():
+            (folder / file_name).write_text(text)
         p = ManagedProcess(name, [sys.executable, "-m", "gpufleet_engine", "serve", "--config", str(path)],
                            {}, WORK / f"{name}-{port}.log")
         p.start()

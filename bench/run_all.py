@@ -24,6 +24,8 @@ SUITE = [
     ("Guard overhead vs a plain pass-through proxy and direct vLLM", ["bench/guard_overhead.py"]),
     ("Overload protection: guard vs unguarded vLLM vs vLLM's own shedding", ["bench/guard_overload.py"]),
     ("Real traffic: answers that end early, guard vs vLLM alone", ["bench/guard_realistic.py"]),
+    ("Recovery: a surge, a lull, then a burst from clients that do not retry", ["bench/guard_recovery.py"]),
+    ("A new replica's first minute: cold, seeded from the service, warm", ["bench/guard_scaleout.py"]),
     ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
 ]

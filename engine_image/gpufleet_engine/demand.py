@@ -12,8 +12,10 @@ their answers *together* fit at the configured quantile. A margin per request
 answers of 32 requests do not all end at their 90th percentile at once.
 
 Until a key has ``min_samples`` finished answers the prior is the full budget
-(the worst case, what FullBudget always reserves) with no variance: a new
-replica starts conservative and loosens as it learns. An answer that streams
+(the worst case, what FullBudget always reserves) with no variance: a
+service's first replica starts conservative and loosens as it learns. Its
+later replicas start from what the service learned (``seed``, from the
+quantiles other replicas ``export``: ``contract/demand_prior.py``). An answer that streams
 past its reservation is extended to the mean of the answers that were longer
 than what has streamed, with their variance (``extension``), so the ledger
 keeps tracking what requests really hold.
@@ -102,6 +104,20 @@ class OutputPredictor:
         if lengths is None:
             lengths = self._keys[key] = _Lengths(self.window)
         lengths.add(max(0, int(output_tokens)))
+
+    def export(self) -> dict[Hashable, list[int]]:
+        """The recent lengths of every learned key, ascending."""
+        return {key: list(lengths.sorted) for key, lengths in self._keys.items() if self.learned(key)}
+
+    def seed(self, key: Hashable, lengths: list[int] | tuple[int, ...]) -> bool:
+        """Start ``key`` from its service's lengths, unless it has learned it already (the few
+        answers of its own it may have stay). Its own answers then push the seeded ones out of
+        the window."""
+        if self.learned(key) or not lengths:
+            return False
+        for length in lengths:
+            self.observe(key, length)
+        return True
 
     def prediction(self, key: Hashable) -> float | None:
         """The mean learned length now, or None while the key has too few samples (the prior applies)."""

@@ -175,6 +175,13 @@ class LocalEngine:
         staged.write_text(json.dumps(self.config_dict, indent=2))
         os.replace(staged, self.config_path)
 
+    def put_file(self, name: str, text: str) -> None:
+        """Another key of the guard's ConfigMap (``demand.json``) beside guard.json, written in one
+        rename as the kubelet updates a mounted ConfigMap."""
+        staged = self.config_path.with_name(f".{name}.new")
+        staged.write_text(text)
+        os.replace(staged, self.config_path.with_name(name))
+
     def stop(self, drain_seconds: float = 30.0) -> None:
         """Guard first (it drains in-flight requests), then vLLM."""
         if self.guard_proc is not None:

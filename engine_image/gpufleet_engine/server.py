@@ -12,7 +12,8 @@ import signal
 
 from aiohttp import web
 
-from . import audit, engine_metrics, reload, served_context, vllm_endpoints
+from . import audit, engine_metrics, reload, served_context, shared_demand, vllm_endpoints
+from .contract import demand_prior
 from .contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from .contract.guard_config import GuardConfig
 from .metrics import CONTENT_TYPE
@@ -83,6 +84,10 @@ def build_app(guard: Guard) -> web.Application:
                              guard.sequences_at_read)
         return web.json_response(audit.assemble(guard.config.service, guard.config.namespace, device, kv))
 
+    async def demand(request: web.Request) -> web.Response:
+        # What this replica learned of its answers' lengths, for the operator to hand to new replicas.
+        return web.json_response(demand_prior.to_document(shared_demand.export(guard.predictor)))
+
     app.router.add_get("/drain", drain_status)
     app.router.add_post("/drain", drain_start)
     app.router.add_get(GUARD_METRICS_PATH, metrics)
@@ -90,6 +95,7 @@ def build_app(guard: Guard) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/audit", audit_report)
+    app.router.add_get(demand_prior.DEMAND_PATH, demand)
     # vLLM's own API (vllm_routes.py): admitted, answered with the guard's state, or passed through.
     vllm_endpoints.register(app, guard)
     return app
@@ -130,6 +136,11 @@ class GuardServer:
         upstream = Upstream(self.config.engine_url, max_connections=self.config.max_concurrency + 8)
         await upstream.start()
         guard = Guard(self.config, self._tokenizer, upstream)
+        if self._config_path:
+            # Start from the output lengths the service's other replicas learned, not from the full
+            # budget: a replica added under load needs them most (contract/demand_prior.py).
+            seen = self._seed_demand(guard, None)
+            self._side_tasks.append(asyncio.create_task(self._follow_demand(guard, seen), name="demand-prior"))
         monitor = EngineMonitor(upstream, self.config.metrics_poll_seconds, guard.engine_stats, guard.engine_down)
         guard.on_engine_unreachable = monitor.poke
         self.guard = guard
@@ -159,6 +170,31 @@ class GuardServer:
         # listenPort 0 lets the OS pick (tests); report the port really bound.
         self.port = self._runner.addresses[0][1] if self._runner.addresses else self.config.listen_port
         log.info("guard listening on %s for vLLM at %s", self.url, self.config.engine_url)
+
+    def _seed_demand(self, guard: Guard, seen: float | None) -> float | None:
+        """Seed the keys this guard has not learned from demand.json beside guard.json, when the
+        file changed since ``seen`` (its mtime); returns the mtime read."""
+        assert self._config_path is not None
+        path = shared_demand.prior_path(self._config_path)
+        try:
+            stamp: float | None = path.stat().st_mtime
+        except OSError:
+            return None
+        if stamp == seen:
+            return seen
+        prior = shared_demand.read(path)
+        classes = {c.name for c in guard.config.queue_classes}
+        seeded = shared_demand.seed(guard.predictor, prior, classes) if prior else []
+        if seeded:
+            log.info("output lengths seeded from %s for %s", path,
+                     ", ".join(f"{route} ({name})" for route, name in seeded))
+        return stamp
+
+    async def _follow_demand(self, guard: Guard, seen: float | None) -> None:
+        """A later demand.json (the kubelet updates the mounted ConfigMap) seeds what is still unlearned."""
+        while True:
+            await asyncio.sleep(self._reload_seconds)
+            seen = self._seed_demand(guard, seen)
 
     async def _learn_context(self, guard: Guard) -> None:
         assert guard.upstream.session is not None

@@ -1,6 +1,8 @@
 """Tuning without restarts, end to end: a spec.admission change on a serving replica reaches its guard
 through the ConfigMap (the engine backer rewrites the mounted guard.json as the kubelet does), the
-Deployment's pod template stays as it was, no request is lost and vLLM keeps its process."""
+Deployment's pod template stays as it was, no request is lost and vLLM keeps its process. Then what
+the replica learned of its answers' lengths reaches the same ConfigMap (demand.json), and a replica
+added later starts from it before it has served anything."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,7 @@ import yaml
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
 
 from gpufleet.manifests import names
+from gpufleet_engine.contract import demand_prior
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH
 from tests.support.waiting import wait_for
 
@@ -21,7 +24,7 @@ API = "serving.gpufleet.dev/v1alpha1"
 KV_BLOCKS = 64
 
 
-def tiny(watermark: int) -> dict:
+def tiny(watermark: int, replicas: int = 1) -> dict:
     return {"apiVersion": API, "kind": "InferenceService", "metadata": {"name": "tuned"}, "spec": {
         "model": {"name": "tiny-llama", "maxModelLen": 1024},
         "engine": {"runtime": "vllm-cpu", "dtype": "float32", "maxNumSeqs": 16, "extraArgs": ["--enforce-eager"],
@@ -29,8 +32,8 @@ def tiny(watermark: int) -> dict:
         "isolation": {"nodePool": "local", "tolerations": [
             {"key": "gpufleet.dev/local-engine", "operator": "Exists", "effect": "NoSchedule"}]},
         "admission": {"requestTimeoutSeconds": 120, "kvWatermarkPercent": watermark},
-        "autoscaling": {"mode": "Manual", "minReplicas": 1, "maxReplicas": 1, "kvHighWatermarkPercent": 60,
-                        "kvLowWatermarkPercent": 20}, "replicas": 1}}
+        "autoscaling": {"mode": "Manual", "minReplicas": 1, "maxReplicas": 2, "kvHighWatermarkPercent": 60,
+                        "kvLowWatermarkPercent": 20}, "replicas": replicas}}
 
 
 def metric(text: str, name: str, **labels: str) -> float | None:
@@ -98,6 +101,36 @@ async def test_an_admission_change_reaches_the_serving_guard_without_a_restart(c
             pods = await kube.list("v1", "Pod", namespace)
             assert [p["metadata"]["uid"] for p in pods] == [pod["metadata"]["uid"]]
             assert metric(await text(ENGINE_METRICS_PATH), "process_start_time_seconds") == vllm_started
+
+            # Short answers teach the serving replica; the operator passes them on (within a look,
+            # fleet/demand_share.py), and the replica added next starts from them.
+            short = {"model": "tiny-llama", "prompt": "a short answer", "max_tokens": 5, "ignore_eos": True}
+            for _ in range(20):
+                async with http.post(guard + "/v1/completions", json=short) as r:
+                    assert r.status == 200, await r.text()
+
+            async def shared():
+                cm = await kube.get("v1", "ConfigMap", names.configmap_name("tuned"), namespace)
+                text = (cm.get("data") or {}).get(demand_prior.FILE_NAME)
+                return demand_prior.parse(json.loads(text)) if text else None
+            prior = await wait_for(shared, timeout=90, what="demand.json in the guard ConfigMap")
+            assert [(k.route, k.queue_class) for k in prior.keys] == [("/v1/completions", "standard")]
+            control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(tiny(30, replicas=2)))
+
+            async def second_pod():
+                ready = [p for p in await kube.list("v1", "Pod", namespace)
+                         if p["metadata"]["uid"] != pod["metadata"]["uid"] and any(
+                             cd["type"] == "Ready" and cd["status"] == "True"
+                             for cd in (p.get("status") or {}).get("conditions") or [])]
+                return ready[0] if ready else None
+            added = await wait_for(second_pod, timeout=300, what="the added replica Ready")
+            async with http.get(f"http://{added['status']['podIP']}:{names.GUARD_PORT}"
+                                f"{demand_prior.DEMAND_PATH}") as r:
+                (seeded,) = demand_prior.parse(await r.json()).keys
+            # Nothing was sent to it: what it knows came with it. Mostly 5-token answers (and the
+            # 600-token stream above), where an unlearned guard reserves the whole context.
+            assert (seeded.route, seeded.queue_class) == ("/v1/completions", "standard")
+            assert seeded.samples >= 16 and seeded.mean < 100
     finally:
         op.stop()
         await kube.delete("v1", "Namespace", namespace)

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 
+from gpufleet_engine.contract import demand_prior
+from gpufleet_engine.contract.demand_prior import DemandPrior, PriorError
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 
 from ..autoscale.signals import ReplicaSample, parse_replica
 from ..manifests import names
+
+log = logging.getLogger(__name__)
 
 AUDIT_TIMEOUT_S = 5.0
 
@@ -61,3 +66,15 @@ class ReplicaReader:
                                               aiohttp.ClientTimeout(total=AUDIT_TIMEOUT_S))), None
         except Exception as e:
             return None, f"{type(e).__name__}: {e}"[:200]
+
+    async def demand(self, pod: str, ip: str) -> DemandPrior | None:
+        """The output lengths the replica learned (``demand_prior``); None when it cannot say (a
+        guard from before /demand answers 404: nothing to share, not an error)."""
+        try:
+            return demand_prior.parse(json.loads(await self._get(f"http://{ip}:{self.guard_port}"
+                                                                 f"{demand_prior.DEMAND_PATH}")))
+        except PriorError as e:
+            log.warning("%s answered %s with an invalid document: %s", pod, demand_prior.DEMAND_PATH, e)
+            return None
+        except Exception:  # unreachable or older: the next look asks again
+            return None

@@ -24,6 +24,7 @@ from ..autoscale.signals import bucket_delta, quantile_from_buckets
 from ..kube.errors import ApiError
 from ..manifests import names
 from ..reconcile import conditions as cond
+from .demand_share import DemandShare
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ServiceLoop:
         self.watching_since: float | None = None  # first tick of this operator process for the service
         self.audit_baseline: dict[str, tuple[int, int]] = {}  # pod -> (alloc retries, OOMs) at the last audit
         self.scaled_in_this_pass = False
+        self.demand_share = DemandShare(runtime, namespace, name)
 
     def spec_of(self, body: dict):
         """The parsed spec, parsed once per generation; None when invalid."""
@@ -116,6 +118,8 @@ class ServiceLoop:
         if fields or conditions:
             await self.rt.controller.write_status(body, fields, conditions)
         await self.release_deletion_costs(body, pods)
+        if spec.admission.reservation == "Predicted":
+            await self.demand_share.tick(body, ready, pods, now)
         if self.audit_due(body, spec, now):
             await self.audit(body, spec, ready, now, samples=samples, pods=pods)
 

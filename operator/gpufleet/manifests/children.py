@@ -6,9 +6,10 @@ hand edit to a field we manage is put back.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
-from gpufleet_engine.contract import gpu_memory
+from gpufleet_engine.contract import demand_prior, gpu_memory
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV
 
@@ -58,6 +59,20 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec) -> tuple[dict, str]:
           "data": {"guard.json": guard_config.render(config)}}
     # Only what a restart applies is hashed: admission changes reach the running guards live.
     return cm, guard_config.config_hash(config)
+
+
+DEMAND_FIELD_MANAGER = "gpufleet-demand"
+
+
+def build_demand_prior(isvc: dict, prior: demand_prior.DemandPrior) -> dict:
+    """The ``demand.json`` key of the guard ConfigMap alone, applied by its own field manager
+    (``DEMAND_FIELD_MANAGER``) beside the reconciler's ``guard.json``: observed, not spec. It
+    changes no pod template; a guard reads it when it starts (contract/demand_prior.py)."""
+    meta = isvc["metadata"]
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": names.configmap_name(meta["name"]), "namespace": meta["namespace"],
+                         "ownerReferences": [names.owner_reference(isvc)]},
+            "data": {demand_prior.FILE_NAME: json.dumps(demand_prior.to_document(prior), sort_keys=True)}}
 
 
 def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:

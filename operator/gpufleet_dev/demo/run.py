@@ -64,9 +64,8 @@ def _real_node_unavailable() -> str | None:
     missing = node.missing_prerequisites()
     if missing:
         return f"missing {', '.join(missing)} (scripts/setup.sh installs them)"
-    unbuilt = [i.name for i in images.IMAGES if i.name not in images.latest()]
-    if unbuilt:
-        return f"images {', '.join(unbuilt)} are not built (`make images`)"
+    if images.ENGINE_CPU.name not in images.latest():
+        return f"the image {images.ENGINE_CPU.name} is not built (`gpufleet dev images --only engine-cpu`)"
     return None
 
 

@@ -206,3 +206,20 @@ def ensure_helm(progress: Progress = print) -> Path:
 def ensure_node_agents(progress: Progress = print) -> dict[str, Path]:
     build(KUBERNETES_NODE, progress)
     return {name: KUBERNETES_NODE.binary(name) for name in KUBERNETES_NODE.outputs}
+
+
+def ensure_all(progress: Progress = print) -> None:
+    """Every Go binary the tests and the demo use: the control plane, Helm and the real node's agents."""
+    ensure_control_plane(progress)
+    ensure_helm(progress)
+    ensure_node_agents(progress)
+
+
+if __name__ == "__main__":
+    # scripts/setup.sh runs this with the system Python before the virtualenv exists (this module
+    # needs nothing beyond the standard library and Go), so the builds overlap the Python installs.
+    try:
+        ensure_all(lambda m: print(f"[go builds] {m}", flush=True))
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        print(f"[go builds] failed: {e}", flush=True)
+        sys.exit(1)

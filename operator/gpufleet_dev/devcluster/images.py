@@ -280,14 +280,15 @@ def current() -> dict[str, dict]:
     return out
 
 
-def build_all(progress: Progress = print, force: bool = False) -> dict[str, dict]:
-    """Build whatever is not cached; returns :func:`current` (all cached)."""
+def build_all(progress: Progress = print, force: bool = False, only: str | None = None) -> dict[str, dict]:
+    """Build whatever is not cached (of ``only``, an image's name, when given); returns
+    :func:`current`, each with whether it is cached now."""
     started = time.monotonic()
     wanted = current()
-    todo = [i for i in IMAGES if force or not wanted[i.name]["cached"]]
+    todo = [i for i in IMAGES if (only is None or i.name == only) and (force or not wanted[i.name]["cached"])]
     if not todo:
         progress("images up to date (content hash unchanged): "
-                 + ", ".join(w["ref"] for w in wanted.values()))
+                 + ", ".join(w["ref"] for w in wanted.values() if w["cached"]))
         _write_manifest(wanted)
         return wanted
     rootfs = ensure_base_rootfs(progress)

@@ -273,9 +273,11 @@ def import_images(progress: Progress) -> dict[str, str]:
     refs = {"pause": PAUSE_REF}
     wanted = [(PAUSE_REF, ensure_pause_archive(progress))]
     built = images.latest()
-    for name in (i.name for i in images.IMAGES):
-        if name not in built:
-            raise RealNodeError(f"image {name} is not built: run `make images` (or `gpufleet dev images`) first")
+    if images.ENGINE_CPU.name not in built:
+        raise RealNodeError(f"image {images.ENGINE_CPU.name} is not built: run `make images` (or `gpufleet dev "
+                            f"images`) first")
+    # The operator image only where it was built: the demo runs its operator as a local process.
+    for name in (i.name for i in images.IMAGES if i.name in built):
         refs[name] = built[name]["ref"]
         wanted.append((built[name]["ref"], Path(built[name]["archive"])))
     for ref, archive in wanted:

@@ -33,6 +33,9 @@ class FakeReader:
     async def audit(self, pod, ip):
         return None, "not audited here"
 
+    async def demand(self, pod, ip):
+        return None  # nothing learned (test_demand_share.py covers sharing)
+
 
 def isvc(desired=2, ready=2, autoscaling=None, generation=1, **spec):
     return {"apiVersion": API, "kind": "InferenceService",

@@ -1,0 +1,57 @@
+"""The guard's side of ``demand.json`` (``contract/demand_prior.py``): what it has learned, for
+the operator to pass on, and what its service learned before it started, to begin from.
+
+A prior that cannot be read never stops a guard: it starts conservative, as
+a service's first replica does, and says why in its log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from .contract import demand_prior
+from .contract.demand_prior import DemandPrior, PriorError
+from .demand import OutputPredictor
+
+log = logging.getLogger("gpufleet_engine.shared_demand")
+
+
+def export(predictor: OutputPredictor) -> DemandPrior:
+    """This guard's learned keys, each as quantiles of its recent answers."""
+    keys = []
+    for key, lengths in sorted(predictor.export().items(), key=lambda item: str(item[0])):
+        route, queue_class = key  # type: ignore[misc]  # the guard's keys are (route, class)
+        keys.append(demand_prior.key_prior(route, queue_class, lengths))
+    return DemandPrior(tuple(keys))
+
+
+def prior_path(config_path: str | Path) -> Path:
+    """``demand.json`` beside ``guard.json``: both are keys of the service's guard ConfigMap."""
+    return Path(config_path).with_name(demand_prior.FILE_NAME)
+
+
+def read(path: Path) -> DemandPrior | None:
+    """The prior at ``path``; None when there is none (a service's first replica) or it is invalid."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("cannot read %s (%s); starting from the full-budget prior", path, e)
+        return None
+    try:
+        return demand_prior.parse(json.loads(text))
+    except (json.JSONDecodeError, PriorError) as e:
+        log.warning("%s is not a valid output-length prior; starting from the full-budget prior: %s", path, e)
+        return None
+
+
+def seed(predictor: OutputPredictor, prior: DemandPrior, classes: set[str]) -> list[tuple[str, str]]:
+    """Seed ``predictor`` with ``prior``'s keys of the queue classes this guard serves; the keys
+    seeded."""
+    seeded = []
+    for k in prior.keys:
+        if k.queue_class in classes and predictor.seed(k.key, k.lengths):
+            seeded.append(k.key)
+    return seeded
