@@ -22,6 +22,7 @@ from typing import Awaitable, Callable
 import aiohttp
 
 from gpufleet_engine.contract import guard_config
+from gpufleet_engine.contract.guard_metrics import REJECTIONS
 from gpufleet_engine.flags import vllm_launch
 from gpufleet_engine.local import free_port
 from gpufleet_engine.models import prepare
@@ -343,6 +344,51 @@ async def closed_loop(label: str, url: str, vllm_url: str, concurrency: int, *, 
                 await window.back_off(delay)
 
     return await run_clients(label, url, vllm_url, concurrency, window, client)
+
+
+# `vllm bench serve` is vllm.benchmarks.serve; the `vllm` console script of the CPU wheel cannot find
+# its own distribution, so its main is called as the script would.
+_VLLM_BENCH = ("import sys\n"
+               "from vllm.benchmarks.serve import add_cli_args, main\n"
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+               "parser = FlexibleArgumentParser(); add_cli_args(parser)\n"
+               "main(parser.parse_args(sys.argv[1:]))\n")
+
+
+async def vllm_bench_serve(url: str, *, prompts: int, concurrency: int, input_len: int, output_len: int,
+                           seed: int = 0) -> dict:
+    """vLLM's own benchmark client against ``url`` (openai-chat, random prompts, answers of
+    ``output_len`` tokens, request rate inf): its result JSON (completed, failed, errors, ...).
+    It does not retry: a 429 is a failed request."""
+    result = WORK / f"vllm-bench-{time.monotonic_ns()}.json"
+    args = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
+            "--model", "tiny", "--tokenizer", str(prepare("tiny").path), "--dataset-name", "random",
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--ignore-eos",
+            "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+            "--seed", str(seed), "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
+            "--result-filename", result.name]
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _VLLM_BENCH, *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{out.decode()[-3000:]}")
+    return json.loads(result.read_text())
+
+
+async def metrics_text(url: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as r:
+            return await r.text()
+
+
+async def refusals(url: str) -> dict[str, float]:
+    """The guard's refusals so far by reason, from its /metrics."""
+    out: dict[str, float] = {}
+    for line in (await metrics_text(url)).splitlines():
+        if line.startswith(REJECTIONS + "_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def table(rows: list[dict]) -> str:

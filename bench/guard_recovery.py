@@ -13,9 +13,10 @@ One vLLM (64 KV blocks, the tiny model) and two guards in front of it:
    control both refuse), then nothing for ``--lull`` seconds, then the same
    burst.
 
-The burst is ``--burst`` requests of 128 prompt and 64 output tokens at
-concurrency 8, each sent once (a 429 is a failure, as in ``vllm bench
-serve``); 8 such requests fit the pool together. Target: the subject serves
+The burst comes from vLLM's own benchmark client (``vllm bench serve``:
+openai-chat, ``--burst`` random prompts of 128 tokens with 64-token answers,
+max concurrency 8, request rate inf), which does not retry: a 429 is a failed
+request. 8 such requests fit the pool together. Target: the subject serves
 ≥ 99% of the burst, and the baseline does too. Exit code 0 when both hold.
 
     python bench/guard_recovery.py [--surge 60] [--lull 30] [--burst 80] [--objective 0.08] [--engine-cores 1]
@@ -25,52 +26,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from guard_common import Run, RunWindow, Stack, closed_loop, one_request, prompt, run_clients, table  # noqa: E402
+from guard_common import Stack, closed_loop, metrics_text, refusals, table, vllm_bench_serve  # noqa: E402
 
-from gpufleet_engine.contract.guard_metrics import KV_FREE_BLOCKS, KV_TOTAL_BLOCKS, REJECTIONS  # noqa: E402
+from gpufleet_engine.contract.guard_metrics import KV_FREE_BLOCKS, KV_TOTAL_BLOCKS  # noqa: E402
 
 KV_BLOCKS = 64
 SURGE_CLIENTS, SURGE_PROMPT, SURGE_OUTPUT = 12, 256, 128   # 12 × 12 blocks: twice the pool
 BURST_CONCURRENCY, BURST_PROMPT, BURST_OUTPUT = 8, 128, 64  # 8 × 6 blocks: fits the pool
 
 
-async def burst(label: str, url: str, vllm_url: str, requests: int, seed: int) -> Run:
-    """``requests`` streaming requests at ``BURST_CONCURRENCY``, each sent once: no retries."""
-    rng = random.Random(seed)
-    bodies = [{"model": "tiny", "prompt": prompt(rng, BURST_PROMPT), "max_tokens": BURST_OUTPUT,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-              for _ in range(requests)]
-    window = RunWindow(None, None)
-
-    async def client(session, run: Run, _index: int) -> None:
-        while bodies:
-            attempt, _delay = await one_request(session, url, bodies.pop())
-            run.attempts.append(attempt)
-
-    return await run_clients(label, url, vllm_url, BURST_CONCURRENCY, window, client)
-
-
-async def metrics_text(url: str) -> str:
-    import aiohttp
-    async with aiohttp.ClientSession() as s:
-        async with s.get(url + "/metrics") as r:
-            return await r.text()
-
-
-async def refusals(url: str) -> dict[str, float]:
-    """The guard's refusals so far by reason, from its /metrics."""
-    out: dict[str, float] = {}
-    for line in (await metrics_text(url)).splitlines():
-        if line.startswith(REJECTIONS + "_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+async def burst(url: str, requests: int, seed: int) -> dict:
+    """vLLM's benchmark client: ``requests`` chat requests at ``BURST_CONCURRENCY``, none retried."""
+    result = await vllm_bench_serve(url, prompts=requests, concurrency=BURST_CONCURRENCY,
+                                    input_len=BURST_PROMPT, output_len=BURST_OUTPUT, seed=seed)
+    return {k: result.get(k) for k in ("completed", "failed", "request_throughput", "output_throughput",
+                                       "median_ttft_ms", "p99_ttft_ms")}
 
 
 async def pool_free(url: str) -> None:
@@ -90,7 +65,7 @@ async def pool_free(url: str) -> None:
 
 async def measure(surge: float, lull: float, requests: int, engine_cores: str | None,
                   objective: float) -> dict:
-    runs: dict[str, Run] = {}
+    runs: dict = {}
     # The tiny model answers in tens of ms; an objective near its surge TTFT engages the control.
     slo = {"ttftP99Seconds": objective, "itlP99Seconds": 0.1, "requestP99Seconds": 60.0}
     stack = Stack(KV_BLOCKS, engine_cores=engine_cores, slo=slo)
@@ -100,15 +75,14 @@ async def measure(surge: float, lull: float, requests: int, engine_cores: str | 
         subject = stack.start_guard()
         await closed_loop("warm-up", stack.vllm_url, stack.vllm_url, 4, requests=8, seed=99)
         await pool_free(fresh)
-        runs["baseline"] = await burst("fresh guard: burst", fresh, stack.vllm_url, requests, seed=1)
+        runs["baseline"] = await burst(fresh, requests, seed=1)
         fresh_refusals = await refusals(fresh)
         runs["surge"] = await closed_loop("subject: surge", subject, stack.vllm_url, SURGE_CLIENTS,
                                           duration=surge, prompt_tokens=SURGE_PROMPT,
                                           output_tokens=SURGE_OUTPUT, seed=2)
         during = await refusals(subject)
         await asyncio.sleep(lull)  # the condition under test: no traffic at all
-        runs["after"] = await burst(f"subject: burst after {lull:g}s lull", subject, stack.vllm_url,
-                                    requests, seed=1)
+        runs["after"] = await burst(subject, requests, seed=1)
         after = await refusals(subject)
         runs["refusals"] = {"fresh": fresh_refusals, "surge": during,
                             "burst": {k: v - during.get(k, 0.0) for k, v in after.items()}}
@@ -122,11 +96,11 @@ def verdict(runs: dict, requests: int) -> list[tuple[str, str, bool]]:
     surge_ttft = runs["refusals"]["surge"].get("ttft_limit", 0.0)
     return [
         ("the surge engaged the TTFT control", f"{surge_ttft:.0f} ttft_limit refusals", surge_ttft > 0),
-        ("baseline: a fresh guard serves ≥ 99% of the burst", f"{len(base.ok)}/{requests}",
-         len(base.ok) >= 0.99 * requests),
+        ("baseline: a fresh guard serves ≥ 99% of the burst", f"{base['completed']}/{requests}",
+         base["completed"] >= 0.99 * requests),
         ("after the surge and the lull: ≥ 99% of the burst served",
-         f"{len(after.ok)}/{requests} ({100 * len(after.ok) / requests:.1f}%; fresh guard "
-         f"{100 * len(base.ok) / requests:.1f}%)", len(after.ok) >= 0.99 * requests),
+         f"{after['completed']}/{requests} ({100 * after['completed'] / requests:.1f}%; fresh guard "
+         f"{100 * base['completed'] / requests:.1f}%)", after["completed"] >= 0.99 * requests),
     ]
 
 
@@ -142,14 +116,15 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the raw summaries here")
     args = parser.parse_args()
     runs = asyncio.run(measure(args.surge, args.lull, args.burst, args.engine_cores or None, args.objective))
-    print(table([r.summary() for k, r in runs.items() if k != "refusals"]))
+    print(table([runs["surge"].summary()]))
+    print(table([{"burst (vllm bench serve)": k, **runs[k]} for k in ("baseline", "after")]))
     print("\nrefusals by reason:", json.dumps(runs["refusals"]))
     checks = verdict(runs, args.burst)
     for name, value, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")
     if args.json:
-        args.json.write_text(json.dumps({"runs": [r.summary() for k, r in runs.items() if k != "refusals"],
-                                         "refusals": runs["refusals"], "checks": [
+        args.json.write_text(json.dumps({"surge": runs["surge"].summary(), "baseline": runs["baseline"],
+                                         "after": runs["after"], "refusals": runs["refusals"], "checks": [
             {"target": n, "measured": v, "pass": ok} for n, v, ok in checks]}, indent=2))
     return 0 if all(ok for _, _, ok in checks) else 1
 

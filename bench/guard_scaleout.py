@@ -39,7 +39,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from guard_common import Run, Stack, table  # noqa: E402
+from guard_common import Run, Stack, refusals, table  # noqa: E402
 from guard_realistic import KV_BLOCKS, MAX_MODEL_LEN, closed_loop  # noqa: E402
 
 from gpufleet_engine.contract import demand_prior  # noqa: E402
@@ -69,14 +69,19 @@ async def measure(duration: float, clients: int, learn: float, engine_cores: str
         await closed_loop("warm guard: learning", warm, stack.vllm_url, clients, duration=learn, seed=50)
         document = await demand_of(warm)
         cold = stack.start_guard("cold", slo=slo)
+        reasons: dict[str, dict] = {}
         runs["cold"] = await closed_loop("cold guard: first minute", cold, stack.vllm_url, clients,
                                          duration=duration, seed=7)
+        reasons["cold"] = await refusals(cold)
         seeded = stack.start_guard("seeded", slo=slo, files={demand_prior.FILE_NAME: json.dumps(document)})
         runs["seeded"] = await closed_loop("seeded guard: first minute", seeded, stack.vllm_url, clients,
                                            duration=duration, seed=7)
+        reasons["seeded"] = await refusals(seeded)
+        before = await refusals(warm)
         runs["warm"] = await closed_loop("warm guard (baseline)", warm, stack.vllm_url, clients,
                                          duration=duration, seed=7)
-        return runs, {"objective_s": slo["ttftP99Seconds"], "prior": [
+        reasons["warm"] = {k: v - before.get(k, 0.0) for k, v in (await refusals(warm)).items()}
+        return runs, {"objective_s": slo["ttftP99Seconds"], "refusals": reasons, "prior": [
             {"route": k["route"], "class": k["class"], "samples": k["samples"],
              "mean": round(sum(k["lengths"]) / len(k["lengths"]), 1)} for k in document["keys"]]}
     finally:
@@ -104,6 +109,7 @@ def main() -> int:
     rows = [{**r.summary(), "refused_%": round(100 * refused(r), 2)} for r in runs.values()]
     print(table(rows))
     print("\nTTFT objective:", info["objective_s"], "s; prior handed over:", json.dumps(info["prior"]))
+    print("refusals by reason:", json.dumps(info["refusals"]))
     checks = verdict(runs)
     for name, value, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {value}")

@@ -119,6 +119,20 @@ class KvLedger:
         its reservation: answers grow until they end, and end at different times."""
         return self._held_sum / self._in_flight_sum if self._in_flight_sum else None
 
+    def held_history(self) -> tuple[float, float] | None:
+        """(blocks per request in flight, the weight of the reads behind it), or None before any."""
+        avg = self.held_per_request
+        return None if avg is None else (avg, self._in_flight_sum)
+
+    def seed_held(self, blocks: float, weight: float) -> bool:
+        """Start ``held_per_request`` from the service's other replicas (``demand_prior``), as if
+        this ledger had read ``weight`` requests in flight holding ``blocks`` each; not once it has
+        a read of its own with requests in flight."""
+        if self._in_flight_sum or blocks <= 0 or weight <= 0:
+            return False
+        self._held_sum, self._in_flight_sum = blocks * weight, weight
+        return True
+
     @property
     def known(self) -> bool:
         return self.snapshot is not None

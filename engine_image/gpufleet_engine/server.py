@@ -86,7 +86,7 @@ def build_app(guard: Guard) -> web.Application:
 
     async def demand(request: web.Request) -> web.Response:
         # What this replica learned of its answers' lengths, for the operator to hand to new replicas.
-        return web.json_response(demand_prior.to_document(shared_demand.export(guard.predictor)))
+        return web.json_response(demand_prior.to_document(shared_demand.export(guard.predictor, guard.ledger)))
 
     app.router.add_get("/drain", drain_status)
     app.router.add_post("/drain", drain_start)
@@ -184,10 +184,9 @@ class GuardServer:
             return seen
         prior = shared_demand.read(path)
         classes = {c.name for c in guard.config.queue_classes}
-        seeded = shared_demand.seed(guard.predictor, prior, classes) if prior else []
+        seeded = shared_demand.seed(guard.predictor, guard.ledger, prior, classes) if prior else []
         if seeded:
-            log.info("output lengths seeded from %s for %s", path,
-                     ", ".join(f"{route} ({name})" for route, name in seeded))
+            log.info("started from what the service learned (%s): %s", path, ", ".join(seeded))
         return stamp
 
     async def _follow_demand(self, guard: Guard, seen: float | None) -> None:

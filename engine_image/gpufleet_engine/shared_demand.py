@@ -10,20 +10,24 @@ import json
 import logging
 from pathlib import Path
 
+from .admission import KvLedger
 from .contract import demand_prior
-from .contract.demand_prior import DemandPrior, PriorError
+from .contract.demand_prior import DemandPrior, HeldPerRequest, PriorError
 from .demand import OutputPredictor
 
 log = logging.getLogger("gpufleet_engine.shared_demand")
 
 
-def export(predictor: OutputPredictor) -> DemandPrior:
-    """This guard's learned keys, each as quantiles of its recent answers."""
+def export(predictor: OutputPredictor, ledger: KvLedger) -> DemandPrior:
+    """This guard's learned keys, each as the lengths of its recent answers, and the blocks a
+    request in flight holds."""
     keys = []
     for key, lengths in sorted(predictor.export().items(), key=lambda item: str(item[0])):
         route, queue_class = key  # type: ignore[misc]  # the guard's keys are (route, class)
         keys.append(demand_prior.key_prior(route, queue_class, lengths))
-    return DemandPrior(tuple(keys))
+    history = ledger.held_history()
+    # Nothing held yet (reads with requests in flight, none streaming) says nothing to pass on.
+    return DemandPrior(tuple(keys), HeldPerRequest(*history) if history and history[0] > 0 else None)
 
 
 def prior_path(config_path: str | Path) -> Path:
@@ -47,11 +51,13 @@ def read(path: Path) -> DemandPrior | None:
         return None
 
 
-def seed(predictor: OutputPredictor, prior: DemandPrior, classes: set[str]) -> list[tuple[str, str]]:
-    """Seed ``predictor`` with ``prior``'s keys of the queue classes this guard serves; the keys
-    seeded."""
+def seed(predictor: OutputPredictor, ledger: KvLedger, prior: DemandPrior, classes: set[str]) -> list[str]:
+    """Seed ``predictor`` with ``prior``'s keys of the queue classes this guard serves, and the
+    ledger with its blocks held per request; what was seeded, in words."""
     seeded = []
     for k in prior.keys:
         if k.queue_class in classes and predictor.seed(k.key, k.lengths):
-            seeded.append(k.key)
+            seeded.append(f"{k.route} ({k.queue_class})")
+    if prior.held is not None and ledger.seed_held(prior.held.blocks, prior.held.weight):
+        seeded.append(f"{prior.held.blocks:.1f} blocks held per request")
     return seeded

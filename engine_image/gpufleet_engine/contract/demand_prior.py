@@ -19,6 +19,13 @@ already knows instead:
   ``guard.json`` once and seeds every key it has not learned itself. Its own
   answers then replace the seeded points as its window fills.
 
+With the lengths goes how many KV blocks a request in flight holds on
+average (``HeldPerRequest``: the ledger's decayed average over its recent
+metrics reads, and the weight of the reads behind it). A new guard's overload
+gate otherwise judges a burst's first moment by the few requests running then
+(``scheduler.overloaded``), and a first burst of long prompts made it act and
+refuse a quarter of a load the warm replica served without a refusal.
+
 Pure: no I/O beyond what a caller hands in.
 """
 from __future__ import annotations
@@ -65,8 +72,17 @@ class KeyPrior:
 
 
 @dataclass(frozen=True)
+class HeldPerRequest:
+    """KV blocks a request in flight held on average, over reads that saw ``weight`` requests in
+    flight (decayed): what one more request asking is expected to take."""
+    blocks: float
+    weight: float
+
+
+@dataclass(frozen=True)
 class DemandPrior:
     keys: tuple[KeyPrior, ...] = ()
+    held: HeldPerRequest | None = None
 
     def by_key(self) -> dict[tuple[str, str], KeyPrior]:
         return {k.key: k for k in self.keys}
@@ -89,6 +105,7 @@ def merge(priors: Iterable[DemandPrior], points: int = POINTS) -> DemandPrior:
     """Several replicas' priors as one: per key, the quantiles of all their points pooled, each
     point weighted by the answers it stands for (a replica that saw 500 answers counts 50 times
     one that saw 10)."""
+    priors = list(priors)
     pooled: dict[tuple[str, str], list[tuple[int, float]]] = {}
     totals: dict[tuple[str, str], int] = {}
     for prior in priors:
@@ -110,14 +127,26 @@ def merge(priors: Iterable[DemandPrior], points: int = POINTS) -> DemandPrior:
         lengths = tuple(weighted[min(len(weighted) - 1, bisect.bisect_left(cumulative, (i + 0.5) * running / count))][0]
                         for i in range(count))
         out.append(KeyPrior(key[0], key[1], totals[key], lengths))
-    return DemandPrior(tuple(out))
+    return DemandPrior(tuple(out), _pooled_held([p.held for p in priors if p.held is not None]))
+
+
+def _pooled_held(held: list[HeldPerRequest]) -> HeldPerRequest | None:
+    """The replicas' averages weighted by the reads behind them, with one replica's weight (their
+    mean): a new replica's own reads then outweigh it as fast as they would a replica's own past."""
+    weight = sum(h.weight for h in held)
+    if weight <= 0:
+        return None
+    return HeldPerRequest(sum(h.blocks * h.weight for h in held) / weight, weight / len(held))
 
 
 def differs(new: DemandPrior, old: DemandPrior | None) -> bool:
-    """Whether ``new`` is worth writing over ``old``: a key appeared, or a key's mean moved by
-    ``MEAN_CHANGE`` or more."""
+    """Whether ``new`` is worth writing over ``old``: a key appeared, or a key's mean or the blocks
+    held per request moved by ``MEAN_CHANGE`` or more."""
     if old is None:
-        return bool(new.keys)
+        return bool(new.keys) or new.held is not None
+    if new.held is not None and (old.held is None or abs(new.held.blocks - old.held.blocks)
+                                 >= MEAN_CHANGE * max(1.0, old.held.blocks)):
+        return True
     before = old.by_key()
     for k in new.keys:
         was = before.get(k.key)
@@ -127,9 +156,12 @@ def differs(new: DemandPrior, old: DemandPrior | None) -> bool:
 
 
 def to_document(prior: DemandPrior) -> dict:
-    return {"version": VERSION, "keys": [
+    doc: dict = {"version": VERSION, "keys": [
         {"route": k.route, "class": k.queue_class, "samples": k.samples, "lengths": list(k.lengths)}
         for k in prior.keys]}
+    if prior.held is not None:
+        doc["heldPerRequest"] = {"blocks": round(prior.held.blocks, 3), "weight": round(prior.held.weight, 3)}
+    return doc
 
 
 def parse(raw: Any) -> DemandPrior:
@@ -161,6 +193,20 @@ def parse(raw: Any) -> DemandPrior:
             problems.append(f"{where}.lengths: must be a non-empty list of token counts (integers ≥ 0)")
         if len(problems) == bad and isinstance(samples, int) and isinstance(lengths, list):
             out.append(KeyPrior(str(route), str(queue_class), samples, tuple(sorted(lengths))))
+    held = _held(raw.get("heldPerRequest"), problems)
     if problems:
         raise PriorError(problems)
-    return DemandPrior(tuple(out))
+    return DemandPrior(tuple(out), held)
+
+
+def _held(raw: Any, problems: list[str]) -> HeldPerRequest | None:
+    if raw is None:
+        return None
+    values = []
+    for name in ("blocks", "weight"):
+        value = raw.get(name) if isinstance(raw, Mapping) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            problems.append(f"heldPerRequest.{name}: must be a number greater than 0, got {value!r}")
+        else:
+            values.append(float(value))
+    return HeldPerRequest(*values) if len(values) == 2 else None

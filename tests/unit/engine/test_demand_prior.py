@@ -92,3 +92,30 @@ def test_every_wrong_field_is_named():
         assert field in text
     with pytest.raises(PriorError, match="keys: must be a list"):
         demand_prior.parse({"version": 1})
+
+
+def test_the_blocks_a_request_holds_pool_by_the_reads_behind_them_and_seed_a_new_ledger():
+    from gpufleet_engine.admission import KvLedger, KvSnapshot
+    from gpufleet_engine.contract.demand_prior import HeldPerRequest
+
+    pooled = demand_prior.merge([DemandPrior((), HeldPerRequest(4.0, 300.0)),
+                                 DemandPrior((), HeldPerRequest(8.0, 100.0)), DemandPrior()])
+    assert pooled.held == HeldPerRequest(5.0, 200.0)
+    assert demand_prior.parse(demand_prior.to_document(pooled)) == pooled
+    assert demand_prior.differs(pooled, None)
+    assert not demand_prior.differs(DemandPrior((), HeldPerRequest(5.4, 9.0)), pooled)
+    assert demand_prior.differs(DemandPrior((), HeldPerRequest(5.5, 9.0)), pooled)
+
+    ledger = KvLedger(5)
+    assert ledger.held_per_request is None                # a new replica: nothing read yet
+    assert ledger.seed_held(5.0, 200.0) and ledger.held_per_request == 5.0
+    ledger.observe(KvSnapshot(512, 0))                    # an idle read: nothing in flight to weigh
+    assert ledger.try_admit("r", 3).admitted
+    ledger.observe(KvSnapshot(512, 60))                   # its own first read: 1 request holding 60
+    assert 5.0 < ledger.held_per_request < 6.0            # moves it by the weight of one request's read
+    assert not ledger.seed_held(1.0, 1000.0)              # its own reads are not overwritten
+
+
+def test_a_held_figure_that_is_not_a_positive_number_is_named():
+    with pytest.raises(PriorError, match=r"heldPerRequest\.weight"):
+        demand_prior.parse({"version": 1, "keys": [], "heldPerRequest": {"blocks": 4, "weight": 0}})
