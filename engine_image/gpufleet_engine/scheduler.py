@@ -127,10 +127,10 @@ class Scheduler:
         corrected for what the guard admitted and finished since). Asking are
         the requests queued in the guard, the clients cycling through refusals
         (retry_hint's crowd: those whose Retry-After has not run out) and the
-        requests read but not parsed yet (parse_lane.py), each at what a
-        request in flight held on average over the last reads (the ledger's
-        ``held_per_request``: the requests in flight in a burst's first
-        moment are too few to tell). The replica is overloaded when
+        requests read but not parsed yet (parse_lane.py), each at the lesser
+        of what a request in flight held on average over the last reads (the
+        ledger's ``held_per_request``, seeded from the service on a new
+        replica) and what the running requests hold each now. The replica is overloaded when
         all of it passes the pool less the watermark by more than the
         ledger's margin.
         Not the reservations: they are what each answer may grow to, and
@@ -149,9 +149,14 @@ class Scheduler:
         if asking < 1:
             return False  # a full pool with no one waiting is a pool well used
         held = self.ledger.held_blocks()
-        each = self.ledger.held_per_request
-        if each is None:
-            each = held / self.running
+        # Each asking request at the lesser of what a request in flight held over the recent reads
+        # and what the running ones hold now: the average outlives the traffic that made it (a
+        # surge's long answers, then a burst of short ones after a lull), and the few requests of
+        # a burst's first instant say little (long prompts first); under a real overload the two
+        # agree.
+        now_each = held / self.running
+        average = self.ledger.held_per_request
+        each = now_each if average is None else min(average, now_each)
         usable = self.ledger.capacity - self.ledger.watermark
         return held + asking * each > usable + self.ledger.margin()
 

@@ -89,7 +89,8 @@ def images(force, only) -> None:
         _say(f"failed: {e}")
         sys.exit(2)
     for name, image in built.items():
-        click.echo(f"{name}: {image['ref']} ({image['archive']})")
+        if image["cached"]:
+            click.echo(f"{name}: {image['ref']} ({image['archive']})")
     if cluster.refresh_real_node_images(progress=_say) is not None:
         _say("the running real node has them (new pods use them)")
 

@@ -56,13 +56,18 @@ async def reserved_for_one(s: aiohttp.ClientSession, guard: GuardServer, fake_vl
     return blocks
 
 
-async def test_a_new_guard_reserves_what_the_service_learned_from_its_first_request(from_files, fake_vllm):
+async def learned_document(s: aiohttp.ClientSession, from_files, fake_vllm) -> dict:
+    """A guard taught 20 five-token answers, and its GET /demand."""
     fake_vllm.answer_tokens = 5
+    warm = await from_files("warm")
+    await teach(s, warm, 20, BODY)
+    async with s.get(warm.url + demand_prior.DEMAND_PATH) as r:
+        return await r.json()
+
+
+async def test_a_new_guard_reserves_what_the_service_learned_from_its_first_request(from_files, fake_vllm):
     async with aiohttp.ClientSession() as s:
-        warm = await from_files("warm")
-        await teach(s, warm, 20, BODY)
-        async with s.get(warm.url + demand_prior.DEMAND_PATH) as r:
-            document = await r.json()
+        document = await learned_document(s, from_files, fake_vllm)
         (learned,) = demand_prior.parse(document).keys
         assert learned.key == KEY and learned.samples == 20
 
@@ -73,12 +78,8 @@ async def test_a_new_guard_reserves_what_the_service_learned_from_its_first_requ
 
 
 async def test_a_prior_written_after_the_start_seeds_what_is_not_learned_yet(from_files, fake_vllm, tmp_path):
-    fake_vllm.answer_tokens = 5
     async with aiohttp.ClientSession() as s:
-        warm = await from_files("warm")
-        await teach(s, warm, 20, BODY)
-        async with s.get(warm.url + demand_prior.DEMAND_PATH) as r:
-            document = await r.json()
+        document = await learned_document(s, from_files, fake_vllm)
         late = await from_files("late")
         assert not late.guard.predictor.learned(KEY)
         (tmp_path / "late" / demand_prior.FILE_NAME).write_text(json.dumps(document))

@@ -391,6 +391,33 @@ async def test_a_burst_is_judged_by_what_requests_held_of_late_not_by_the_first_
     s.release(long_prompt)
 
 
+async def test_a_burst_of_short_requests_after_a_surge_of_long_ones_is_judged_by_what_they_hold():
+    """The recovery benchmark's burst through vLLM's own client (issue 28): after a surge whose
+    requests held 12 blocks each and a lull, 8 requests of 6 blocks fit a 64-block pool. Judged
+    at the surge's 12 blocks the gate opened, the control refused 71 of 80 and the refused (who
+    never retry) kept it open; judged at what the burst's running requests hold, it stays shut."""
+    arriving = [0]
+    ledger = KvLedger(5)
+    ledger.observe(KvSnapshot(64, 0))
+    s = Scheduler(ledger, MultiLevelQueue((INTERACTIVE, STANDARD), 5.0, 100), 16, 1.0,
+                  clock=lambda: 0.0, ttft=TtftLimit(OBJECTIVE, 16), crowd=lambda: 0.0,
+                  arriving=lambda: arriving[0])
+    surge = [await s.acquire(1, STANDARD) for _ in range(4)]
+    ledger.observe(KvSnapshot(64, 48))            # the surge: 12 blocks a request
+    for g in surge:
+        s.release(g)
+    ledger.observe(KvSnapshot(64, 0))             # the lull: the average stays at 12
+    assert ledger.held_per_request == pytest.approx(12.0)
+    burst = [await s.acquire(1, STANDARD) for _ in range(3)]
+    ledger.observe(KvSnapshot(64, 21))            # the burst's first three hold 7 each
+    arriving[0] = 4                               # 21 + 4 × 7 = 49 ≤ 59 usable (at 12: 69)
+    assert not s.overloaded()
+    arriving[0] = 6                               # 21 + 6 × 7 = 63: past the pool, it is one
+    assert s.overloaded()
+    for g in burst:
+        s.release(g)
+
+
 def test_the_start_budget_learns_how_fast_bursts_start_not_one_prompt_alone():
     limit = TtftLimit(OBJECTIVE, 8)
     limit.observe(0.01, 1000, 1)                   # one prompt alone: 100k tokens/s
