@@ -77,5 +77,8 @@ class DemandShare:
             log.warning("%s/%s: could not write the learned output lengths: %s", self.ns, self.name, e)
             return
         self.written = pooled
-        log.info("%s/%s: learned output lengths shared with new replicas (%s)", self.ns, self.name,
-                 ", ".join(f"{k.route} {k.queue_class}: mean {k.mean:.0f} of {k.samples}" for k in pooled.keys))
+        learned = [f"{k.route} {k.queue_class}: mean {k.mean:.0f} tokens of {k.samples}" for k in pooled.keys]
+        if pooled.held is not None:
+            learned.append(f"{pooled.held.blocks:.1f} blocks held per request")
+        log.info("%s/%s: what the replicas learned is shared with new ones: %s", self.ns, self.name,
+                 "; ".join(learned))
