@@ -88,17 +88,10 @@ class DemandPrior:
         return {k.key: k for k in self.keys}
 
 
-def quantile_points(sorted_lengths: list[int], points: int = POINTS) -> tuple[int, ...]:
-    """``points`` evenly spaced quantiles (at (i + ½) / points) of an ascending list; the list
-    itself when it is no longer."""
-    n = len(sorted_lengths)
-    if n <= points:
-        return tuple(sorted_lengths)
-    return tuple(sorted_lengths[min(n - 1, int((i + 0.5) * n / points))] for i in range(points))
-
-
-def key_prior(route: str, queue_class: str, sorted_lengths: list[int], points: int = POINTS) -> KeyPrior:
-    return KeyPrior(route, queue_class, len(sorted_lengths), quantile_points(sorted_lengths, points))
+def key_prior(route: str, queue_class: str, sorted_lengths: list[int]) -> KeyPrior:
+    """One key as a guard exports it: its window of lengths (``demand.WINDOW``, the size of
+    ``POINTS``) as it is."""
+    return KeyPrior(route, queue_class, len(sorted_lengths), tuple(sorted_lengths))
 
 
 def merge(priors: Iterable[DemandPrior], points: int = POINTS) -> DemandPrior:
