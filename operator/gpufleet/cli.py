@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import click
 
-from gpufleet_engine.cli import engine
-
 from .commands import crd, run
 from .fleet.audit_command import audit
 from .planning.commands import plan
@@ -21,8 +19,16 @@ main.add_command(run)
 main.add_command(crd)
 main.add_command(audit)
 main.add_command(plan)
-main.add_command(engine)
 main.add_command(router)
+
+
+def _unavailable(name: str, why: str, help_: str) -> click.Command:
+    @click.command(name, context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def stub(args) -> None:
+        raise click.ClickException(f"`gpufleet {name}` {why}")
+    stub.help = help_
+    return stub
 
 
 def _development_commands() -> list[click.Command]:
@@ -33,20 +39,23 @@ def _development_commands() -> list[click.Command]:
         from gpufleet_dev.devcluster.commands import dev
         return [dev, demo]
     except ImportError as e:
-        missing = e.name or str(e)
-
-        def unavailable(name: str) -> click.Command:
-            @click.command(name, context_settings={"ignore_unknown_options": True})
-            @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-            def stub(args) -> None:
-                raise click.ClickException(f"`gpufleet {name}` needs the development extra ({missing} is "
-                                           f"missing): pip install 'gpufleet[dev]'")
-            stub.help = "Development tool; needs pip install 'gpufleet[dev]'."
-            return stub
-        return [unavailable("dev"), unavailable("demo")]
+        why = f"needs the development extra ({e.name or e} is missing): pip install 'gpufleet[dev]'"
+        return [_unavailable(n, why, "Development tool; needs pip install 'gpufleet[dev]'.") for n in ("dev", "demo")]
 
 
-for _command in _development_commands():
+def _engine_command() -> click.Command:
+    """`gpufleet engine` (the guard, the local runner) where the guard's code is installed; the operator
+    image carries only the guard's contract (operator/Dockerfile), so there it is a stub."""
+    try:
+        from gpufleet_engine.cli import engine
+        return engine
+    except ImportError:
+        return _unavailable("engine", "runs in the engine image (its command there is gpufleet-engine), or from a "
+                            "checkout: pip install -e '.[engine]'", "The guard and local engine runner (not in "
+                            "the operator image).")
+
+
+for _command in (*_development_commands(), _engine_command()):
     main.add_command(_command)
 
 

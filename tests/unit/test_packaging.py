@@ -47,3 +47,43 @@ def test_the_guard_runs_without_the_operator_or_development_code():
         "from gpufleet_engine.cli import engine\n"
         "engine(['serve', '--help'], standalone_mode=False)\n"))
     assert done.returncode == 0, done.stderr
+
+
+def _copy_as_the_dockerfile_does(dockerfile: Path, dest: Path) -> None:
+    """Copy what ``dockerfile``'s COPY lines copy (sources relative to the repository) into ``dest``."""
+    import shutil
+    for line in dockerfile.read_text().splitlines():
+        if not line.startswith("COPY "):
+            continue
+        *sources, target = line.split()[1:]
+        for src in sources:
+            out = dest / (target.removeprefix("./") if not target.endswith("/") else target + Path(src).name)
+            if (ROOT / src).is_dir():
+                shutil.copytree(ROOT / src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / src, out)
+
+
+def test_the_operator_image_carries_only_the_guards_contract_and_runs_with_it(tmp_path):
+    # What operator/Dockerfile copies is all the operator may use: the guard's contract, not its serving or
+    # runtime code, and no development tools (gpufleet_dev stays out through .dockerignore).
+    _copy_as_the_dockerfile_does(ROOT / "operator" / "Dockerfile", tmp_path)
+    guard = tmp_path / "engine_image" / "gpufleet_engine"
+    assert sorted(p.name for p in guard.iterdir()) == ["__init__.py", "contract"]
+    assert not (tmp_path / "operator" / "gpufleet_dev").exists() or "operator/gpufleet_dev" in (
+        ROOT / ".dockerignore").read_text()
+    code = (
+        "import sys\n"
+        # Only the copied tree: not the checkout's editable install.
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+        f"sys.path[:0] = [{str(tmp_path / 'operator')!r}, {str(tmp_path / 'engine_image')!r}]\n"
+        "sys.modules['gpufleet_dev'] = None\n"
+        "import gpufleet.handlers, gpufleet.runtime, gpufleet.fleet, gpufleet.fleet.audit_command\n"
+        "import gpufleet_engine\n"
+        f"assert gpufleet_engine.__file__.startswith({str(tmp_path)!r}), gpufleet_engine.__file__\n"
+        "from gpufleet.cli import main\n"
+        "main(['run', '--help'], standalone_mode=False)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Run the operator." in done.stdout

@@ -79,7 +79,7 @@ class Image:
 
 OPERATOR = Image("operator", "operator/Dockerfile", ".",
                  ("operator/Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "operator/gpufleet",
-                  "engine_image/gpufleet_engine"), "operator")
+                  "engine_image/gpufleet_engine/__init__.py", "engine_image/gpufleet_engine/contract"), "operator")
 ENGINE_CPU = Image("engine-cpu", "engine_image/Dockerfile.cpu", "engine_image",
                    ("engine_image/Dockerfile.cpu", "engine_image/.dockerignore", "engine_image/requirements-cpu.txt",
                     "engine_image/gpufleet_engine", "engine_image/bin"), "engine")
