@@ -62,7 +62,10 @@ async def test_a_watermark_change_reaches_the_serving_guard_and_vllm_keeps_its_p
     engine = own_context_engine
     vllm_pid, guard_pid = engine.engine_proc.pid, engine.guard_proc.pid
 
-    async def stream(session: aiohttp.ClientSession, seed: int) -> int:
+    under_way = [asyncio.Event(), asyncio.Event()]
+    reload_seen = asyncio.Event()
+
+    async def stream(session: aiohttp.ClientSession, seed: int, started: asyncio.Event) -> int:
         body = {"model": "tiny", "prompt": list(range(2000 + seed, 2040 + seed)), "max_tokens": 1500,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         async with session.post(engine.guard_url + "/v1/completions", json=body) as r:
@@ -71,23 +74,28 @@ async def test_a_watermark_change_reaches_the_serving_guard_and_vllm_keeps_its_p
             async for line in r.content:
                 if line.startswith(b"data: {"):
                     events.append(json.loads(line[6:]))
-                    # A slow reader (at least ~7 s for the answer), so the stream is still open when
-                    # the guard reloads, however fast the engine generates.
-                    await asyncio.sleep(0.005)
+                    if not started.is_set():
+                        # The stream is open; it reads on once the guard has reloaded, so it is
+                        # still open at the reload however fast the engine generates.
+                        started.set()
+                        await reload_seen.wait()
             return events[-1]["usage"]["completion_tokens"]
 
     async with aiohttp.ClientSession() as s:
-        streams = [asyncio.create_task(stream(s, i * 50)) for i in range(2)]
-        await asyncio.sleep(0.5)  # the streams are under way when the file changes
-        engine.update_guard({"maxContextTokens": None, "kvWatermarkPercent": 30,
-                             "engine": {"maxModelLen": None, "maxNumBatchedTokens": 4096}})
+        streams = [asyncio.create_task(stream(s, i * 50, under_way[i])) for i in range(2)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in under_way)), 120)
+            engine.update_guard({"maxContextTokens": None, "kvWatermarkPercent": 30,
+                                 "engine": {"maxModelLen": None, "maxNumBatchedTokens": 4096}})
 
-        async def reloaded():
-            async with s.get(engine.guard_url + "/metrics") as r:
-                text = await r.text()
-            return text if metric(text, "gpufleet_guard_config_reloads_total", result="applied") >= 1 else None
-        text = await wait_for(reloaded, timeout=30, what="the guard to apply the new guard.json")
-        assert not all(t.done() for t in streams), "the streams ended before the reload; make them longer"
+            async def reloaded():
+                async with s.get(engine.guard_url + "/metrics") as r:
+                    text = await r.text()
+                return text if metric(text, "gpufleet_guard_config_reloads_total", result="applied") >= 1 else None
+            text = await wait_for(reloaded, timeout=30, what="the guard to apply the new guard.json")
+            assert not all(t.done() for t in streams), "the streams ended before the reload"
+        finally:
+            reload_seen.set()  # the streams read on (or end) however the reload went
         tokens = await asyncio.gather(*streams)
     assert tokens == [1500, 1500]  # no request lost or cut short
     assert metric(text, "gpufleet_guard_kv_watermark_blocks") == math.ceil(KV_BLOCKS * 30 / 100)

@@ -151,6 +151,11 @@ class Operator:
             url = self.process.metrics_url.replace("/metrics", "/readyz")
             return (await c.get(url)).status_code == 200
 
+    def lease_reads_since(self, t: float) -> int:
+        """The Lease reads that came back to this operator since ``t``: each is a look at who leads."""
+        return sum(1 for r in self.proxy.records if r["method"] == "GET" and "/leases" in r["path"]
+                   and r["arrived"] > t and r["done"] is not None and not r["partitioned"])
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -217,6 +222,13 @@ async def make_service(kube, namespace: str, fake: FakeReplicaMetrics) -> None:
     await wait_for(one_ready_and_served, timeout=PODS_START_SECONDS, what="one ready replica")
 
 
+async def read_calm_replica(op: Operator, namespace: str) -> None:
+    """``op`` has read the replica's calm KV usage (its own gauge says so)."""
+    gauge = f'gpufleet_service_kv_usage_ratio{{namespace="{namespace}",service="svc"}}'
+    await wait_for(lambda: _is(op.metric(gauge), 0.5), timeout=30, what=f"{op.name} reading the calm replica",
+                   describe=lambda: op.process.log_tail(20))
+
+
 async def replicas(kube, namespace: str) -> int:
     d = await kube.get_or_none("apps/v1", "Deployment", "svc-engine", namespace)
     return d["spec"]["replicas"] if d else 0
@@ -248,7 +260,7 @@ def assert_one_writer_at_a_time(first, second, handover: float) -> None:
 async def test_kill_9_of_the_leader_during_a_surge_fails_over_within_the_lease_duration(ha, kube, namespace):
     a, b, fake = ha
     await make_service(kube, namespace, fake)
-    await asyncio.sleep(3)  # op-a has read the calm replica
+    await read_calm_replica(a, namespace)
     assert await replicas(kube, namespace) == 1
     assert not b.proxy.writes(), "the follower wrote"
 
@@ -281,7 +293,7 @@ async def test_kill_9_of_the_leader_during_a_surge_fails_over_within_the_lease_d
 async def test_a_partitioned_leader_stops_acting_before_the_follower_starts(ha, kube, namespace):
     a, b, fake = ha
     await make_service(kube, namespace, fake)
-    await asyncio.sleep(3)
+    await read_calm_replica(a, namespace)
 
     cut = time.monotonic()
     a.proxy.partitioned = True
@@ -303,7 +315,8 @@ async def test_a_partitioned_leader_stops_acting_before_the_follower_starts(ha, 
     a.proxy.heal()
     healed = time.monotonic()
     await wait_for(a.ready, timeout=LEASE_DURATION + 10, what="op-a able to lead again (reaches the Lease)")
-    await asyncio.sleep(RETRY_PERIOD * 2)
+    await wait_for(lambda: a.lease_reads_since(healed) >= 2, timeout=LEASE_DURATION + 10,
+                   what="op-a reading the Lease (op-b's) twice since the heal")
     assert not await a.leading() and await b.leading()
     assert not [r for r in a.proxy.writes() if r["arrived"] > healed]
 

@@ -230,7 +230,7 @@ async def test_a_replica_deleted_under_load_drains_without_a_failed_request(flee
             statuses.append((await fleet.complete("tiny-llama", f"client {n} request {i}")).status)
             i += 1
     clients = [asyncio.create_task(client(n)) for n in range(3)]
-    await asyncio.sleep(2)
+    await wait_for(lambda: len(statuses) >= 3, timeout=60, what="the clients' first answers (load under way)")
     await fleet.kube.delete("v1", "Pod", victim, fleet.namespace)
 
     async def gone():

@@ -183,6 +183,14 @@ async def _stream_one(client: openai.AsyncOpenAI, load: Load) -> None:
         await asyncio.sleep(0.2)
 
 
+async def answered_after(load: Load, what: str, clients: int = 2) -> None:
+    """Streams that began after this moment were answered: past the ``clients`` in flight now, one
+    more finished (or failed, which the test's error check then reports)."""
+    mark = load.ok + load.shed + len(load.errors)
+    await wait_for(lambda: load.ok + load.shed + len(load.errors) > mark + clients and load.ok > 0, timeout=120,
+                   what=f"a stream begun after {what} answered")
+
+
 @contextlib.asynccontextmanager
 async def streaming(client: openai.AsyncOpenAI, clients: int = 2):
     """``clients`` streaming clients in a loop while the body runs (more starve a second engine's
@@ -274,7 +282,7 @@ async def test_scale_out_and_in_under_streaming_load(service, install, kube, loa
     before_in = load.ok
     await _set_spec(kube, install.work_ns, {"autoscaling": {"minReplicas": 1}})
     await wait_for(lambda: _service_ready(kube, install.work_ns, 1), timeout=300, what="back to one replica")
-    await asyncio.sleep(3)
+    await answered_after(load, "the scale-in")
     assert load.ok > before_in > 0
     assert load.errors == [], f"{len(load.errors)} failed requests (ok {load.ok}, 429 {load.shed}): {load.errors[:5]}"
 
@@ -294,7 +302,7 @@ async def test_spec_change_rolls_the_deployment_without_failed_requests(service,
     await wait_for(rolled, timeout=720, what="the Deployment rolled to a new Ready pod",
                    describe=lambda: control_plane.kubectl("-n", install.work_ns, "get", "pods", "-o", "wide",
                                                           check=False).stdout)
-    await asyncio.sleep(3)
+    await answered_after(load, "the roll")
     assert load.ok > 0
     assert load.errors == [], f"{len(load.errors)} failed requests (ok {load.ok}, 429 {load.shed}): {load.errors[:5]}"
 
@@ -317,16 +325,13 @@ async def test_a_router_pod_deleted_under_streaming_load_loses_no_request(servic
     await wait_for(lambda: model_listed(client), timeout=60, what="the router listing the model")
     try:
         async with streaming(client) as load:
-            await asyncio.sleep(5)
             await wait_for(lambda: load.ok > 0, timeout=120, what="a first stream answered through the router")
             before = load.ok
             control_plane.kubectl("-n", install.operator_ns, "delete", "pod", pods[0]["metadata"]["name"],
                                   "--wait=false")
             await wait_for(routers_ready, timeout=180, what="the router Deployment back at two Ready pods",
                            describe=describe)
-            await asyncio.sleep(5)
-            await wait_for(lambda: load.ok > before, timeout=120,
-                           what="streams answered after the router pod was replaced")
+            await answered_after(load, "the router pod was replaced")
     finally:
         await client.close()
     assert load.ok > before > 0

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from . import prune
 from .binaries import cache_root
 
 Progress = Callable[[str], None]
@@ -290,6 +291,7 @@ def build_all(progress: Progress = print, force: bool = False, only: str | None 
         progress("images up to date (content hash unchanged): "
                  + ", ".join(w["ref"] for w in wanted.values() if w["cached"]))
         _write_manifest(wanted)
+        prune_cache(wanted, progress)
         return wanted
     rootfs = ensure_base_rootfs(progress)
     houses = {i.wheelhouse: ensure_wheelhouse(i.wheelhouse, progress) for i in todo}
@@ -318,24 +320,51 @@ def build_all(progress: Progress = print, force: bool = False, only: str | None 
             tmp = archive.with_suffix(".tmp")
             daemon.docker("save", "-o", str(tmp), ref, f"{image.repository()}:dev", check=True)
             tmp.rename(archive)
-            for old in images_dir().glob(f"{image.name}-*.tar"):
-                if old != archive:
-                    old.unlink()
-            # Superseded builds would keep several GiB each in the data root: only the layer cache
-            # of the current one is worth keeping.
-            tags = daemon.docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}", image.repository(),
-                                 capture_output=True, text=True).stdout.split()
-            stale = [t for t in tags if t not in (ref, f"{image.repository()}:dev")]
-            if stale:
-                daemon.docker("image", "rm", *stale, capture_output=True)
-            daemon.docker("image", "prune", "-f", capture_output=True)
             progress(f"built {ref} in {time.monotonic() - t0:.0f}s ({archive.stat().st_size / 2**20:.0f} MiB)")
+        prune_docker(daemon, todo, wanted, base_ref, progress)
     # What was built, even when the sources changed meanwhile (the next run builds that).
     for image in wanted.values():
         image["cached"] = Path(image["archive"]).exists()
     _write_manifest(wanted)
+    prune_cache(wanted, progress)
     progress(f"images ready in {time.monotonic() - started:.0f}s")
     return wanted
+
+
+def prune_cache(wanted: dict[str, dict], progress: Progress) -> None:
+    """Remove superseded archives from the image cache (prune.py decides which). Only images
+    whose current build is in the cache lose their older archives (an image not rebuilt for
+    new sources keeps its last build); the current base root filesystem stays."""
+    root = images_dir()
+    if not root.is_dir():
+        return
+    built = [name for name, w in wanted.items() if Path(w["archive"]).exists()]
+    keep = {Path(wanted[name]["archive"]).name for name in built} | {f"base-{base_hash()}.rootfs.tar"}
+    stale = prune.stale_cache_files((p.name for p in root.iterdir()), built, keep)
+    freed = 0
+    for name in stale:
+        with contextlib.suppress(OSError):
+            freed += (root / name).stat().st_size
+            (root / name).unlink()
+    if stale:
+        progress(f"image cache: removed {len(stale)} superseded file(s), {freed / 2**30:.1f} GiB")
+
+
+def prune_docker(daemon: DockerDaemon, built: list[Image], wanted: dict[str, dict], base_ref: str,
+                 progress: Progress) -> None:
+    """Superseded builds would keep several GiB each in dockerd's data root: of the images just
+    built and the base, only the current tags (and their layer cache) stay; dangling layers and
+    the containers a failed build left go."""
+    repos = [i.repository() for i in built] + [f"{REPOSITORY_PREFIX}/base"]
+    tags = daemon.docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}", capture_output=True,
+                         text=True).stdout.split()
+    keep = {w["ref"] for w in wanted.values()} | {f"{i.repository()}:dev" for i in IMAGES} | {base_ref}
+    stale = prune.stale_tags(tags, repos, keep)
+    if stale:
+        daemon.docker("image", "rm", *stale, capture_output=True)
+        progress(f"dockerd: removed {len(stale)} superseded tag(s): {', '.join(stale)}")
+    daemon.docker("container", "prune", "-f", capture_output=True)
+    daemon.docker("image", "prune", "-f", capture_output=True)
 
 
 def latest() -> dict[str, dict]:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import binaries, images
+from . import binaries, images, prune
 from .cluster import ClusterError
 from .fleet import GPU_TAINT, LOCAL_ENGINE_TAINT, POOL_LABEL
 
@@ -287,7 +287,21 @@ def import_images(progress: Progress) -> dict[str, str]:
         progress(f"importing {ref} into containerd ({archive.stat().st_size / 2**20:.0f} MiB)")
         ctr("images", "import", str(archive), check=True, capture_output=True)
         progress(f"  imported in {time.monotonic() - started:.0f}s")
+    prune_images({ref for ref, _archive in wanted} | {f"{i.repository()}:dev" for i in images.IMAGES}, progress)
     return refs
+
+
+def prune_images(keep: set[str], progress: Progress) -> None:
+    """Remove the versions of our images that ``keep`` and the node's containers do not use
+    (prune.py decides which); containerd's garbage collector then frees their content and
+    snapshots (``--sync`` waits for it)."""
+    listing = ctr("images", "ls", capture_output=True, text=True, check=True).stdout
+    containers = ctr("containers", "ls", capture_output=True, text=True).stdout.splitlines()[1:]
+    in_use = {fields[1] for fields in (line.split() for line in containers) if len(fields) >= 2}
+    stale = prune.stale_containerd_refs(prune.parse_ctr_images(listing), images.REPOSITORY_PREFIX, keep, in_use)
+    if stale:
+        ctr("images", "rm", "--sync", *stale, capture_output=True)
+        progress(f"containerd: removed {len(stale)} superseded image ref(s)")
 
 
 def stop_pods() -> None:

@@ -16,6 +16,7 @@ from gpufleet.router.choice import Replica
 from gpufleet.router.metrics import RouterMetrics
 from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
 from gpufleet.router.table import Route, Table
+from tests.support.waiting import wait_for
 
 MODEL = "tiny"
 
@@ -169,8 +170,10 @@ async def test_a_client_that_leaves_mid_stream_cancels_the_replicas_request(harn
     await r.content.readuntil(b"\n\n")
     guard = harness.guards[r.headers["X-Replica"]]
     r.close()
-    await asyncio.wait_for(guard.cancelled.wait(), 5)
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(guard.cancelled.wait(), 30)
+    # The router counts the cancelled request once its handler has unwound.
+    await wait_for(lambda: harness.count("gpufleet_router_requests_total", model=MODEL, outcome="cancelled") >= 1,
+                   timeout=30, interval=0.01, what="the cancelled request counted")
     assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="cancelled") == 1
     assert harness.fleet.pickers[MODEL].in_flight == {}
 
@@ -301,11 +304,8 @@ async def test_a_request_for_a_service_without_a_ready_replica_is_held_until_one
 
 
 async def wait_held(harness, n: int) -> None:
-    for _ in range(200):
-        if harness.count("gpufleet_router_held_requests", namespace="ml", service=MODEL) == n:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never {n} held")
+    await wait_for(lambda: harness.count("gpufleet_router_held_requests", namespace="ml", service=MODEL) == n,
+                   timeout=30, interval=0.01, what=f"{n} held")
 
 
 async def test_a_held_request_times_out_with_503_and_the_measured_cold_start_as_retry_after(harness):
@@ -399,8 +399,8 @@ async def test_below_max_replicas_a_request_every_replica_refused_is_held_until_
     await harness.fleet.read_once(harness.http)
     a.refuse_with = b.refuse_with = (429, 1)
 
-    async def room_later():
-        await asyncio.sleep(0.5)
+    async def room_later():   # once both have refused it: the router is holding the request
+        await wait_for(lambda: a.bodies and b.bodies, timeout=30, interval=0.01, what="both replicas refusing")
         b.refuse_with = None
     freed = asyncio.create_task(room_later())
     async with harness.post(completion()) as r:
