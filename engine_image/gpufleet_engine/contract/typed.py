@@ -206,19 +206,28 @@ def _explain(tp: Any, value: Any, loc: Loc, out: list[Problem], unknown: str) ->
 
 
 def _message(tp: Any, value: Any, error: str) -> str:
-    info = mi.type_info(tp)
-    if isinstance(info, mi.UnionType):
-        members = [t for t in info.types if not isinstance(t, mi.NoneType)]
-        if len(members) != 1:
-            return _bare_message(error)
-        info = members[0]
-    extra: dict = {}
-    if isinstance(info, mi.Metadata):
-        extra, info = info.extra_json_schema or {}, info.type
+    info: Any = mi.type_info(tp)
+    extra: dict[str, Any] = {}
+    for _ in range(3):  # Annotated[Optional[Annotated[T, Meta]], Meta]: metadata and unions, peeled
+        if isinstance(info, mi.Metadata):
+            extra, info = {**extra, **(info.extra_json_schema or {})}, info.type
+        elif isinstance(info, mi.UnionType):
+            members = [t for t in info.types if not isinstance(t, mi.NoneType)]
+            if len(members) == 1:
+                info = members[0]
+                continue
+            kinds = [_KINDS.get(type(t.type if isinstance(t, mi.Metadata) else t)) for t in members]
+            if None in kinds:
+                return _bare_message(error)
+            return f"must be {' or '.join(map(str, kinds))}, got {value!r}"
     text = _describe(info, value) or _bare_message(error)
     if extra.get("examples"):
         text += f", e.g. {extra['examples'][0]}"
     return text
+
+
+_KINDS = {mi.IntType: "an integer", mi.FloatType: "a number", mi.StrType: "a string", mi.BoolType: "true or false",
+          mi.ListType: "a list", mi.DictType: "an object", mi.StructType: "an object"}
 
 
 def _describe(info: Any, value: Any) -> str | None:
