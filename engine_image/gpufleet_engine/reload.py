@@ -2,8 +2,8 @@
 
 The kubelet updates a mounted ConfigMap in place (within its sync period,
 about a minute) by swapping a symlink; the guard polls the file's content
-every few seconds. Of a new version it applies the ``live`` fields (declared
-with ``_field(live=True)`` in the contract: admission, queue, limit and SLO
+every few seconds. Of a new version it applies the ``live`` fields (marked
+``LIVE`` in the contract: admission, queue, limit and SLO
 settings) at once, to new requests and to those waiting in its queue; the
 requests already running keep what they were admitted with. The other fields
 (vLLM's ``engine`` section, addresses, model and tokenizer) need the pod

@@ -8,7 +8,7 @@ import pytest
 
 from gpufleet.api import parse_spec
 from gpufleet.api import v1alpha1 as t
-from gpufleet.api.fields import openapi
+from gpufleet.api.schema import openapi
 from gpufleet.manifests import children, guard_config, model_cache
 from gpufleet.reconcile.desired import desired_children
 from gpufleet.reconcile.validation import validate

@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from . import fields
+from . import schema
 from . import v1alpha1 as t
 
 
@@ -47,8 +47,8 @@ PRINTER_COLUMNS = [
 
 
 def build_crd() -> dict:
-    spec_schema = fields.openapi(t.InferenceServiceSpec)
-    status_schema = _strip_status_defaults(fields.openapi(t.InferenceServiceStatus))
+    spec_schema = schema.openapi(t.InferenceServiceSpec)
+    status_schema = _strip_status_defaults(schema.openapi(t.InferenceServiceStatus))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -145,7 +145,8 @@ def render_markdown() -> str:
     return "\n".join([
         "# InferenceService API (serving.gpufleet.dev/v1alpha1)", "",
         "Generated from `operator/gpufleet/api/v1alpha1.py` (`gpufleet crd --markdown`); "
-        "`kubectl explain inferenceservice.spec --recursive` shows the same descriptions.", "",
+        "`kubectl explain inferenceservice.spec --recursive` shows the same descriptions. The types are "
+        "msgspec Structs, the kit `guard.json` uses too (docs/guard-config.md says why msgspec).", "",
         "Numbers follow the API conventions: integer percentages (`kvWatermarkPercent: 5`), durations as "
         "`...Seconds`/`...Milliseconds` integers, string enums, references as `...Ref`.", "",
         "| field | type | default | description |", "|---|---|---|---|", *rows, "",

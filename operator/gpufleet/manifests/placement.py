@@ -35,7 +35,7 @@ def node_selector(spec: InferenceServiceSpec) -> dict[str, str]:
 def tolerations(spec: InferenceServiceSpec) -> list[dict]:
     out = [GPU_TOLERATION]
     for tol in spec.isolation.tolerations:
-        t = {"operator": tol.operator}
+        t: dict[str, str] = {"operator": tol.operator}
         for attr, key in (("key", "key"), ("value", "value"), ("effect", "effect"),
                           ("toleration_seconds", "tolerationSeconds")):
             if getattr(tol, attr) is not None:

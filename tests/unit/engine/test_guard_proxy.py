@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 from tests.support.waiting import wait_for
 
@@ -296,7 +297,7 @@ async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard
     fake_vllm.token_delay = 0.02
     guard = await guard_factory()
     guard.guard.drain.accept_seconds = 0.3
-    cfg = guard.config.__class__(**{**guard.config.__dict__, "listen_port": guard.port})
+    cfg = msgspec.structs.replace(guard.config, listen_port=guard.port)
     async with aiohttp.ClientSession() as s:
         async with s.post(guard.url + "/v1/completions",
                           json={"prompt": "x", "max_tokens": 25, "stream": True}) as r:

@@ -5,6 +5,7 @@ import asyncio
 import json
 
 import aiohttp
+import msgspec
 import pytest
 
 from gpufleet_engine import reload
@@ -166,7 +167,7 @@ def test_live_and_restart_fields_split_the_whole_document():
     restart = guard_config.restart_document(config)
     assert "engine" in restart and "tokenizer" in restart and "listenPort" in restart
     assert not {"kvWatermarkPercent", "queueClasses", "maxConcurrency", "maxContextTokens"} & set(restart)
-    live = {guard_config.key_of(f) for f in guard_config.dataclasses.fields(guard_config.GuardConfig)
+    live = {guard_config.key_of(f) for f in msgspec.structs.fields(guard_config.GuardConfig)
             if f.name in guard_config.LIVE_FIELDS}
     assert set(restart) | live == set(document) and not set(restart) & live
 
