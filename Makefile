@@ -15,14 +15,14 @@ demo:
 images: setup
 	.venv/bin/gpufleet dev images
 
-# Setup with the images (cached by content; built while the Go builds run), the linters and type
-# checks, the main suite, and the real-node tests (tests/realnode: the chart's operator as a pod,
-# engines as pods on a real kubelet with containerd) as their own session: an in-cluster operator
-# owns their namespaces.
+# Setup with the images (cached by content; built while the Go builds run); the linters and type
+# checks and the unit tests (no control plane: they run while the Go builds finish); then the
+# tests that need the control plane, the chart's Helm, engines; then the real-node tests
+# (tests/realnode: the chart's operator as a pod, engines as pods on a real kubelet with
+# containerd) as their own session: an in-cluster operator owns their namespaces.
 test:
-	scripts/setup.sh --images all
-	$(MAKE) --no-print-directory lint
-	.venv/bin/python -m pytest -q --ignore=tests/realnode
+	scripts/setup.sh --images all --meanwhile '$(MAKE) --no-print-directory lint unit'
+	.venv/bin/python -m pytest -q --ignore=tests/realnode --ignore=tests/unit
 	.venv/bin/python -m pytest -q tests/realnode
 
 test-realnode: setup images

@@ -3,7 +3,7 @@ read-only RBAC on InferenceServices and pods, the engines' NetworkPolicy
 admitting it, and an HTTPRoute only when asked for and pointed at a Gateway."""
 import yaml
 
-from tests.unit.chart.test_chart import helm, template  # noqa: F401  (the helm fixture)
+from tests.chart.test_chart import helm, template  # noqa: F401  (the helm fixture)
 
 
 def objects(helm, *args) -> dict[tuple[str, str], dict]:  # noqa: F811

@@ -11,7 +11,7 @@ from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 from gpufleet.commands import run
 from gpufleet.manifests import names
 
-CHART = Path(__file__).resolve().parents[3] / "charts" / "gpufleet"
+CHART = Path(__file__).resolve().parents[2] / "charts" / "gpufleet"
 
 
 @pytest.fixture(scope="module")

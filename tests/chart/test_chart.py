@@ -8,7 +8,7 @@ import pytest
 import yaml
 from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gpufleet"
 GOLDEN = Path(__file__).parent / "golden"
 KUBE_VERSION = KUBERNETES_VERSION.lstrip("v")
