@@ -36,9 +36,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 30
-    settings.batching.worker_limit = memo.worker_limit
+    rt = _rt(memo)
+    settings.batching.worker_limit = rt.settings.worker_limit
     settings.execution.max_workers = 8
-    rt: OperatorRuntime = memo.runtime
     await rt.start()
 
 
