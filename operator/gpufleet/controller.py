@@ -200,6 +200,7 @@ class Controller:
                 await self._report_invalid(isvc, problems)
                 self.metrics.reconcile_total.labels("InferenceService", "invalid_spec").inc()
                 return
+            assert spec is not None  # a spec that did not parse has its problem listed
             self.metrics.set_spec_gauges(ns, name, spec)
             replicas = target_replicas(spec, previous)
             rejected: list[dict] | None = None
@@ -262,6 +263,7 @@ class Controller:
         updates = status.pop("conditions")
         old = cond.get((isvc.get("status") or {}).get("conditions"), cond.READY)
         new = cond.get(updates, cond.READY)
+        assert new is not None  # invalid_status always says Ready=False
         if not old or old.get("message") != new["message"]:
             await self.kube.event(isvc, reason="InvalidSpec", message=new["message"], type_="Warning")
         await self.write_status(isvc, status, updates)

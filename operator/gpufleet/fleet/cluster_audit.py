@@ -5,7 +5,7 @@ import asyncio
 import logging
 from typing import Container
 
-from ..api import SpecError, parse_spec
+from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
 from ..audit.stranded import find_stranded, node_inventory
 from ..isolation.verify import violations_for
@@ -24,8 +24,8 @@ async def collect(objects: ObjectLister) -> tuple[list[dict], list[dict], list[d
     return nodes, pods, services
 
 
-def parsed_specs(services: list[dict]) -> list[tuple[dict, object]]:
-    out = []
+def parsed_specs(services: list[dict]) -> list[tuple[dict, InferenceServiceSpec]]:
+    out: list[tuple[dict, InferenceServiceSpec]] = []
     for s in services:
         try:
             out.append((s, parse_spec(s.get("spec"))))
@@ -34,7 +34,7 @@ def parsed_specs(services: list[dict]) -> list[tuple[dict, object]]:
     return out
 
 
-def audit_report(nodes, pods, services) -> dict:
+def audit_report(nodes: list[dict], pods: list[dict], services: list[dict]) -> dict:
     """Everything `gpufleet audit` prints; pure."""
     specs = parsed_specs(services)
     stranded = find_stranded(node_inventory(nodes, pods), [s for _, s in specs])

@@ -16,7 +16,7 @@ import logging
 import time
 from datetime import datetime, timezone
 
-from ..api import SpecError, parse_spec
+from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
 from ..audit import fragmentation as frag
 from ..autoscale import policy
@@ -47,14 +47,14 @@ class ServiceLoop:
         self.ttft_history: collections.deque = collections.deque()
         self.last_audit: float | None = None
         self._spec_key: tuple | None = None
-        self._spec = None
+        self._spec: InferenceServiceSpec | None = None
         self.removals: dict[str, int] = {}  # pod marked for scale-in -> the replica count it was marked for
         self.watching_since: float | None = None  # first tick of this operator process for the service
         self.audit_baseline: dict[str, tuple[int, int]] = {}  # pod -> (alloc retries, OOMs) at the last audit
         self.scaled_in_this_pass = False
         self.demand_share = DemandShare(ports.objects, ports.replicas, namespace, name)
 
-    def spec_of(self, body: dict):
+    def spec_of(self, body: dict) -> InferenceServiceSpec | None:
         """The parsed spec, parsed once per generation; None when invalid."""
         meta = body.get("metadata", {})
         key = (meta.get("uid"), meta.get("generation"))
