@@ -4,7 +4,6 @@ import asyncio
 from gpufleet.fleet import fleet_loop
 from gpufleet.fleet.fleet_loop import FleetLoop
 from gpufleet.manifests import names
-from tests.support.waiting import wait_for
 
 
 def svc(name, uid="u1", annotations=None, ns="ml"):
@@ -49,7 +48,7 @@ def test_deleted_services_and_pods_are_forgotten():
 
 async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
     ticks: list[str] = []
-    release = asyncio.Event()
+    release, fifth_fast_tick = asyncio.Event(), asyncio.Event()
 
     class FakeLoop:
         def __init__(self, rt, ns, name):
@@ -57,6 +56,8 @@ async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
 
         async def tick(self, body, pods, demand=0):
             ticks.append(self.name)
+            if ticks.count("fast") == 5:
+                fifth_fast_tick.set()
             if self.name == "slow":
                 await release.wait()   # a replica that never answers
 
@@ -67,8 +68,7 @@ async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
         fl.upsert_pod("ml", n, f"{n}-0", READY)
     runner = asyncio.create_task(fl.run_forever())
     # The fast service keeps its 50 ms pace while the slow one's first tick hangs.
-    await wait_for(lambda: ticks.count("fast") >= 5, timeout=5, interval=0.01,
-                   what="five ticks of the fast service", describe=lambda: ticks)
+    await fifth_fast_tick.wait()
     release.set()
     runner.cancel()
     await fl.stop()
