@@ -7,8 +7,8 @@ from typing import Container
 
 from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
-from ..audit.stranded import find_stranded, node_inventory
-from ..isolation.verify import violations_for
+from ..audit.stranded import StrandedNode, find_stranded, node_inventory
+from ..isolation.verify import Violation, violations_for
 from ..kube.errors import ApiError
 from ..manifests import names
 from ..metrics import OperatorMetrics
@@ -88,7 +88,7 @@ class ClusterAuditor:
                 await self._publish_isolation(obj, spec, report["isolation"][key])
         return report
 
-    async def _publish_stranded(self, stranded, nodes) -> None:
+    async def _publish_stranded(self, stranded: list[StrandedNode], nodes: list[dict]) -> None:
         totals: dict[tuple[str, str], int] = {}
         for n in nodes:  # zero every known pool/product so a cleared condition shows as 0
             labels = n["metadata"].get("labels", {})
@@ -106,7 +106,7 @@ class ClusterAuditor:
                                          message=f"{s.free} free GPU(s) no InferenceService can use: {s.why}")
         self._stranded_seen = now
 
-    async def _publish_isolation(self, obj, spec, violations) -> None:
+    async def _publish_isolation(self, obj: dict, spec: InferenceServiceSpec, violations: list[Violation]) -> None:
         meta = obj["metadata"]
         ns, name = meta["namespace"], meta["name"]
         self.metrics.isolation_violations.labels(ns, name).set(len(violations))

@@ -15,12 +15,13 @@ import collections
 import logging
 import time
 from datetime import datetime, timezone
+from typing import Sequence
 
 from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
 from ..audit import fragmentation as frag
 from ..autoscale import policy
-from ..autoscale.signals import bucket_delta, quantile_from_buckets
+from ..autoscale.signals import ReplicaSample, bucket_delta, quantile_from_buckets
 from ..kube.errors import ApiError
 from ..manifests import names
 from ..reconcile import conditions as cond
@@ -68,7 +69,7 @@ class ServiceLoop:
 
     # --- reading ---------------------------------------------------------------
 
-    async def read_replicas(self, pods: list[dict]):
+    async def read_replicas(self, pods: list[dict]) -> tuple[list[dict], list[ReplicaSample]]:
         ready = readable_replicas(pods)
         samples = await asyncio.gather(*(self.ports.replicas.sample(p["name"], p["ip"]) for p in ready))
         for s in samples:
@@ -76,7 +77,7 @@ class ServiceLoop:
                 self.ports.metrics.read_errors.labels(self.ns, self.name).inc()
         return ready, list(samples)
 
-    def ttft_p99(self, samples, now: float) -> float | None:
+    def ttft_p99(self, samples: Sequence[ReplicaSample], now: float) -> float | None:
         merged: dict[float, float] = {}
         for s in samples:
             for le, count in s.ttft_buckets:
@@ -124,7 +125,8 @@ class ServiceLoop:
         if self.audit_due(body, spec, now):
             await self.audit(body, spec, ready, now, samples=samples, pods=pods)
 
-    async def autoscale(self, body: dict, spec, samples, now: float, fields: dict, demand: int = 0) -> list[dict]:
+    async def autoscale(self, body: dict, spec: InferenceServiceSpec, samples: list[ReplicaSample], now: float,
+                        fields: dict, demand: int = 0) -> list[dict]:
         """Decide on the samples; act on a decision (and write ``fields`` with it).
         Returns the Scaling condition to write when there is no action but its state changed."""
         status = body.get("status") or {}
@@ -162,7 +164,8 @@ class ServiceLoop:
             return []
         return [new]
 
-    async def act(self, body: dict, spec, decision: policy.Decision, current: int, samples, fields: dict) -> None:
+    async def act(self, body: dict, spec: InferenceServiceSpec, decision: policy.Decision, current: int,
+                  samples: list[ReplicaSample], fields: dict) -> None:
         """Apply a decision under the service's lock, on the freshest object: a reconcile
         holding an older copy cannot run in between, and a decision made on a replica
         count that changed meanwhile is dropped (the next tick decides again)."""
@@ -254,7 +257,7 @@ class ServiceLoop:
 
     # --- fragmentation audit ---------------------------------------------------------
 
-    def audit_due(self, body, spec, now: float) -> bool:
+    def audit_due(self, body: dict, spec: InferenceServiceSpec, now: float) -> bool:
         requested = (body.get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_AUDIT_REQUEST)
         if requested:
             return True
@@ -263,7 +266,8 @@ class ServiceLoop:
             self.last_audit = now - interval + FIRST_AUDIT_DELAY_S
         return now - self.last_audit >= interval
 
-    async def audit(self, body, spec, ready, now: float, *, samples=(), pods=()) -> None:
+    async def audit(self, body: dict, spec: InferenceServiceSpec, ready: list[dict], now: float, *,
+                    samples: Sequence[ReplicaSample] = (), pods: Sequence[dict] = ()) -> None:
         self.last_audit = now
         reports = await asyncio.gather(*(self.ports.replicas.audit(p["name"], p["ip"]) for p in ready))
         replicas = [frag.replica_from_report(p["name"], rep, err) for p, (rep, err) in zip(ready, reports)]
@@ -294,7 +298,8 @@ class ServiceLoop:
             await self.ports.objects.merge_patch(t.API_VERSION, t.KIND, self.name, {"metadata": {"annotations": {
                 names.ANNOTATION_AUDIT_REQUEST: None}}}, self.ns)
 
-    def restart_context(self, body, spec, samples, pods, now: float, pdb_allowed: int) -> frag.RestartContext:
+    def restart_context(self, body: dict, spec: InferenceServiceSpec, samples: Sequence[ReplicaSample],
+                        pods: Sequence[dict], now: float, pdb_allowed: int) -> frag.RestartContext:
         status = body.get("status") or {}
         last = (status.get("fragmentation") or {}).get("lastRestartTime")
         return frag.RestartContext(
@@ -307,7 +312,8 @@ class ServiceLoop:
             kv_usage={s.pod: s.kv_usage for s in samples if s.ok and s.kv_usage is not None},
             kv_high=policy.Thresholds.from_spec(spec.autoscaling).kv_high)
 
-    async def remediate(self, body, pod: str, spec, samples, pods, now: float) -> None:
+    async def remediate(self, body: dict, pod: str, spec: InferenceServiceSpec, samples: Sequence[ReplicaSample],
+                        pods: Sequence[dict], now: float) -> None:
         pdb = await self.ports.objects.get_or_none("policy/v1", "PodDisruptionBudget", names.pdb_name(self.name),
                                                    self.ns)
         allowed = (pdb or {}).get("status", {}).get("disruptionsAllowed", 0)
