@@ -108,11 +108,8 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
     service = body.get("metadata", {}).get("labels", {}).get(names.LABEL_SERVICE)
     if not service:
         return
-    rt = _rt(memo)
-    rt.trigger(namespace, service, apply=False)
-    if rt.fleet is not None:
-        status = body.get("status") or {}
-        rt.fleet.upsert_pod(namespace, service, name, None if type == "DELETED" else {
-            "ip": status.get("podIP"), "ready": is_ready(status),
-            "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
-            "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {})})
+    status = body.get("status") or {}
+    _rt(memo).pod_changed(namespace, service, name, None if type == "DELETED" else {
+        "ip": status.get("podIP"), "ready": is_ready(status),
+        "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
+        "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {})})

@@ -154,6 +154,13 @@ class OperatorRuntime:
         if self.fleet is not None:
             self.fleet.upsert_service(body)
 
+    def pod_changed(self, namespace: str, service: str, pod: str, view: dict | None) -> None:
+        """An engine pod of ``service`` changed (``view``: ip, ready, deleting, marked; None: gone):
+        its status is refreshed, and the fleet loop's view of its replicas kept current."""
+        self.trigger(namespace, service, apply=False)
+        if self.fleet is not None:
+            self.fleet.upsert_pod(namespace, service, pod, view)
+
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
         self._failures.pop((namespace, name), None)

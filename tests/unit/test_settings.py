@@ -106,3 +106,14 @@ async def test_without_fleet_loops_nothing_reads_replicas(kubeconfig):
     rt = OperatorRuntime(KubeConfig.from_file(str(kubeconfig)), OperatorSettings(fleet_loops=False))
     assert rt.fleet is None and rt.reader is None and rt.elector is None and rt.kube.write_fence is None
     await rt.kube.close()
+
+
+async def test_an_engine_pod_event_refreshes_status_and_the_fleet_loops_view(kubeconfig):
+    rt = OperatorRuntime(KubeConfig.from_file(str(kubeconfig)), OperatorSettings())
+    view = {"ip": "10.0.0.1", "ready": True, "deleting": False, "marked": False}
+    rt.pod_changed("ml", "chat", "chat-0", view)
+    assert rt.drain_triggered() == {("ml", "chat"): False}
+    assert rt.fleet is not None and rt.fleet.pods == {("ml", "chat"): {"chat-0": {"name": "chat-0", **view}}}
+    rt.pod_changed("ml", "chat", "chat-0", None)
+    assert rt.fleet.pods == {}
+    await rt.kube.close()
