@@ -5,15 +5,23 @@ import asyncio
 import logging
 import socket
 import uuid
+from typing import Any
 
 import click
 
-LEASE_NAME = "gpufleet-operator"
+from .settings import (
+    LEASE_NAME,
+    LeaderElection,
+    NetworkPolicies,
+    OperatorSettings,
+    SettingsError,
+    leader_timing,
+)
 
 
 def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
     """``KEY=VALUE`` options as a dict (--podmonitor-label)."""
-    labels = {}
+    labels: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
@@ -87,26 +95,19 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--debug-log", "debug_loggers", multiple=True, metavar="LOGGER",
               help="Log this logger at DEBUG, the rest as usual (repeatable); e.g. kopf._cogs.clients.watching "
                    "says when each watch stream starts, stops and restarts.")
-def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, worker_limit, leader_elect,
-        leader_elect_resource_name, leader_elect_resource_namespace, leader_elect_lease_duration,
-        leader_elect_renew_deadline, leader_elect_retry_period, leader_elect_identity, fleet_loops,
-        fleet_interval_seconds, resync_seconds, audit_interval_seconds, podmonitor_labels, network_policies,
-        network_policy_operator_namespace, network_policy_operator_labels, network_policy_client_namespaces,
-        network_policy_prometheus_namespaces, network_policy_same_namespace, router_addresses, verbose,
-        debug_loggers) -> None:
+def run(kubeconfig: str | None, verbose: bool, debug_loggers: tuple[str, ...], worker_limit: int,
+        **flags: Any) -> None:
     """Run the operator."""
     import kopf
 
     from . import handlers  # noqa: F401  (registers the handlers)
     from .kube.config import KubeConfig, KubeConfigError
-    from .leadership import Timing, TimingError
     from .runtime import OperatorRuntime
 
     try:
-        timing = Timing(leader_elect_lease_duration, leader_elect_renew_deadline, leader_elect_retry_period)
-    except TimingError as e:
-        raise click.BadParameter(str(e), param_hint="--leader-elect-*") from None
-
+        settings = settings_from_flags(worker_limit=worker_limit, **flags)
+    except SettingsError as e:
+        raise click.BadParameter(str(e), param_hint=e.flag) from None
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
@@ -118,39 +119,50 @@ def run(kubeconfig, namespaces, metrics_port, metrics_host, liveness_endpoint, w
         config = KubeConfig.auto(kubeconfig)
     except KubeConfigError as e:
         raise click.ClickException(str(e)) from None
-    runtime = OperatorRuntime(config, metrics_port=metrics_port or None, metrics_host=metrics_host)
-    runtime.fleet_interval = fleet_interval_seconds
-    runtime.resync_seconds = resync_seconds
-    runtime.controller.podmonitor_labels = podmonitor_labels
-    if network_policies:
-        from .manifests.network_policy import EngineIngress
-        try:
-            runtime.controller.engine_ingress = EngineIngress(
-                network_policy_operator_namespace or config.current.namespace, network_policy_operator_labels,
-                tuple(network_policy_client_namespaces), tuple(network_policy_prometheus_namespaces),
-                network_policy_same_namespace)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--network-policy-*") from None
-    if leader_elect:
-        runtime.enable_leader_election(
-            leader_elect_resource_namespace or config.current.namespace, leader_elect_resource_name,
-            leader_elect_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}", timing)
-    if fleet_loops:
-        from .fleet import register_loops
-        register_loops(runtime, audit_interval=audit_interval_seconds,
-                       router_addresses=list(router_addresses) or None)
-    memo = kopf.Memo(runtime=runtime, worker_limit=worker_limit)
+    runtime = OperatorRuntime(config, settings)
     # Standalone for kopf: its peering pauses lower-priority operators; one leader is elected on a Lease instead.
     asyncio.run(kopf.operator(
-        clusterwide=not namespaces, namespaces=list(namespaces), standalone=True,
-        liveness_endpoint=liveness_endpoint, memo=memo))
+        clusterwide=not settings.namespaces, namespaces=list(settings.namespaces), standalone=True,
+        liveness_endpoint=settings.liveness_endpoint, memo=kopf.Memo(runtime=runtime)))
+
+
+def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metrics_host: str,
+                        liveness_endpoint: str | None, worker_limit: int, leader_elect: bool,
+                        leader_elect_resource_name: str, leader_elect_resource_namespace: str | None,
+                        leader_elect_lease_duration: float, leader_elect_renew_deadline: float,
+                        leader_elect_retry_period: float, leader_elect_identity: str | None, fleet_loops: bool,
+                        fleet_interval_seconds: float, resync_seconds: float, audit_interval_seconds: float,
+                        podmonitor_labels: dict[str, str], network_policies: bool,
+                        network_policy_operator_namespace: str | None,
+                        network_policy_operator_labels: dict[str, str],
+                        network_policy_client_namespaces: tuple[str, ...],
+                        network_policy_prometheus_namespaces: tuple[str, ...],
+                        network_policy_same_namespace: bool, router_addresses: tuple[str, ...]) -> OperatorSettings:
+    """`gpufleet run`'s flags as the one settings object; a SettingsError names a flag at fault."""
+    # The timing is checked even without --leader-elect: a bad value is a mistake either way.
+    timing = leader_timing(leader_elect_lease_duration, leader_elect_renew_deadline, leader_elect_retry_period)
+    election = LeaderElection(
+        identity=f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}" if leader_elect_identity is None
+        else leader_elect_identity, timing=timing, name=leader_elect_resource_name,
+        namespace=leader_elect_resource_namespace) if leader_elect else None
+    policies = NetworkPolicies(
+        operator_labels=network_policy_operator_labels, operator_namespace=network_policy_operator_namespace,
+        client_namespaces=tuple(network_policy_client_namespaces),
+        prometheus_namespaces=tuple(network_policy_prometheus_namespaces),
+        same_namespace=network_policy_same_namespace) if network_policies else None
+    return OperatorSettings(
+        namespaces=tuple(namespaces), metrics_port=metrics_port or None, metrics_host=metrics_host,
+        liveness_endpoint=liveness_endpoint, worker_limit=worker_limit, leader_election=election,
+        fleet_loops=fleet_loops, fleet_interval=fleet_interval_seconds, resync_seconds=resync_seconds,
+        audit_interval=audit_interval_seconds, podmonitor_labels=podmonitor_labels,
+        network_policies=policies, router_addresses=tuple(router_addresses))
 
 
 @click.command()
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
               help="Write to this file instead of stdout.")
 @click.option("--markdown", is_flag=True, help="The field reference (docs/api.md) instead of the YAML.")
-def crd(output, markdown) -> None:
+def crd(output: str | None, markdown: bool) -> None:
     """Print the InferenceService CRD generated from the API types."""
     from .api.crd import render_markdown, render_yaml
     text = render_markdown() if markdown else render_yaml()

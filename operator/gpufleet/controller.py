@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Mapping, Sequence
 
 from .api import SpecError, parse_spec
 from .api import v1alpha1 as t
@@ -67,16 +67,17 @@ class _Rejection:
 
 
 class Controller:
-    def __init__(self, kube: KubeClient, metrics: OperatorMetrics, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, kube: KubeClient, metrics: OperatorMetrics, clock: Callable[[], float] = time.monotonic, *,
+                 podmonitor_labels: Mapping[str, str] | None = None, engine_ingress: EngineIngress | None = None):
         self.kube = kube
         self.metrics = metrics
         self._clock = clock
         self._podmonitor_checked_at = -1e9
         self._has_podmonitor = False
         # Labels every PodMonitor gets, so the cluster's Prometheus selects it (--podmonitor-label).
-        self.podmonitor_labels: dict[str, str] = {}
+        self.podmonitor_labels: Mapping[str, str] = podmonitor_labels or {}
         # Who may reach the engines' guard port; None: no NetworkPolicy (--network-policies).
-        self.engine_ingress: EngineIngress | None = None
+        self.engine_ingress = engine_ingress
         # (namespace, name) -> monotonic time of the last successful reconcile, whoever asked for it
         self.last_reconciled: dict[tuple[str, str], float] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -123,7 +124,7 @@ class Controller:
 
     # --- status -------------------------------------------------------------------
 
-    async def write_status(self, isvc: dict, fields: dict | None = None, conditions: list[dict] = ()) -> None:
+    async def write_status(self, isvc: dict, fields: dict | None = None, conditions: Sequence[dict] = ()) -> None:
         """Write changed status fields, and ``conditions`` merged by type over the freshest copy."""
         await self.update_status(isvc, lambda _status: (fields or {}, list(conditions)))
 
@@ -199,6 +200,7 @@ class Controller:
                 await self._report_invalid(isvc, problems)
                 self.metrics.reconcile_total.labels("InferenceService", "invalid_spec").inc()
                 return
+            assert spec is not None  # a spec that did not parse has its problem listed
             self.metrics.set_spec_gauges(ns, name, spec)
             replicas = target_replicas(spec, previous)
             rejected: list[dict] | None = None
@@ -261,6 +263,7 @@ class Controller:
         updates = status.pop("conditions")
         old = cond.get((isvc.get("status") or {}).get("conditions"), cond.READY)
         new = cond.get(updates, cond.READY)
+        assert new is not None  # invalid_status always says Ready=False
         if not old or old.get("message") != new["message"]:
             await self.kube.event(isvc, reason="InvalidSpec", message=new["message"], type_="Warning")
         await self.write_status(isvc, status, updates)

@@ -36,9 +36,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 30
-    settings.batching.worker_limit = memo.worker_limit
+    rt = _rt(memo)
+    settings.batching.worker_limit = rt.settings.worker_limit
     settings.execution.max_workers = 8
-    rt: OperatorRuntime = memo.runtime
     await rt.start()
 
 
@@ -108,11 +108,8 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
     service = body.get("metadata", {}).get("labels", {}).get(names.LABEL_SERVICE)
     if not service:
         return
-    rt = _rt(memo)
-    rt.trigger(namespace, service, apply=False)
-    if rt.fleet is not None:
-        status = body.get("status") or {}
-        rt.fleet.upsert_pod(namespace, service, name, None if type == "DELETED" else {
-            "ip": status.get("podIP"), "ready": is_ready(status),
-            "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
-            "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {})})
+    status = body.get("status") or {}
+    _rt(memo).pod_changed(namespace, service, name, None if type == "DELETED" else {
+        "ip": status.get("podIP"), "ready": is_ready(status),
+        "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
+        "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {})})

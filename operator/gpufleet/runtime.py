@@ -20,14 +20,17 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .controller import Controller
+from .fleet.cluster_audit import ClusterAuditor
 from .fleet.fleet_loop import FleetLoop
+from .fleet.ports import ServicePorts
+from .fleet.router_demand import RouterDemand
 from .fleet.scrape import ReplicaReader
 from .kube.client import KubeClient
 from .kube.config import KubeConfig
 from .kube.errors import ApiError, NotLeading
 from .leader_elector import LeaderElector
-from .leadership import Timing
 from .metrics import OperatorMetrics
+from .settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile
@@ -54,34 +57,53 @@ def retry_delay(error: Exception, failures: int) -> float | None:
 
 
 class OperatorRuntime:
-    def __init__(self, config: KubeConfig, *, metrics_port: int | None = 9090, metrics_host: str = "0.0.0.0"):
+    """Built from the one ``OperatorSettings``; wires the client, the controller and the fleet
+    loops' ports, and runs them while this replica leads."""
+
+    def __init__(self, config: KubeConfig, settings: OperatorSettings):
         self.config = config
-        self.kube = KubeClient(config)
+        self.settings = settings
+        namespace = config.current.namespace  # of the credentials: the default for the settings that name one
         self.metrics = OperatorMetrics()
-        self.controller = Controller(self.kube, self.metrics)
-        self.metrics_port = metrics_port
-        self.metrics_host = metrics_host
-        self._pending: dict[tuple[str, str], bool] = {}  # key -> re-apply children?
+        self.elector: LeaderElector | None = None
+        election = settings.leader_election
+        if election is not None:
+            self.elector = LeaderElector(config, election.namespace or namespace, election.name, election.identity,
+                                         election.timing, self.metrics)
+            self.elector.on_change = self._leadership_changed
+        self.kube = KubeClient(config, write_fence=None if self.elector is None else self.elector.acting_for)
+        policies = settings.network_policies
+        self.controller = Controller(self.kube, self.metrics, podmonitor_labels=settings.podmonitor_labels,
+                                     engine_ingress=None if policies is None else policies.ingress(namespace))
+        self._pending: dict[Key, bool] = {}  # key -> re-apply children?
         self._wakeup = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._web: web.AppRunner | None = None
-        # Extra background loops (service loops, cluster audits) registered before start.
-        self.loops: list[Callable[[OperatorRuntime], Coroutine[Any, Any, None]]] = []
-        self.fleet: FleetLoop | None = None  # when the fleet loops run (fleet.register_loops)
-        self.fleet_interval = 1.0  # seconds between replica reads (autoscaler fast path)
-        self.resync_seconds = 300.0  # a service untouched this long is reconciled by the timer
-        self.reader: ReplicaReader | None = None  # reads every replica's /metrics (fleet loops)
-        self.elector: LeaderElector | None = None  # with leader election (enable_leader_election)
         self.known: set[Key] = set()  # every InferenceService the watch has shown, deleted ones aside
         self._failures: dict[Key, int] = {}
         self._retries: dict[Key, asyncio.TimerHandle] = {}
+        self.fleet: FleetLoop | None = None  # with the fleet loops (settings.fleet_loops)
+        self.reader: ReplicaReader | None = None  # reads every replica's /metrics (fleet loops)
+        self._loops: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}  # started with the runtime
+        if settings.fleet_loops:
+            self._wire_fleet()
+
+    def _wire_fleet(self) -> None:
+        """The autoscaler and fragmentation audits (one paced loop over every service), the
+        cluster-wide audits, and the requests the routers hold (scale from zero)."""
+        s = self.settings
+        self.reader = ReplicaReader()
+        ports = ServicePorts(events=self.kube, status=self.controller, locks=self.controller, objects=self.kube,
+                             replicas=self.reader, metrics=self.metrics)
+        self.fleet = FleetLoop(ports, interval=s.fleet_interval, leadership=self, on_gone=self.forget)
+        auditor = ClusterAuditor(objects=self.kube, events=self.kube, status=self.controller, metrics=self.metrics,
+                                 watched=self.known, leadership=self, interval=s.audit_interval)
+        demand = RouterDemand(pods=self.kube, publish=self.fleet.set_demand, leadership=self,
+                              interval=s.fleet_interval, addresses=s.router_addresses or None)
+        self._loops = {"service_loops": self.fleet.run_forever, "cluster_audits": auditor.run_forever,
+                       "router_demand": demand.run_forever}
 
     # --- leadership ---------------------------------------------------------------
-
-    def enable_leader_election(self, namespace: str, name: str, identity: str, timing: Timing) -> None:
-        self.elector = LeaderElector(self.config, namespace, name, identity, timing, self.metrics)
-        self.elector.on_change = self._leadership_changed
-        self.kube.write_fence = self.elector.acting_for
 
     def acting(self) -> bool:
         """May this replica act now: it leads with time left on its lease (always, without election)."""
@@ -117,11 +139,11 @@ class OperatorRuntime:
         self._pending[key] = self._pending.get(key, False) or apply
         self._wakeup.set()
 
-    async def next_triggered(self) -> dict[tuple[str, str], bool]:
+    async def next_triggered(self) -> dict[Key, bool]:
         await self._wakeup.wait()
         return self.drain_triggered()
 
-    def drain_triggered(self) -> dict[tuple[str, str], bool]:
+    def drain_triggered(self) -> dict[Key, bool]:
         self._wakeup.clear()
         keys, self._pending = self._pending, {}
         return keys
@@ -131,6 +153,13 @@ class OperatorRuntime:
         self.known.add((meta["namespace"], meta["name"]))
         if self.fleet is not None:
             self.fleet.upsert_service(body)
+
+    def pod_changed(self, namespace: str, service: str, pod: str, view: dict | None) -> None:
+        """An engine pod of ``service`` changed (``view``: ip, ready, deleting, marked; None: gone):
+        its status is refreshed, and the fleet loop's view of its replicas kept current."""
+        self.trigger(namespace, service, apply=False)
+        if self.fleet is not None:
+            self.fleet.upsert_pod(namespace, service, pod, view)
 
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
@@ -147,7 +176,7 @@ class OperatorRuntime:
         """The resync runs only for services nothing else reconciled recently. A service
         the resync meets first is being handled by the reconcile its watch event asked for."""
         last = self.controller.last_reconciled.setdefault((namespace, name), now)
-        return now - last >= self.resync_seconds
+        return now - last >= self.settings.resync_seconds
 
     async def run_triggered(self) -> None:
         """Reconcile owners of changed children, each at most once per burst,
@@ -202,7 +231,7 @@ class OperatorRuntime:
     async def run_resync(self) -> None:
         """Level-based backstop: whatever the watches missed, the next resync puts right.
         Child and pod events reconcile within a second, so only services that nothing
-        reconciled for ``resync_seconds`` are due (at 1000 services a resync of every one
+        reconciled for ``settings.resync_seconds`` are due (at 1000 services a resync of every one
         each 30 s would be 33 reconciles a second of pure re-application)."""
         while True:
             await asyncio.sleep(RESYNC_CHECK_SECONDS)
@@ -218,17 +247,18 @@ class OperatorRuntime:
             await self.elector.start()
         self._tasks.append(asyncio.create_task(self.run_triggered(), name="gpufleet-triggered"))
         self._tasks.append(asyncio.create_task(self.run_resync(), name="gpufleet-resync"))
-        for loop in self.loops:
-            self._tasks.append(asyncio.create_task(loop(self), name=f"gpufleet-{loop.__name__}"))
-        if self.metrics_port is not None:
+        for name, loop in self._loops.items():
+            self._tasks.append(asyncio.create_task(loop(), name=f"gpufleet-{name}"))
+        if self.settings.metrics_port is not None:
             app = web.Application()
             app.router.add_get("/metrics", self._serve_metrics)
             app.router.add_get("/healthz", self._serve_health)
             app.router.add_get("/readyz", self._serve_ready)
             self._web = web.AppRunner(app, access_log=None)
             await self._web.setup()
-            await web.TCPSite(self._web, self.metrics_host, self.metrics_port).start()
-            log.info("metrics on http://%s:%s/metrics", self.metrics_host, self.metrics_port)
+            host, port = self.settings.metrics_host, self.settings.metrics_port
+            await web.TCPSite(self._web, host, port).start()
+            log.info("metrics on http://%s:%s/metrics", host, port)
 
     async def _serve_health(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok")

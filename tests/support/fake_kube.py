@@ -155,6 +155,10 @@ class FakeKube:
         self.events.append({"involvedObject": {"name": meta["name"], "namespace": meta.get("namespace")},
                             "reason": reason, "message": message, "type": type_})
 
+    async def evict(self, pod: str, namespace: str) -> None:
+        await self.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", body={
+            "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}})
+
     async def request(self, method: str, path: str, *, body=None, **_) -> dict:
         if method == "POST" and path.endswith("/eviction"):
             if self.eviction_error is not None:

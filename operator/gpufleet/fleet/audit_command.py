@@ -206,7 +206,8 @@ async def _request_fragmentation(kube: KubeClient, namespace: str, service: str,
     raise AuditFailed(f"no audit result within {timeout:.0f}s: is the operator running?")
 
 
-async def _audit(kubeconfig, namespace, service, timeout, operator_namespace, lease_name) -> int:
+async def _audit(kubeconfig: str | None, namespace: str, service: str | None, timeout: float,
+                 operator_namespace: str, lease_name: str) -> int:
     # Loading may run the kubeconfig's credential plugin: not on the event loop.
     async with KubeClient(await asyncio.to_thread(KubeConfig.auto, kubeconfig)) as kube:
         if service:
@@ -214,9 +215,10 @@ async def _audit(kubeconfig, namespace, service, timeout, operator_namespace, le
             click.echo(f"fragmentation of {namespace}/{service}: {frag.get('verdict')} "
                        f"(worst {frag.get('worstReplica') or '-'} {frag.get('percent', '-')}%) — "
                        f"{frag.get('recommendation', '')}")
-        nodes, pods, services = await asyncio.gather(
+        read: list[Reading | BaseException] = list(await asyncio.gather(
             _read(kube, "v1", "Node", "nodes"), _read(kube, "v1", "Pod", "pods"),
-            _read(kube, t.API_VERSION, t.KIND, f"{t.PLURAL}.{t.GROUP}"), return_exceptions=True)
+            _read(kube, t.API_VERSION, t.KIND, f"{t.PLURAL}.{t.GROUP}"), return_exceptions=True))
+        nodes, pods, services = read
         for r in (nodes, pods, services):
             if isinstance(r, BaseException) and not (isinstance(r, NotFound) and "is not served" in str(r)):
                 raise r
@@ -226,6 +228,7 @@ async def _audit(kubeconfig, namespace, service, timeout, operator_namespace, le
                 f"this cluster does not serve {t.API_VERSION} {t.KIND}: the CRD is not installed. Install "
                 f"the chart (helm install gpufleet charts/gpufleet ...) or kubectl apply -f crds/{also}")
         assert not isinstance(nodes, BaseException) and not isinstance(pods, BaseException)
+        assert not isinstance(services, BaseException)
         leases = await _read_leases(kube, operator_namespace, lease_name)
     outcome = render(Readings(leases, nodes, pods, services, operator_namespace, lease_name),
                      datetime.now(timezone.utc))

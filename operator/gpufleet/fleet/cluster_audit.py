@@ -3,26 +3,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Container
 
-from ..api import SpecError, parse_spec
+from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
-from ..audit.stranded import find_stranded, node_inventory
-from ..isolation.verify import violations_for
+from ..audit.stranded import StrandedNode, find_stranded, node_inventory
+from ..isolation.verify import Violation, violations_for
 from ..kube.errors import ApiError
 from ..manifests import names
+from ..metrics import OperatorMetrics
 from ..reconcile import conditions as cond
+from .ports import EventRecorder, Key, Leadership, ObjectLister, StatusWriter
 
 log = logging.getLogger(__name__)
 
 
-async def collect(kube) -> tuple[list[dict], list[dict], list[dict]]:
+async def collect(objects: ObjectLister) -> tuple[list[dict], list[dict], list[dict]]:
     nodes, pods, services = await asyncio.gather(
-        kube.list("v1", "Node"), kube.list("v1", "Pod"), kube.list(t.API_VERSION, t.KIND))
+        objects.list("v1", "Node"), objects.list("v1", "Pod"), objects.list(t.API_VERSION, t.KIND))
     return nodes, pods, services
 
 
-def parsed_specs(services: list[dict]) -> list[tuple[dict, object]]:
-    out = []
+def parsed_specs(services: list[dict]) -> list[tuple[dict, InferenceServiceSpec]]:
+    out: list[tuple[dict, InferenceServiceSpec]] = []
     for s in services:
         try:
             out.append((s, parse_spec(s.get("spec"))))
@@ -31,7 +34,7 @@ def parsed_specs(services: list[dict]) -> list[tuple[dict, object]]:
     return out
 
 
-def audit_report(nodes, pods, services) -> dict:
+def audit_report(nodes: list[dict], pods: list[dict], services: list[dict]) -> dict:
     """Everything `gpufleet audit` prints; pure."""
     specs = parsed_specs(services)
     stranded = find_stranded(node_inventory(nodes, pods), [s for _, s in specs])
@@ -45,8 +48,18 @@ def audit_report(nodes, pods, services) -> dict:
 
 
 class ClusterAuditor:
-    def __init__(self, runtime, interval: float = 15.0):
-        self.rt = runtime
+    """``watched``: the services this operator watches (its --namespace); only theirs get
+    isolation status. ``leadership``: only the leader audits (None: always, one operator)."""
+
+    def __init__(self, *, objects: ObjectLister, events: EventRecorder, status: StatusWriter,
+                 metrics: OperatorMetrics, watched: Container[Key], leadership: Leadership | None = None,
+                 interval: float = 15.0):
+        self.objects = objects
+        self.events = events
+        self.status = status
+        self.metrics = metrics
+        self.watched = watched
+        self.leadership = leadership
         self.interval = interval
         # node -> (free, why) last reported: an Event is recorded when a node becomes
         # stranded or the reason/amount changes, not on every audit pass.
@@ -54,8 +67,8 @@ class ClusterAuditor:
 
     async def run_forever(self) -> None:
         while True:
-            if not self.rt.acting():  # only the leader audits (and writes status and Events)
-                await self.rt.wait_leading()
+            if self.leadership is not None and not self.leadership.acting():
+                await self.leadership.wait_leading()  # only the leader audits (and writes status and Events)
             try:
                 await self.run_once()
             except ApiError as e:
@@ -65,17 +78,17 @@ class ClusterAuditor:
             await asyncio.sleep(self.interval)
 
     async def run_once(self) -> dict:
-        nodes, pods, services = await collect(self.rt.kube)
+        nodes, pods, services = await collect(self.objects)
         report = audit_report(nodes, pods, services)
         await self._publish_stranded(report["stranded"], nodes)
         for obj, spec in report["specs"]:
             meta = obj["metadata"]
             key = (meta["namespace"], meta["name"])
-            if key in self.rt.known:  # only the services this operator watches (its --namespace)
+            if key in self.watched:  # only the services this operator watches (its --namespace)
                 await self._publish_isolation(obj, spec, report["isolation"][key])
         return report
 
-    async def _publish_stranded(self, stranded, nodes) -> None:
+    async def _publish_stranded(self, stranded: list[StrandedNode], nodes: list[dict]) -> None:
         totals: dict[tuple[str, str], int] = {}
         for n in nodes:  # zero every known pool/product so a cleared condition shows as 0
             labels = n["metadata"].get("labels", {})
@@ -84,19 +97,19 @@ class ClusterAuditor:
         for s in stranded:
             totals[(s.pool, s.product)] = totals.get((s.pool, s.product), 0) + s.free
         for (pool, product), free in totals.items():
-            self.rt.metrics.stranded.labels(pool, product).set(free)
+            self.metrics.stranded.labels(pool, product).set(free)
         now = {s.node: (s.free, s.why) for s in stranded}
         by_name = {n["metadata"]["name"]: n for n in nodes}
         for s in stranded:
             if self._stranded_seen.get(s.node) != now[s.node] and s.node in by_name:
-                await self.rt.kube.event(by_name[s.node], reason="StrandedGPUs", type_="Warning",
+                await self.events.event(by_name[s.node], reason="StrandedGPUs", type_="Warning",
                                          message=f"{s.free} free GPU(s) no InferenceService can use: {s.why}")
         self._stranded_seen = now
 
-    async def _publish_isolation(self, obj, spec, violations) -> None:
+    async def _publish_isolation(self, obj: dict, spec: InferenceServiceSpec, violations: list[Violation]) -> None:
         meta = obj["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        self.rt.metrics.isolation_violations.labels(ns, name).set(len(violations))
+        self.metrics.isolation_violations.labels(ns, name).set(len(violations))
         status = obj.get("status") or {}
         if spec.isolation.mode == "Shared":
             return
@@ -111,8 +124,8 @@ class ClusterAuditor:
         if old.get("reason") == new["reason"] and old.get("message") == new["message"] and \
                 old.get("observedGeneration") == gen and status.get("isolationViolations", []) == listed:
             return
-        await self.rt.controller.write_status(obj, {"isolationViolations": listed}, [new])
+        await self.status.write_status(obj, {"isolationViolations": listed}, [new])
         if violations:
-            await self.rt.kube.event(obj, reason="IsolationViolated", type_="Warning", message="; ".join(listed))
+            await self.events.event(obj, reason="IsolationViolated", type_="Warning", message="; ".join(listed))
         elif old.get("reason") == "ViolationFound":
-            await self.rt.kube.event(obj, reason="IsolationRestored", message=new["message"])
+            await self.events.event(obj, reason="IsolationRestored", message=new["message"])

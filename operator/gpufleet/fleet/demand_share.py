@@ -26,6 +26,7 @@ from gpufleet_engine.contract.demand_prior import DemandPrior
 
 from ..kube.errors import ApiError
 from ..manifests.children import DEMAND_FIELD_MANAGER, build_demand_prior
+from .ports import DemandSource, ObjectApplier
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ def first_look(service: str, namespace: str, started: float) -> float:
 class DemandShare:
     """One service's sharing state: when it last looked, and what it last wrote."""
 
-    def __init__(self, runtime, namespace: str, name: str):
-        self.rt = runtime
+    def __init__(self, objects: ObjectApplier, replicas: DemandSource, namespace: str, name: str):
+        self.objects = objects
+        self.replicas = replicas
         self.ns, self.name = namespace, name
         self.last_look: float | None = None
         self.first_look: float | None = None
@@ -67,12 +69,12 @@ class DemandShare:
         if not ready or not due(now, self.last_look, starting, self.first_look):
             return
         self.last_look = now
-        read = await asyncio.gather(*(self.rt.reader.demand(p["name"], p["ip"]) for p in ready[:READ_REPLICAS]))
+        read = await asyncio.gather(*(self.replicas.demand(p["name"], p["ip"]) for p in ready[:READ_REPLICAS]))
         pooled = demand_prior.merge(p for p in read if p is not None)
         if not demand_prior.differs(pooled, self.written):
             return
         try:
-            await self.rt.kube.apply(build_demand_prior(body, pooled), field_manager=DEMAND_FIELD_MANAGER)
+            await self.objects.apply(build_demand_prior(body, pooled), field_manager=DEMAND_FIELD_MANAGER)
         except ApiError as e:
             log.warning("%s/%s: could not write the learned output lengths: %s", self.ns, self.name, e)
             return

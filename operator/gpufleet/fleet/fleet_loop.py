@@ -19,24 +19,30 @@ import asyncio
 import copy
 import logging
 import time
+from typing import Callable
 
 from ..api import v1alpha1 as t
 from ..kube.errors import ApiError, NotFound
 from ..manifests import names
+from .ports import Key, Leadership, ServicePorts
 from .service_loop import ServiceLoop, readable_replicas
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, str]
 MIN_PASS_S = 0.05
 
 
 class FleetLoop:
-    def __init__(self, runtime, interval: float = 1.0, concurrency: int = 64,
-                 clock=time.monotonic, leadership=None):
-        self.rt = runtime
-        # acting() / wait_leading(): only the leader ticks (None: always, a single operator)
+    """``ports``: what each service's loop talks to. ``leadership``: only the leader ticks (None:
+    always, a single operator). ``on_gone``: forget a service the API says is gone (the runtime's
+    ``forget``, which calls ``remove_service`` here too; None: only this loop's copy is dropped)."""
+
+    def __init__(self, ports: ServicePorts, *, interval: float = 1.0, concurrency: int = 64,
+                 clock: Callable[[], float] = time.monotonic, leadership: Leadership | None = None,
+                 on_gone: Callable[[str, str], None] | None = None):
+        self.ports = ports
         self.leadership = leadership
+        self.on_gone = on_gone
         self.interval = interval
         self._clock = clock
         self._sem = asyncio.Semaphore(concurrency)
@@ -44,7 +50,7 @@ class FleetLoop:
         self.pods: dict[Key, dict[str, dict]] = {}
         self._loops: dict[Key, ServiceLoop] = {}
         self._due: dict[Key, float] = {}
-        self._running: dict[Key, asyncio.Task] = {}
+        self._running: dict[Key, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         # Requests the routers hold per service (router_demand.py): wakes a service at zero replicas.
         self.demand: dict[Key, int] = {}
@@ -87,6 +93,13 @@ class FleetLoop:
     def wake(self) -> None:
         """Run a pass now (a router holds requests for a service that may be at zero)."""
         self._wake.set()
+
+    def set_demand(self, held: dict[Key, int]) -> None:
+        """The requests the routers hold now, per service (``router_demand``); a pass runs at once
+        when any are held."""
+        self.demand = held
+        if held:
+            self.wake()
 
     def wants_tick(self, key: Key) -> bool:
         body = self.services[key]
@@ -131,7 +144,7 @@ class FleetLoop:
                     return
                 loop = self._loops.get(key)
                 if loop is None:
-                    loop = self._loops[key] = ServiceLoop(self.rt, *key)
+                    loop = self._loops[key] = ServiceLoop(self.ports, *key)
                 pods = list(self.pods.get(key, {}).values())
                 await loop.tick(body, pods, demand=self.demand.get(key, 0))
         except ApiError as e:
@@ -153,10 +166,10 @@ class FleetLoop:
         if current is None or current["metadata"].get("uid") != body["metadata"].get("uid"):
             return False
         log.info("fleet loop: %s/%s is gone (its deletion was not seen on the watch); forgetting it", *key)
-        if self.rt is None:  # a loop without a runtime (unit tests): only its own copy to drop
+        if self.on_gone is None:
             self.remove_service(*key)
         else:
-            self.rt.forget(*key)  # which drops this loop's copy too
+            self.on_gone(*key)  # which drops this loop's copy too
         return True
 
     async def pause(self) -> None:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable, Sequence
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from .ports import Leadership, ObjectLister
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +48,31 @@ def router_address(pod: dict) -> str | None:
     return f"{ip}:{DEFAULT_PORT}"
 
 
+Held = dict[tuple[str, str], int]
+
+
 class RouterDemand:
-    def __init__(self, runtime, *, interval: float = 1.0, list_interval: float = 10.0,
-                 addresses: list[str] | None = None):
-        """``addresses``: fixed router host:port list instead of listing pods (tests, a router outside)."""
-        self.rt = runtime
+    def __init__(self, *, pods: ObjectLister | None, publish: Callable[[Held], None],
+                 leadership: Leadership | None = None, interval: float = 1.0, list_interval: float = 10.0,
+                 addresses: Sequence[str] | None = None):
+        """``pods``: where the router pods are listed; ``addresses``: a fixed router host:port list
+        instead (tests, a router outside the cluster). ``publish``: takes each reading (the fleet
+        loop's ``set_demand``). ``leadership``: only the leader reads (None: always)."""
+        self.pods = pods
+        self.publish = publish
+        self.leadership = leadership
         self.interval = interval
         self.list_interval = list_interval
-        self.fixed = addresses
+        self.fixed = None if addresses is None else list(addresses)
         self.addresses: list[str] = list(addresses or [])
         self._listed_at = float("-inf")
         self._timeout = aiohttp.ClientTimeout(total=min(1.0, interval))
         self._session: aiohttp.ClientSession | None = None
 
-    async def read_once(self) -> dict[tuple[str, str], int]:
-        if self.fixed is None and time.monotonic() - self._listed_at >= self.list_interval:
+    async def read_once(self) -> Held:
+        if self.fixed is None and self.pods is not None and time.monotonic() - self._listed_at >= self.list_interval:
             try:
-                pods = await self.rt.kube.list("v1", "Pod", None, label_selector=ROUTER_SELECTOR)
+                pods = await self.pods.list("v1", "Pod", None, label_selector=ROUTER_SELECTOR)
                 self.addresses = [a for p in pods if (a := router_address(p))]
                 self._listed_at = time.monotonic()
             except Exception as e:  # keep the last list; say why it is not refreshed
@@ -70,14 +81,14 @@ class RouterDemand:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         session = self._session
 
-        async def read(address: str) -> dict[tuple[str, str], int]:
+        async def read(address: str) -> Held:
             try:
                 async with session.get(f"http://{address}/metrics") as r:
                     return parse_held(await r.text()) if r.status == 200 else {}
             except Exception as e:  # a router that does not answer holds nothing we can see
                 log.debug("cannot read router %s: %s", address, e)
                 return {}
-        total: dict[tuple[str, str], int] = {}
+        total: Held = {}
         for held in await asyncio.gather(*(read(a) for a in self.addresses)):
             for key, n in held.items():
                 total[key] = total.get(key, 0) + n
@@ -86,11 +97,8 @@ class RouterDemand:
     async def run_forever(self) -> None:
         try:
             while True:
-                fleet = self.rt.fleet
-                if fleet is not None and self.rt.acting():
-                    fleet.demand = await self.read_once()
-                    if fleet.demand:
-                        fleet.wake()
+                if self.leadership is None or self.leadership.acting():
+                    self.publish(await self.read_once())
                 await asyncio.sleep(self.interval)
         finally:
             if self._session is not None:

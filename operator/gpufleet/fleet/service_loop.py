@@ -15,16 +15,18 @@ import collections
 import logging
 import time
 from datetime import datetime, timezone
+from typing import Sequence
 
-from ..api import SpecError, parse_spec
+from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
 from ..audit import fragmentation as frag
 from ..autoscale import policy
-from ..autoscale.signals import bucket_delta, quantile_from_buckets
+from ..autoscale.signals import ReplicaSample, bucket_delta, quantile_from_buckets
 from ..kube.errors import ApiError
 from ..manifests import names
 from ..reconcile import conditions as cond
 from .demand_share import DemandShare
+from .ports import ServicePorts
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +41,21 @@ def readable_replicas(pods: list[dict]) -> list[dict]:
 
 
 class ServiceLoop:
-    def __init__(self, runtime, namespace: str, name: str):
-        self.rt = runtime
+    def __init__(self, ports: ServicePorts, namespace: str, name: str):
+        self.ports = ports
         self.ns, self.name = namespace, name
         self.state = policy.PolicyState()
         self.ttft_history: collections.deque = collections.deque()
         self.last_audit: float | None = None
         self._spec_key: tuple | None = None
-        self._spec = None
+        self._spec: InferenceServiceSpec | None = None
         self.removals: dict[str, int] = {}  # pod marked for scale-in -> the replica count it was marked for
         self.watching_since: float | None = None  # first tick of this operator process for the service
         self.audit_baseline: dict[str, tuple[int, int]] = {}  # pod -> (alloc retries, OOMs) at the last audit
         self.scaled_in_this_pass = False
-        self.demand_share = DemandShare(runtime, namespace, name)
+        self.demand_share = DemandShare(ports.objects, ports.replicas, namespace, name)
 
-    def spec_of(self, body: dict):
+    def spec_of(self, body: dict) -> InferenceServiceSpec | None:
         """The parsed spec, parsed once per generation; None when invalid."""
         meta = body.get("metadata", {})
         key = (meta.get("uid"), meta.get("generation"))
@@ -67,15 +69,15 @@ class ServiceLoop:
 
     # --- reading ---------------------------------------------------------------
 
-    async def read_replicas(self, pods: list[dict]):
+    async def read_replicas(self, pods: list[dict]) -> tuple[list[dict], list[ReplicaSample]]:
         ready = readable_replicas(pods)
-        samples = await asyncio.gather(*(self.rt.reader.sample(p["name"], p["ip"]) for p in ready))
+        samples = await asyncio.gather(*(self.ports.replicas.sample(p["name"], p["ip"]) for p in ready))
         for s in samples:
             if not s.ok:
-                self.rt.metrics.read_errors.labels(self.ns, self.name).inc()
+                self.ports.metrics.read_errors.labels(self.ns, self.name).inc()
         return ready, list(samples)
 
-    def ttft_p99(self, samples, now: float) -> float | None:
+    def ttft_p99(self, samples: Sequence[ReplicaSample], now: float) -> float | None:
         merged: dict[float, float] = {}
         for s in samples:
             for le, count in s.ttft_buckets:
@@ -104,7 +106,7 @@ class ServiceLoop:
         kv = [s.kv_usage for s in samples if s.ok and s.kv_usage is not None]
         if kv:
             mean = sum(kv) / len(kv)
-            self.rt.metrics.kv_usage.labels(self.ns, self.name).set(mean)
+            self.ports.metrics.kv_usage.labels(self.ns, self.name).set(mean)
             fields["kvCacheUsagePercent"] = round(mean * 100)
         waste = [s.kv_waste for s in samples if s.ok and s.kv_waste is not None]
         if waste:
@@ -116,14 +118,15 @@ class ServiceLoop:
         if spec.autoscaling.mode == "Auto":
             conditions = await self.autoscale(body, spec, samples, now, fields, demand)
         if fields or conditions:
-            await self.rt.controller.write_status(body, fields, conditions)
+            await self.ports.status.write_status(body, fields, conditions)
         await self.release_deletion_costs(body, pods)
         if spec.admission.reservation == "Predicted":
             await self.demand_share.tick(body, ready, pods, now)
         if self.audit_due(body, spec, now):
             await self.audit(body, spec, ready, now, samples=samples, pods=pods)
 
-    async def autoscale(self, body: dict, spec, samples, now: float, fields: dict, demand: int = 0) -> list[dict]:
+    async def autoscale(self, body: dict, spec: InferenceServiceSpec, samples: list[ReplicaSample], now: float,
+                        fields: dict, demand: int = 0) -> list[dict]:
         """Decide on the samples; act on a decision (and write ``fields`` with it).
         Returns the Scaling condition to write when there is no action but its state changed."""
         status = body.get("status") or {}
@@ -161,12 +164,13 @@ class ServiceLoop:
             return []
         return [new]
 
-    async def act(self, body: dict, spec, decision: policy.Decision, current: int, samples, fields: dict) -> None:
+    async def act(self, body: dict, spec: InferenceServiceSpec, decision: policy.Decision, current: int,
+                  samples: list[ReplicaSample], fields: dict) -> None:
         """Apply a decision under the service's lock, on the freshest object: a reconcile
         holding an older copy cannot run in between, and a decision made on a replica
         count that changed meanwhile is dropped (the next tick decides again)."""
         gen = body.get("metadata", {}).get("generation")
-        async with self.rt.controller.locked(self.ns, self.name) as fresh:
+        async with self.ports.locks.locked(self.ns, self.name) as fresh:
             if fresh is None:
                 return
             fresh_current = (fresh.get("status") or {}).get("desiredReplicas") or spec.autoscaling.min_replicas
@@ -185,11 +189,11 @@ class ServiceLoop:
             # The Event goes first: if the operator dies between the writes, the record of
             # the decision survives and its successor completes it from status.
             event_reason = "ScaledUp" if direction == "up" else "ScaledDown"
-            await self.rt.kube.event(fresh, reason=event_reason,
+            await self.ports.events.event(fresh, reason=event_reason,
                                      message=f"{current} -> {decision.target} replicas ({decision.reason}): "
                                              f"{decision.message}")
             try:
-                await self.rt.controller.write_status(fresh, {
+                await self.ports.status.write_status(fresh, {
                     **fields, "desiredReplicas": decision.target,
                     "lastScaling": {"time": stamp, "from": current, "to": decision.target,
                                     "reason": decision.reason, "message": decision.message},
@@ -200,10 +204,10 @@ class ServiceLoop:
                     await self.unmark(victim)
                 raise
             fields.clear()
-            self.rt.metrics.decisions.labels(self.ns, self.name, direction).inc()
+            self.ports.metrics.decisions.labels(self.ns, self.name, direction).inc()
             log.info("%s/%s: %s %d -> %d (%s)", self.ns, self.name, event_reason, current, decision.target,
                      decision.message)
-            await self.rt.controller.reconcile_locked(fresh)  # applies the new replica count to the Deployment
+            await self.ports.locks.reconcile_locked(fresh)  # applies the new replica count to the Deployment
             # The fleet's copy catches up through the watch; until then it must not decide from the old count.
             body["status"] = fresh.get("status") or {}
             body["metadata"]["resourceVersion"] = fresh["metadata"].get("resourceVersion")
@@ -213,7 +217,7 @@ class ServiceLoop:
     async def mark_for_removal(self, pod: str, target: int) -> None:
         """The ReplicaSet removes the pod with the lowest deletion cost first."""
         try:
-            await self.rt.kube.merge_patch("v1", "Pod", pod, {"metadata": {"annotations": {
+            await self.ports.objects.merge_patch("v1", "Pod", pod, {"metadata": {"annotations": {
                 DELETION_COST: "-1000"}}}, self.ns)
             self.removals[pod] = target
         except ApiError as e:
@@ -243,8 +247,8 @@ class ServiceLoop:
 
     async def unmark(self, pod: str) -> None:
         try:
-            await self.rt.kube.merge_patch("v1", "Pod", pod, {"metadata": {"annotations": {DELETION_COST: None}}},
-                                           self.ns)
+            await self.ports.objects.merge_patch("v1", "Pod", pod,
+                                                 {"metadata": {"annotations": {DELETION_COST: None}}}, self.ns)
         except ApiError as e:
             if e.status != 404:
                 log.warning("could not clear the scale-in mark on %s: %s", pod, e)
@@ -253,7 +257,7 @@ class ServiceLoop:
 
     # --- fragmentation audit ---------------------------------------------------------
 
-    def audit_due(self, body, spec, now: float) -> bool:
+    def audit_due(self, body: dict, spec: InferenceServiceSpec, now: float) -> bool:
         requested = (body.get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_AUDIT_REQUEST)
         if requested:
             return True
@@ -262,9 +266,10 @@ class ServiceLoop:
             self.last_audit = now - interval + FIRST_AUDIT_DELAY_S
         return now - self.last_audit >= interval
 
-    async def audit(self, body, spec, ready, now: float, *, samples=(), pods=()) -> None:
+    async def audit(self, body: dict, spec: InferenceServiceSpec, ready: list[dict], now: float, *,
+                    samples: Sequence[ReplicaSample] = (), pods: Sequence[dict] = ()) -> None:
         self.last_audit = now
-        reports = await asyncio.gather(*(self.rt.reader.audit(p["name"], p["ip"]) for p in ready))
+        reports = await asyncio.gather(*(self.ports.replicas.audit(p["name"], p["ip"]) for p in ready))
         replicas = [frag.replica_from_report(p["name"], rep, err) for p, (rep, err) in zip(ready, reports)]
         cfg = spec.audit.fragmentation
         result = frag.evaluate(replicas, cfg.threshold_percent / 100, cfg.remediation, self.audit_baseline)
@@ -275,25 +280,26 @@ class ServiceLoop:
                    "worstReplica": result.worst, "losingMemoryReplica": result.restart_candidate, "time": stamp,
                    "verdict": result.verdict, "recommendation": result.recommendation}
         ok = result.verdict != "AboveThreshold"
-        await self.rt.controller.write_status(body, {"fragmentation": fstatus}, [cond.condition(
+        await self.ports.status.write_status(body, {"fragmentation": fstatus}, [cond.condition(
             cond.FRAGMENTATION_OK, ok, result.verdict, result.recommendation,
             generation=body.get("metadata", {}).get("generation"))])
         if result.ratio is not None:
-            self.rt.metrics.fragmentation.labels(self.ns, self.name).set(result.ratio)
+            self.ports.metrics.fragmentation.labels(self.ns, self.name).set(result.ratio)
         if result.verdict == "AboveThreshold":
-            await self.rt.kube.event(body, reason="FragmentationHigh", type_="Warning",
+            await self.ports.events.event(body, reason="FragmentationHigh", type_="Warning",
                                      message=f"{result.worst}: {result.ratio:.0%} > "
                                              f"{cfg.threshold_percent}%; {result.recommendation}")
             if cfg.remediation == "RestartReplica" and result.restart_candidate:
                 await self.remediate(body, result.restart_candidate, spec, samples, pods, now)
         elif result.verdict != previous.get("verdict"):
-            await self.rt.kube.event(body, reason=f"Fragmentation{result.verdict}", message=result.recommendation)
+            await self.ports.events.event(body, reason=f"Fragmentation{result.verdict}", message=result.recommendation)
         annotations = body.get("metadata", {}).get("annotations") or {}
         if names.ANNOTATION_AUDIT_REQUEST in annotations:
-            await self.rt.kube.merge_patch(t.API_VERSION, t.KIND, self.name, {"metadata": {"annotations": {
+            await self.ports.objects.merge_patch(t.API_VERSION, t.KIND, self.name, {"metadata": {"annotations": {
                 names.ANNOTATION_AUDIT_REQUEST: None}}}, self.ns)
 
-    def restart_context(self, body, spec, samples, pods, now: float, pdb_allowed: int) -> frag.RestartContext:
+    def restart_context(self, body: dict, spec: InferenceServiceSpec, samples: Sequence[ReplicaSample],
+                        pods: Sequence[dict], now: float, pdb_allowed: int) -> frag.RestartContext:
         status = body.get("status") or {}
         last = (status.get("fragmentation") or {}).get("lastRestartTime")
         return frag.RestartContext(
@@ -306,26 +312,27 @@ class ServiceLoop:
             kv_usage={s.pod: s.kv_usage for s in samples if s.ok and s.kv_usage is not None},
             kv_high=policy.Thresholds.from_spec(spec.autoscaling).kv_high)
 
-    async def remediate(self, body, pod: str, spec, samples, pods, now: float) -> None:
-        pdb = await self.rt.kube.get_or_none("policy/v1", "PodDisruptionBudget", names.pdb_name(self.name), self.ns)
+    async def remediate(self, body: dict, pod: str, spec: InferenceServiceSpec, samples: Sequence[ReplicaSample],
+                        pods: Sequence[dict], now: float) -> None:
+        pdb = await self.ports.objects.get_or_none("policy/v1", "PodDisruptionBudget", names.pdb_name(self.name),
+                                                   self.ns)
         allowed = (pdb or {}).get("status", {}).get("disruptionsAllowed", 0)
         ok, why = frag.may_restart(pod, self.restart_context(body, spec, samples, pods, now, allowed))
         if not ok:
-            await self.rt.kube.event(body, reason="RemediationDeferred", type_="Warning",
+            await self.ports.events.event(body, reason="RemediationDeferred", type_="Warning",
                                      message=f"not restarting {pod}: {why}")
             return
         try:  # the Eviction API re-checks the budget atomically
-            await self.rt.kube.request("POST", f"/api/v1/namespaces/{self.ns}/pods/{pod}/eviction", body={
-                "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": self.ns}})
+            await self.ports.objects.evict(pod, self.ns)
         except ApiError as e:
-            await self.rt.kube.event(body, reason="RemediationDeferred", type_="Warning",
+            await self.ports.events.event(body, reason="RemediationDeferred", type_="Warning",
                                      message=f"eviction of {pod} refused: {e.message}")
             return
-        await self.rt.kube.event(body, reason="ReplicaRestarted",
+        await self.ports.events.event(body, reason="ReplicaRestarted",
                                  message=f"evicted {pod}: GPU memory fragmented and allocation retries or OOMs "
                                          f"rising ({why})")
         fstatus = (body.get("status") or {}).get("fragmentation") or {}
-        await self.rt.controller.write_status(body, {"fragmentation": {
+        await self.ports.status.write_status(body, {"fragmentation": {
             **fstatus, "lastRestartTime": cond.now_iso(), "lastRestartedReplica": pod}})
 
 

@@ -236,6 +236,12 @@ class KubeClient:
         except NotFound:
             return False
 
+    async def evict(self, pod: str, namespace: str) -> None:
+        """Evict a pod through the Eviction API, which checks its PodDisruptionBudget atomically
+        (429 while the budget allows no disruption)."""
+        await self.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", body={
+            "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}})
+
     async def watch(self, api_version: str, kind: str, namespace: str | None = None, *,
                     timeout_seconds: int = 60, label_selector: str | None = None,
                     field_selector: str | None = None) -> AsyncIterator[dict]:

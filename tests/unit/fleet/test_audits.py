@@ -178,8 +178,6 @@ def test_isolation_violations_name_the_offending_pods():
 
 
 async def test_stranded_event_is_recorded_when_a_node_strands_or_its_reason_changes():
-    from types import SimpleNamespace
-
     from gpufleet.audit.stranded import StrandedNode
     from gpufleet.fleet.cluster_audit import ClusterAuditor
     from gpufleet.metrics import OperatorMetrics
@@ -190,8 +188,7 @@ async def test_stranded_event_is_recorded_when_a_node_strands_or_its_reason_chan
         async def event(self, obj, **kw):
             posted.append((obj["metadata"]["name"], kw["message"]))
 
-    rt = SimpleNamespace(kube=Kube(), metrics=OperatorMetrics())
-    aud = ClusterAuditor(rt)
+    aud = ClusterAuditor(objects=None, events=Kube(), status=None, metrics=OperatorMetrics(), watched=set())
     nodes = [build_node("n0", gpus=8, product="P", memory_mib=81559, pool="p")]
     first = [StrandedNode("n0", "p", "P", 8, "no InferenceService exists")]
     await aud._publish_stranded(first, nodes)

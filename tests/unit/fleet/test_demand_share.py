@@ -38,7 +38,7 @@ class Reader:
 
 def share():
     rt = types.SimpleNamespace(kube=Kube(), reader=Reader())
-    return DemandShare(rt, "ml", "chat"), rt
+    return DemandShare(rt.kube, rt.reader, "ml", "chat"), rt
 
 
 def written(rt) -> list[DemandPrior]:

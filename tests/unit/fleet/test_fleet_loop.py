@@ -4,7 +4,6 @@ import asyncio
 from gpufleet.fleet import fleet_loop
 from gpufleet.fleet.fleet_loop import FleetLoop
 from gpufleet.manifests import names
-from tests.support.waiting import wait_for
 
 
 def svc(name, uid="u1", annotations=None, ns="ml"):
@@ -16,7 +15,7 @@ READY = {"ip": "10.0.0.1", "ready": True, "deleting": False}
 
 
 def test_only_services_with_a_ready_replica_are_ticked_and_each_on_its_own_clock():
-    fl = FleetLoop(runtime=None, interval=1.0)
+    fl = FleetLoop(ports=None, interval=1.0)
     for n in ("a", "b", "c"):
         fl.upsert_service(svc(n))
     fl.upsert_pod("ml", "a", "a-0", READY)
@@ -30,7 +29,7 @@ def test_only_services_with_a_ready_replica_are_ticked_and_each_on_its_own_clock
 
 
 def test_an_audit_request_is_answered_without_ready_replicas():
-    fl = FleetLoop(runtime=None, interval=1.0)
+    fl = FleetLoop(ports=None, interval=1.0)
     fl.upsert_service(svc("a"))
     assert fl.due_now(10.0) == []
     fl.upsert_service(svc("a", annotations={names.ANNOTATION_AUDIT_REQUEST: "now"}))
@@ -38,7 +37,7 @@ def test_an_audit_request_is_answered_without_ready_replicas():
 
 
 def test_deleted_services_and_pods_are_forgotten():
-    fl = FleetLoop(runtime=None, interval=1.0)
+    fl = FleetLoop(ports=None, interval=1.0)
     fl.upsert_service(svc("a"))
     fl.upsert_pod("ml", "a", "a-0", READY)
     fl.upsert_pod("ml", "a", "a-0", None)
@@ -49,7 +48,7 @@ def test_deleted_services_and_pods_are_forgotten():
 
 async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
     ticks: list[str] = []
-    release = asyncio.Event()
+    release, fifth_fast_tick = asyncio.Event(), asyncio.Event()
 
     class FakeLoop:
         def __init__(self, rt, ns, name):
@@ -57,18 +56,19 @@ async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
 
         async def tick(self, body, pods, demand=0):
             ticks.append(self.name)
+            if ticks.count("fast") == 5:
+                fifth_fast_tick.set()
             if self.name == "slow":
                 await release.wait()   # a replica that never answers
 
     monkeypatch.setattr(fleet_loop, "ServiceLoop", FakeLoop)
-    fl = FleetLoop(runtime=None, interval=0.05)
+    fl = FleetLoop(ports=None, interval=0.05)
     for n in ("slow", "fast"):
         fl.upsert_service(svc(n))
         fl.upsert_pod("ml", n, f"{n}-0", READY)
     runner = asyncio.create_task(fl.run_forever())
     # The fast service keeps its 50 ms pace while the slow one's first tick hangs.
-    await wait_for(lambda: ticks.count("fast") >= 5, timeout=5, interval=0.01,
-                   what="five ticks of the fast service", describe=lambda: ticks)
+    await fifth_fast_tick.wait()
     release.set()
     runner.cancel()
     await fl.stop()
@@ -80,7 +80,9 @@ def test_service_loop_parses_the_spec_once_per_generation(monkeypatch):
     calls = []
     real = service_loop.parse_spec
     monkeypatch.setattr(service_loop, "parse_spec", lambda s: calls.append(1) or real(s))
-    loop = service_loop.ServiceLoop(runtime=None, namespace="ml", name="a")
+    from tests.support.fake_kube import FakeKube
+    from tests.unit.fleet.test_service_loop import make_loop
+    loop = make_loop(FakeKube())
     body = {"metadata": {"uid": "u", "generation": 1}, "spec": {"model": {"name": "org/m"}}}
     assert loop.spec_of(body) is loop.spec_of(body)
     body["metadata"]["generation"] = 2
@@ -111,7 +113,7 @@ async def test_a_service_deleted_unseen_is_forgotten_at_its_next_tick(monkeypatc
             raise raised[self.name]
 
     monkeypatch.setattr(fleet_loop, "ServiceLoop", FakeLoop)
-    fl = FleetLoop(runtime=None, interval=1.0)
+    fl = FleetLoop(ports=None, interval=1.0)
     for n in ("gone", "pod", "renamed"):
         fl.upsert_service(svc(n))
         await fl._tick(("ml", n))

@@ -17,10 +17,12 @@ GUARD = 'gpufleet_guard_queue_depth{class="interactive"} 3.0\n'
 
 class Endpoint:
     def __init__(self, text: str):
-        self.text, self.status, self.delay = text, 200, 0.0
+        self.text, self.status = text, 200
+        self.hanging = asyncio.Event()  # a replica that does not answer until this is set
+        self.hanging.set()
 
     async def serve(self, _request):
-        await asyncio.sleep(self.delay)
+        await self.hanging.wait()
         return web.Response(text=self.text, status=self.status)
 
 
@@ -63,9 +65,10 @@ async def test_error_status_makes_the_replica_unreadable(replica):
 
 
 async def test_a_replica_slower_than_the_timeout_is_unreadable(replica):
-    replica[0].delay = 1.0
+    replica[0].hanging.clear()          # vLLM's metrics never come
     r = reader_for(replica, timeout=0.1)
     sample = await r.sample("chat-0", "127.0.0.1")
+    replica[0].hanging.set()
     await r.close()
     assert not sample.ok and "TimeoutError" in sample.error
 

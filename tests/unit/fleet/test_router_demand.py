@@ -49,7 +49,7 @@ async def routers():
 
 
 async def test_every_router_is_read_and_one_that_does_not_answer_holds_nothing(routers):
-    demand = RouterDemand(runtime=None, addresses=[*routers, "127.0.0.1:1"])
+    demand = RouterDemand(pods=None, publish=lambda held: None, addresses=[*routers, "127.0.0.1:1"])
     try:
         assert await demand.read_once() == {("ml", "chat"): 3, ("ml", "other"): 3}
     finally:
@@ -57,10 +57,10 @@ async def test_every_router_is_read_and_one_that_does_not_answer_holds_nothing(r
 
 
 def test_a_service_without_replicas_is_ticked_while_a_router_holds_requests_for_it():
-    fl = FleetLoop(runtime=None, interval=1.0)
+    fl = FleetLoop(ports=None, interval=1.0)
     fl.upsert_service({"metadata": {"name": "chat", "namespace": "ml", "uid": "u", "generation": 1}, "spec": {}})
     assert fl.due_now(10.0) == []
-    fl.demand = {("ml", "chat"): 1}
+    fl.set_demand({("ml", "chat"): 1})
     assert fl.due_now(11.0) == [("ml", "chat")]
 
 

@@ -2,12 +2,12 @@
 fragmentation remediation, and the races between the autoscaler and reconciles."""
 import asyncio
 import copy
-import types
 
 import pytest
 
 from gpufleet.autoscale.signals import ReplicaSample
 from gpufleet.controller import Controller
+from gpufleet.fleet.ports import ServicePorts
 from gpufleet.fleet.service_loop import DELETION_COST, ServiceLoop
 from gpufleet.kube.errors import ApiError
 from gpufleet.manifests import names
@@ -72,11 +72,29 @@ def kube():
     return FakeKube()
 
 
-def make_loop(kube, kv=None):
+class WatchedLocks:
+    """The controller's service locks, saying when the autoscaler asks for one."""
+
+    def __init__(self, controller):
+        self.controller = controller
+        self.asked = asyncio.Event()
+
+    def locked(self, namespace, name):
+        self.asked.set()  # the lock is queued for in this same step (``async with`` follows at once)
+        return self.controller.locked(namespace, name)
+
+    async def reconcile_locked(self, isvc, apply_children=True):
+        await self.controller.reconcile_locked(isvc, apply_children)
+
+
+def make_loop(kube, kv=None, reader=None):
+    """A service loop wired as the runtime wires it: the API client records Events and writes
+    objects, the controller writes status and holds the service locks."""
     metrics = OperatorMetrics()
-    rt = types.SimpleNamespace(kube=kube, metrics=metrics, controller=Controller(kube, metrics),
-                               reader=FakeReader(kv))
-    return ServiceLoop(rt, "ml", "chat")
+    controller = Controller(kube, metrics)
+    ports = ServicePorts(events=kube, status=controller, locks=WatchedLocks(controller), objects=kube,
+                         replicas=reader or FakeReader(kv), metrics=metrics)
+    return ServiceLoop(ports, "ml", "chat")
 
 
 def deployment_replicas(kube):
@@ -110,11 +128,12 @@ async def test_a_reconcile_that_read_the_object_before_a_scale_out_does_not_undo
     fleet_copy = copy.deepcopy(stale)              # what the fleet loop holds
 
     kube.pause[("ConfigMap", "chat-guard")] = release = asyncio.Event()
-    reconcile = asyncio.create_task(loop.rt.controller.reconcile(copy.deepcopy(stale)))
-    while ("ConfigMap", "chat-guard") not in kube.paused:
-        await asyncio.sleep(0)
+    kube.paused[("ConfigMap", "chat-guard")] = holding = asyncio.Event()
+    reconcile = asyncio.create_task(loop.ports.locks.controller.reconcile(copy.deepcopy(stale)))
+    await holding.wait()        # the reconcile holds the service's lock, mid-apply
     tick = asyncio.create_task(loop.tick(fleet_copy, [pod("a"), pod("b")], now=100.0))
-    await asyncio.sleep(0.05)   # the autoscaler gets as far as it can
+    await loop.ports.locks.asked.wait()   # the autoscaler decided 3 and waits for the lock
+    assert not reconcile.done() and not tick.done()
     release.set()
     await asyncio.gather(reconcile, tick)
 
@@ -227,7 +246,7 @@ async def test_metrics_unavailable_is_reported_and_cleared_when_reads_recover(ku
     await loop.tick(body, [pod("a"), pod("b")], now=100.0)
     assert scaling(kube)["status"] == "False" and scaling(kube)["reason"] == "MetricsUnavailable"
     assert "cannot read b" in scaling(kube)["message"] and scaling(kube)["observedGeneration"] == 1
-    loop.rt.reader.kv["b"] = 0.5
+    loop.ports.replicas.kv["b"] = 0.5
     await loop.tick(body, [pod("a"), pod("b")], now=101.0)
     assert scaling(kube)["status"] == "True" and scaling(kube)["reason"] == "SignalsAvailable"
     writes = len(kube.writes)
@@ -304,15 +323,14 @@ PODS = [pod("a"), pod("b"), pod("c")]
 async def audit_twice(kube, body, *, kv=None, retries_after=40, pods=PODS, now=10_000.0):
     """Two audits of three replicas; b is 40% fragmented and its retries go 3 -> ``retries_after``."""
     kube.put(body)
-    loop = make_loop(kube)
-    loop.rt.reader = AuditingReader(kv or {"a": 0.3, "b": 0.3, "c": 0.3},
-                                    {"a": (0.05, 0, 0), "b": (0.40, 3, 0), "c": (0.10, 0, 0)})
+    loop = make_loop(kube, reader=AuditingReader(kv or {"a": 0.3, "b": 0.3, "c": 0.3},
+                                                 {"a": (0.05, 0, 0), "b": (0.40, 3, 0), "c": (0.10, 0, 0)}))
     loop.watching_since = 0.0
     spec = loop.spec_of(body)
     ready = [p for p in pods if p["ready"] and not p["deleting"]]
-    samples = [await loop.rt.reader.sample(p["name"], p["ip"]) for p in ready]
+    samples = [await loop.ports.replicas.sample(p["name"], p["ip"]) for p in ready]
     await loop.audit(body, spec, ready, now - 3600, samples=samples, pods=pods)
-    loop.rt.reader.memory["b"] = (0.40, retries_after, 0)
+    loop.ports.replicas.memory["b"] = (0.40, retries_after, 0)
     await loop.audit(kube.obj("InferenceService", "chat"), spec, ready, now, samples=samples, pods=pods)
     return loop
 
@@ -338,13 +356,13 @@ async def test_no_restart_right_after_the_operator_starts(kube):
     kube.put(pdb(1))
     body = restart_isvc()
     kube.put(body)
-    loop = make_loop(kube)
-    loop.rt.reader = AuditingReader({}, {"a": (0.9, 100, 5), "b": (0.9, 100, 5), "c": (0.9, 100, 5)})
+    loop = make_loop(kube, reader=AuditingReader({}, {"a": (0.9, 100, 5), "b": (0.9, 100, 5),
+                                                      "c": (0.9, 100, 5)}))
     ready = PODS
-    samples = [await loop.rt.reader.sample(p["name"], p["ip"]) for p in ready]
+    samples = [await loop.ports.replicas.sample(p["name"], p["ip"]) for p in ready]
     await loop.tick(body, ready, now=50.0)  # the loop starts watching
     for i, now in enumerate((60.0, 120.0, 180.0)):
-        loop.rt.reader.memory = {p: (0.9, 200 + i, 5) for p in "abc"}
+        loop.ports.replicas.memory = {p: (0.9, 200 + i, 5) for p in "abc"}
         await loop.audit(kube.obj("InferenceService", "chat"), loop.spec_of(body), ready, now,
                          samples=samples, pods=ready)
     assert kube.evictions == []
@@ -393,9 +411,8 @@ async def test_never_in_the_same_pass_as_a_scale_in(kube):
     body["metadata"]["annotations"] = {names.ANNOTATION_AUDIT_REQUEST: "now"}
     kube.put(body)
     kube.put(deployment(3, 3))
-    loop = make_loop(kube)
-    loop.rt.reader = AuditingReader({"a": 0.01, "b": 0.01, "c": 0.01},
-                                    {"a": (0.05, 0, 0), "b": (0.40, 50, 0), "c": (0.10, 0, 0)})
+    loop = make_loop(kube, reader=AuditingReader({"a": 0.01, "b": 0.01, "c": 0.01},
+                                                 {"a": (0.05, 0, 0), "b": (0.40, 50, 0), "c": (0.10, 0, 0)}))
     loop.watching_since = -100_000.0
     loop.audit_baseline = {"a": (0, 0), "b": (3, 0), "c": (0, 0)}
     await loop.tick(kube.obj("InferenceService", "chat"), PODS, now=10_000.0)
