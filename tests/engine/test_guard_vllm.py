@@ -13,8 +13,8 @@ import aiohttp
 import openai
 import pytest
 
-from gpufleet_engine.local import free_port
-from gpufleet_engine.vllm_metrics import parse as parse_vllm_metrics
+from gpufleet_engine.local.runner import free_port
+from gpufleet_engine.vllm.stats import parse as parse_vllm_metrics
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine

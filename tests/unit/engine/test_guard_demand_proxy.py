@@ -172,7 +172,7 @@ def test_only_text_sends_a_body_to_a_tokenizer_thread():
     instead of starting worker threads; a long text prompt goes to a thread."""
     import json
 
-    from gpufleet_engine.proxy import _INLINE_TOKENIZE_BYTES, text_bytes
+    from gpufleet_engine.serving.guard import _INLINE_TOKENIZE_BYTES, text_bytes
     ids = json.dumps({"prompt": list(range(10_000, 20_000)), "stop_token_ids": list(range(5000)),
                       "max_tokens": 16}).encode()
     assert len(ids) > 2 * _INLINE_TOKENIZE_BYTES and text_bytes(ids) < 100

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from gpufleet_engine.contract import demand_prior, guard_config
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.serving.server import GuardServer
 from tests.unit.engine.test_guard_demand_proxy import teach
 from tests.unit.engine.test_guard_proxy import until
 

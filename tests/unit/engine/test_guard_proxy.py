@@ -291,7 +291,7 @@ async def test_audit_without_gpu_memory_reports_kv_and_says_what_is_missing(guar
 
 
 async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard_factory, fake_vllm):
-    from gpufleet_engine.entrypoint import drain_and_wait
+    from gpufleet_engine.runtime.entrypoint import drain_and_wait
 
     fake_vllm.token_delay = 0.02
     guard = await guard_factory()
@@ -320,7 +320,7 @@ async def test_a_full_pool_answers_429_without_reading_the_request(guard_factory
 
 
 def test_the_documented_outcomes_and_reasons_are_the_ones_the_guard_uses():
-    from gpufleet_engine.metrics import OUTCOMES, REASONS
+    from gpufleet_engine.serving.prometheus import OUTCOMES, REASONS
 
     doc = METRICS_DOC.read_text()
     outcomes = re.search(r"^\| gpufleet_guard_requests_total .*outcome = (.*) \|$", doc, re.M).group(1)
@@ -330,7 +330,7 @@ def test_the_documented_outcomes_and_reasons_are_the_ones_the_guard_uses():
 
 
 def test_retry_hints_are_spread_so_refused_clients_do_not_return_in_a_herd():
-    from gpufleet_engine.proxy import error_response
+    from gpufleet_engine.serving.guard import error_response
 
     hints = [int(error_response(429, "kv_watermark", "m", 1.0).headers["retry-after-ms"]) for _ in range(200)]
     assert min(hints) >= 500 and max(hints) <= 1500

@@ -7,9 +7,9 @@ import json
 import aiohttp
 import pytest
 
-from gpufleet_engine import reload
+from gpufleet_engine.serving import reload
 from gpufleet_engine.contract import guard_config
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.serving.server import GuardServer
 from tests.support.waiting import wait_for
 from tests.unit.engine.test_guard_proxy import metrics, sample
 
@@ -178,7 +178,7 @@ def test_a_file_that_does_not_change_is_not_reapplied(tmp_path):
 
     class Metrics:
         def __init__(self):
-            from gpufleet_engine.metrics import GuardMetrics
+            from gpufleet_engine.serving.prometheus import GuardMetrics
             self.inner = GuardMetrics(["standard"])
             self.config_reloads = self.inner.config_reloads
             self.config_restart_pending = self.inner.config_restart_pending

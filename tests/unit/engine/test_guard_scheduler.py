@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from gpufleet_engine.admission import KvLedger, KvSnapshot
+from gpufleet_engine.admission.kv_ledger import KvLedger, KvSnapshot
+from gpufleet_engine.admission.queues import MultiLevelQueue
+from gpufleet_engine.admission.scheduler import Rejection, Scheduler
 from gpufleet_engine.contract.guard_config import QueueClass
-from gpufleet_engine.queues import MultiLevelQueue
-from gpufleet_engine.scheduler import Rejection, Scheduler
 from tests.support.waiting import wait_for
 
 L1 = QueueClass("interactive", 1, 2.0)

@@ -11,7 +11,7 @@ import threading
 import aiohttp
 import pytest
 
-from gpufleet_engine import proxy
+from gpufleet_engine.admission import route_costs
 from tests.unit.engine.test_guard_proxy import metrics, sample, until
 
 
@@ -67,14 +67,14 @@ def parses(monkeypatch):
     """Each parse of the guard, recorded as whether the request was on its way to vLLM when it began."""
     seen: list[bool] = []
     relay_box: list[Relay] = []
-    original = proxy.route_costs.prepare
+    original = route_costs.prepare
 
     def prepare(*args, **kwargs):
         # Blocking the loop here is the point: only bytes already written can reach the relay.
         seen.append(relay_box[0].posted.wait(0.5) if relay_box else False)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(proxy.route_costs, "prepare", prepare)
+    monkeypatch.setattr(route_costs, "prepare", prepare)
     return seen, relay_box
 
 

@@ -5,8 +5,8 @@ import aiohttp
 import pytest
 
 from gpufleet_engine.contract import guard_config
-from gpufleet_engine.served_context import NoContextLength, NoMaxModelLen, served_max_model_len
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.serving.served_context import NoContextLength, NoMaxModelLen, served_max_model_len
+from gpufleet_engine.serving.server import GuardServer
 from tests.support.waiting import wait_for
 
 LLAMA = {"object": "list", "data": [{"id": "chat", "object": "model", "max_model_len": 131072}]}

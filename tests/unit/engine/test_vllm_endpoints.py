@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from gpufleet_engine import route_costs
-from gpufleet_engine.context import ContextTooLong, InvalidRequest, Limits
+from gpufleet_engine.admission import route_costs
+from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest, Limits
 from tests.support.waiting import wait_for
 from tests.unit.engine.conftest import FakeVllm, WordTokenizer, serving
 

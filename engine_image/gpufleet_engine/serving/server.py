@@ -12,16 +12,17 @@ import signal
 
 from aiohttp import web
 
-from . import audit, engine_metrics, reload, served_context, shared_demand, vllm_endpoints
-from .contract import demand_prior
-from .contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
-from .contract.guard_config import GuardConfig
-from .metrics import CONTENT_TYPE
-from .proxy import Guard, error_response, max_body_bytes
-from .tokens import HfTokenizer, Tokenizer, generation_default_max_tokens
-from .upstream import EngineMonitor, Upstream
+from gpufleet_engine.admission.tokens import HfTokenizer, Tokenizer, generation_default_max_tokens
+from gpufleet_engine.contract import demand_prior
+from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_engine.contract.guard_config import GuardConfig
+from gpufleet_engine.serving import audit, reload, served_context, shared_demand, vllm_endpoints
+from gpufleet_engine.serving import vllm_metrics_relay as engine_metrics
+from gpufleet_engine.serving.guard import Guard, error_response, max_body_bytes
+from gpufleet_engine.serving.prometheus import CONTENT_TYPE
+from gpufleet_engine.serving.upstream import EngineMonitor, Upstream
 
-log = logging.getLogger("gpufleet_engine.server")
+log = logging.getLogger("gpufleet_engine.serving.server")
 
 TOKENIZER_RETRY_SECONDS = 5.0
 DRAIN_READ_LIMIT_BYTES = 1 << 20

@@ -13,7 +13,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-from .context import CHAT, COMPLETIONS, EMBEDDINGS
+from gpufleet_engine.admission.context import CHAT, COMPLETIONS, EMBEDDINGS
 
 VLLM_VERSION = "0.32"
 

@@ -26,10 +26,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from . import cpu_budget
-from .contract import guard_config
-from .flags import EngineLaunch, vllm_launch
-from .processes import ManagedProcess
+from gpufleet_engine.contract import guard_config
+from gpufleet_engine.runtime import cpu_budget
+from gpufleet_engine.runtime.flags import EngineLaunch, vllm_launch
+from gpufleet_engine.runtime.processes import ManagedProcess
 
 DEFAULT_CONFIG = "/etc/gpufleet/guard.json"
 ENGINE_STOP_SECONDS = 30.0

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .contract import gpu_memory as gm
+from gpufleet_engine.contract import gpu_memory as gm
 
-log = logging.getLogger("gpufleet_engine.vllm_plugin")
+log = logging.getLogger("gpufleet_engine.vllm.plugin")
 
 _lock = threading.Lock()
 _sampler: "Sampler | None" = None

@@ -10,12 +10,12 @@ import json
 import logging
 from pathlib import Path
 
-from .admission import KvLedger
-from .contract import demand_prior
-from .contract.demand_prior import DemandPrior, HeldPerRequest, PriorError
-from .demand import OutputPredictor
+from gpufleet_engine.admission.demand import OutputPredictor
+from gpufleet_engine.admission.kv_ledger import KvLedger
+from gpufleet_engine.contract import demand_prior
+from gpufleet_engine.contract.demand_prior import DemandPrior, HeldPerRequest, PriorError
 
-log = logging.getLogger("gpufleet_engine.shared_demand")
+log = logging.getLogger("gpufleet_engine.serving.shared_demand")
 
 
 def export(predictor: OutputPredictor, ledger: KvLedger) -> DemandPrior:

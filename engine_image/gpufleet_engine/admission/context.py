@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import block_cost
-from .tokens import Tokenizer, keep_last, truncate_text_left
+from gpufleet_engine.admission.kv_ledger import block_cost
+from gpufleet_engine.admission.tokens import Tokenizer, keep_last, truncate_text_left
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -15,10 +15,10 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from .contract.guard_metrics import Reason
-from .proxy import Guard, error_response
-from .upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS
-from .vllm_routes import ROUTES, Handling, VllmRoute, allowed_methods
+from gpufleet_engine.contract.guard_metrics import Reason
+from gpufleet_engine.serving.guard import Guard, error_response
+from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS
+from gpufleet_engine.vllm.routes import ROUTES, Handling, VllmRoute, allowed_methods
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

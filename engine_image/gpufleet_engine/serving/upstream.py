@@ -7,10 +7,10 @@ from typing import Callable
 
 import aiohttp
 
-from . import vllm_metrics
-from .vllm_metrics import MetricsFormatError, VllmStats
+from gpufleet_engine.vllm import stats as vllm_metrics
+from gpufleet_engine.vllm.stats import MetricsFormatError, VllmStats
 
-log = logging.getLogger("gpufleet_engine.upstream")
+log = logging.getLogger("gpufleet_engine.serving.upstream")
 
 # Request headers worth passing to vLLM; hop-by-hop ones, Host and
 # Content-Length are the guard's own business.

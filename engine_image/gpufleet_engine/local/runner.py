@@ -20,10 +20,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .contract import gpu_memory, guard_config
-from .flags import vllm_launch
-from .models import prepare
-from .processes import ManagedProcess, wait_until
+from gpufleet_engine.contract import gpu_memory, guard_config
+from gpufleet_engine.local.models import prepare
+from gpufleet_engine.runtime.flags import vllm_launch
+from gpufleet_engine.runtime.processes import ManagedProcess, wait_until
 
 DEFAULT_KV_BLOCKS = 64
 DEFAULT_BLOCK_SIZE = 32

@@ -16,10 +16,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .contract import guard_metrics as m
-from .contract.guard_config import SLOConfig
-from .contract.guard_metrics import OUTCOMES, REASONS, SLIS
-from .gpu_memory import GpuMemoryCollector, GpuMemoryReader
+from gpufleet_engine.contract import guard_metrics as m
+from gpufleet_engine.contract.guard_config import SLOConfig
+from gpufleet_engine.contract.guard_metrics import OUTCOMES, REASONS, SLIS
+from gpufleet_engine.vllm.gpu_memory import GpuMemoryCollector, GpuMemoryReader
 
 __all__ = ["CONTENT_TYPE", "OUTCOMES", "REASONS", "GuardMetrics"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .contract.guard_config import EngineConfig
+from gpufleet_engine.contract.guard_config import EngineConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 

@@ -13,7 +13,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from .upstream import Upstream
+from gpufleet_engine.serving.upstream import Upstream
 
 SCRAPE_TIMEOUT_SECONDS = 10.0  # Prometheus's default scrape timeout
 _FORWARDED_REQUEST = ("accept",)

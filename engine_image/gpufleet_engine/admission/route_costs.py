@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import context
-from .context import CHAT, COMPLETIONS, EMBEDDINGS, ContextTooLong, InvalidRequest, Limits, Prepared
-from .tokens import Tokenizer
+from gpufleet_engine.admission import context
+from gpufleet_engine.admission.context import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    ContextTooLong,
+    InvalidRequest,
+    Limits,
+    Prepared,
+)
+from gpufleet_engine.admission.tokens import Tokenizer
 
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .contract.guard_config import EngineConfig
+from gpufleet_engine.contract.guard_config import EngineConfig
 
-log = logging.getLogger("gpufleet_engine.fetch")
+log = logging.getLogger("gpufleet_engine.runtime.fetch")
 
 # What vLLM and the guard read besides the weights: configs, tokenizers, chat templates, remote code.
 SUPPORT_FILES = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py")

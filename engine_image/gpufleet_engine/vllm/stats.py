@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .admission import KvSnapshot
+from gpufleet_engine.admission.kv_ledger import KvSnapshot
 
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newest name first
 CACHE_INFO = "vllm:cache_config_info"

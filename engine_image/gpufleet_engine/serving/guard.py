@@ -22,25 +22,25 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
-from . import context, route_costs, sli
-from .admission import KvLedger
-from .audit import SequenceLength, kv_waste
-from .context import ContextTooLong, InvalidRequest, Limits
-from .contract.guard_config import GuardConfig, QueueClass
-from .contract.guard_metrics import Reason
-from .demand import Demand, OutputPredictor
-from .drain import Drain
-from .metrics import GuardMetrics
-from .parse_lane import ParseLane
-from .queues import MultiLevelQueue
-from .retry_hint import RetryAdvisor
-from .scheduler import Grant, Rejection, Scheduler
-from .tokens import Tokenizer
-from .ttft_limit import ttft_limit_for
-from .upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS, Upstream
-from .vllm_metrics import VllmStats
+from gpufleet_engine.admission import context, route_costs, sli
+from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest, Limits
+from gpufleet_engine.admission.demand import Demand, OutputPredictor
+from gpufleet_engine.admission.kv_ledger import KvLedger
+from gpufleet_engine.admission.parse_lane import ParseLane
+from gpufleet_engine.admission.queues import MultiLevelQueue
+from gpufleet_engine.admission.retry_hint import RetryAdvisor
+from gpufleet_engine.admission.scheduler import Grant, Rejection, Scheduler
+from gpufleet_engine.admission.tokens import Tokenizer
+from gpufleet_engine.admission.ttft_limit import ttft_limit_for
+from gpufleet_engine.contract.guard_config import GuardConfig, QueueClass
+from gpufleet_engine.contract.guard_metrics import Reason
+from gpufleet_engine.serving.audit import SequenceLength, kv_waste
+from gpufleet_engine.serving.drain import Drain
+from gpufleet_engine.serving.prometheus import GuardMetrics
+from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS, Upstream
+from gpufleet_engine.vllm.stats import VllmStats
 
-log = logging.getLogger("gpufleet_engine.proxy")
+log = logging.getLogger("gpufleet_engine.serving.guard")
 
 TRUNCATED_HEADER = "x-gpufleet-truncated-tokens"
 # Bodies with more text than this are tokenized on a worker thread so one long

@@ -25,15 +25,15 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .contract import guard_config
-from .contract.guard_config import ConfigError, GuardConfig
-from .ttft_limit import ttft_limit_for
+from gpufleet_engine.admission.ttft_limit import ttft_limit_for
+from gpufleet_engine.contract import guard_config
+from gpufleet_engine.contract.guard_config import ConfigError, GuardConfig
 
 if TYPE_CHECKING:
-    from .metrics import GuardMetrics
-    from .proxy import Guard
+    from gpufleet_engine.serving.guard import Guard
+    from gpufleet_engine.serving.prometheus import GuardMetrics
 
-log = logging.getLogger("gpufleet_engine.reload")
+log = logging.getLogger("gpufleet_engine.serving.reload")
 
 POLL_SECONDS = 2.0
 APPLIED, INVALID = "applied", "invalid"

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import aiohttp
 
-log = logging.getLogger("gpufleet_engine.served_context")
+log = logging.getLogger("gpufleet_engine.serving.served_context")
 
 RETRY_SECONDS = 1.0
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Iterable
 
-from .admission import KvLedger
-from .vllm_metrics import VllmStats
+from gpufleet_engine.admission.kv_ledger import KvLedger
+from gpufleet_engine.vllm.stats import VllmStats
 
 
 @dataclass(frozen=True)

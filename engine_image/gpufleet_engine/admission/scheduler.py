@@ -43,13 +43,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .admission import Decision, KvLedger
-from .contract.guard_config import QueueClass
-from .contract.guard_metrics import Reason
-from .queues import Entry, MultiLevelQueue, QueueFull
-from .ttft_limit import TtftLimit
+from gpufleet_engine.admission.kv_ledger import Decision, KvLedger
+from gpufleet_engine.admission.queues import Entry, MultiLevelQueue, QueueFull
+from gpufleet_engine.admission.ttft_limit import TtftLimit
+from gpufleet_engine.contract.guard_config import QueueClass
+from gpufleet_engine.contract.guard_metrics import Reason
 
-log = logging.getLogger("gpufleet_engine.scheduler")
+log = logging.getLogger("gpufleet_engine.admission.scheduler")
 
 # A request waits for blocks held by lower classes only when it needs more than
 # this many times the mean reservation of the running requests.
