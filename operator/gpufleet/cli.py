@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import click
 
-from gpufleet_engine.cli import engine
-
 from .commands import crd, run
 from .fleet.audit_command import audit
 from .planning.commands import plan
@@ -21,7 +19,6 @@ main.add_command(run)
 main.add_command(crd)
 main.add_command(audit)
 main.add_command(plan)
-main.add_command(engine)
 main.add_command(router)
 
 
@@ -46,7 +43,18 @@ def _development_commands() -> list[click.Command]:
         return [unavailable("dev"), unavailable("demo")]
 
 
-for _command in _development_commands():
+def _engine_commands() -> list[click.Command]:
+    """`gpufleet engine` where the guard's package is installed beside the operator (a development
+    checkout); the operator's runtime imports only the guard's contract, and the engine image runs
+    the same commands as `gpufleet-engine`."""
+    try:
+        from gpufleet_dev.engine_commands import engine
+    except ImportError:
+        return []
+    return [engine]
+
+
+for _command in (*_engine_commands(), *_development_commands()):
     main.add_command(_command)
 
 

@@ -87,7 +87,7 @@ async def test_chat_without_max_tokens_runs_many_at_once_where_full_budgets_woul
             status, _ = await post(s, predicted.url + "/v1/chat/completions", {**body(100 + i), "stream": False})
             assert status == 200
         before = await preemptions(s, engine.vllm_url)
-        learned = predicted.guard.predictor.prediction(("/v1/chat/completions", "interactive"))
+        learned = predicted.guard.admission.predictor.prediction(("/v1/chat/completions", "interactive"))
         assert learned is not None and learned < 200
         assert await burst(predicted.url, 200) == [200] * 8
         full_statuses = await burst(full.url, 300)

@@ -5,7 +5,7 @@ chat clients send no ``max_tokens`` at all, so reserving the worst case would
 run the guard's ledger dry while most of vLLM's KV pool sits empty. The guard
 instead keeps the recent output lengths of each (route, queue class) and
 reserves, per sequence, the mean of ``min(budget, length)`` over them, with
-that distribution's variance: the ledger (``admission.py``) adds one safety
+that distribution's variance: the ledger (``kv_ledger.py``) adds one safety
 margin for all requests in flight from the sum of their variances, so that
 their answers *together* fit at the configured quantile. A margin per request
 (each one's own 90th percentile) would promise the pool many times over: the

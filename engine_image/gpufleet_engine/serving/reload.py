@@ -25,7 +25,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from gpufleet_engine.admission.ttft_limit import ttft_limit_for
 from gpufleet_engine.contract import guard_config
 from gpufleet_engine.contract.guard_config import ConfigError, GuardConfig
 
@@ -49,25 +48,9 @@ class Outcome:
 
 
 def apply(guard: "Guard", config: GuardConfig) -> None:
-    """Put ``config``'s live fields into effect in a running guard."""
-    guard.config = config
-    guard.ledger.watermark_percent = config.kv_watermark_percent
-    guard.predicted = config.reservation == "Predicted"
-    guard.ledger.quantile = config.reservation_quantile_percent / 100
-    guard.queue.reconfigure(config.queue_classes, config.aging_seconds, config.max_queue_length)
-    scheduler = guard.scheduler
-    scheduler.max_concurrency = config.max_concurrency
-    scheduler.ttft = ttft_limit_for(config, scheduler.ttft)
-    scheduler.retry_after = config.retry_after_seconds
-    scheduler.aging_seconds = config.aging_seconds
-    guard.retry.base = config.retry_after_seconds
-    guard.retry.maximum = max(guard.retry.maximum, config.retry_after_seconds)
-    guard.metrics.add_classes([c.name for c in config.queue_classes])
-    guard.metrics.max_concurrency.set(config.max_concurrency)
-    guard.update_limits()
-    # More slots or a lower watermark may let waiting requests in now.
-    scheduler.dispatch()
-    guard.refresh_gauges()
+    """Put ``config``'s live fields into effect in a running guard: the same ``configure`` that
+    set it up at start-up (admission/core.py has what each field does)."""
+    guard.configure(config)
 
 
 class ConfigWatcher:

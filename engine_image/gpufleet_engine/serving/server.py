@@ -12,13 +12,15 @@ import signal
 
 from aiohttp import web
 
+from gpufleet_engine.admission.core import max_body_bytes
 from gpufleet_engine.admission.tokens import HfTokenizer, Tokenizer, generation_default_max_tokens
 from gpufleet_engine.contract import demand_prior
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_engine.contract.guard_config import GuardConfig
 from gpufleet_engine.serving import audit, reload, served_context, shared_demand, vllm_endpoints
 from gpufleet_engine.serving import vllm_metrics_relay as engine_metrics
-from gpufleet_engine.serving.guard import Guard, error_response, max_body_bytes
+from gpufleet_engine.serving.errors import error_response
+from gpufleet_engine.serving.guard import Guard
 from gpufleet_engine.serving.prometheus import CONTENT_TYPE
 from gpufleet_engine.serving.upstream import EngineMonitor, Upstream
 
@@ -74,20 +76,20 @@ def build_app(guard: Guard) -> web.Application:
         # take a replica out of service.
         if not vllm_endpoints.is_loopback(request.remote):
             return error_response(403, "forbidden", "POST /drain is accepted from the pod itself only.")
-        guard.drain.begin()
-        guard.refresh_gauges()
+        guard.begin_drain()
         return await drain_status(request)
 
     async def audit_report(request: web.Request) -> web.Response:
         # Device memory as vLLM's own processes reported it (vllm_plugin); the guard touches no GPU.
         device = guard.metrics.gpu_memory.read().as_report()
-        kv = audit.kv_report(guard.stats, guard.ledger, guard.block_size, guard.sequences(),
+        kv = audit.kv_report(guard.stats, guard.admission.ledger, guard.block_size, guard.sequences(),
                              guard.sequences_at_read)
         return web.json_response(audit.assemble(guard.config.service, guard.config.namespace, device, kv))
 
     async def demand(request: web.Request) -> web.Response:
         # What this replica learned of its answers' lengths, for the operator to hand to new replicas.
-        return web.json_response(demand_prior.to_document(shared_demand.export(guard.predictor, guard.ledger)))
+        shared = shared_demand.export(guard.admission.predictor, guard.admission.ledger)
+        return web.json_response(demand_prior.to_document(shared))
 
     app.router.add_get("/drain", drain_status)
     app.router.add_post("/drain", drain_start)
@@ -97,7 +99,7 @@ def build_app(guard: Guard) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/audit", audit_report)
     app.router.add_get(demand_prior.DEMAND_PATH, demand)
-    # vLLM's own API (vllm_routes.py): admitted, answered with the guard's state, or passed through.
+    # vLLM's own API (vllm/routes.py): admitted, answered with the guard's state, or passed through.
     vllm_endpoints.register(app, guard)
     return app
 
@@ -146,9 +148,9 @@ class GuardServer:
         guard.on_engine_unreachable = monitor.poke
         self.guard = guard
         self._monitor_task = asyncio.create_task(monitor.run(), name="engine-monitor")
-        if guard.tokenizer is None:
+        if guard.admission.tokenizer is None:
             self._tokenizer_task = asyncio.create_task(self._load_tokenizer(guard), name="tokenizer")
-        if guard.served_context is None:
+        if guard.admission.served_context is None:
             self._side_tasks.append(asyncio.create_task(self._learn_context(guard), name="served-context"))
         if self._config_path:
             def apply(config: GuardConfig) -> None:
@@ -185,7 +187,7 @@ class GuardServer:
             return seen
         prior = shared_demand.read(path)
         classes = {c.name for c in guard.config.queue_classes}
-        seeded = shared_demand.seed(guard.predictor, guard.ledger, prior, classes) if prior else []
+        seeded = shared_demand.seed(guard.admission.predictor, guard.admission.ledger, prior, classes) if prior else []
         if seeded:
             log.info("started from what the service learned (%s): %s", path, ", ".join(seeded))
         return stamp
@@ -199,12 +201,9 @@ class GuardServer:
     async def _learn_context(self, guard: Guard) -> None:
         assert guard.upstream.session is not None
 
-        def problem(text: str) -> None:
-            guard.context_problem = text
-
         await served_context.learn(guard.upstream.session, guard.upstream.url("/v1/models"),
                                    self.config.served_model_name, lambda: guard.engine_up,
-                                   guard.served_context_learned, problem,
+                                   guard.served_context_learned, guard.served_context_problem,
                                    fallback=lambda: guard.config.max_context_tokens)
 
     async def _load_tokenizer(self, guard: Guard) -> None:
@@ -213,19 +212,17 @@ class GuardServer:
         # the guard is alive but not ready.
         while True:
             try:
-                guard.tokenizer = await asyncio.to_thread(HfTokenizer.load, self.config.tokenizer,
-                                                          self.config.tokenizer_revision)
+                tokenizer = await asyncio.to_thread(HfTokenizer.load, self.config.tokenizer,
+                                                    self.config.tokenizer_revision)
             except Exception as e:  # any loader failure means "not yet"; the message says why
                 problem = f"{self.config.tokenizer!r}: {e}"
                 if problem != guard.tokenizer_problem:
                     log.warning("cannot load the tokenizer %s; retrying every %gs",
                                 problem, TOKENIZER_RETRY_SECONDS)
-                guard.tokenizer_problem = problem
+                guard.tokenizer_failed(problem)
                 await asyncio.sleep(TOKENIZER_RETRY_SECONDS)
             else:
-                guard.set_default_max_tokens(generation_default_max_tokens(self.config.tokenizer))
-                guard.tokenizer_problem = ""
-                guard.refresh_gauges()
+                guard.tokenizer_loaded(tokenizer, generation_default_max_tokens(self.config.tokenizer))
                 log.info("tokenizer loaded from %s", self.config.tokenizer)
                 freeze_startup_heap()
                 return
@@ -243,8 +240,7 @@ class GuardServer:
     async def drain(self, timeout: float | None = None) -> bool:
         """Refuse new requests and wait for accepted ones; True if all finished in time."""
         assert self.guard is not None
-        self.guard.drain.begin()
-        self.guard.refresh_gauges()
+        self.guard.begin_drain()
         # The guard's config, not the one it started with: drainTimeoutSeconds is a live setting.
         timeout = self.guard.config.drain_timeout_seconds if timeout is None else timeout
         log.info("draining: %d requests to finish, up to %gs", self.guard.drain.active, timeout)

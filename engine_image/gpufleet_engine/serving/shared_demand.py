@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import cast
 
 from gpufleet_engine.admission.demand import OutputPredictor
 from gpufleet_engine.admission.kv_ledger import KvLedger
@@ -23,7 +24,7 @@ def export(predictor: OutputPredictor, ledger: KvLedger) -> DemandPrior:
     request in flight holds."""
     keys = []
     for key, lengths in sorted(predictor.export().items(), key=lambda item: str(item[0])):
-        route, queue_class = key  # type: ignore[misc]  # the guard's keys are (route, class)
+        route, queue_class = cast(tuple[str, str], key)  # the guard's keys are (route, class)
         keys.append(demand_prior.key_prior(route, queue_class, lengths))
     history = ledger.held_history()
     # Nothing held yet (reads with requests in flight, none streaming) says nothing to pass on.

@@ -16,7 +16,8 @@ import aiohttp
 from aiohttp import web
 
 from gpufleet_engine.contract.guard_metrics import Reason
-from gpufleet_engine.serving.guard import Guard, error_response
+from gpufleet_engine.serving.errors import error_response
+from gpufleet_engine.serving.guard import Guard
 from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS
 from gpufleet_engine.vllm.routes import ROUTES, Handling, VllmRoute, allowed_methods
 
@@ -101,8 +102,9 @@ async def passthrough(guard: Guard, request: web.Request) -> web.StreamResponse:
     """The request to vLLM as it came (method, path, query, body, the forwarded headers), and
     vLLM's answer back; streams are relayed chunk by chunk."""
     declared = request.content_length
-    if declared is not None and declared > guard.max_body_bytes:
-        return vllm_error(413, f"The request body is larger than this model's limit of {guard.max_body_bytes} "
+    limit = guard.admission.max_body_bytes
+    if declared is not None and declared > limit:
+        return vllm_error(413, f"The request body is larger than this model's limit of {limit} "
                           "bytes.", "RequestEntityTooLargeError")
     body = await request.read() if request.can_read_body else None
     headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
@@ -147,8 +149,8 @@ def _health(guard: Guard) -> Handler:
 def _load(guard: Guard) -> Handler:
     async def load(request: web.Request) -> web.StreamResponse:
         # vLLM counts the requests it runs; the ones queued in the guard are load it cannot see.
-        queued = sum(guard.queue.depth(c.name) for c in guard.config.queue_classes)
-        return web.json_response({"server_load": guard.scheduler.running + queued})
+        queued = sum(guard.admission.queue.depth(c.name) for c in guard.config.queue_classes)
+        return web.json_response({"server_load": guard.admission.scheduler.running + queued})
     return load
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet_engine.vllm import plugin as vllm_plugin
 from gpufleet_engine.contract import gpu_memory as gm
 from gpufleet_engine.contract import guard_metrics as m
 from gpufleet_engine.serving.audit import assemble
 from gpufleet_engine.serving.prometheus import GuardMetrics
+from gpufleet_engine.vllm import plugin as vllm_plugin
 from gpufleet_engine.vllm.gpu_memory import GpuMemoryReader
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "torch_memory_stats"

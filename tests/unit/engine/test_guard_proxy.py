@@ -124,7 +124,7 @@ async def test_a_client_disconnect_cancels_the_vllm_request(guard_factory, fake_
     assert fake_vllm.disconnects == 1 and fake_vllm.completed == 0
     assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "cancelled"}) == 1
     assert sample(text, "gpufleet_guard_in_flight") == 0
-    assert guard.guard.ledger.reserved_blocks == 0
+    assert guard.guard.admission.ledger.reserved_blocks == 0
 
 
 async def test_a_request_past_its_timeout_gets_504_and_vllm_stops_working_on_it(guard_factory, fake_vllm):
@@ -205,11 +205,11 @@ async def test_interactive_requests_overtake_queued_background_ones(guard_factor
                 assert r.status == 200
 
         blocker = asyncio.create_task(send("first", "standard"))
-        await until(lambda: guard.guard.scheduler.running == 1, "the first request dispatched")
+        await until(lambda: guard.guard.admission.scheduler.running == 1, "the first request dispatched")
         background = [asyncio.create_task(send(f"bg{i}", "background")) for i in range(3)]
-        await until(lambda: guard.guard.queue.depth("background") == 3, "three background requests queued")
+        await until(lambda: guard.guard.admission.queue.depth("background") == 3, "three background requests queued")
         interactive = asyncio.create_task(send("int", "interactive"))
-        await until(lambda: guard.guard.queue.depth("interactive") == 1, "the interactive request queued")
+        await until(lambda: guard.guard.admission.queue.depth("interactive") == 1, "the interactive request queued")
         fake_vllm.hold.set()
         await asyncio.gather(blocker, *background, interactive)
     # The order vLLM was given them: one slot, so also the order they were served in.
@@ -330,7 +330,7 @@ def test_the_documented_outcomes_and_reasons_are_the_ones_the_guard_uses():
 
 
 def test_retry_hints_are_spread_so_refused_clients_do_not_return_in_a_herd():
-    from gpufleet_engine.serving.guard import error_response
+    from gpufleet_engine.serving.errors import error_response
 
     hints = [int(error_response(429, "kv_watermark", "m", 1.0).headers["retry-after-ms"]) for _ in range(200)]
     assert min(hints) >= 500 and max(hints) <= 1500

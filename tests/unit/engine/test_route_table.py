@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet_engine.vllm import routes as vllm_routes
 from gpufleet_engine.contract import guard_config
 from gpufleet_engine.serving.guard import Guard
 from gpufleet_engine.serving.server import build_app
 from gpufleet_engine.serving.upstream import Upstream
+from gpufleet_engine.vllm import routes as vllm_routes
 from gpufleet_engine.vllm.routes import ROUTES, Handling
 
 DUMP = Path(__file__).with_name("vllm_route_dump.py")
