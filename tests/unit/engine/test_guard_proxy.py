@@ -105,7 +105,8 @@ async def test_engine_down_means_fast_503_and_not_ready(guard_factory, fake_vllm
             assert (await r.json())["error"]["code"] == "engine_down"
         # Fast: refused at the door, neither queued nor sent on to wait for vLLM (no clock raced).
         admission = guard.guard.admission
-        assert len(fake_vllm.seen_bodies) == forwarded and admission.scheduler.running == 0 and len(admission.queue) == 0
+        assert len(fake_vllm.seen_bodies) == forwarded
+        assert admission.scheduler.running == 0 and len(admission.queue) == 0
         fake_vllm.metrics_up = True
         await guard.wait_ready(2)
         async with s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
