@@ -13,7 +13,7 @@ The workload is shaped like an engine's, not like the metric: one long-lived
 whose sizes follow heavy-tailed prompt lengths, held for a random number of
 steps and freed out of order. Every ``--sample-every`` steps it reads the
 allocator exactly as the vLLM plugin does in production
-(``gpufleet_engine.vllm_plugin.sample``: the same fields, the same
+(``gpufleet_engine.vllm.plugin.sample``: the same fields, the same
 fragmentation definition) and prints one JSON line per mode with the
 fragmentation ratio (mean, max, last), allocation retries, OOMs and steps/s.
 ``--record DIR`` also saves the raw ``torch.cuda.memory_stats()`` dictionaries
@@ -52,7 +52,7 @@ def prompt_tokens(rng: random.Random, max_tokens: int) -> int:
 def workload(args: argparse.Namespace) -> dict:
     import torch
 
-    from gpufleet_engine import vllm_plugin
+    from gpufleet_engine.vllm import plugin as vllm_plugin
 
     if not torch.cuda.is_available():
         return {"error": "no CUDA device"}

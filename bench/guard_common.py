@@ -23,11 +23,11 @@ import aiohttp
 
 from gpufleet_engine.contract import guard_config
 from gpufleet_engine.contract.guard_metrics import REJECTIONS
-from gpufleet_engine.flags import vllm_launch
-from gpufleet_engine.local import free_port
-from gpufleet_engine.models import prepare
-from gpufleet_engine.processes import ManagedProcess, wait_until
-from gpufleet_engine.vllm_metrics import parse as parse_vllm_metrics
+from gpufleet_engine.local.models import prepare
+from gpufleet_engine.local.runner import free_port
+from gpufleet_engine.runtime.flags import vllm_launch
+from gpufleet_engine.runtime.processes import ManagedProcess, wait_until
+from gpufleet_engine.vllm.stats import parse as parse_vllm_metrics
 
 HERE = Path(__file__).resolve().parent
 WORK = Path(tempfile.mkdtemp(prefix="gpufleet-bench-"))

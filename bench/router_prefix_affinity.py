@@ -34,7 +34,7 @@ from gpufleet.router.choice import Replica  # noqa: E402
 from gpufleet.router.metrics import RouterMetrics  # noqa: E402
 from gpufleet.router.server import Fleet, Router, RouterSettings, client_session  # noqa: E402
 from gpufleet.router.table import Route, Table  # noqa: E402
-from gpufleet_engine.local import LocalEngine  # noqa: E402
+from gpufleet_engine.local.runner import LocalEngine  # noqa: E402
 
 MODEL = "tiny"
 BLOCK_SIZE = 32

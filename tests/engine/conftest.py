@@ -86,8 +86,8 @@ def engine():
 
 @pytest.fixture(scope="session")
 def tokenizer(engine):
-    from gpufleet_engine.models import prepare
-    from gpufleet_engine.tokens import HfTokenizer
+    from gpufleet_engine.admission.tokens import HfTokenizer
+    from gpufleet_engine.local.models import prepare
 
     return HfTokenizer.load(str(prepare("tiny").path))
 
@@ -96,7 +96,7 @@ def tokenizer(engine):
 async def extra_guard(engine, tokenizer):
     """Start in-process guards with guard.json overrides in front of the session's vLLM."""
     from gpufleet_engine.contract import guard_config
-    from gpufleet_engine.server import GuardServer
+    from gpufleet_engine.serving.server import GuardServer
 
     servers = []
 

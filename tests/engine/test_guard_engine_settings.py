@@ -10,7 +10,7 @@ import re
 import aiohttp
 import pytest
 
-from gpufleet_engine.local import LocalEngine
+from gpufleet_engine.local.runner import LocalEngine
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine

@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gpufleet_engine.local import free_port
-from gpufleet_engine.vllm_metrics import parse as parse_vllm_metrics
+from gpufleet_engine.local.runner import free_port
+from gpufleet_engine.vllm.stats import parse as parse_vllm_metrics
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
@@ -87,7 +87,7 @@ async def test_chat_without_max_tokens_runs_many_at_once_where_full_budgets_woul
             status, _ = await post(s, predicted.url + "/v1/chat/completions", {**body(100 + i), "stream": False})
             assert status == 200
         before = await preemptions(s, engine.vllm_url)
-        learned = predicted.guard.predictor.prediction(("/v1/chat/completions", "interactive"))
+        learned = predicted.guard.admission.predictor.prediction(("/v1/chat/completions", "interactive"))
         assert learned is not None and learned < 200
         assert await burst(predicted.url, 200) == [200] * 8
         full_statuses = await burst(full.url, 300)
@@ -156,7 +156,7 @@ def _peak_rss_bytes(pid: int) -> int:
 
 
 async def test_a_burst_of_32_mib_bodies_is_refused_with_413_and_the_guards_memory_stays_bounded(engine, tmp_path):
-    from gpufleet_engine.models import prepare
+    from gpufleet_engine.local.models import prepare
 
     port = free_port("127.0.0.1")
     config = {"servedModelName": "tiny", "tokenizer": str(prepare("tiny").path), "engineUrl": engine.vllm_url,

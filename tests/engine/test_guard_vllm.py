@@ -13,8 +13,8 @@ import aiohttp
 import openai
 import pytest
 
-from gpufleet_engine.local import free_port
-from gpufleet_engine.vllm_metrics import parse as parse_vllm_metrics
+from gpufleet_engine.local.runner import free_port
+from gpufleet_engine.vllm.stats import parse as parse_vllm_metrics
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
@@ -143,15 +143,16 @@ async def test_interactive_requests_overtake_queued_background_ones(extra_guard)
         assert first.status == 200, await first.text()
         await first.content.readuntil(b"\n\n")
         background = [asyncio.create_task(send(f"bg{i}", "background", 201 + i)) for i in range(3)]
-        await until(lambda: guard.guard.queue.depth("background") == 3, what="three background requests queued",
+        queue = guard.guard.admission.queue
+        await until(lambda: queue.depth("background") == 3, what="three background requests queued",
                     requests=tuple(background))
         interactive = asyncio.create_task(send("interactive", "interactive", 210))
-        await until(lambda: guard.guard.queue.depth("interactive") == 1, what="the interactive request queued",
+        await until(lambda: queue.depth("interactive") == 1, what="the interactive request queued",
                     requests=(*background, interactive))
         # Background requests still waiting when the interactive one joined the queue must all
         # finish after it. On a machine fast enough to end the first stream early, some may have
         # gone already; at least one must still have been waiting for the test to mean anything.
-        waiting = guard.guard.queue.depth("background")
+        waiting = guard.guard.admission.queue.depth("background")
         assert waiting >= 1, "every background request ran before the interactive one queued"
         first.close()
         await asyncio.gather(*background, interactive)
@@ -213,7 +214,7 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     # another 32-block request cannot be promised too until it is done.
     hog = asyncio.create_task(strict.completions.create(
         model="tiny", prompt=token_ids(100, 400), max_tokens=900, extra_body={"ignore_eos": True}))
-    await until(lambda: guard.guard.ledger.reserved_blocks, what="the long request admitted", requests=(hog,))
+    await until(lambda: guard.guard.admission.ledger.reserved_blocks, what="the long request admitted", requests=(hog,))
     with pytest.raises(openai.RateLimitError) as e:
         await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=300)
     assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
@@ -224,7 +225,7 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     # The client's own retries (honouring retry-after-ms) get through once the blocks free. A grant
     # the test holds stands for the long request now: a real one could finish before the client's
     # first attempt on a fast machine, and the test would see no retry.
-    scheduler = guard.guard.scheduler
+    scheduler = guard.guard.admission.scheduler
     standard = next(c for c in guard.guard.config.queue_classes if c.name == "standard")
     held = await scheduler.acquire(32, standard)
 

@@ -24,8 +24,8 @@ import pytest
 from multidict import CIMultiDict
 
 from gpufleet_engine.contract import guard_config
-from gpufleet_engine.local import LocalEngine, free_port
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.local.runner import LocalEngine, free_port
+from gpufleet_engine.serving.server import GuardServer
 from tests.engine.conftest import BLOCK_SIZE, KV_BLOCKS, MAX_MODEL_LEN
 from tests.support.waiting import wait_for
 
@@ -239,7 +239,7 @@ async def test_vllm_router_in_front_of_two_guards_serves_every_request(guards, v
 
 
 def test_vllm_bench_serve_through_the_guard_has_no_failed_request(engine, tmp_path):
-    from gpufleet_engine.models import prepare
+    from gpufleet_engine.local.models import prepare
 
     # `vllm bench serve` is vllm.benchmarks.serve; the `vllm` console script of the CPU wheel
     # cannot find its own distribution, so its main is called as the script would.

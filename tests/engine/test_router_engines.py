@@ -23,7 +23,7 @@ from gpufleet.router.choice import Replica
 from gpufleet.router.metrics import RouterMetrics
 from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
 from gpufleet.router.table import Route, Table
-from gpufleet_engine.local import LocalEngine
+from gpufleet_engine.local.runner import LocalEngine
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 

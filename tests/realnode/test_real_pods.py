@@ -28,7 +28,7 @@ from gpufleet_dev.devcluster.binaries import ensure_helm
 
 from gpufleet.manifests import names
 from gpufleet.manifests.children import RUN_AS_USER
-from gpufleet_engine.models import prepare
+from gpufleet_engine.local.models import prepare
 from tests.support.fake_hub import FakeHub
 from tests.support.waiting import wait_for
 

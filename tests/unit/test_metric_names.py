@@ -2,7 +2,7 @@
 dashboards and alerts (which may only use catalogued names) use real names."""
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.router.metrics import RouterMetrics
-from gpufleet_engine.metrics import GuardMetrics
+from gpufleet_engine.serving.prometheus import GuardMetrics
 from tests.unit.observability.assets import catalog
 
 

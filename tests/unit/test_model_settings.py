@@ -12,7 +12,7 @@ from gpufleet.api.schema import openapi
 from gpufleet.manifests import children, guard_config, model_cache
 from gpufleet.reconcile.desired import desired_children
 from gpufleet.reconcile.validation import validate
-from gpufleet_engine.flags import vllm_launch
+from gpufleet_engine.runtime.flags import vllm_launch
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "generation": 3}}

@@ -30,7 +30,7 @@ OUTPUT_TOKENS = PREFIX + "output_tokens"                      # histogram: the l
 OUTPUT_TOKENS_PREDICTED = PREFIX + "output_tokens_predicted"  # gauge: the reservation quantile now
 OUTPUT_PREDICTION_RATIO = PREFIX + "output_prediction_ratio"  # histogram: actual / reserved output
 RESERVATION_EXTENSIONS = PREFIX + "reservation_extensions"    # counter: answers that outgrew a reservation
-# Requests sent on to vLLM ahead of their parse (proxy.py), by outcome: kept (the copy sent was the
+# Requests sent on to vLLM ahead of their parse (serving/send_ahead.py), by outcome: kept (the copy sent was the
 # request served) or aborted (vLLM's copy closed: the parse refused it, changed it or needed more).
 SENT_AHEAD = PREFIX + "sent_ahead"                            # counter: exported as ..._total
 SENT_AHEAD_OUTCOMES = ("kept", "aborted")

@@ -18,7 +18,7 @@ from . import names
 
 HF_HOME = "/cache/huggingface"
 VOLUME = "model-cache"
-FETCH_CONTAINER = "model-fetch"   # the init container that downloads (gpufleet_engine/fetch.py)
+FETCH_CONTAINER = "model-fetch"   # the init container that downloads (gpufleet_engine/runtime/fetch.py)
 
 
 def downloads(spec: InferenceServiceSpec) -> bool:

@@ -116,7 +116,7 @@ class BackedPod:
         self._thread.start()
 
     def _start(self) -> None:
-        from gpufleet_engine.local import LocalEngine
+        from gpufleet_engine.local.runner import LocalEngine
         try:
             kv = self.guard_json.get("engine", {}).get("numGpuBlocksOverride") or 64
             self.engine = LocalEngine(

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from gpufleet_engine.contract import guard_config
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.serving.server import GuardServer
 
 
 class WordTokenizer:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet_engine import vllm_plugin
-from gpufleet_engine.audit import assemble
 from gpufleet_engine.contract import gpu_memory as gm
 from gpufleet_engine.contract import guard_metrics as m
-from gpufleet_engine.gpu_memory import GpuMemoryReader
-from gpufleet_engine.metrics import GuardMetrics
+from gpufleet_engine.serving.audit import assemble
+from gpufleet_engine.serving.prometheus import GuardMetrics
+from gpufleet_engine.vllm import plugin as vllm_plugin
+from gpufleet_engine.vllm.gpu_memory import GpuMemoryReader
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "torch_memory_stats"
 GiB = 1 << 30
@@ -157,4 +157,4 @@ def test_vllm_finds_the_plugin_where_the_images_put_the_package(tmp_path):
     assert {e.name: e.value for e in eps} == project["entry-points"]["vllm.general_plugins"]
     for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
         assert "COPY dist-info /opt/gpufleet/gpufleet_engine-0.1.0.dist-info" in (image / dockerfile).read_text()
-    assert os.path.exists(image / "gpufleet_engine" / "vllm_plugin.py")
+    assert os.path.exists(image / "gpufleet_engine" / "vllm" / "plugin.py")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from gpufleet_engine.admission import KvLedger, KvSnapshot, block_cost, watermark_blocks
+from gpufleet_engine.admission.kv_ledger import KvLedger, KvSnapshot, block_cost, watermark_blocks
 
 
 @pytest.mark.parametrize(("prompt", "max_tokens", "block", "n", "blocks"), [

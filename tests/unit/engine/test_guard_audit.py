@@ -1,9 +1,9 @@
 """The memory audit's arithmetic: KV-pool waste and the report's summary."""
 from __future__ import annotations
 
-from gpufleet_engine.admission import KvLedger
-from gpufleet_engine.audit import SequenceLength, assemble, kv_report, kv_waste, partial_block_waste
-from gpufleet_engine.vllm_metrics import VllmStats
+from gpufleet_engine.admission.kv_ledger import KvLedger
+from gpufleet_engine.serving.audit import SequenceLength, assemble, kv_report, kv_waste, partial_block_waste
+from gpufleet_engine.vllm.stats import VllmStats
 
 
 def test_partial_block_waste_counts_empty_slots_of_last_blocks():

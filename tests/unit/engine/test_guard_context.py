@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet_engine.context import CHAT, COMPLETIONS, ContextTooLong, InvalidRequest, Limits, prepare
+from gpufleet_engine.admission.context import CHAT, COMPLETIONS, ContextTooLong, InvalidRequest, Limits, prepare
 
 REJECT = Limits(100, truncate_left=False)
 TRUNCATE = Limits(100, truncate_left=True)
@@ -170,7 +170,7 @@ def test_malformed_bodies_are_invalid_requests(tokenizer, route, body, message):
 
 
 def test_embeddings_cost_their_input_and_are_cut_or_refused_alone(tokenizer):
-    from gpufleet_engine.context import EMBEDDINGS
+    from gpufleet_engine.admission.context import EMBEDDINGS
 
     p = prepare(EMBEDDINGS, {"input": [words(40), words(10)]}, tokenizer, REJECT)
     assert p.prompt_tokens == [40, 10] and p.max_tokens == 0 and p.block_cost(32) == 2 + 1

@@ -25,7 +25,7 @@ from gpufleet.manifests import guard_config as builder
 from gpufleet.reconcile.validation import validate
 from gpufleet_engine.contract import guard_config
 from gpufleet_engine.contract.engine_flags import MANAGED_FLAGS, flag_name
-from gpufleet_engine.flags import vllm_launch
+from gpufleet_engine.runtime.flags import vllm_launch
 
 SPEC_SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 # Flags vLLM accepts that gpufleet leaves to the user, and every managed flag in

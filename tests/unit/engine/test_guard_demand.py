@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet_engine.demand import Demand, OutputPredictor
+from gpufleet_engine.admission.demand import Demand, OutputPredictor
 
 KEY = ("/v1/chat/completions", "interactive")
 

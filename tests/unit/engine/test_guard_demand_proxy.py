@@ -32,7 +32,7 @@ async def test_after_learning_short_answers_a_request_reserves_its_prompt_and_th
         fake_vllm.hold = asyncio.Event()
         first = asyncio.create_task(s.post(guard.url + "/v1/completions", json=body))
         await until(lambda: fake_vllm.running == 1, "the first request at vLLM")
-        assert guard.guard.ledger.reserved_blocks == 30      # the prior: 40 + 900 tokens
+        assert guard.guard.admission.ledger.reserved_blocks == 30      # the prior: 40 + 900 tokens
         fake_vllm.hold.set()
         (await first).release()
         fake_vllm.hold = None
@@ -40,7 +40,7 @@ async def test_after_learning_short_answers_a_request_reserves_its_prompt_and_th
         fake_vllm.hold = asyncio.Event()
         later = asyncio.create_task(s.post(guard.url + "/v1/completions", json=body))
         await until(lambda: fake_vllm.running == 1, "a request after learning at vLLM")
-        assert guard.guard.ledger.reserved_blocks == 2       # 40 + 5 tokens (+ [DONE], counted as one)
+        assert guard.guard.admission.ledger.reserved_blocks == 2       # 40 + 5 tokens (+ [DONE], counted as one)
         fake_vllm.hold.set()
         (await later).release()
         text = await metrics(s, guard)
@@ -61,7 +61,7 @@ async def test_an_answer_that_outgrows_its_reservation_is_extended_as_it_streams
 
         async def watch():
             while True:
-                seen.append(guard.guard.ledger.reserved_blocks)
+                seen.append(guard.guard.admission.ledger.reserved_blocks)
                 await asyncio.sleep(0.002)
         watcher = asyncio.create_task(watch())
         async with s.post(guard.url + "/v1/completions", json=body) as r:
@@ -71,7 +71,7 @@ async def test_an_answer_that_outgrows_its_reservation_is_extended_as_it_streams
         text = await metrics(s, guard)
     assert min(v for v in seen if v) == 2 and max(seen) >= 8   # 40 + 200 tokens need 8 blocks
     assert sample(text, "gpufleet_guard_reservation_extensions_total", **{"class": "standard"}) >= 1
-    assert guard.guard.ledger.reserved_blocks == 0
+    assert guard.guard.admission.ledger.reserved_blocks == 0
 
 
 async def test_full_budget_reserves_the_worst_case(guard_factory, fake_vllm):
@@ -83,7 +83,7 @@ async def test_full_budget_reserves_the_worst_case(guard_factory, fake_vllm):
         fake_vllm.hold = asyncio.Event()
         held = asyncio.create_task(s.post(guard.url + "/v1/completions", json=body))
         await until(lambda: fake_vllm.running == 1, "the request at vLLM")
-        assert guard.guard.ledger.reserved_blocks == 30
+        assert guard.guard.admission.ledger.reserved_blocks == 30
         fake_vllm.hold.set()
         (await held).release()
 
@@ -148,7 +148,7 @@ async def test_bad_input_is_a_400_in_vllms_format_counted_as_invalid(guard_facto
 
 async def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(guard_factory, fake_vllm):
     guard = await guard_factory(maxContextTokens=1000)       # limit: 1 MiB + 64 000 bytes
-    limit = guard.guard.max_body_bytes
+    limit = guard.guard.admission.max_body_bytes
     big = b'{"model": "m", "prompt": "' + b"x" * (limit + 10) + b'"}'
 
     async def chunked():
@@ -172,7 +172,8 @@ def test_only_text_sends_a_body_to_a_tokenizer_thread():
     instead of starting worker threads; a long text prompt goes to a thread."""
     import json
 
-    from gpufleet_engine.proxy import _INLINE_TOKENIZE_BYTES, text_bytes
+    from gpufleet_engine.serving.send_ahead import INLINE_TOKENIZE_BYTES as _INLINE_TOKENIZE_BYTES
+    from gpufleet_engine.serving.send_ahead import text_bytes
     ids = json.dumps({"prompt": list(range(10_000, 20_000)), "stop_token_ids": list(range(5000)),
                       "max_tokens": 16}).encode()
     assert len(ids) > 2 * _INLINE_TOKENIZE_BYTES and text_bytes(ids) < 100

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from gpufleet_engine.contract import demand_prior, guard_config
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.serving.server import GuardServer
 from tests.unit.engine.test_guard_demand_proxy import teach
 from tests.unit.engine.test_guard_proxy import until
 
@@ -49,7 +49,7 @@ async def reserved_for_one(s: aiohttp.ClientSession, guard: GuardServer, fake_vl
     fake_vllm.hold = asyncio.Event()
     pending = asyncio.create_task(s.post(guard.url + "/v1/completions", json=BODY))
     await until(lambda: fake_vllm.running == 1, "the request at vLLM")
-    blocks = guard.guard.ledger.reserved_blocks
+    blocks = guard.guard.admission.ledger.reserved_blocks
     fake_vllm.hold.set()
     (await pending).release()
     fake_vllm.hold = None
@@ -81,13 +81,13 @@ async def test_a_prior_written_after_the_start_seeds_what_is_not_learned_yet(fro
     async with aiohttp.ClientSession() as s:
         document = await learned_document(s, from_files, fake_vllm)
         late = await from_files("late")
-        assert not late.guard.predictor.learned(KEY)
+        assert not late.guard.admission.predictor.learned(KEY)
         (tmp_path / "late" / demand_prior.FILE_NAME).write_text(json.dumps(document))
-        await until(lambda: late.guard.predictor.learned(KEY), "the late prior seeded")
+        await until(lambda: late.guard.admission.predictor.learned(KEY), "the late prior seeded")
         assert await reserved_for_one(s, late, fake_vllm) == 2
 
 
 async def test_an_invalid_prior_never_stops_a_guard(from_files, fake_vllm, caplog):
     guard = await from_files("bad", demand={"version": 1, "keys": [{"route": "/v1/completions"}]})
-    assert not guard.guard.predictor.learned(KEY)
+    assert not guard.guard.admission.predictor.learned(KEY)
     assert "keys[0].class" in caplog.text and "full-budget prior" in caplog.text

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from gpufleet_engine.contract import guard_config
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.serving.server import GuardServer
 from tests.unit.engine.conftest import METRICS_TEMPLATE
 
 EXPOSITION = METRICS_TEMPLATE.format(usage=0.25, running=2, block_size=32, blocks=64).encode()

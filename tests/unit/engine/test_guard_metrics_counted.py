@@ -6,7 +6,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from gpufleet_engine.metrics import CountedHistogram
+from gpufleet_engine.serving.prometheus import CountedHistogram
 
 
 def _lines(registry: CollectorRegistry) -> list[str]:

@@ -8,9 +8,9 @@ import aiohttp
 import msgspec
 import pytest
 
-from gpufleet_engine import reload
 from gpufleet_engine.contract import guard_config
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.serving import reload
+from gpufleet_engine.serving.server import GuardServer
 from tests.support.waiting import wait_for
 from tests.unit.engine.test_guard_proxy import metrics, sample
 
@@ -96,7 +96,7 @@ async def test_an_invalid_new_version_is_refused_and_the_running_settings_stay(r
         assert await reloads(s, guard, "applied") == 0
         async with s.get(guard.url + "/readyz") as r:
             assert r.status == 200
-    assert guard.guard.config.kv_watermark_percent == 15 and guard.guard.limits.max_context_tokens == 1000
+    assert guard.guard.config.kv_watermark_percent == 15 and guard.guard.admission.limits.max_context_tokens == 1000
     assert problem in caplog.text and "keeping the running settings" in caplog.text
 
 
@@ -119,7 +119,7 @@ async def test_more_concurrency_dispatches_the_requests_waiting_for_a_slot(reloa
     async with aiohttp.ClientSession() as s:
         posts = [asyncio.create_task(s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                                             headers={"x-gpufleet-class": "background"})) for _ in range(2)]
-        await wait_for(lambda: fake_vllm.running == 1 and len(guard.guard.queue) == 1, timeout=5,
+        await wait_for(lambda: fake_vllm.running == 1 and len(guard.guard.admission.queue) == 1, timeout=5,
                        interval=0.005, what="one request at vLLM, one queued")
         write(maxConcurrency=2)
         await wait_for(lambda: fake_vllm.running == 2, timeout=5, interval=0.005,
@@ -179,7 +179,7 @@ def test_a_file_that_does_not_change_is_not_reapplied(tmp_path):
 
     class Metrics:
         def __init__(self):
-            from gpufleet_engine.metrics import GuardMetrics
+            from gpufleet_engine.serving.prometheus import GuardMetrics
             self.inner = GuardMetrics(["standard"])
             self.config_reloads = self.inner.config_reloads
             self.config_restart_pending = self.inner.config_restart_pending

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 import pytest
 
-from gpufleet_engine.admission import KvLedger, KvSnapshot
+from gpufleet_engine.admission.kv_ledger import KvLedger, KvSnapshot
+from gpufleet_engine.admission.queues import MultiLevelQueue
+from gpufleet_engine.admission.scheduler import Rejection, Scheduler
 from gpufleet_engine.contract.guard_config import QueueClass
-from gpufleet_engine.queues import MultiLevelQueue
-from gpufleet_engine.scheduler import Rejection, Scheduler
 from tests.support.waiting import wait_for
 
 L1 = QueueClass("interactive", 1, 2.0)
@@ -166,36 +167,88 @@ async def test_waiting_for_blocks_is_bounded_by_the_class_limit():
     assert e.value.reason == "queue_timeout" and len(s.queue) == 0
 
 
-async def closed_loop_clients(s: Scheduler, cls: QueueClass, cost: int, hold: float, clients: int,
+class Ticks:
+    """A fake clock that the test moves on in ticks, and clients that wait for the next tick the
+    way real ones wait out a hold or a retry delay: no wall-clock time in the scheduler's decisions,
+    and each tick ends when every client is parked again (waiting for a tick or queued)."""
+
+    def __init__(self, step: float):
+        self.now = 0.0
+        self.step = step
+        self.number = 0
+        self._next = asyncio.Event()
+        self.parked: dict[int, int] = {}   # client -> the tick it waits past
+        self.finished = 0                  # clients that stopped
+
+    async def wait(self, client: int) -> None:
+        self.parked[client] = self.number
+        await self._next.wait()
+        self.parked.pop(client, None)
+
+    def settled(self, s: Scheduler, clients: int) -> bool:
+        parked = sum(1 for n in self.parked.values() if n == self.number)
+        return parked + len(s.queue) + self.finished == clients
+
+    async def advance(self, s: Scheduler, clients: int, others: Callable[[], int] = lambda: 0) -> None:
+        """The next tick; returns once each of ``clients`` (and ``others``, done) is parked again."""
+        event, self._next = self._next, asyncio.Event()
+        self.now += self.step
+        self.number += 1
+        event.set()
+        await wait_for(lambda: self.settled(s, clients - others()), timeout=5, interval=0,
+                       what=f"tick {self.number}: every client parked again")
+
+
+def ticking_scheduler(ticks: Ticks, aging: float = 5.0) -> Scheduler:
+    ledger = KvLedger(15)
+    ledger.observe(KvSnapshot(64, 0))
+    return Scheduler(ledger, MultiLevelQueue((L1, L2, L3_PATIENT), aging, 64), 64, 1.0,
+                     clock=lambda: ticks.now, aging_seconds=aging)
+
+
+async def closed_loop_clients(s: Scheduler, ticks: Ticks, first: int, cls: QueueClass, cost: int, clients: int,
                               stop: asyncio.Event, admitted: list) -> None:
-    """``clients`` clients of one class asking again and again, as refused clients retry."""
-    async def client():
-        while not stop.is_set():
-            try:
-                grant = await s.acquire(cost, cls)
-            except Rejection:
-                await asyncio.sleep(0.001)
-                continue
-            admitted.append((cls.name, asyncio.get_running_loop().time()))
-            await asyncio.sleep(hold)
-            s.release(grant)
-    await asyncio.gather(*(client() for _ in range(clients)))
+    """``clients`` clients of one class asking again and again: a refused client retries at the
+    next tick, an admitted one holds its blocks for one tick."""
+    async def client(i: int):
+        try:
+            while not stop.is_set():
+                try:
+                    grant = await s.acquire(cost, cls)
+                except Rejection:
+                    await ticks.wait(i)
+                    continue
+                admitted.append((cls.name, ticks.now))
+                await ticks.wait(i)
+                s.release(grant)
+        finally:
+            ticks.finished += 1
+    await asyncio.gather(*(client(first + i) for i in range(clients)))
 
 
 async def test_a_stream_of_small_background_requests_cannot_keep_a_big_interactive_one_out():
-    s = scheduler(max_concurrency=64, blocks=64, classes=(L1, L2, L3_PATIENT))
+    ticks = Ticks(0.02)
+    s = ticking_scheduler(ticks)
     stop = asyncio.Event()
     admitted: list = []
-    stream = asyncio.create_task(closed_loop_clients(s, L3_PATIENT, 5, 0.02, 12, stop, admitted))
-    await wait_for(lambda: s.ledger.reserved_blocks >= 45, timeout=2, interval=0.001, what="the pool full")
-    started = asyncio.get_running_loop().time()
-    grant = await s.acquire(40, L1)                      # 40 of the 54 admissible blocks
-    waited = asyncio.get_running_loop().time() - started
+    stream = asyncio.create_task(closed_loop_clients(s, ticks, 0, L3_PATIENT, 5, 12, stop, admitted))
+    await wait_for(lambda: ticks.settled(s, 12), timeout=5, interval=0, what="twelve background clients")
+    assert s.ledger.reserved_blocks >= 45                # the pool full
+    big = asyncio.create_task(s.acquire(40, L1))       # 40 of the 54 admissible blocks
+    await queued(s, 1)
+    asked_at = ticks.now
+    while not big.done():
+        # The background requests already running end at the next tick; their clients retry at once.
+        await ticks.advance(s, 13, others=lambda: 1 if big.done() else 0)
+        assert ticks.number <= 2, "the big request waited past the requests running when it came"
+    grant = await big
     s.release(grant)
     stop.set()
+    while ticks.finished < 12:
+        await ticks.advance(s, 12)
     await stream
-    # Bounded by the background requests already running (20 ms each), not by luck.
-    assert waited < 0.5 and grant.queued_seconds < 0.5
+    # Bounded by the background requests already running (one tick each), not by luck.
+    assert grant.queued_seconds <= 2 * ticks.step and ticks.now - asked_at <= 2 * ticks.step
 
 
 async def test_no_class_starves_when_a_higher_one_keeps_the_pool_full():
@@ -204,16 +257,20 @@ async def test_no_class_starves_when_a_higher_one_keeps_the_pool_full():
     # agingSeconds without an admission starts waiting, aged from its first
     # refusal, and gets in within (level - 1) x agingSeconds plus a request.
     aging = 0.05
-    s = scheduler(max_concurrency=64, blocks=64, aging=aging, classes=(L1, L2, L3_PATIENT))
+    ticks = Ticks(0.01)
+    s = ticking_scheduler(ticks, aging=aging)
     stop = asyncio.Event()
     admitted: list = []
-    tasks = [asyncio.create_task(closed_loop_clients(s, L1, 6, 0.01, 12, stop, admitted)),
-             asyncio.create_task(closed_loop_clients(s, L3_PATIENT, 6, 0.01, 2, stop, admitted))]
-    started = asyncio.get_running_loop().time()
-    await asyncio.sleep(1.0)
+    tasks = [asyncio.create_task(closed_loop_clients(s, ticks, 0, L1, 6, 12, stop, admitted)),
+             asyncio.create_task(closed_loop_clients(s, ticks, 12, L3_PATIENT, 6, 2, stop, admitted))]
+    await wait_for(lambda: ticks.settled(s, 14), timeout=5, interval=0, what="fourteen clients")
+    for _ in range(100):                                # a second of the fake clock
+        await ticks.advance(s, 14)
     stop.set()
+    while ticks.finished < 14:
+        await ticks.advance(s, 14)
     await asyncio.gather(*tasks)
-    times = {name: [t - started for n, t in admitted if n == name] for name in ("interactive", "background")}
+    times = {name: [t for n, t in admitted if n == name] for name in ("interactive", "background")}
     assert len(times["interactive"]) > 50 and len(times["background"]) >= 5, {k: len(v) for k, v in times.items()}
     gaps = [b - a for a, b in zip([0.0, *times["background"]], times["background"], strict=False)]
     assert max(gaps) < 2 * aging + 0.1, gaps          # (3 - 1) x aging, plus one running request

@@ -11,7 +11,7 @@ import threading
 import aiohttp
 import pytest
 
-from gpufleet_engine import proxy
+from gpufleet_engine.admission import route_costs
 from tests.unit.engine.test_guard_proxy import metrics, sample, until
 
 
@@ -67,14 +67,14 @@ def parses(monkeypatch):
     """Each parse of the guard, recorded as whether the request was on its way to vLLM when it began."""
     seen: list[bool] = []
     relay_box: list[Relay] = []
-    original = proxy.route_costs.prepare
+    original = route_costs.prepare
 
     def prepare(*args, **kwargs):
         # Blocking the loop here is the point: only bytes already written can reach the relay.
         seen.append(relay_box[0].posted.wait(0.5) if relay_box else False)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(proxy.route_costs, "prepare", prepare)
+    monkeypatch.setattr(route_costs, "prepare", prepare)
     return seen, relay_box
 
 
@@ -102,7 +102,7 @@ async def test_the_request_is_on_its_way_to_vllm_before_the_guard_parses_it(guar
     assert sample(counted, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "ok"}) == 2
     assert sample(counted, "gpufleet_guard_sent_ahead_total", **{"class": "standard", "outcome": "kept"}) == 2
     assert sample(counted, "gpufleet_guard_sent_ahead_total", **{"class": "standard", "outcome": "aborted"}) == 0
-    assert guard.guard.ledger.in_flight == 0 and guard.guard.scheduler.running == 0
+    assert guard.guard.admission.ledger.in_flight == 0 and guard.guard.admission.scheduler.running == 0
 
 
 async def test_below_vllms_context_or_in_a_full_pool_the_parse_comes_first(guard_factory, roomy_vllm, parses):
@@ -123,7 +123,7 @@ async def test_below_vllms_context_or_in_a_full_pool_the_parse_comes_first(guard
 async def test_no_room_for_two_whole_contexts_no_sending_ahead(guard_factory, fake_vllm):
     guard = await guard_factory()  # 64 blocks: one context of 1000 tokens is 32 of them
     body = {"prompt": "a", "max_tokens": 2}
-    assert guard.guard._grant_ahead(b"{}", guard.guard.config.queue_class("standard")) is None
+    assert guard.guard.send_ahead.grant_ahead(b"{}", guard.guard.config.queue_class("standard")) is None
     async with aiohttp.ClientSession() as s:
         async with s.post(guard.url + "/v1/completions", json=body) as r:
             assert r.status == 200
@@ -145,7 +145,7 @@ async def test_refused_after_it_was_sent_ahead_the_answer_is_the_guards_and_vllm
     assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "invalid"}) == 1
     assert sample(text, "gpufleet_guard_rejections_total", **{"class": "standard", "reason": "context_length"}) == 1
     assert sample(text, "gpufleet_guard_sent_ahead_total", **{"class": "standard", "outcome": "aborted"}) == 1
-    assert guard.guard.ledger.in_flight == 0 and guard.guard.scheduler.running == 0
+    assert guard.guard.admission.ledger.in_flight == 0 and guard.guard.admission.scheduler.running == 0
 
 
 async def test_invalid_json_sent_ahead_is_answered_by_the_guard(guard_factory, roomy_vllm):
@@ -158,7 +158,7 @@ async def test_invalid_json_sent_ahead_is_answered_by_the_guard(guard_factory, r
         text = await metrics(s, guard)
     assert "not valid JSON" in error["message"]
     assert sample(text, "gpufleet_guard_requests_total", **{"class": "standard", "outcome": "invalid"}) == 1
-    assert guard.guard.ledger.in_flight == 0 and guard.guard.scheduler.running == 0
+    assert guard.guard.admission.ledger.in_flight == 0 and guard.guard.admission.scheduler.running == 0
 
 
 async def test_a_body_the_guard_must_change_is_sent_again_changed(guard_factory, roomy_vllm):
@@ -176,13 +176,13 @@ async def test_a_body_the_guard_must_change_is_sent_again_changed(guard_factory,
     assert text.count("data: ") == 11
     await until(lambda: roomy_vllm.running == 0, "vLLM's copies to end")
     assert roomy_vllm.completed == 1
-    assert guard.guard.ledger.in_flight == 0 and guard.guard.scheduler.running == 0
+    assert guard.guard.admission.ledger.in_flight == 0 and guard.guard.admission.scheduler.running == 0
 
 
 async def test_the_bound_held_ahead_is_settled_to_the_requests_real_cost(guard_factory, roomy_vllm):
     roomy_vllm.token_delay = 0.05
     guard = await guard_factory(reservation="FullBudget")
-    g = guard.guard
+    g = guard.guard.admission
     small = {"prompt": "a", "max_tokens": 40, "n": 3, "stream": True}        # 3 × 2 blocks, below the bound of 32
     big = {"prompt": "a", "max_tokens": 900, "n": 2, "stream": True}         # 2 × 29 blocks, above it
     async with aiohttp.ClientSession() as s:
@@ -206,8 +206,8 @@ async def test_a_client_gone_mid_stream_leaves_nothing_held(guard_factory, roomy
             await r.content.readline()
         # Left mid-stream: the guard cancels, vLLM's request is aborted, the grant released.
         await until(lambda: roomy_vllm.disconnects == 1, "vLLM's request to be aborted")
-        await until(lambda: guard.guard.scheduler.running == 0, "the grant to be released")
-    assert guard.guard.ledger.in_flight == 0
+        await until(lambda: guard.guard.admission.scheduler.running == 0, "the grant to be released")
+    assert guard.guard.admission.ledger.in_flight == 0
 
 
 async def test_a_request_sent_ahead_is_in_flight_for_the_audit_before_vllm_answers(guard_factory, roomy_vllm):

@@ -5,8 +5,8 @@ import aiohttp
 import pytest
 
 from gpufleet_engine.contract import guard_config
-from gpufleet_engine.served_context import NoContextLength, NoMaxModelLen, served_max_model_len
-from gpufleet_engine.server import GuardServer
+from gpufleet_engine.serving.served_context import NoContextLength, NoMaxModelLen, served_max_model_len
+from gpufleet_engine.serving.server import GuardServer
 from tests.support.waiting import wait_for
 
 LLAMA = {"object": "list", "data": [{"id": "chat", "object": "model", "max_model_len": 131072}]}
@@ -45,7 +45,7 @@ async def test_without_a_configured_length_the_guard_admits_up_to_what_vllm_serv
     guard = await _guard(fake_vllm, tokenizer)
     try:
         await guard.wait_ready(5)
-        assert guard.guard.limits.max_context_tokens == 300
+        assert guard.guard.admission.limits.max_context_tokens == 300
         async with aiohttp.ClientSession() as s:
             async with s.post(guard.url + "/v1/completions", json={"prompt": "x " * 250, "max_tokens": 60}) as r:
                 assert r.status == 400
@@ -61,7 +61,8 @@ async def test_a_configured_limit_above_what_vllm_serves_is_capped_to_it(fake_vl
     guard = await _guard(fake_vllm, tokenizer, maxContextTokens=1000)
     try:
         await guard.wait_ready(5)
-        assert guard.guard.limits.max_context_tokens == 300 and guard.guard.limits.max_model_len == 300
+        limits = guard.guard.admission.limits
+        assert limits.max_context_tokens == 300 and limits.max_model_len == 300
     finally:
         await guard.stop()
 
@@ -87,7 +88,7 @@ async def test_an_engine_length_in_the_config_needs_no_read(fake_vllm, tokenizer
     engine = {"model": "/m", "servedModelName": "m", "maxModelLen": 512}
     guard = await _guard(fake_vllm, tokenizer, engine=engine, blockSize=32)
     try:
-        assert guard.guard.limits is not None and guard.guard.limits.max_context_tokens == 512
+        assert guard.guard.admission.limits is not None and guard.guard.admission.limits.max_context_tokens == 512
         await guard.wait_ready(5)
     finally:
         await guard.stop()

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import aiohttp
 
+from gpufleet_engine.admission.sli import Request, judge, judge_refusal
 from gpufleet_engine.contract.guard_config import SLOConfig, parse
 from gpufleet_engine.contract.guard_metrics import Reason
-from gpufleet_engine.metrics import GuardMetrics
-from gpufleet_engine.sli import Request, judge, judge_refusal
+from gpufleet_engine.serving.prometheus import GuardMetrics
 from tests.unit.engine.test_guard_proxy import metrics, sample, until
 
 SLO = SLOConfig(ttft_p99_seconds=2.0, itl_p99_seconds=0.1, request_p99_seconds=30.0)

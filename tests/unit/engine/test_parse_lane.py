@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gpufleet_engine.parse_lane import ParseLane
+from gpufleet_engine.admission.parse_lane import ParseLane
 
 
 async def relay(events: list[str], steps: int) -> None:

@@ -1,7 +1,7 @@
 """Retry-After sized to the crowd: a simulated closed-loop crowd on a fake clock."""
 import random
 
-from gpufleet_engine.retry_hint import RetryAdvisor
+from gpufleet_engine.admission.retry_hint import RetryAdvisor
 
 
 class Clock:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet_engine import vllm_routes
 from gpufleet_engine.contract import guard_config
-from gpufleet_engine.proxy import Guard
-from gpufleet_engine.server import build_app
-from gpufleet_engine.upstream import Upstream
-from gpufleet_engine.vllm_routes import ROUTES, Handling
+from gpufleet_engine.serving.guard import Guard
+from gpufleet_engine.serving.server import build_app
+from gpufleet_engine.serving.upstream import Upstream
+from gpufleet_engine.vllm import routes as vllm_routes
+from gpufleet_engine.vllm.routes import ROUTES, Handling
 
 DUMP = Path(__file__).with_name("vllm_route_dump.py")
 DOC = Path(__file__).resolve().parents[3] / "docs" / "vllm-compat.md"

@@ -6,13 +6,10 @@ import math
 
 import pytest
 
-from gpufleet_engine.admission import KvLedger, KvSnapshot
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.guard_config import QueueClass
-from gpufleet_engine.contract.guard_metrics import SHED_REASONS, Reason
-from gpufleet_engine.queues import MultiLevelQueue
-from gpufleet_engine.scheduler import OVERLOAD_HOLD_SECONDS, Rejection, Scheduler
-from gpufleet_engine.ttft_limit import (
+from gpufleet_engine.admission.kv_ledger import KvLedger, KvSnapshot
+from gpufleet_engine.admission.queues import MultiLevelQueue
+from gpufleet_engine.admission.scheduler import OVERLOAD_HOLD_SECONDS, Rejection, Scheduler
+from gpufleet_engine.admission.ttft_limit import (
     DECREASE,
     DEEPEST_CUT,
     RECOVERY_HALF_LIFE_SECONDS,
@@ -22,6 +19,9 @@ from gpufleet_engine.ttft_limit import (
     quantile,
     ttft_limit_for,
 )
+from gpufleet_engine.contract import guard_config
+from gpufleet_engine.contract.guard_config import QueueClass
+from gpufleet_engine.contract.guard_metrics import SHED_REASONS, Reason
 from tests.support.waiting import wait_for
 
 OBJECTIVE = 0.5  # seconds: the engine's share is 0.3 s

@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from gpufleet_engine import route_costs
-from gpufleet_engine.context import ContextTooLong, InvalidRequest, Limits
+from gpufleet_engine.admission import route_costs
+from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest, Limits
 from tests.support.waiting import wait_for
 from tests.unit.engine.conftest import FakeVllm, WordTokenizer, serving
 
@@ -76,7 +76,8 @@ async def test_load_counts_the_requests_the_guard_holds_running_and_queued(guard
     fake_vllm.hold = asyncio.Event()
     body = {"model": "m", "prompt": "a b", "max_tokens": 2}
     requests = [asyncio.create_task(call("POST", guard.url + "/v1/completions", json=body)) for _ in range(3)]
-    await wait_for(lambda: guard.guard.scheduler.running == 1 and guard.guard.queue.depth("standard") == 2,
+    admission = guard.guard.admission
+    await wait_for(lambda: admission.scheduler.running == 1 and admission.queue.depth("standard") == 2,
                    timeout=5, interval=0.005, what="one running, two queued")
     assert (await call("GET", guard.url + "/load"))[:2] == (200, {"server_load": 3})
     fake_vllm.hold.set()

@@ -35,7 +35,7 @@ def test_a_reading_without_the_ledger_is_unreadable_not_empty():
 
 
 def test_the_guards_own_metric_names_are_the_ones_parsed():
-    from gpufleet_engine.metrics import GuardMetrics
+    from gpufleet_engine.serving.prometheus import GuardMetrics
     m = GuardMetrics(["interactive"])
     m.kv_free_blocks.set(10)
     m.kv_total_blocks.set(20)

