@@ -126,10 +126,10 @@ def _build_tiny(out: Path) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **TINY_SHAPE,
+        **TINY_SHAPE,  # type: ignore[arg-type]  # ints for int fields, which mypy cannot see
     )
     torch.manual_seed(TINY_SEED)
-    model = LlamaForCausalLM(config).to(torch.float16)  # half on disk: 6 MB instead of 13
+    model = LlamaForCausalLM(config).to(torch.float16)  # type: ignore[arg-type]  # transformers' own stubs  # half on disk: 6 MB instead of 13
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
 
@@ -148,6 +148,6 @@ def _build_smollm2(out: Path) -> None:
     model.config.quantization_config = None
     if hasattr(model.config, "__dict__"):
         model.config.__dict__.pop("quantization_config", None)
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as always set
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))

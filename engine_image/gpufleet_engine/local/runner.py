@@ -128,6 +128,7 @@ class LocalEngine:
     def start(self) -> "LocalEngine":
         """Start vLLM, wait until it serves, then the guard; raise with the log tail if either fails."""
         self.config_path.write_text(json.dumps(self.config_dict, indent=2))
+        assert self.config.engine is not None  # _base_config always writes the engine section
         launch = vllm_launch(self.config.engine, python=self.python, cpu_count=self.cpu_threads,
                              cpu_cores=self.cpu_cores)
         self.engine_proc = ManagedProcess("vllm", launch.argv, {**launch.env, **self._shared_env()},

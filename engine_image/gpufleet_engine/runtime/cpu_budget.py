@@ -43,7 +43,8 @@ class CpuBudget:
 def _core_list(cores: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5" (the syntax vLLM parses)."""
     parts: list[str] = []
-    start = prev = None
+    start: int | None = None
+    prev = -1
     for c in sorted(cores):
         if start is None:
             start = prev = c

@@ -46,7 +46,7 @@ class ManagedProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.running:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
     def wait(self, timeout: float | None = None) -> int | None:
@@ -77,6 +77,8 @@ class ManagedProcess:
     def _kill_group(self) -> None:
         # The group id is the child's pid (start_new_session); whatever it
         # forked and left behind goes with it.
+        if self.proc is None:
+            return
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import httpx
 
@@ -63,6 +64,7 @@ class PrometheusClient:
 
 def _single_value(data: dict, promql: str) -> float | None:
     kind, result = data.get("resultType"), data.get("result")
+    sample: Any
     if kind == "scalar":
         sample = result
     elif kind == "vector":
@@ -137,19 +139,21 @@ async def read_sample(client: PrometheusClient, *, service: str, namespace: str 
                 f"Prometheus at {client.url} has no data for {query}; check that --service matches the "
                 f"engines' service label ({sel}), that Prometheus scrapes the engine pods, and that the "
                 f"service had traffic in the last {round(window_seconds)}s (--window)")
-    if values["requests"] <= 0:
+    # Every value below is one the loop above found present (only _OPTIONAL ones may be None).
+    need: dict[str, float] = {k: v for k, v in values.items() if v is not None}
+    if need["requests"] <= 0:
         raise PrometheusError(f"no requests finished for {sel} in the last {round(window_seconds)}s; "
                               "widen --window or pick a period with traffic")
 
     def stats(side: str) -> TokenStats:
-        return TokenStats(p50=values[f"{side}_p50"], p95=values[f"{side}_p95"], p99=values[f"{side}_p99"],
-                          mean=values[f"{side}_mean"], max=None)
+        return TokenStats(p50=need[f"{side}_p50"], p95=need[f"{side}_p95"], p99=need[f"{side}_p99"],
+                          mean=need[f"{side}_mean"], max=None)
 
     traffic = Traffic(
-        requests=round(values["requests"]), span_seconds=window_seconds, window_seconds=rate_window_seconds,
-        windows=max(1, round(window_seconds / rate_window_seconds)), rps_peak=values["rps_peak"],
-        rps_trough=values["rps_trough"], rps_mean=values["requests"] / window_seconds,
-        prompt_tokens_per_s_peak=values["prompt_tps_peak"], output_tokens_per_s_peak=values["output_tps_peak"])
+        requests=round(need["requests"]), span_seconds=window_seconds, window_seconds=rate_window_seconds,
+        windows=max(1, round(window_seconds / rate_window_seconds)), rps_peak=need["rps_peak"],
+        rps_trough=need["rps_trough"], rps_mean=need["requests"] / window_seconds,
+        prompt_tokens_per_s_peak=need["prompt_tps_peak"], output_tokens_per_s_peak=need["output_tps_peak"])
     return PrometheusSample(url=client.url, selector=sel, window_seconds=window_seconds, prompt=stats("prompt"),
                             output=stats("output"), traffic=traffic,
                             concurrent_requests_peak=values["concurrency_peak"],
