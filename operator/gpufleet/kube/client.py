@@ -109,7 +109,13 @@ class KubeClient:
             headers["Content-Type"] = content_type
             data = json.dumps(body)
         ceil = 5.0  # aiohttp's default: longer timeouts are rounded up to whole seconds
-        if method != "GET" and self.write_fence is not None:
+        fenced = method != "GET" and self.write_fence is not None
+        if fenced and self.write_fence is not None and self.write_fence() <= 0:
+            raise NotLeading(f"{method} {path}")
+        creds = await self.credentials()
+        if fenced and self.write_fence is not None:
+            # Asked again after the credentials' await, right before sending: under load that await can
+            # outlast the lease, and a write must not leave after this replica stopped leading.
             remaining = self.write_fence()
             if remaining <= 0:
                 raise NotLeading(f"{method} {path}")
@@ -117,7 +123,6 @@ class KubeClient:
         kwargs = {}
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, ceil_threshold=ceil)
-        creds = await self.credentials()
         for attempt in range(2):
             async with self._send(creds, method, path, headers, params=params, data=data, **kwargs) as resp:
                 text = await resp.text()
