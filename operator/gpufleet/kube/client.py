@@ -109,14 +109,12 @@ class KubeClient:
             headers["Content-Type"] = content_type
             data = json.dumps(body)
         ceil = 5.0  # aiohttp's default: longer timeouts are rounded up to whole seconds
-        fenced = method != "GET" and self.write_fence is not None
-        if fenced and self.write_fence is not None and self.write_fence() <= 0:
-            raise NotLeading(f"{method} {path}")
+        fence = self.write_fence if method != "GET" else None
         creds = await self.credentials()
-        if fenced and self.write_fence is not None:
-            # Asked again after the credentials' await, right before sending: under load that await can
+        if fence is not None:
+            # Asked after the credentials' await, right before sending: under load that await can
             # outlast the lease, and a write must not leave after this replica stopped leading.
-            remaining = self.write_fence()
+            remaining = fence()
             if remaining <= 0:
                 raise NotLeading(f"{method} {path}")
             timeout, ceil = min(timeout or self._timeout.total or remaining, remaining), float("inf")
