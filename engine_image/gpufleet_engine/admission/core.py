@@ -70,7 +70,6 @@ class Admission:
         requests and those waiting in the queue (the running ones keep what they were admitted
         with)."""
         self.config = config
-        self.predicted = config.reservation == "Predicted"
         self.ledger.watermark_percent = config.kv_watermark_percent
         self.ledger.quantile = config.reservation_quantile_percent / 100
         self.queue.reconfigure(config.queue_classes, config.aging_seconds, config.max_queue_length)
@@ -86,6 +85,10 @@ class Admission:
         scheduler.dispatch()
 
     # --- what the engine and the tokenizer tell ---------------------------
+
+    @property
+    def predicted(self) -> bool:
+        return self.config.reservation == "Predicted"
 
     def update_limits(self) -> None:
         """The context limits from the config and the context vLLM serves (None while unknown)."""

@@ -29,7 +29,6 @@ from gpufleet_engine.contract import guard_config
 from gpufleet_engine.contract.guard_config import ConfigError, GuardConfig
 
 if TYPE_CHECKING:
-    from gpufleet_engine.serving.guard import Guard
     from gpufleet_engine.serving.prometheus import GuardMetrics
 
 log = logging.getLogger("gpufleet_engine.serving.reload")
@@ -45,12 +44,6 @@ class Outcome:
     changed: tuple[str, ...] = ()   # live keys now in effect
     pending: tuple[str, ...] = ()   # restart keys that differ from what runs (take effect with a new pod)
     problems: tuple[str, ...] = ()  # why an INVALID version was refused
-
-
-def apply(guard: "Guard", config: GuardConfig) -> None:
-    """Put ``config``'s live fields into effect in a running guard: the same ``configure`` that
-    set it up at start-up (admission/core.py has what each field does)."""
-    guard.configure(config)
 
 
 class ConfigWatcher:

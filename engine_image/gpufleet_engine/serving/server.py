@@ -154,7 +154,7 @@ class GuardServer:
             self._side_tasks.append(asyncio.create_task(self._learn_context(guard), name="served-context"))
         if self._config_path:
             def apply(config: GuardConfig) -> None:
-                reload.apply(guard, config)
+                guard.configure(config)  # the same configure that set it up at start-up
                 monitor.interval = config.metrics_poll_seconds
             self.watcher = reload.ConfigWatcher(self._config_path, self.config, apply, guard.metrics,
                                                 self._reload_seconds)
