@@ -20,6 +20,7 @@ from msgspec import Meta
 
 from gpufleet_engine.contract.typed import Model
 
+from .engine_release import DEFAULT_ENGINE_IMAGE
 from .schema import rule
 
 GROUP = "serving.gpufleet.dev"
@@ -30,7 +31,6 @@ PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["infsvc"]
 
-DEFAULT_ENGINE_IMAGE = "ghcr.io/gpufleet/engine:0.1.0-vllm0.11.0"
 # A resource quantity that cannot be negative (the Deployment would refuse one):
 # Kubernetes' own quantity syntax without the minus sign, and no negative integer.
 QUANTITY: dict[str, Any] = {"x-kubernetes-int-or-string": True, "minimum": 0,
@@ -251,8 +251,8 @@ class EngineSpec(Model, frozen=True, kw_only=True):
         ge=16, le=1048576)]] = None
     dtype: Annotated[Literal["auto", "float16", "bfloat16", "float32"], Meta(
         description="Weight/activation dtype.")] = "auto"
-    quantization: Optional[Annotated[Literal["awq", "gptq", "fp8", "bitsandbytes", "compressed-tensors",
-                                             "marlin"], Meta(
+    # Methods vLLM's --quantization takes (engine_image/vllm_check checks each against the pinned vLLM).
+    quantization: Optional[Annotated[Literal["awq", "gptq", "fp8", "compressed-tensors"], Meta(
         description="Weight quantization method, when the checkpoint is quantized.",
     )]] = None
     speculative: Optional[Annotated[SpeculativeSpec, Meta(description="Speculative decoding; off when unset.")]] = None
