@@ -1,5 +1,5 @@
 # The two commands of the README (demo, test), and what they are made of.
-.PHONY: demo test test-realnode setup unit lint generate images
+.PHONY: demo test test-realnode setup unit lint generate images images-cuda
 
 setup:
 	scripts/setup.sh
@@ -14,6 +14,12 @@ demo:
 # by a content hash of their inputs (seconds when nothing changed).
 images: setup
 	.venv/bin/gpufleet dev images
+
+# The production engine image (engine_image/Dockerfile.cuda: PyPI's CUDA vLLM), built offline
+# like the others and only on request: several GiB of wheels and a long build that no node here
+# runs; `make test` checks its vLLM without it (docs/dev-cluster.md).
+images-cuda: setup
+	.venv/bin/gpufleet dev images --only engine-cuda
 
 # Setup with the images (cached by content; built while the Go builds run); the linters and type
 # checks and the unit tests (no control plane: they run while the Go builds finish); then the

