@@ -55,10 +55,15 @@ fi
 
 scripts/install-prometheus.sh
 
+# The production vLLM's code for the unit tests' check of it (PyPI's CUDA wheel, about 300 MB,
+# unpacked once under ~/.cache/gpufleet; tests/unit/engine/test_production_vllm_build.py).
+.venv/bin/python -m gpufleet_dev.vllm_build_check --prepare
+
 # The images (`make images`: dockerd, debootstrap) and the real node of the local
 # cluster (`gpufleet dev up --real-node`: containerd with its CRI plugin, runc,
-# the CNI plugins, iptables for kube-proxy), all from Debian's packages.
-node_pkgs=(docker.io containerd runc containernetworking-plugins iptables conntrack debootstrap)
+# the CNI plugins, iptables for kube-proxy, nftables to clean kube-network-policies'
+# table), all from Debian's packages.
+node_pkgs=(docker.io containerd runc containernetworking-plugins iptables nftables conntrack debootstrap)
 missing=()
 for p in "${node_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -81,7 +86,7 @@ if [ -n "$MEANWHILE" ]; then
   bash -c "$MEANWHILE" || { echo "failed: $MEANWHILE" >&2; exit 1; }
 fi
 
-say "waiting for the Go builds (the control plane, Helm, the real node's kubelet and kube-proxy)"
+say "waiting for the Go builds (the control plane, Helm, the real node's kubelet, kube-proxy, kube-network-policies and CoreDNS)"
 wait $GO_PID || { echo "the Go builds failed (their output is above)" >&2; exit 1; }
 trap - EXIT
 say "ready"

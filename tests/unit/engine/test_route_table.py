@@ -22,6 +22,7 @@ from gpufleet_engine.vllm import routes as vllm_routes
 from gpufleet_engine.vllm.routes import ROUTES, Handling
 
 DUMP = Path(__file__).with_name("vllm_route_dump.py")
+CHECK = Path(__file__).resolve().parents[3] / "engine_image" / "vllm_check" / "check.py"  # builds the app DUMP prints
 DOC = Path(__file__).resolve().parents[3] / "docs" / "vllm-compat.md"
 # Routes vLLM registers only when an optional package is installed, so the dump may lack them.
 NEEDS_OPTIONAL_PACKAGE = {"/cohere/v2/chat": "cohere"}
@@ -45,10 +46,10 @@ def _installed_vllm() -> str:
 
 @pytest.fixture(scope="module")
 def vllm_api_routes(request) -> dict[str, set[str]]:
-    # Building vLLM's app takes 10-20 s of imports; its routes change only with vLLM (or the dump script),
+    # Building vLLM's app takes 10-20 s of imports; its routes change only with vLLM (or the scripts),
     # so the answer is kept in pytest's cache under both.
     key = "gpufleet/vllm-routes/" + hashlib.sha256(
-        (_installed_vllm() + DUMP.read_text()).encode()).hexdigest()[:16]
+        (_installed_vllm() + DUMP.read_text() + CHECK.read_text()).encode()).hexdigest()[:16]
     routes = request.config.cache.get(key, None)
     if routes is None:
         out = subprocess.run([sys.executable, str(DUMP)], capture_output=True, text=True, timeout=300,
