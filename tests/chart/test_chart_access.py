@@ -57,7 +57,7 @@ def test_by_default_the_operator_gives_engines_a_policy_naming_its_own_pods_and_
 
 def test_the_operators_policy_selects_its_pods_and_lets_it_reach_the_api_server_dns_and_engines(helm):
     docs = render(helm, "--set", "networkPolicy.clientNamespaces={gateway}")
-    policy = one(docs, "NetworkPolicy")["spec"]
+    policy = one(docs, "NetworkPolicy", "gpufleet-operator")["spec"]
     pod_labels = one(docs, "Deployment", "gpufleet-operator")["spec"]["template"]["metadata"]["labels"]
     assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert policy["policyTypes"] == ["Ingress", "Egress"]
@@ -79,7 +79,8 @@ def test_the_operators_policy_selects_its_pods_and_lets_it_reach_the_api_server_
 
 
 def test_api_server_addresses_narrow_the_operators_egress(helm):
-    policy = one(render(helm, "--set", "networkPolicy.apiServer.cidrs={10.0.0.1/32}"), "NetworkPolicy")["spec"]
+    policy = one(render(helm, "--set", "networkPolicy.apiServer.cidrs={10.0.0.1/32}"), "NetworkPolicy",
+                 "gpufleet-operator")["spec"]
     assert policy["egress"][0]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
 
 
@@ -129,3 +130,42 @@ def test_operator_liveness_and_readiness_ask_different_questions(helm):
     assert (live["path"], live["port"]) == ("/healthz", "probes")
     assert (ready["path"], ready["port"]) == ("/readyz", "metrics")
     assert "--liveness=http://0.0.0.0:8081/healthz" in container["args"]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels and the In/NotIn/Exists/DoesNotExist expressions) against labels."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        if (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values) \
+                or (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels):
+            return False
+    return True
+
+
+def _uncovered(docs: list[dict]) -> list[tuple]:
+    """Pod templates not selected for both directions by the NetworkPolicies of their namespace."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    out = []
+    for w in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")):
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        namespace = w["metadata"].get("namespace", "gpufleet-system")
+        covering = [p for p in policies if p["metadata"].get("namespace", "gpufleet-system") == namespace
+                    and _selects(p["spec"]["podSelector"], labels)]
+        types = {t for p in covering for t in p["spec"].get("policyTypes", ["Ingress"])}
+        if not types >= {"Ingress", "Egress"}:
+            out.append((w["kind"], w["metadata"]["name"], sorted(types)))
+    return out
+
+
+@pytest.mark.parametrize("args", [[], ["--set", "router.enabled=false"]], ids=["default", "no-router"])
+def test_every_pod_the_chart_runs_has_a_policy_for_its_ingress_and_egress(helm, args):
+    """kube-score's pod-networkpolicy check: each pod template is selected by a NetworkPolicy of its
+    namespace, and the policies selecting it cover both directions (an unselected direction is open)."""
+    docs = render(helm, *args)
+    assert any(d["kind"] == "Deployment" for d in docs)
+    assert _uncovered(docs) == []
+    # The check can fail: with the policies off every pod is open.
+    off = render(helm, *args, "--set", "networkPolicy.enabled=false")
+    assert {name for _kind, name, _types in _uncovered(off)} >= {"gpufleet-operator"}

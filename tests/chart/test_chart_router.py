@@ -87,3 +87,35 @@ def test_prometheus_scrapes_the_routers_keeping_their_service_labels(helm):  # n
     monitor = docs[("ServiceMonitor", "gpufleet-router")]["spec"]
     assert monitor["selector"]["matchLabels"] == docs[("Service", "gpufleet-router")]["spec"]["selector"]
     assert monitor["endpoints"] == [{"port": "http", "interval": "15s", "honorLabels": True}]
+
+
+def test_the_routers_policy_admits_clients_the_operator_and_prometheus_and_lets_it_reach_engines(helm):  # noqa: F811
+    docs = objects(helm)
+    policy = docs[("NetworkPolicy", "gpufleet-router")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == \
+        docs[("Deployment", "gpufleet-router")]["spec"]["selector"]["matchLabels"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    clients, own = policy["ingress"]
+    assert clients == {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 8000}]}
+    operator_labels = docs[("Deployment", "gpufleet-operator")]["spec"]["selector"]["matchLabels"]
+    assert own["from"][0] == {"podSelector": {"matchLabels": operator_labels}}
+    assert own["from"][1]["namespaceSelector"]["matchExpressions"][0]["values"] == ["monitoring"]
+    api, dns, engines = policy["egress"]
+    assert {p["port"] for p in api["ports"]} == {443, 6443}
+    assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    assert engines["to"] == [{"namespaceSelector": {},
+                              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "gpufleet-engine"}}}]
+    assert engines["ports"] == [{"protocol": "TCP", "port": 8080}]
+
+
+def test_the_routers_clients_narrow_to_what_the_values_name(helm):  # noqa: F811
+    policy = objects(helm, "--set-json", 'networkPolicy.router.from=[{"namespaceSelector": {"matchLabels": '
+                     '{"kubernetes.io/metadata.name": "gateway"}}}, {"ipBlock": {"cidr": "10.1.0.0/16"}}]')[
+        ("NetworkPolicy", "gpufleet-router")]["spec"]
+    assert policy["ingress"][0]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}},
+        {"ipBlock": {"cidr": "10.1.0.0/16"}}]
+    closed = objects(helm, "--set-json", "networkPolicy.router.from=[]")[("NetworkPolicy", "gpufleet-router")]
+    assert len(closed["spec"]["ingress"]) == 1  # the operator and Prometheus only
+    assert ("NetworkPolicy", "gpufleet-router") not in objects(helm, "--set", "router.enabled=false")
+    assert ("NetworkPolicy", "gpufleet-router") not in objects(helm, "--set", "networkPolicy.enabled=false")

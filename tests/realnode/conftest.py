@@ -1,6 +1,7 @@
 """The real node: a control plane started with ``--real-node`` (a kubelet with
-containerd, CNI and kube-proxy beside the kwok nodes) and the images of
-``make images`` imported into it.
+containerd, CNI, kube-proxy, kube-network-policies and CoreDNS beside the kwok
+nodes) and the images of ``make images`` imported into it; the product installed
+there once for the session (``install``: the chart; ``service``: the tiny sample).
 
 These tests run as their own pytest session (``make test`` does): the other
 tests' host-process operator watches every namespace and would reconcile the
@@ -8,9 +9,27 @@ services here too, fighting the in-cluster operator under test.
 """
 from __future__ import annotations
 
-import pytest
+import asyncio
+import json
+import subprocess
+import uuid
+from urllib.parse import urlsplit
 
+import pytest
+import yaml
+from gpufleet_dev.devcluster import node
+from gpufleet_dev.devcluster.binaries import ensure_helm
+
+from tests.realnode.product import (
+    ROOT,
+    Install,
+    _cluster_ip,
+    _delete_leftover_cluster_objects,
+    _sample,
+    _service_ready,
+)
 from tests.support.cluster import session_control_plane
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +53,60 @@ def built_images(control_plane) -> dict[str, str]:
     now when the running node lacks them (a rebuild since `gpufleet dev up`)."""
     from gpufleet_dev.devcluster import cluster
     return cluster.refresh_real_node_images(progress=lambda m: print(f"[real node] {m}", flush=True))
+
+
+@pytest.fixture(scope="session")
+def install(control_plane, built_images):
+    """The chart in a namespace that enforces the `restricted` Pod Security Standard, the
+    operator watching one workload namespace, scheduled on the real node."""
+    suffix = uuid.uuid4().hex[:6]
+    inst = Install(f"rn-operator-{suffix}", f"rn-work-{suffix}", str(ensure_helm(progress=print)))
+    _delete_leftover_cluster_objects(control_plane)
+    control_plane.kubectl("create", "namespace", inst.operator_ns)
+    control_plane.kubectl("label", "namespace", inst.operator_ns, "pod-security.kubernetes.io/enforce=restricted")
+    control_plane.kubectl("create", "namespace", inst.work_ns)
+    # Values as JSON: helm reads YAML 1.2, where a hex tag like 0635778304e6 unquoted is a number.
+    repo, tag = built_images["operator"].rsplit(":", 1)
+    values = {
+        "image": {"repository": repo, "tag": tag, "pullPolicy": "IfNotPresent"},
+        "replicaCount": 1, "watchNamespaces": [inst.work_ns],
+        "operator": {"auditIntervalSeconds": 5},
+        "nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
+        # The API server's own port: the policies' egress names it, as on a cluster where it is 6443.
+        "networkPolicy": {"apiServer": {"ports": [urlsplit(control_plane.server).port]}},
+        "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
+        # The router's two pods on the real node too, small enough to leave room for two engines.
+        "router": {"nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
+                   "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
+                   "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}},
+    }
+    env = control_plane.env()
+    subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns], env=env, capture_output=True)
+    out = subprocess.run([inst.helm, "install", "gpufleet", str(ROOT / "charts" / "gpufleet"), "-n", inst.operator_ns,
+                          "-f", "-"], input=json.dumps(values), env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    yield inst
+    control_plane.kubectl("delete", "namespace", inst.work_ns, "--wait=false", check=False)
+    subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns, "--wait"], env=env,
+                   capture_output=True, timeout=120)
+    control_plane.kubectl("delete", "namespace", inst.operator_ns, "--wait=false", check=False)
+
+
+
+@pytest.fixture(scope="session")
+def service(install, control_plane, built_images):
+    """The real-node tiny sample, Ready with one replica; yields its ClusterIP."""
+    control_plane.kubectl("apply", "-n", install.work_ns, "-f", "-",
+                          input=yaml.safe_dump(_sample(built_images["engine-cpu"])))
+
+    async def ready() -> str:
+        kube = control_plane.client()
+        try:
+            await wait_for(lambda: _service_ready(kube, install.work_ns, 1), timeout=420,
+                           what="the tiny engine pod Ready on the real node",
+                           describe=lambda: control_plane.kubectl("-n", install.work_ns, "describe", "pods",
+                                                                  check=False).stdout[-4000:])
+            return await _cluster_ip(kube, install.work_ns)
+        finally:
+            await kube.close()
+    return asyncio.run(ready())

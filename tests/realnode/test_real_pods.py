@@ -3,20 +3,17 @@ real kubelet, and the tiny sample's engine pods run the CPU engine image there,
 with their real probes, preStop drain and grace period, behind a Service that
 kube-proxy programs. Clients use the Service's ClusterIP with the openai SDK.
 
-One install and one service for the module; the tests run in file order, each
+One install and one service for the session (conftest.py); the tests run in file order, each
 leaving the service at one Ready replica.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import socket
-import subprocess
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,130 +21,15 @@ import openai
 import pytest
 import yaml
 from gpufleet_dev.devcluster import node
-from gpufleet_dev.devcluster.binaries import ensure_helm
 
 from gpufleet.manifests import names
 from gpufleet.manifests.children import RUN_AS_USER
 from gpufleet_engine.local.models import prepare
+from tests.realnode.product import API, SERVICE, _pods, _ready, _sample, _service_ready, _wait_operator_ready
 from tests.support.fake_hub import FakeHub
 from tests.support.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
-API = "serving.gpufleet.dev/v1alpha1"
-SERVICE = "tiny"
 pytestmark = pytest.mark.timeout(900)
-
-
-@dataclass
-class Install:
-    operator_ns: str
-    work_ns: str
-    helm: str
-
-
-def _delete_leftover_cluster_objects(control_plane) -> None:
-    """Cluster-scoped objects of an earlier run's release that never got uninstalled (an
-    interrupted run): helm refuses to adopt them into a release in another namespace."""
-    out = control_plane.kubectl("get", "clusterrole,clusterrolebinding", "-o", "json").stdout
-    for obj in json.loads(out)["items"]:
-        release_ns = obj["metadata"].get("annotations", {}).get("meta.helm.sh/release-namespace", "")
-        if release_ns.startswith("rn-operator-"):
-            control_plane.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], check=False)
-
-
-@pytest.fixture(scope="module")
-def install(control_plane, built_images):
-    """The chart in a namespace that enforces the `restricted` Pod Security Standard, the
-    operator watching one workload namespace, scheduled on the real node."""
-    suffix = uuid.uuid4().hex[:6]
-    inst = Install(f"rn-operator-{suffix}", f"rn-work-{suffix}", str(ensure_helm(progress=print)))
-    _delete_leftover_cluster_objects(control_plane)
-    control_plane.kubectl("create", "namespace", inst.operator_ns)
-    control_plane.kubectl("label", "namespace", inst.operator_ns, "pod-security.kubernetes.io/enforce=restricted")
-    control_plane.kubectl("create", "namespace", inst.work_ns)
-    # Values as JSON: helm reads YAML 1.2, where a hex tag like 0635778304e6 unquoted is a number.
-    repo, tag = built_images["operator"].rsplit(":", 1)
-    values = {
-        "image": {"repository": repo, "tag": tag, "pullPolicy": "IfNotPresent"},
-        "replicaCount": 1, "watchNamespaces": [inst.work_ns],
-        "operator": {"auditIntervalSeconds": 5},
-        "nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
-        "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
-        # The router's two pods on the real node too, small enough to leave room for two engines.
-        "router": {"nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
-                   "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
-                   "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}},
-    }
-    env = control_plane.env()
-    subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns], env=env, capture_output=True)
-    out = subprocess.run([inst.helm, "install", "gpufleet", str(ROOT / "charts" / "gpufleet"), "-n", inst.operator_ns,
-                          "-f", "-"], input=json.dumps(values), env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    yield inst
-    control_plane.kubectl("delete", "namespace", inst.work_ns, "--wait=false", check=False)
-    subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns, "--wait"], env=env,
-                   capture_output=True, timeout=120)
-    control_plane.kubectl("delete", "namespace", inst.operator_ns, "--wait=false", check=False)
-
-
-async def _pods(kube, ns: str, selector: str) -> list[dict]:
-    return await kube.list("v1", "Pod", ns, label_selector=selector)
-
-
-def _ready(pod: dict) -> bool:
-    if pod["metadata"].get("deletionTimestamp"):
-        return False
-    conds = {c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])}
-    return conds.get("Ready") == "True"
-
-
-async def _operator_pods(kube, inst: Install) -> list[dict]:
-    return await _pods(kube, inst.operator_ns, "app.kubernetes.io/name=gpufleet-operator")
-
-
-async def _wait_operator_ready(kube, inst: Install, control_plane, exclude: set[str] = frozenset()) -> dict:
-    async def ready():
-        pods = [p for p in await _operator_pods(kube, inst) if p["metadata"]["name"] not in exclude]
-        return next((p for p in pods if _ready(p)), None)
-    return await wait_for(ready, timeout=180, what="the operator pod Ready",
-                          describe=lambda: control_plane.kubectl(
-                              "-n", inst.operator_ns, "describe", "pods", check=False).stdout[-3000:])
-
-
-def _sample(image: str) -> dict:
-    sample = yaml.safe_load((ROOT / "samples" / "real-node-tiny.yaml").read_text())
-    sample["spec"]["engine"]["image"] = image
-    return sample
-
-
-async def _service_ready(kube, ns: str, replicas: int, service: str = SERVICE) -> bool:
-    pods = [p for p in await _pods(kube, ns, names.selector_string(service)) if not p["metadata"].get(
-        "deletionTimestamp")]
-    return len(pods) == replicas and all(_ready(p) for p in pods)
-
-
-async def _cluster_ip(kube, ns: str) -> str:
-    svc = await kube.get("v1", "Service", names.service_name(SERVICE), ns)
-    return svc["spec"]["clusterIP"]
-
-
-@pytest.fixture(scope="module")
-def service(install, control_plane, built_images):
-    """The real-node tiny sample, Ready with one replica; yields its ClusterIP."""
-    control_plane.kubectl("apply", "-n", install.work_ns, "-f", "-",
-                          input=yaml.safe_dump(_sample(built_images["engine-cpu"])))
-
-    async def ready() -> str:
-        kube = control_plane.client()
-        try:
-            await wait_for(lambda: _service_ready(kube, install.work_ns, 1), timeout=420,
-                           what="the tiny engine pod Ready on the real node",
-                           describe=lambda: control_plane.kubectl("-n", install.work_ns, "describe", "pods",
-                                                                  check=False).stdout[-4000:])
-            return await _cluster_ip(kube, install.work_ns)
-        finally:
-            await kube.close()
-    return asyncio.run(ready())
 
 
 # --- load through the Service ----------------------------------------------------

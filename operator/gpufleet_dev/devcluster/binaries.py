@@ -21,6 +21,8 @@ KUBERNETES_VERSION = "v1.34.4"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.19.0"
+NETWORK_POLICIES_VERSION = "v0.8.0"
+COREDNS_VERSION = "v1.13.2"
 
 Progress = Callable[[str], None]
 
@@ -38,6 +40,9 @@ class Component:
     outputs: tuple[str, ...]   # binary names expected after the build
     renames: tuple[tuple[str, str], ...] = ()
     ldflags: str = ""
+    # A main package of our own (main.go of the throwaway module, built as the module's root package)
+    # instead of the upstream ``packages``, which are then only what it imports.
+    main_go: str = ""
     # Bumped when the way we build changes, so stale cached binaries are rebuilt.
     recipe: str = "1"
 
@@ -84,7 +89,28 @@ HELM = Component(
     name="helm", version=HELM_VERSION, module="helm.sh/helm/v3",
     packages=("helm.sh/helm/v3/cmd/helm",), outputs=("helm",),
 )
+# The real node's NetworkPolicy enforcement (netpol.py) and cluster DNS (dns.py).
+NETWORK_POLICIES = Component(
+    name="kube-network-policies", version=NETWORK_POLICIES_VERSION, module="sigs.k8s.io/kube-network-policies",
+    packages=("sigs.k8s.io/kube-network-policies/cmd",), outputs=("kube-network-policies",),
+    renames=(("cmd", "kube-network-policies"),),
+)
+# CoreDNS's own main imports every plugin (cloud DNS SDKs, tracers: 7.4 min to build here);
+# this one imports those dns.corefile uses, as CoreDNS documents for a custom build. The
+# directives' order stays CoreDNS's (core/dnsserver/zdirectives.go).
+COREDNS_PLUGINS = ("bind", "cache", "errors", "health", "kubernetes", "loadbalance", "ready")
+COREDNS = Component(
+    name="coredns", version=COREDNS_VERSION, module="github.com/coredns/coredns",
+    packages=("github.com/coredns/coredns/coremain",
+              *(f"github.com/coredns/coredns/plugin/{p}" for p in COREDNS_PLUGINS)),
+    outputs=("coredns",),
+    main_go="package main\n\nimport (\n\t\"github.com/coredns/coredns/coremain\"\n" + "".join(
+        f'\t_ "github.com/coredns/coredns/plugin/{p}"\n' for p in COREDNS_PLUGINS) + ")\n\n"
+        "func main() { coremain.Run() }\n",
+    recipe="2",
+)
 CONTROL_PLANE = (ETCD, KUBERNETES, KWOK)
+NODE_SERVICES = (NETWORK_POLICIES, COREDNS)
 
 
 def _go_env() -> dict:
@@ -125,8 +151,11 @@ def build(component: Component, progress: Progress = print) -> Path:
     if component.module == "k8s.io/kubernetes":
         gomod += ["replace (", *_staging_replaces(component.version, env), ")", ""]
     (work / "go.mod").write_text("\n".join(gomod))
-    imports = "\n".join(f'\t_ "{p}"' for p in component.packages)
-    (work / "tools.go").write_text(f"//go:build tools\n\npackage tools\n\nimport (\n{imports}\n)\n")
+    if component.main_go:
+        (work / "main.go").write_text(component.main_go)
+    else:
+        imports = "\n".join(f'\t_ "{p}"' for p in component.packages)
+        (work / "tools.go").write_text(f"//go:build tools\n\npackage tools\n\nimport (\n{imports}\n)\n")
     started = time.monotonic()
     progress(f"building {component.name} {component.version} from the Go module proxy "
              f"(first time only; several minutes on 2 cores)...")
@@ -135,7 +164,7 @@ def build(component: Component, progress: Progress = print) -> Path:
     out.mkdir()
     proc = subprocess.Popen(["go", "build", "-trimpath", f"-ldflags=-s -w {component.ldflags}".strip(),
                              "-o", str(out) + "/",
-                             *component.packages], cwd=work, env=env,
+                             *(["."] if component.main_go else component.packages)], cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while True:
         try:
@@ -204,8 +233,10 @@ def ensure_helm(progress: Progress = print) -> Path:
 
 
 def ensure_node_agents(progress: Progress = print) -> dict[str, Path]:
-    build(KUBERNETES_NODE, progress)
-    return {name: KUBERNETES_NODE.binary(name) for name in KUBERNETES_NODE.outputs}
+    """The real node's binaries: kubelet, kube-proxy, kube-network-policies and CoreDNS."""
+    for c in (KUBERNETES_NODE, *NODE_SERVICES):
+        build(c, progress)
+    return {name: c.binary(name) for c in (KUBERNETES_NODE, *NODE_SERVICES) for name in c.outputs}
 
 
 def ensure_all(progress: Progress = print) -> None:

@@ -31,9 +31,9 @@ SERVICE_CIDR = "10.96.0.0/16"
 # Linux, so a local process can listen on a simulated pod's own address.
 POD_CIDR = "127.64.0.0/16"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "containerd",
-              "kubelet", "kube-proxy", "engine-backer")
+              "kubelet", "kube-proxy", "kube-network-policies", "coredns", "engine-backer")
 # The engine backer runs only with --engine-nodes, the real node's agents only with --real-node.
-OPTIONAL = {"engine-backer", "containerd", "kubelet", "kube-proxy"}
+OPTIONAL = {"engine-backer", "containerd", "kubelet", "kube-proxy", "kube-network-policies", "coredns"}
 
 
 class ClusterError(Exception):
@@ -139,11 +139,11 @@ def is_running() -> bool:
     return bool(state) and any(c["running"] for c in component_status(state).values())
 
 
-def _spawn(name: str, argv: list[str], logs: Path) -> dict:
+def _spawn(name: str, argv: list[str], logs: Path, env: dict[str, str] | None = None) -> dict:
     log = logs / f"{name}.log"
     with open(log, "ab") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **env} if env else None)
     return {"pid": proc.pid, "log": str(log), "binary": argv[0], "argv": argv}
 
 

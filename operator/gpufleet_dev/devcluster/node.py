@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import binaries, images, prune
+from . import binaries, dns, images, netpol, prune
 from .cluster import ClusterError
 from .fleet import GPU_TAINT, LOCAL_ENGINE_TAINT, POOL_LABEL
 
@@ -45,7 +45,7 @@ RUN_DIR = Path("/run/gpufleet-containerd")  # short: containerd's sockets live h
 SOCKET = RUN_DIR / "containerd.sock"
 PAUSE_REF = "localhost/gpufleet/pause:1"
 NAMESPACE = "k8s.io"
-COMPONENTS = ("containerd", "kubelet", "kube-proxy")
+COMPONENTS = ("containerd", "kubelet", "kube-proxy", netpol.NAME, dns.NAME)
 
 
 class RealNodeError(ClusterError):
@@ -54,7 +54,8 @@ class RealNodeError(ClusterError):
 
 def missing_prerequisites() -> list[str]:
     """What this machine lacks for a real node (empty when it can run one)."""
-    missing = [tool for tool in ("containerd", "ctr", "runc", "iptables") if shutil.which(tool) is None]
+    missing = [tool for tool in ("containerd", "ctr", "runc", "iptables", "nft", "unshare")
+               if shutil.which(tool) is None]
     if not Path("/usr/lib/cni/bridge").exists() and not Path("/opt/cni/bin/bridge").exists():
         missing.append("containernetworking-plugins")
     if os.geteuid() != 0:
@@ -130,8 +131,10 @@ authentication:
   webhook: {{enabled: false}}
   x509: {{clientCAFile: {pki / 'ca.crt'}}}
 authorization: {{mode: AlwaysAllow}}
-clusterDomain: cluster.local
-resolvConf: /etc/resolv.conf
+clusterDomain: {dns.CLUSTER_DOMAIN}
+clusterDNS: [{dns.CLUSTER_DNS_IP}]
+# The node's resolver for dnsPolicy Default pods; the others get clusterDNS and the cluster's search list only.
+resolvConf: {state / 'resolv.conf'}
 maxPods: 30
 serializeImagePulls: false
 imageGCHighThresholdPercent: 99
@@ -142,6 +145,12 @@ evictionHard: {{memory.available: 200Mi, nodefs.available: 1Gi, imagefs.availabl
 registerWithTaints:
 {taints}
 """
+
+
+def node_resolv_conf() -> str:
+    """Pods with dnsPolicy Default inherit this: the cluster's DNS, no host search domains (pods
+    reach nothing outside the machine, and the host's search list would only add refused lookups)."""
+    return f"nameserver {NODE_IP}\n"
 
 
 def kube_proxy_config(kubeconfig: Path, healthz_port: int, metrics_port: int) -> str:
@@ -366,6 +375,7 @@ def start(state: dict, fleet, root: Path, logs: Path, spawn, wait, progress: Pro
     ports = {"kubelet": free_port(), "kubelet-healthz": free_port(), "kube-proxy-healthz": free_port(),
              "kube-proxy-metrics": free_port()}
     state["ports"].update(ports)
+    (node_dir / "resolv.conf").write_text(node_resolv_conf())
     (node_dir / "kubelet.yaml").write_text(kubelet_config(node_dir, pki, ports["kubelet-healthz"], ports["kubelet"]))
     labels = ",".join(f"{k}={v}" for k, v in node_labels(fleet).items())
     progress(f"starting the kubelet ({binaries.KUBERNETES_VERSION}) of {NODE_NAME} at {NODE_IP}")
@@ -385,6 +395,8 @@ def start(state: dict, fleet, root: Path, logs: Path, spawn, wait, progress: Pro
                                                "--v=1"], logs)
     wait("kube-proxy", lambda: _http_ok(f"http://127.0.0.1:{ports['kube-proxy-healthz']}/healthz"), 60,
          ("kube-proxy",))
+    netpol.start(state, root, logs, spawn, wait, progress, NODE_NAME, NODE_IP, POD_CIDR)
+    dns.start(state, root, logs, spawn, wait, progress, NODE_IP)
 
 
 def _http_ok(url: str) -> bool:
@@ -427,9 +439,11 @@ def _advertise_gpus(kubeconfig: str, gpus: int) -> None:
 
 
 def stop(state: dict, root: Path, stop_process) -> list[str]:
-    """Stop kube-proxy and the kubelet, kill the pods' containers, stop containerd, clean the network."""
+    """Stop CoreDNS, kube-network-policies (removing its nftables table), kube-proxy and the kubelet,
+    kill the pods' containers, stop containerd, clean the network."""
     procs = state.get("processes", {})
-    stopped = [name for name in ("kube-proxy", "kubelet") if name in procs and stop_process(procs[name], 5)]
+    stopped = [name for name, service in ((dns.NAME, dns), (netpol.NAME, netpol)) if service.stop(state, stop_process)]
+    stopped += [name for name in ("kube-proxy", "kubelet") if name in procs and stop_process(procs[name], 5)]
     stop_pods()
     if "containerd" in procs and stop_process(procs["containerd"], 5):
         stopped.append("containerd")

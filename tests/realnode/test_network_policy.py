@@ -1,0 +1,148 @@
+"""NetworkPolicies enforced for real (kube-network-policies on the real node) and cluster DNS
+(CoreDNS behind the kube-dns Service), seen from pods: small probe pods of the operator image
+(it has python3), one in a namespace of its own and one in the service's, connect with a
+timeout to names and addresses, and so do the router's and the operator's pods.
+
+A dropped connection times out; one the policy lets through to a port nothing listens on is
+refused. vLLM listens on the pod's loopback only (the host sees its port on the pod's address
+refuse, test_real_pods), so a timeout there is the engines' policy dropping it.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import yaml
+from gpufleet_dev.devcluster import dns, node
+
+from gpufleet.manifests import names
+from tests.realnode.product import SERVICE, _pods, _ready
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+ROUTER = "gpufleet-router"
+# Prints "open|refused|timeout|error <address>" or "unresolved <why>".
+CONNECT = """
+import socket, sys
+host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+try:
+    addr = socket.gethostbyname(host)
+except OSError as e:
+    print("unresolved", e); sys.exit()
+s = socket.socket(); s.settimeout(timeout)
+try:
+    s.connect((addr, port)); print("open", addr)
+except socket.timeout:
+    print("timeout", addr)
+except ConnectionRefusedError:
+    print("refused", addr)
+except OSError as e:
+    print("error", addr, e)
+"""
+GET = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+def connect(control_plane, ns: str, pod: str, host: str, port: int, timeout: float = 3) -> str:
+    return control_plane.kubectl("-n", ns, "exec", pod, "--", "python3", "-c", CONNECT, host, str(port),
+                                 str(timeout), check=False).stdout.strip()
+
+
+def _probe_pod(image: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe", "labels": {"app": "probe"}},
+            "spec": {"nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
+                     "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
+                     "terminationGracePeriodSeconds": 0,
+                     "containers": [{"name": "probe", "image": image, "imagePullPolicy": "IfNotPresent",
+                                     "command": ["python3", "-c", "import signal; signal.pause()"],
+                                     "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
+                                                   "limits": {"memory": "64Mi"}}}]}}
+
+
+@pytest.fixture(scope="module")
+def probes(service, install, control_plane, built_images) -> dict[str, str]:
+    """Probe pods, Running: 'outside' in a namespace of its own, 'beside' in the service's."""
+    outside = f"rn-outside-{uuid.uuid4().hex[:6]}"
+    control_plane.kubectl("create", "namespace", outside)
+    spec = yaml.safe_dump(_probe_pod(built_images["operator"]))
+    namespaces = {"outside": outside, "beside": install.work_ns}
+    for ns in namespaces.values():
+        control_plane.kubectl("apply", "-n", ns, "-f", "-", input=spec)
+
+    async def running():
+        kube = control_plane.client()
+        try:
+            for ns in namespaces.values():
+                await wait_for(lambda ns=ns: _probe_running(kube, ns), timeout=120, what=f"the probe pod in {ns}",
+                               describe=lambda ns=ns: control_plane.kubectl("-n", ns, "describe", "pod", "probe",
+                                                                            check=False).stdout[-2000:])
+        finally:
+            await kube.close()
+    asyncio.run(running())
+    yield namespaces
+    control_plane.kubectl("delete", "namespace", outside, "--wait=false", check=False)
+    control_plane.kubectl("-n", install.work_ns, "delete", "pod", "probe", "--wait=false", check=False)
+
+
+async def _probe_running(kube, ns: str) -> bool:
+    pod = await kube.get_or_none("v1", "Pod", "probe", ns)
+    return bool(pod) and _ready(pod)
+
+
+async def _one_ready(kube, ns: str, selector: str) -> dict:
+    async def ready():
+        return next((p for p in await _pods(kube, ns, selector) if _ready(p)), None)
+    return await wait_for(ready, timeout=180, what=f"a Ready pod {selector} in {ns}")
+
+
+async def test_a_pod_in_another_namespace_reaches_the_router_by_name_but_not_the_engines(
+        service, install, probes, control_plane, kube):
+    engine = (await _pods(kube, install.work_ns, names.selector_string(SERVICE)))[0]["status"]["podIP"]
+    outside = probes["outside"]
+    router = f"{ROUTER}.{install.operator_ns}"
+    # The router's policy admits every namespace by default: the probe has a network and DNS.
+    await wait_for(lambda: connect(control_plane, outside, "probe", router, 80).startswith("open"), timeout=60,
+                   what=f"the outside probe connecting to {router}:80")
+    models = control_plane.kubectl("-n", outside, "exec", "probe", "--", "python3", "-c", GET,
+                                   f"http://{router}/v1/models").stdout
+    assert "tiny-llama" in models
+    # The engines admit only the operator, the router's namespace and their own: dropped, by Service
+    # name (translated to the pod before the policy sees it) and by the pod's address.
+    assert connect(control_plane, outside, "probe", f"{SERVICE}.{install.work_ns}", 80) == f"timeout {service}"
+    assert connect(control_plane, outside, "probe", engine, names.GUARD_PORT) == f"timeout {engine}"
+
+
+async def test_the_router_operator_and_services_namespace_reach_the_guard_and_nothing_reaches_vllm(
+        service, install, probes, control_plane, kube):
+    engine = (await _pods(kube, install.work_ns, names.selector_string(SERVICE)))[0]["status"]["podIP"]
+    router = (await _one_ready(kube, install.operator_ns, f"app.kubernetes.io/name={ROUTER}"))["metadata"]["name"]
+    operator = (await _one_ready(kube, install.operator_ns, "app.kubernetes.io/name=gpufleet-operator"))[
+        "metadata"]["name"]
+    for ns, pod in ((install.operator_ns, router), (install.operator_ns, operator), (install.work_ns, "probe")):
+        assert connect(control_plane, ns, pod, engine, names.GUARD_PORT) == f"open {engine}", pod
+        # vLLM's port: the policy drops it (without the policy the pod's kernel would refuse it).
+        assert connect(control_plane, ns, pod, engine, names.ENGINE_PORT) == f"timeout {engine}", pod
+    # Beside the service, by its short name.
+    assert connect(control_plane, install.work_ns, "probe", SERVICE, 80) == f"open {service}"
+
+
+async def test_pods_resolve_services_by_name_through_kube_dns(service, install, probes, control_plane, kube):
+    outside, beside = probes["outside"], install.work_ns
+    fqdn = f"{SERVICE}.{beside}.svc.cluster.local"
+    resolv = control_plane.kubectl("-n", outside, "exec", "probe", "--", "cat", "/etc/resolv.conf").stdout
+    assert f"nameserver {dns.CLUSTER_DNS_IP}" in resolv and f"search {outside}.svc.cluster.local" in resolv
+
+    def resolve(ns: str, pod: str, name: str) -> str:
+        return control_plane.kubectl("-n", ns, "exec", pod, "--", "python3", "-c",
+                                     "import socket, sys; print(socket.gethostbyname(sys.argv[1]))", name,
+                                     check=False).stdout.strip()
+    for ns, name in ((beside, SERVICE), (outside, f"{SERVICE}.{beside}"), (outside, fqdn)):
+        assert resolve(ns, "probe", name) == service, (ns, name)
+    assert resolve(outside, "probe", "kubernetes.default") == "10.96.0.1"
+    # Names outside the cluster are refused, not forwarded anywhere.
+    assert resolve(outside, "probe", "example.com") == ""
+    # Pods under an egress policy (the router's) still reach DNS: the policy sees the query after the
+    # kube-dns address is translated to CoreDNS's on the node.
+    router = (await _one_ready(kube, install.operator_ns, f"app.kubernetes.io/name={ROUTER}"))["metadata"]["name"]
+    assert resolve(install.operator_ns, router, fqdn) == service
