@@ -31,6 +31,7 @@ MANAGED_FLAGS: dict[str, str] = {
     "--speculative-config": "set spec.engine.speculative",
     "-sc": "set spec.engine.speculative",
     "--num-gpu-blocks-override": "set spec.engine.kvCache.numBlocksOverride",
+    "--kv-transfer-config": "set spec.engine.kvTransfer",
 }
 
 

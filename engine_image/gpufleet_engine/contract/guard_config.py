@@ -47,6 +47,14 @@ CLASS_HEADER = "x-gpufleet-class"
 # a gateway in front that sets the header itself and drops the client's.
 ClassHeaderPolicy = Literal["LowerOnly", "Trusted"]
 CLASS_HEADER_POLICIES = typing.get_args(ClassHeaderPolicy)
+# What one engine pod does in its service: unified serves whole requests; a disaggregated
+# service's prefill pods compute prompts and hand their KV to its decode pods, which answer.
+Role = Literal["unified", "prefill", "decode"]
+ROLES = typing.get_args(Role)
+# vLLM's --kv-transfer-config kv_role: producers write KV, consumers load it, kv_both does both.
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+# What vLLM does when loading KV from the connector fails: compute the prompt again, or fail it.
+KVLoadFailurePolicy = Literal["recompute", "fail"]
 UNKNOWN_FIELD = "unknown field; check the spelling against docs/guard-config.md"
 
 
@@ -91,6 +99,14 @@ class SpeculativeConfig(_Section, frozen=True):
     num_tokens: Annotated[int, Meta(ge=1)] = 5
 
 
+class KVTransferConfig(_Section, frozen=True):
+    """vLLM's KV connector (``--kv-transfer-config``): how KV moves between engines."""
+    connector: str  # vLLM's kv_connector: NixlConnector, ExampleConnector, LMCacheConnectorV1
+    role: KVRole = "kv_both"
+    extra_config: Mapping[str, str] = msgspec.field(default_factory=dict)  # kv_connector_extra_config
+    load_failure_policy: KVLoadFailurePolicy = "recompute"
+
+
 class EngineConfig(_Section, frozen=True):
     model: str
     runtime: Runtime = "vllm"
@@ -115,6 +131,7 @@ class EngineConfig(_Section, frozen=True):
     num_gpu_blocks_override: Optional[Annotated[int, Meta(ge=2)]] = None
     cpu_kv_cache_space_gib: Optional[Annotated[int, Meta(ge=1)]] = msgspec.field(default=None,
                                                                                  name="cpuKvCacheSpaceGiB")
+    kv_transfer: Optional[KVTransferConfig] = None
     extra_args: Annotated[tuple[str, ...], Meta(examples=['["--enforce-eager"]'])] = ()
 
 
@@ -145,6 +162,7 @@ class GuardConfig(_Section, frozen=True):
     tokenizer_revision: Annotated[Optional[str], FromEngine("revision")] = None
     service: str = ""
     namespace: str = ""
+    role: Role = "unified"
     listen_host: str = "0.0.0.0"
     listen_port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     engine_url: str = "http://127.0.0.1:8000"

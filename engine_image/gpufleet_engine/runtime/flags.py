@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gpufleet_engine.contract.guard_config import EngineConfig
+from gpufleet_engine.contract.guard_config import EngineConfig, KVTransferConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -61,12 +61,21 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
             sort_keys=True)]
     if engine.num_gpu_blocks_override is not None:
         argv += ["--num-gpu-blocks-override", str(engine.num_gpu_blocks_override)]
+    if engine.kv_transfer:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_document(engine.kv_transfer), sort_keys=True)]
     argv += list(engine.extra_args)
 
     env: dict[str, str] = {}
     if cpu:
         env.update(_cpu_env(engine, cpu_count, cpu_cores))
     return EngineLaunch(tuple(argv), env)
+
+
+def kv_transfer_document(kv: KVTransferConfig) -> dict:
+    """vLLM's KVTransferConfig, as --kv-transfer-config takes it."""
+    return {"kv_connector": kv.connector, "kv_role": kv.role,
+            "kv_connector_extra_config": dict(kv.extra_config),
+            "kv_load_failure_policy": kv.load_failure_policy}
 
 
 def _cpu_env(engine: EngineConfig, cpu_count: int, cpu_cores: str | None = None) -> dict[str, str]:

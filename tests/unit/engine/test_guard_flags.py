@@ -65,6 +65,24 @@ def test_optional_features_map_to_their_flags():
     assert argv[-1] == "--enforce-eager"
 
 
+def test_a_kv_connector_becomes_vllms_kv_transfer_config():
+    cfg = engine_cfg(kvTransfer={"connector": "ExampleConnector", "role": "kv_producer",
+                                 "extraConfig": {"shared_storage_path": "/kv"}})
+    assert json.loads(flag(vllm_launch(cfg.engine).argv, "--kv-transfer-config")) == {
+        "kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": "/kv"}, "kv_load_failure_policy": "recompute"}
+    assert "--kv-transfer-config" not in vllm_launch(engine_cfg().engine).argv
+
+
+def test_the_kv_connector_is_a_managed_flag():
+    try:
+        engine_cfg(extraArgs=["--kv-transfer-config", "{}"])
+    except guard_config.ConfigError as e:
+        assert "set spec.engine.kvTransfer" in str(e)
+    else:
+        raise AssertionError("--kv-transfer-config in extraArgs was accepted")
+
+
 def test_the_entrypoint_runs_vllm_and_the_guard_from_the_same_file():
     launch, guard_argv = plan(engine_cfg(), "/etc/gpufleet/guard.json", "/usr/bin/python3",
                               CpuBudget(8, "0-7", "cores"))
