@@ -19,18 +19,22 @@ import logging
 import time
 from typing import AsyncIterator, Callable, Mapping, Sequence
 
+from gpufleet_engine.contract.guard_config import Role
+
 from .api import SpecError, parse_spec
 from .api import v1alpha1 as t
 from .kube.client import KubeClient
 from .kube.errors import ApiError, Conflict
 from .manifests import names
 from .manifests.network_policy import EngineIngress
+from .manifests.pools import POOL_ROLES, pools
 from .metrics import OperatorMetrics
 from .reconcile import conditions as cond
-from .reconcile.desired import desired_children
-from .reconcile.replicas import target_replicas
+from .reconcile.desired import desired_children, stale_deployments
+from .reconcile.replicas import desired_replicas
 from .reconcile.status import (
     CHILD_REJECTED,
+    POOLS_NOT_AUTOSCALED,
     Observed,
     child_rejected_conditions,
     crashlooping_pods,
@@ -167,10 +171,31 @@ class Controller:
 
     # --- reconcile ----------------------------------------------------------------
 
-    async def observe(self, namespace: str, service: str) -> Observed:
-        dep = await self.kube.get_or_none("apps/v1", "Deployment", names.deployment_name(service), namespace)
-        pods = await self.kube.list("v1", "Pod", namespace, label_selector=names.selector_string(service))
-        return Observed(deployment=dep, pods=pods)
+    async def observe(self, namespace: str, service: str) -> tuple[Observed, list[dict]]:
+        """What runs, and every Deployment of the service's (labelled as its children are), which
+        includes those of a shape it no longer has."""
+        selector = names.selector_string(service)
+        deployments = await self.kube.list("apps/v1", "Deployment", namespace, label_selector=selector)
+        pods = await self.kube.list("v1", "Pod", namespace, label_selector=selector)
+        by_name = {d["metadata"]["name"]: d for d in deployments}
+        return Observed(deployment=by_name.get(names.deployment_name(service)), pods=pods,
+                        pools={role: by_name.get(names.deployment_name(service, role)) for role in POOL_ROLES}), \
+            deployments
+
+    async def prune(self, isvc: dict, stale: list[dict], observed: Observed, spec: t.InferenceServiceSpec) -> None:
+        """Delete the Deployments of the shape the service left (unified ↔ disaggregated), once every
+        Deployment of its new shape exists: the old pods go as the new ones are created, never
+        before, so a refused new Deployment leaves the old pool serving."""
+        if not stale or any(observed.deployment_of(p.role) is None for p in pools(spec)):
+            return
+        meta = isvc["metadata"]
+        for dep in stale:
+            name = dep["metadata"]["name"]
+            if await self.kube.delete("apps/v1", "Deployment", name, meta["namespace"]):
+                log.info("%s/%s: deleted Deployment %s of its former shape", meta["namespace"], meta["name"], name)
+                await self.kube.event(isvc, reason="PoolRemoved", message=(
+                    f"deleted Deployment {name}: the service now runs "
+                    f"{'prefill and decode pools' if spec.disaggregation else 'one unified pool'}"))
 
     async def reconcile_locked(self, isvc: dict, apply_children: bool = True) -> None:
         """Apply the children for the spec, then derive status from what runs.
@@ -202,16 +227,20 @@ class Controller:
                 return
             assert spec is not None  # a spec that did not parse has its problem listed
             self.metrics.set_spec_gauges(ns, name, spec)
-            replicas = target_replicas(spec, previous)
+            by_pool = desired_replicas(spec, previous)
+            replicas = sum(by_pool.values())
             rejected: list[dict] | None = None
             if apply_children:
-                rejected = await self._apply_children(isvc, spec, replicas)
-            observed = await self.observe(ns, name)
+                rejected = await self._apply_children(isvc, spec, by_pool)
+            observed, deployments = await self.observe(ns, name)
             keep_rejection = not apply_children and rejected_for(previous, gen)
+            if not rejected and not keep_rejection:
+                await self.prune(isvc, stale_deployments(isvc, spec, deployments), observed, spec)
 
             def compute(current: dict) -> StatusUpdate:
                 status = derive_status(service=name, namespace=ns, generation=gen, spec=spec, desired=replicas,
-                                       observed=observed, previous=current)
+                                       observed=observed, previous=current,
+                                       pool_desired=by_pool if spec.disaggregation is not None else None)
                 updates = status.pop("conditions")
                 if rejected:
                     updates = rejected + [u for u in updates if u["type"] not in (cond.READY, cond.PROGRESSING)]
@@ -234,7 +263,7 @@ class Controller:
         finally:
             self.metrics.reconcile_seconds.observe(self._clock() - started)
 
-    async def _apply_children(self, isvc: dict, spec, replicas: int) -> list[dict] | None:
+    async def _apply_children(self, isvc: dict, spec, replicas: Mapping[Role, int]) -> list[dict] | None:
         """Apply every child; the conditions that report a refused one (None when all were taken)."""
         meta = isvc["metadata"]
         key, gen = (meta["namespace"], meta["name"]), meta.get("generation", 0)
@@ -293,3 +322,8 @@ class Controller:
                 await self.kube.event(isvc, reason=new_ready["reason"], message=new_ready["message"], type_=kind)
         if new_prog and new_prog["reason"] == "RollingOut" and old_prog.get("reason") != "RollingOut":
             await self.kube.event(isvc, reason="RollingOut", message=new_prog["message"])
+        new_scaling = cond.get(updates, cond.SCALING)
+        old_scaling = cond.get(previous.get("conditions"), cond.SCALING) or {}
+        if new_scaling and new_scaling["reason"] == POOLS_NOT_AUTOSCALED and old_scaling.get("reason") != \
+                POOLS_NOT_AUTOSCALED:
+            await self.kube.event(isvc, reason=POOLS_NOT_AUTOSCALED, message=new_scaling["message"])

@@ -31,7 +31,7 @@ def unowned(obj: dict) -> dict:
 def deployment(namespace: str, name: str) -> dict:
     spec = parse_spec({"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}})
     _cm, config_hash = children.build_configmap(isvc(namespace, name), spec)
-    return unowned(children.build_deployment(isvc(namespace, name), spec, 1, config_hash))
+    return unowned(children.build_deployment(isvc(namespace, name), spec, 1, config_hash["unified"]))
 
 
 def selector_string(selector: dict) -> str:

@@ -273,7 +273,7 @@ def test_pod_settings_pass_the_crd_and_the_deployment_they_build_passes_the_apis
     owner = {"metadata": {**stored["metadata"], "namespace": namespace}}
     spec = parse_spec(stored["spec"])
     _, config_hash = children.build_configmap(owner, spec)
-    deployment = children.build_deployment(owner, spec, 1, config_hash)
+    deployment = children.build_deployment(owner, spec, 1, config_hash["unified"])
     result = control_plane.kubectl("apply", "-n", namespace, "--dry-run=server", "-f", "-",
                                    input=yaml.safe_dump(deployment), check=False)
     assert result.returncode == 0, result.stderr

@@ -150,6 +150,14 @@ class FakeKube:
         self.objects[key] = new
         return copy.deepcopy(new)
 
+    async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None, **_) -> bool:
+        key = (kind, namespace or "", name)
+        if key not in self.objects:
+            return False
+        await self._record("delete", key, {})
+        del self.objects[key]
+        return True
+
     async def event(self, involved: dict, *, reason: str, message: str, type_: str = "Normal", **_) -> None:
         meta = involved["metadata"]
         self.events.append({"involvedObject": {"name": meta["name"], "namespace": meta.get("namespace")},

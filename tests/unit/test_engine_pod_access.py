@@ -29,7 +29,7 @@ def spec(**over):
 def pod_template(isvc=ISVC, s=None) -> dict:
     s = s or spec()
     _cm, h = children.build_configmap(isvc, s)
-    return children.build_deployment(isvc, s, 1, h)["spec"]["template"]
+    return children.build_deployment(isvc, s, 1, h["unified"])["spec"]["template"]
 
 
 def matches(selector: dict, labels: dict) -> bool:
@@ -109,9 +109,9 @@ def test_everything_vllm_writes_is_an_emptydir_and_its_caches_follow_home():
 
 
 def test_no_network_policy_unless_the_operator_is_told_who_may_reach_the_engines():
-    kinds = [o["kind"] for o in desired_children(ISVC, spec(), 1, with_podmonitor=False)]
+    kinds = [o["kind"] for o in desired_children(ISVC, spec(), {"unified": 1}, with_podmonitor=False)]
     assert "NetworkPolicy" not in kinds
-    objs = desired_children(ISVC, spec(), 1, with_podmonitor=False, engine_ingress=INGRESS)
+    objs = desired_children(ISVC, spec(), {"unified": 1}, with_podmonitor=False, engine_ingress=INGRESS)
     policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
     assert policy["metadata"]["name"] == "chat-engine" and policy["metadata"]["namespace"] == "ml"
     assert policy["metadata"]["ownerReferences"][0]["uid"] == "u-1"

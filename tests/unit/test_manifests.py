@@ -20,18 +20,18 @@ def spec(**over):
 
 def deployment(s, replicas=2):
     cm, h = children.build_configmap(ISVC, s)
-    return children.build_deployment(ISVC, s, replicas, h)
+    return children.build_deployment(ISVC, s, replicas, h["unified"])
 
 
 def test_children_have_deterministic_names_and_an_owner():
-    objs = desired_children(ISVC, spec(), 1, with_podmonitor=True)
+    objs = desired_children(ISVC, spec(), {"unified": 1}, with_podmonitor=True)
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
         ("ConfigMap", "chat-guard"), ("Deployment", "chat-engine"), ("Service", "chat"),
         ("PodDisruptionBudget", "chat-engine"), ("PodMonitor", "chat-engine")]
     for o in objs:
         ref, = o["metadata"]["ownerReferences"]
         assert ref["uid"] == "u-1" and ref["controller"] is True
-    assert desired_children(ISVC, spec(), 1, with_podmonitor=True) == objs  # pure and stable
+    assert desired_children(ISVC, spec(), {"unified": 1}, with_podmonitor=True) == objs  # pure and stable
 
 
 def test_deployment_runs_vllm_and_guard_with_gpus_and_probes_on_the_guard():

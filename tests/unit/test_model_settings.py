@@ -25,7 +25,7 @@ def spec(model=None, **over):
 
 def pod(s) -> dict:
     _, h = children.build_configmap(ISVC, s)
-    return children.build_deployment(ISVC, s, 2, h)["spec"]["template"]["spec"]
+    return children.build_deployment(ISVC, s, 2, h["unified"])["spec"]["template"]["spec"]
 
 
 def mounts(container: dict) -> dict[str, dict]:
@@ -92,7 +92,8 @@ def test_an_existing_claim_holds_the_hugging_face_cache_of_every_replica():
     assert "ephemeral-storage" not in vllm["resources"]["requests"]
     assert p["securityContext"]["fsGroup"] == children.RUN_AS_USER
     assert p["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
-    assert [o["kind"] for o in desired_children(ISVC, s, 1, with_podmonitor=False)].count("PersistentVolumeClaim") == 0
+    kinds = [o["kind"] for o in desired_children(ISVC, s, {"unified": 1}, with_podmonitor=False)]
+    assert kinds.count("PersistentVolumeClaim") == 0
 
 
 def test_hub_weights_are_downloaded_before_vllm_starts_and_read_offline():
@@ -117,7 +118,7 @@ def test_weights_read_in_place_need_no_download(source):
 
 def test_the_operator_creates_and_owns_a_claim_given_its_size():
     s = spec({"cache": {"persistentVolumeClaim": {"size": "200Gi", "storageClassName": "filestore"}}})
-    objs = desired_children(ISVC, s, 1, with_podmonitor=False)
+    objs = desired_children(ISVC, s, {"unified": 1}, with_podmonitor=False)
     claim = objs[0]
     assert claim["kind"] == "PersistentVolumeClaim" and claim["metadata"]["name"] == "chat-model-cache"
     assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "filestore",

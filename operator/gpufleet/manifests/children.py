@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from gpufleet_engine.contract import demand_prior, gpu_memory
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV
+from gpufleet_engine.contract.guard_config import Role
 
 from ..api.v1alpha1 import InferenceServiceSpec, VolumeMount
-from . import guard_config, model_cache, names, placement
+from . import guard_config, kv_transfer, model_cache, names, placement, pools
 
 CONFIG_DIR = "/etc/gpufleet"
 DRAIN_SLACK_SECONDS = 30
@@ -50,15 +51,22 @@ def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
             "ownerReferences": [names.owner_reference(isvc)]}
 
 
-def build_configmap(isvc: dict, spec: InferenceServiceSpec) -> tuple[dict, str]:
-    """The guard ConfigMap and the hash of its restart fields (rolls the pods when it changes)."""
+def build_configmap(isvc: dict, spec: InferenceServiceSpec) -> tuple[dict, dict[Role, str]]:
+    """The guard ConfigMap and, per pool, the hash of its restart fields (rolls that pool's pods
+    when it changes). One key per pool (``names.guard_config_key``: guard.json for the unified pool,
+    guard-prefill.json and guard-decode.json for a disaggregated service's), each pod reading its
+    own: the live fields reach every running guard through the one ConfigMap, and demand.json
+    lies beside them all."""
     meta = isvc["metadata"]
-    config = guard_config.build_guard_config(meta["name"], meta["namespace"], spec)
-    cm = {"apiVersion": "v1", "kind": "ConfigMap",
-          "metadata": _meta(isvc, names.configmap_name(meta["name"])),
-          "data": {"guard.json": guard_config.render(config)}}
-    # Only what a restart applies is hashed: admission changes reach the running guards live.
-    return cm, guard_config.config_hash(config)
+    data, hashes = {}, {}
+    for pool in pools.pools(spec):
+        config = guard_config.build_guard_config(meta["name"], meta["namespace"], pool.spec, pool.role)
+        data[names.guard_config_key(pool.role)] = guard_config.render(config)
+        # Only what a restart applies is hashed: admission changes reach the running guards live.
+        hashes[pool.role] = guard_config.config_hash(config)
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(isvc, names.configmap_name(meta["name"])),
+          "data": data}
+    return cm, hashes
 
 
 DEMAND_FIELD_MANAGER = "gpufleet-demand"
@@ -102,23 +110,26 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return spec.admission.request_timeout_seconds + DRAIN_SLACK_SECONDS
 
 
-def _allocator_env(spec: InferenceServiceSpec) -> list[dict]:
-    """PYTORCH_CUDA_ALLOC_CONF from spec.engine.cudaAllocatorConfig (expandable segments unless set)."""
-    conf = spec.engine.cuda_allocator_config
+def _allocator_env(spec: InferenceServiceSpec, role: Role) -> list[dict]:
+    """PYTORCH_CUDA_ALLOC_CONF from spec.engine.cudaAllocatorConfig (expandable segments unless set, or
+    unless the pool runs a KV connector: kv_transfer.allocator_config)."""
+    conf = kv_transfer.allocator_config(spec, role)
     return [{"name": gpu_memory.ALLOCATOR_ENV, "value": conf}] if conf else []
 
 
-def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_hash: str) -> dict:
+def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_hash: str,
+                     role: Role = "unified") -> dict:
+    """The Deployment of one pool (``pools.pools``: ``spec`` carries that pool's resources)."""
     service = isvc["metadata"]["name"]
     model_label = names.model_label(spec.model.name)
     pod = spec.pod
-    pod_labels = {**pod.labels, **names.common_labels(service), names.LABEL_MODEL: model_label,
-                  names.LABEL_ISOLATION: spec.isolation.mode}
+    pod_labels = {**pod.labels, **names.common_labels(service), **names.pool_labels(service, role),
+                  names.LABEL_MODEL: model_label, names.LABEL_ISOLATION: spec.isolation.mode}
     gpus = placement.gpu_resources(spec)
     res = spec.resources
     model_volumes, model_mounts, model_env = _model_volume(spec)
     config_mount = {"name": "guard-config", "mountPath": CONFIG_DIR, "readOnly": True}
-    config_arg = f"{CONFIG_DIR}/guard.json"
+    config_arg = f"{CONFIG_DIR}/{names.guard_config_key(role)}"
     drain = {"exec": {"command": ["gpufleet-engine", "drain-wait", "--config", config_arg]}}
     engine = {
         "name": "vllm",
@@ -130,7 +141,8 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
                 # vLLM-CPU sizes its threads to the request (whole cores, rounded up): see cpu_budget.py.
                 {"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
                     "resource": "requests.cpu", "divisor": "1"}}},
-                *_allocator_env(spec), {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH}],
+                *_allocator_env(spec, role), {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH},
+                *kv_transfer.env(spec, role)],
         "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus,
                                    **model_cache.requests(spec)},
                       "limits": {"memory": str(res.memory), **gpus}},
@@ -139,7 +151,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
                          {"name": "engine-tmp", "mountPath": "/tmp"},
                          {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts,
                          {"name": gpu_memory.VOLUME, "mountPath": gpu_memory.MOUNT_PATH},
-                         *(_volume_mount(m) for m in pod.volume_mounts)],
+                         *kv_transfer.mounts(spec, role), *(_volume_mount(m) for m in pod.volume_mounts)],
         # vLLM must outlive the guard's drain, or in-flight requests die with it.
         "lifecycle": {"preStop": drain},
         "securityContext": container_security_context(),
@@ -188,7 +200,8 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             # The error it prints (gated repo, bad revision) becomes the status message.
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }]} if model_cache.downloads(spec) else {}),
-        "securityContext": {**pod_security_context(), **model_cache.pod_security(spec, RUN_AS_USER)},
+        "securityContext": {**pod_security_context(), **model_cache.pod_security(spec, RUN_AS_USER),
+                            **kv_transfer.pod_security(spec, role, RUN_AS_USER)},
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "nodeSelector": placement.node_selector(spec),
         "tolerations": placement.tolerations(spec),
@@ -201,6 +214,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             {"name": gpu_memory.VOLUME, "emptyDir": {"sizeLimit": "16Mi"}},
             *model_volumes,
             *model_cache.volumes(service, spec),
+            *kv_transfer.volumes(spec, role),
             *pod.volumes,
         ],
         "enableServiceLinks": False,
@@ -214,10 +228,10 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         pod_spec["affinity"] = aff
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _meta(isvc, names.deployment_name(service)),
+        "metadata": _meta(isvc, names.deployment_name(service, role)),
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": names.selector_labels(service)},
+            "selector": {"matchLabels": names.pool_labels(service, role)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": pod_labels,
@@ -247,13 +261,19 @@ def build_pdb(isvc: dict) -> dict:
     }
 
 
+def _prometheus_name(label: str) -> str:
+    """A pod label as Kubernetes service discovery names it (``__meta_kubernetes_pod_label_<name>``)."""
+    return label.replace(".", "_").replace("/", "_").replace("-", "_")
+
+
 def build_podmonitor(isvc: dict, spec: InferenceServiceSpec, labels: Mapping[str, str] | None = None) -> dict:
     """``labels``: the operator's own (--podmonitor-label); the spec's podMonitorLabels win over them.
     Our own labels win over both: the operator finds its children by them."""
     service = isvc["metadata"]["name"]
-    service_label = names.LABEL_SERVICE.replace(".", "_").replace("/", "_")
-    relabel = [{"sourceLabels": [f"__meta_kubernetes_pod_label_{service_label}"],
-                "targetLabel": "service"}]
+    # Each engine series says which service it serves and, on a disaggregated service's pods, which
+    # pool (role="prefill" or "decode"; a pod without the label gets none), so dashboards split by role.
+    relabel = [{"sourceLabels": [f"__meta_kubernetes_pod_label_{_prometheus_name(label)}"], "targetLabel": target}
+               for label, target in ((names.LABEL_SERVICE, "service"), (names.LABEL_ROLE, "role"))]
     return {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
         "metadata": _meta(isvc, names.podmonitor_name(service),

@@ -13,7 +13,9 @@ from gpufleet_engine.contract.endpoints import ENGINE_HOST
 from gpufleet_engine.contract.guard_config import (
     EngineConfig,
     GuardConfig,
+    KVTransferConfig,
     QueueClass,
+    Role,
     SLOConfig,
     SpeculativeConfig,
     default_routes,
@@ -21,10 +23,11 @@ from gpufleet_engine.contract.guard_config import (
     restart_document,
 )
 
-from ..api.v1alpha1 import InferenceServiceSpec
-from . import names
+from ..api.v1alpha1 import KV_CONNECTORS, KV_STORE_MOUNT, InferenceServiceSpec
+from . import names, pools
 
-__all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "model_location", "render", "served_name"]
+__all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "kv_transfer", "model_location", "render",
+           "served_name"]
 
 MODEL_MOUNT = "/models"
 
@@ -43,7 +46,21 @@ def served_name(spec: InferenceServiceSpec) -> str:
     return spec.model.served_name or spec.model.name
 
 
-def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec) -> GuardConfig:
+def kv_transfer(spec: InferenceServiceSpec, role: Role) -> KVTransferConfig | None:
+    """vLLM's KV connector for a pool's engines (``pools.kv_role``); the SharedStorage connector's
+    directory is the volume every engine pod of the service mounts (``children.kv_store_volume``)."""
+    kv, kv_role = spec.engine.kv_transfer, pools.kv_role(spec, role)
+    if kv is None or kv_role is None:
+        return None
+    own = {"shared_storage_path": KV_STORE_MOUNT} if kv.connector == "SharedStorage" else {}
+    return KVTransferConfig(connector=KV_CONNECTORS[kv.connector], role=kv_role,
+                            extra_config={**kv.extra_config, **own},
+                            load_failure_policy="recompute" if kv.load_failure_policy == "Recompute" else "fail")
+
+
+def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
+                       role: Role = "unified") -> GuardConfig:
+    """``role``: the pool whose guards read it (``pools.pools``); ``spec`` has that pool's resources."""
     engine, adm = spec.engine, spec.admission
     hf = spec.model.source.hugging_face
     classes = tuple(QueueClass(c.name, c.level, float(c.max_queue_seconds)) for c in adm.queue_classes)
@@ -70,11 +87,13 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec)
         if engine.speculative else None,
         num_gpu_blocks_override=engine.kv_cache.num_blocks_override,
         cpu_kv_cache_space_gib=engine.kv_cache.cpu_kv_cache_space_gib,
+        kv_transfer=kv_transfer(spec, role),
         extra_args=tuple(engine.extra_args),
     )
     return GuardConfig(
         service=service,
         namespace=namespace,
+        role=role,
         listen_port=names.GUARD_PORT,
         engine_url=f"http://{ENGINE_HOST}:{names.ENGINE_PORT}",
         served_model_name=served_name(spec),

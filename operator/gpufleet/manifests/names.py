@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+from gpufleet_engine.contract.guard_config import ROLES, Role
+
 from ..api import v1alpha1 as t
 
 LABEL_NAME = "app.kubernetes.io/name"
@@ -14,6 +16,8 @@ LABEL_SERVICE = "gpufleet.dev/service"
 LABEL_MODEL = "gpufleet.dev/model"
 LABEL_ISOLATION = "gpufleet.dev/isolation"
 LABEL_POOL = "gpufleet.dev/node-pool"
+# On the engine pods of a disaggregated service: prefill or decode (absent on a unified service's pods).
+LABEL_ROLE = "gpufleet.dev/role"
 ANNOTATION_CONFIG_HASH = "gpufleet.dev/config-hash"
 ANNOTATION_AUDIT_REQUEST = "gpufleet.dev/audit-requested"
 ENGINE_APP = "gpufleet-engine"
@@ -23,8 +27,20 @@ GUARD_PORT = 8080
 ENGINE_PORT = 8000
 
 
-def deployment_name(service: str) -> str:
-    return f"{service}-engine"
+def deployment_name(service: str, role: Role = "unified") -> str:
+    """``<service>-engine`` for the unified pool; ``<service>-prefill``, ``<service>-decode`` for the pools
+    of a disaggregated service."""
+    return f"{service}-engine" if role == "unified" else f"{service}-{role}"
+
+
+def deployment_names(service: str) -> tuple[str, ...]:
+    """Every Deployment name a service may have had, whatever its shape."""
+    return tuple(deployment_name(service, role) for role in ROLES)
+
+
+def guard_config_key(role: Role = "unified") -> str:
+    """The guard ConfigMap's key (and the file in the pod) of a pool's ``guard.json``."""
+    return "guard.json" if role == "unified" else f"guard-{role}.json"
 
 
 def service_name(service: str) -> str:
@@ -59,7 +75,14 @@ def model_label(model: str) -> str:
 
 
 def selector_labels(service: str) -> dict[str, str]:
+    """Every engine pod of the service, whatever its pool."""
     return {LABEL_NAME: ENGINE_APP, LABEL_SERVICE: service}
+
+
+def pool_labels(service: str, role: Role = "unified") -> dict[str, str]:
+    """The engine pods of one pool: the Deployment's selector. The unified pool's is the service's own
+    (a Deployment's selector cannot change, so existing services keep theirs)."""
+    return selector_labels(service) if role == "unified" else {**selector_labels(service), LABEL_ROLE: role}
 
 
 def common_labels(service: str) -> dict[str, str]:

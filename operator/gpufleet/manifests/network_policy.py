@@ -4,6 +4,9 @@ vLLM listens on the pod's loopback, so the guard's port is the only way into
 an engine pod; this policy says who may use it: the operator's pods (it reads
 each replica's metrics and audit report), Prometheus, the router or gateway
 namespaces, and — unless turned off — pods in the service's own namespace.
+A service whose KV connector moves KV between its pods over the network (Nixl, LMCache:
+``kv_transfer.moves_kv_over_network``) also lets its engine pods reach each other on any port
+(NIXL's side channel and its transports pick ports of their own).
 Egress is left open: vLLM downloads weights from wherever the spec says.
 docs/security.md says what the policy does and does not cover.
 """
@@ -40,7 +43,8 @@ def namespaces_selector(namespaces: tuple[str, ...] | list[str]) -> dict:
                                   "values": sorted(set(namespaces))}]}
 
 
-def build_network_policy(isvc: dict, ingress: EngineIngress) -> dict:
+def build_network_policy(isvc: dict, ingress: EngineIngress, *, kv_peers: bool = False) -> dict:
+    """``kv_peers``: the service's engine pods exchange KV with each other."""
     service, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
     peers: list[dict] = [{
         "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ingress.operator_namespace}},
@@ -58,6 +62,8 @@ def build_network_policy(isvc: dict, ingress: EngineIngress) -> dict:
         "spec": {
             "podSelector": {"matchLabels": names.selector_labels(service)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": names.GUARD_PORT}]}],
+            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": names.GUARD_PORT}]},
+                        *([{"from": [{"podSelector": {"matchLabels": names.selector_labels(service)}}]}]
+                          if kv_peers else [])],
         },
     }

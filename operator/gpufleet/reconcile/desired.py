@@ -3,17 +3,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpufleet_engine.contract.guard_config import Role
+
 from ..api.v1alpha1 import InferenceServiceSpec
-from ..manifests import children, model_cache
+from ..manifests import children, kv_transfer, model_cache, names, pools
 from ..manifests.network_policy import EngineIngress, build_network_policy
 
 
-def desired_children(isvc: dict, spec: InferenceServiceSpec, replicas: int, *,
+def desired_children(isvc: dict, spec: InferenceServiceSpec, replicas: Mapping[Role, int], *,
                      with_podmonitor: bool, podmonitor_labels: Mapping[str, str] | None = None,
                      engine_ingress: EngineIngress | None = None) -> list[dict]:
-    """``engine_ingress``: who may reach the engines; None renders no NetworkPolicy."""
-    cm, config_hash = children.build_configmap(isvc, spec)
-    objs = [cm, children.build_deployment(isvc, spec, replicas, config_hash),
+    """``replicas``: of each pool, by role (``replicas.desired_replicas``). ``engine_ingress``: who may
+    reach the engines; None renders no NetworkPolicy."""
+    cm, config_hashes = children.build_configmap(isvc, spec)
+    objs = [cm, *(children.build_deployment(isvc, pool.spec, replicas[pool.role], config_hashes[pool.role], pool.role)
+                  for pool in pools.pools(spec)),
             children.build_service(isvc), children.build_pdb(isvc)]
     claim = model_cache.build_claim(isvc, spec)
     if claim is not None:
@@ -21,5 +25,16 @@ def desired_children(isvc: dict, spec: InferenceServiceSpec, replicas: int, *,
     if with_podmonitor:
         objs.append(children.build_podmonitor(isvc, spec, podmonitor_labels))
     if engine_ingress is not None:
-        objs.append(build_network_policy(isvc, engine_ingress))
+        objs.append(build_network_policy(isvc, engine_ingress, kv_peers=kv_transfer.moves_kv_over_network(spec)))
     return objs
+
+
+def stale_deployments(isvc: dict, spec: InferenceServiceSpec, deployments: list[dict]) -> list[dict]:
+    """The Deployments of the service's other shape (``<service>-engine`` once it is disaggregated, its
+    pools' once it is unified again), among ``deployments``: those this service owns and no longer wants."""
+    service, uid = isvc["metadata"]["name"], isvc["metadata"].get("uid")
+    wanted = {names.deployment_name(service, pool.role) for pool in pools.pools(spec)}
+    return [d for d in deployments
+            if d["metadata"]["name"] in set(names.deployment_names(service)) - wanted
+            and any(ref.get("uid") == uid and ref.get("controller")
+                    for ref in d["metadata"].get("ownerReferences") or [])]

@@ -2,18 +2,29 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+
+from gpufleet_engine.contract.guard_config import Role
 
 from ..api.v1alpha1 import InferenceServiceSpec
 from ..manifests import names
 from ..manifests.model_cache import FETCH_CONTAINER
 from . import conditions as c
 
+# Scaling=False on a disaggregated service in Auto mode: the autoscaler does not size its pools yet.
+POOLS_NOT_AUTOSCALED = "PoolsNotAutoscaled"
+
 
 @dataclasses.dataclass(frozen=True)
 class Observed:
-    """What the API server shows about one InferenceService's children."""
+    """What the API server shows about one InferenceService's children: the unified pool's
+    Deployment, or (``pools``) a disaggregated service's Deployments by role, and every engine pod."""
     deployment: dict | None
     pods: list[dict]
+    pools: Mapping[Role, dict | None] = dataclasses.field(default_factory=dict)
+
+    def deployment_of(self, role: Role) -> dict | None:
+        return self.deployment if role == "unified" else self.pools.get(role)
 
 
 def unschedulable_pods(pods: list[dict]) -> list[tuple[str, str]]:
@@ -101,16 +112,53 @@ def _deployment_counts(dep: dict | None) -> tuple[int, int, int, bool]:
     return st.get("replicas", 0), st.get("readyReplicas", 0), st.get("updatedReplicas", 0), observed
 
 
+def _pool_status(observed: Observed, pool_desired: Mapping[Role, int]) -> list[dict]:
+    """status.pools: each pool's replicas, from its Deployment."""
+    out = []
+    for role, want in pool_desired.items():
+        replicas, ready, _, _ = _deployment_counts(observed.deployment_of(role))
+        out.append({"role": role, "replicas": replicas, "readyReplicas": ready, "desiredReplicas": want})
+    return out
+
+
+def _scaling_condition(spec: InferenceServiceSpec, generation: int, current: dict | None) -> dict | None:
+    """What the autoscaler cannot do for a disaggregated service (it sizes one unified pool)."""
+    if spec.disaggregation is not None and spec.autoscaling.mode == "Auto":
+        return c.condition(c.SCALING, False, POOLS_NOT_AUTOSCALED,
+                           "the autoscaler does not size prefill and decode pools yet: each pool keeps its "
+                           "replicas within its minReplicas..maxReplicas; to size them, set autoscaling.mode "
+                           "Manual and disaggregation.prefill.replicas and disaggregation.decode.replicas",
+                           generation=generation)
+    if spec.disaggregation is None and current and current.get("reason") == POOLS_NOT_AUTOSCALED:
+        return c.condition(c.SCALING, True, "UnifiedPool", "one unified pool again: the autoscaler sizes it "
+                           "in Auto mode", generation=generation)
+    return None
+
+
 def derive_status(*, service: str, namespace: str, generation: int, spec: InferenceServiceSpec,
-                  desired: int, observed: Observed, previous: dict) -> dict:
+                  desired: int, observed: Observed, previous: dict,
+                  pool_desired: Mapping[Role, int] | None = None) -> dict:
     """Status fields, and under ``conditions`` the conditions reconcile owns as
-    updates by type (the writer merges them over the freshest copy)."""
-    replicas, ready, updated, rollout_seen = _deployment_counts(observed.deployment)
+    updates by type (the writer merges them over the freshest copy).
+
+    ``pool_desired``: a disaggregated service's replicas by pool (``desired`` is their sum); its
+    counts are the sums over ``observed.pools``, and it is ready only while every pool has a ready
+    replica (a request needs a prefill and a decode pod)."""
+    if pool_desired:
+        counts = [_deployment_counts(observed.deployment_of(role)) for role in pool_desired]
+        replicas, ready, updated = (sum(n[i] for n in counts) for i in range(3))
+        rollout_seen = all(n[3] for n in counts)
+        pool_rows = _pool_status(observed, pool_desired)
+        serving = all(p["readyReplicas"] > 0 for p in pool_rows)
+        ready_text = ", ".join(f"{p['role']} {p['readyReplicas']}/{p['desiredReplicas']}" for p in pool_rows)
+    else:
+        replicas, ready, updated, rollout_seen = _deployment_counts(observed.deployment)
+        pool_rows, serving, ready_text = [], ready > 0, f"{ready}/{desired}"
     stuck = unschedulable_pods(observed.pods)
     blocked = blocked_pods(observed.pods)
     updates = []
 
-    if ready == 0:
+    if not serving:
         if stuck:
             reason, msg = "Unschedulable", f"no replica can be placed: {stuck[0][1]}"
         elif blocked:
@@ -122,21 +170,21 @@ def derive_status(*, service: str, namespace: str, generation: int, spec: Infere
                 f"through gpufleet router starts a replica and waits for it")
         elif failed := failed_downloads(observed.pods):
             reason, msg = "ModelDownloadFailed", (
-                f"0/{desired} replicas ready; {FETCH_CONTAINER} of {failed[0][0]} failed and is retried: "
+                f"{ready_text} replicas ready; {FETCH_CONTAINER} of {failed[0][0]} failed and is retried: "
                 f"{failed[0][1]}")
         elif downloading := downloading_pods(observed.pods):
             reason, msg = "DownloadingModel", (
-                f"0/{desired} replicas ready; {len(downloading)} downloading the weights into the model cache "
+                f"{ready_text} replicas ready; {len(downloading)} downloading the weights into the model cache "
                 f"(init container {FETCH_CONTAINER} of {downloading[0][0]}, since {downloading[0][1]}; "
                 f"kubectl logs {downloading[0][0]} -c {FETCH_CONTAINER} shows the files)")
         else:
-            reason, msg = "EngineStarting", f"0/{desired} replicas ready; engines are loading the model"
+            reason, msg = "EngineStarting", f"{ready_text} replicas ready; engines are loading the model"
         updates.append(c.condition(c.READY, False, reason, msg, generation=generation))
     elif ready < desired:
-        updates.append(c.condition(c.READY, True, "PartiallyReady", f"{ready}/{desired} replicas ready",
+        updates.append(c.condition(c.READY, True, "PartiallyReady", f"{ready_text} replicas ready",
                                    generation=generation))
     else:
-        updates.append(c.condition(c.READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready",
+        updates.append(c.condition(c.READY, True, "AllReplicasReady", f"{ready_text} replicas ready",
                                    generation=generation))
 
     if stuck:
@@ -162,12 +210,16 @@ def derive_status(*, service: str, namespace: str, generation: int, spec: Infere
     isolated = isolation_condition(spec, generation, c.get(previous.get("conditions"), c.ISOLATED))
     if isolated:
         updates.append(isolated)
+    scaling = _scaling_condition(spec, generation, c.get(previous.get("conditions"), c.SCALING))
+    if scaling:
+        updates.append(scaling)
 
     return {
         "observedGeneration": generation,
         "replicas": replicas,
         "readyReplicas": ready,
         "desiredReplicas": desired,
+        "pools": pool_rows or None,  # None removes a disaggregated service's pools once it is unified
         "selector": names.selector_string(service),
         "endpoint": names.endpoint(service, namespace),
         "conditions": updates,
