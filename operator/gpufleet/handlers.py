@@ -109,7 +109,9 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
     if not service:
         return
     status = body.get("status") or {}
+    labels = body.get("metadata", {}).get("labels") or {}
     _rt(memo).pod_changed(namespace, service, name, None if type == "DELETED" else {
         "ip": status.get("podIP"), "ready": is_ready(status),
         "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
-        "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {})})
+        "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {}),
+        "role": labels.get(names.LABEL_ROLE, "unified")})

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .manifests.pools import replica_bounds
+
 SVC = ("namespace", "service")
 
 
@@ -16,8 +18,10 @@ class OperatorMetrics:
                                            buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.desired_replicas = Gauge("gpufleet_service_desired_replicas", "Replicas wanted.", SVC, registry=r)
         self.ready_replicas = Gauge("gpufleet_service_ready_replicas", "Ready replicas.", SVC, registry=r)
-        self.min_replicas = Gauge("gpufleet_service_min_replicas", "autoscaling.minReplicas.", SVC, registry=r)
-        self.max_replicas = Gauge("gpufleet_service_max_replicas", "autoscaling.maxReplicas.", SVC, registry=r)
+        self.min_replicas = Gauge("gpufleet_service_min_replicas",
+                                  "autoscaling.minReplicas (a disaggregated service: its pools' sum).", SVC, registry=r)
+        self.max_replicas = Gauge("gpufleet_service_max_replicas",
+                                  "autoscaling.maxReplicas (a disaggregated service: its pools' sum).", SVC, registry=r)
         self.kv_usage = Gauge("gpufleet_service_kv_usage_ratio", "Mean KV-cache usage of ready replicas.", SVC,
                               registry=r)
         self.kv_high = Gauge("gpufleet_service_kv_high_watermark_ratio", "Scale-out watermark.", SVC, registry=r)
@@ -51,8 +55,9 @@ class OperatorMetrics:
 
     def set_spec_gauges(self, namespace: str, service: str, spec) -> None:
         lbl = (namespace, service)
-        self.min_replicas.labels(*lbl).set(spec.autoscaling.min_replicas)
-        self.max_replicas.labels(*lbl).set(spec.autoscaling.max_replicas)
+        fewest, most = replica_bounds(spec)  # a disaggregated service's: the sums over its pools
+        self.min_replicas.labels(*lbl).set(fewest)
+        self.max_replicas.labels(*lbl).set(most)
         self.kv_high.labels(*lbl).set(spec.autoscaling.kv_high_watermark_percent / 100)
         self.kv_low.labels(*lbl).set(spec.autoscaling.kv_low_watermark_percent / 100)
         self.slo_ttft.labels(*lbl).set(spec.slo.ttft_p99_milliseconds / 1000)

@@ -11,6 +11,7 @@ from ..audit.stranded import StrandedNode, find_stranded, node_inventory
 from ..isolation.verify import Violation, violations_for
 from ..kube.errors import ApiError
 from ..manifests import names
+from ..manifests.pools import pools
 from ..metrics import OperatorMetrics
 from ..reconcile import conditions as cond
 from .ports import EventRecorder, Key, Leadership, ObjectLister, StatusWriter
@@ -37,7 +38,9 @@ def parsed_specs(services: list[dict]) -> list[tuple[dict, InferenceServiceSpec]
 def audit_report(nodes: list[dict], pods: list[dict], services: list[dict]) -> dict:
     """Everything `gpufleet audit` prints; pure."""
     specs = parsed_specs(services)
-    stranded = find_stranded(node_inventory(nodes, pods), [s for _, s in specs])
+    # A disaggregated service places replicas of two shapes (each pool its own resources).
+    shapes = [pool.spec for _, s in specs for pool in pools(s)]
+    stranded = find_stranded(node_inventory(nodes, pods), shapes)
     isolation = {}
     for obj, spec in specs:
         meta = obj["metadata"]

@@ -75,7 +75,8 @@ class FleetLoop:
         self._due.pop(key, None)
 
     def upsert_pod(self, namespace: str, service: str, pod: str, view: dict | None) -> None:
-        """``view``: {ip, ready, deleting, marked (for scale-in)}; None when the pod is gone."""
+        """``view``: {ip, ready, deleting, marked (for scale-in), role (unified, prefill or decode)}; None
+        when the pod is gone."""
         key = (namespace, service)
         if view is None:
             self.pods.get(key, {}).pop(pod, None)

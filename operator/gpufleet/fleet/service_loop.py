@@ -7,6 +7,11 @@ scale-in (cleared from a replica that outlives it), and evictions for
 fragmentation remediation (only under every rule of
 ``audit.fragmentation.may_restart``). An action is applied under the
 service's lock in the ``Controller``, so it and a reconcile never interleave.
+
+A disaggregated service (spec.disaggregation) is read and audited like any other, but the
+autoscaler sizes one unified pool only: its pools keep the replicas the reconciler gives them
+(``reconcile.replicas.desired_replicas``; status says so with Scaling=False). Its fragmentation
+remediation judges a replica against the other replicas of its own pool.
 """
 from __future__ import annotations
 
@@ -36,8 +41,12 @@ FIRST_AUDIT_DELAY_S = 15
 
 
 def readable_replicas(pods: list[dict]) -> list[dict]:
-    """Replica views ({name, ip, ready, deleting}) that serve traffic and can be read."""
+    """Replica views ({name, ip, ready, deleting, role}) that serve traffic and can be read."""
     return [p for p in pods if p["ready"] and p.get("ip") and not p["deleting"]]
+
+
+def role_of(pod: dict) -> str:
+    return pod.get("role") or "unified"
 
 
 class ServiceLoop:
@@ -115,13 +124,16 @@ class ServiceLoop:
         if p99 is not None:
             fields["ttftP99Milliseconds"] = round(p99 * 1000)
         conditions: list[dict] = []
-        if spec.autoscaling.mode == "Auto":
+        if spec.autoscaling.mode == "Auto" and spec.disaggregation is None:
             conditions = await self.autoscale(body, spec, samples, now, fields, demand)
         if fields or conditions:
             await self.ports.status.write_status(body, fields, conditions)
         await self.release_deletion_costs(body, pods)
         if spec.admission.reservation == "Predicted":
-            await self.demand_share.tick(body, ready, pods, now)
+            # A disaggregated service's answer lengths are what its decode pods see (a prefill pod
+            # answers one token), and its guards of both pools read the one demand.json.
+            sharing = [p for p in ready if role_of(p) == "decode"] if spec.disaggregation else ready
+            await self.demand_share.tick(body, sharing, pods, now)
         if self.audit_due(body, spec, now):
             await self.audit(body, spec, ready, now, samples=samples, pods=pods)
 
@@ -299,14 +311,24 @@ class ServiceLoop:
                 names.ANNOTATION_AUDIT_REQUEST: None}}}, self.ns)
 
     def restart_context(self, body: dict, spec: InferenceServiceSpec, samples: Sequence[ReplicaSample],
-                        pods: Sequence[dict], now: float, pdb_allowed: int) -> frag.RestartContext:
+                        pods: Sequence[dict], now: float, pdb_allowed: int,
+                        pod: str | None = None) -> frag.RestartContext:
+        """``pod``: the replica to restart; on a disaggregated service the context is its pool's (the
+        other pool cannot carry its load)."""
         status = body.get("status") or {}
         last = (status.get("fragmentation") or {}).get("lastRestartTime")
+        ready, desired = status.get("readyReplicas", 0), status.get("desiredReplicas", 0)
+        if spec.disaggregation is not None and pod is not None:
+            role = next((role_of(p) for p in pods if p["name"] == pod), None)
+            pods = [p for p in pods if role_of(p) == role]
+            pool = {p.get("role"): p for p in status.get("pools") or []}.get(role) or {}
+            ready, desired = pool.get("readyReplicas", 0), pool.get("desiredReplicas", 0)
+            samples = [s for s in samples if s.pod in {p["name"] for p in pods}]
         return frag.RestartContext(
             now=now, watching_since=self.watching_since if self.watching_since is not None else now,
             cooldown_seconds=spec.audit.fragmentation.restart_cooldown_seconds,
             last_restart_ago=_seconds_since(last),
-            ready_replicas=status.get("readyReplicas", 0), desired_replicas=status.get("desiredReplicas", 0),
+            ready_replicas=ready, desired_replicas=desired,
             pods_terminating=sum(1 for p in pods if p["deleting"]), pdb_disruptions_allowed=pdb_allowed,
             scaling_in=self.scaled_in_this_pass or bool(self.removals),
             kv_usage={s.pod: s.kv_usage for s in samples if s.ok and s.kv_usage is not None},
@@ -317,7 +339,7 @@ class ServiceLoop:
         pdb = await self.ports.objects.get_or_none("policy/v1", "PodDisruptionBudget", names.pdb_name(self.name),
                                                    self.ns)
         allowed = (pdb or {}).get("status", {}).get("disruptionsAllowed", 0)
-        ok, why = frag.may_restart(pod, self.restart_context(body, spec, samples, pods, now, allowed))
+        ok, why = frag.may_restart(pod, self.restart_context(body, spec, samples, pods, now, allowed, pod))
         if not ok:
             await self.ports.events.event(body, reason="RemediationDeferred", type_="Warning",
                                      message=f"not restarting {pod}: {why}")

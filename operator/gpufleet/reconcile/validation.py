@@ -6,6 +6,7 @@ import re
 from gpufleet_engine.contract.engine_flags import MANAGED_FLAGS, managed_flags_in
 
 from ..api.v1alpha1 import SERVED_NAME_FORBIDDEN, SERVED_NAME_MESSAGE, InferenceServiceSpec
+from ..manifests.pools import replica_bounds
 
 
 def validate(spec: InferenceServiceSpec) -> list[str]:
@@ -68,10 +69,11 @@ def _model_problems(spec: InferenceServiceSpec) -> list[str]:
     if claim and claim.claim_name and (claim.storage_class_name or claim.access_mode):
         problems.append("spec.model.cache.persistentVolumeClaim: storageClassName and accessMode are for the "
                         "claim the operator creates; an existing claim (claimName) has its own, so remove them")
+    most = replica_bounds(spec)[1]
     if claim and claim.size is not None and claim.access_mode == "ReadWriteOnce" \
-            and spec.isolation.mode == "Exclusive" and spec.autoscaling.max_replicas > 1:
+            and spec.isolation.mode == "Exclusive" and most > 1:
         # Exclusive puts each replica on a node of its own; a ReadWriteOnce volume attaches to one node.
         problems.append("spec.model.cache.persistentVolumeClaim.accessMode: ReadWriteOnce attaches to one node, "
                         "but isolation.mode Exclusive puts each of up to "
-                        f"{spec.autoscaling.max_replicas} replicas on its own node; use ReadWriteMany")
+                        f"{most} replicas on its own node; use ReadWriteMany")
     return problems
