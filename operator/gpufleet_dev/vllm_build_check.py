@@ -30,11 +30,13 @@ import yaml
 
 from gpufleet.api import parse_spec
 from gpufleet.api.engine_release import VLLM_VERSION
-from gpufleet.api.v1alpha1 import EngineSpec, KVCacheSpec
+from gpufleet.api.v1alpha1 import KV_CONNECTORS, EngineSpec, KVCacheSpec
+from gpufleet.manifests import pools
 from gpufleet.manifests.guard_config import build_guard_config
 from gpufleet.planning.prometheus import build_queries
 from gpufleet_dev.devcluster.binaries import cache_root
 from gpufleet_engine.contract import guard_config
+from gpufleet_engine.contract.guard_config import Role
 from gpufleet_engine.runtime.flags import VLLM_MODULE, vllm_launch
 from gpufleet_engine.vllm import stats
 
@@ -53,9 +55,17 @@ def _choices(cls: type, field: str) -> tuple:
     return args
 
 
-def spec_matrix() -> dict[str, dict]:
-    """Specs whose flags must reach vLLM's parser: every quantization, KV dtype, weight dtype and
-    block size the API allows, tensor parallelism, speculative decoding and extra arguments."""
+def _kv_transfer(connector: str) -> dict:
+    if connector == "SharedStorage":
+        return {"connector": connector, "sharedStorage": {"hostPath": {"path": "/var/lib/kv"}}}
+    return {"connector": connector, "loadFailurePolicy": "Fail", "extraConfig": {"gpufleet_check": "1"}}
+
+
+def spec_matrix() -> dict[str, tuple[dict, Role]]:
+    """Specs, each with the pool whose engines run it, whose flags must reach vLLM's parser: every
+    quantization, KV dtype, weight dtype and block size the API allows, tensor parallelism,
+    speculative decoding and extra arguments; each KV connector in a prefill and a decode pool
+    (spec.disaggregation) and in a unified service's shared KV tier (kv_both)."""
     base = {"model": {"name": "org/model"}}
     specs: dict[str, dict] = {"defaults": base,
                               "tensor-parallel-4": {**base, "engine": {"tensorParallelSize": 4}},
@@ -78,13 +88,22 @@ def spec_matrix() -> dict[str, dict]:
         specs[f"block-size-{block}"] = {**base, "engine": {"kvCache": {"blockSize": block}}}
     for dtype in _choices(EngineSpec, "dtype"):
         specs[f"dtype-{dtype}"] = {**base, "engine": {"dtype": dtype}}
-    return specs
+    cases: dict[str, tuple[dict, Role]] = {name: (spec, "unified") for name, spec in specs.items()}
+    for connector in KV_CONNECTORS:
+        pd = {**base, "disaggregation": {}, "engine": {"kvTransfer": _kv_transfer(connector)}}
+        for role in pools.POOL_ROLES:
+            cases[f"{role}-{connector.lower()}"] = (pd, role)
+        if connector != "Nixl":  # a shared KV tier needs a store every replica reads (the CRD says so)
+            cases[f"kv-tier-{connector.lower()}"] = (
+                {**base, "engine": {"kvTier": "Shared", "kvTransfer": _kv_transfer(connector)}}, "unified")
+    return cases
 
 
-def vllm_argv(spec: dict) -> list[str]:
-    """vLLM's arguments as the pod runs them: the operator's guard.json, read back by the guard
-    (guard_config.parse), turned into the command by the entrypoint (vllm_launch)."""
-    config = build_guard_config("chat", "ml", parse_spec(spec))
+def vllm_argv(spec: dict, role: Role = "unified") -> list[str]:
+    """vLLM's arguments as the pod of the pool ``role`` runs them: the operator's guard.json, read back
+    by the guard (guard_config.parse), turned into the command by the entrypoint (vllm_launch)."""
+    pool = next(p for p in pools.pools(parse_spec(spec)) if p.role == role)
+    config = build_guard_config("chat", "ml", pool.spec, role)
     engine = guard_config.parse(json.loads(guard_config.render(config))).engine
     assert engine is not None
     argv = list(vllm_launch(engine, python="python3").argv)
@@ -110,7 +129,7 @@ def metrics_read() -> list[str]:
 def expected() -> dict[str, Any]:
     return {
         "vllm_version": VLLM_VERSION,
-        "argv": {name: vllm_argv(spec) for name, spec in spec_matrix().items()},
+        "argv": {name: vllm_argv(spec, role) for name, (spec, role) in spec_matrix().items()},
         # Proof the parser can refuse: a flag no vLLM has, and a value outside a flag's choices.
         "rejected": {"unknown-flag": ["--model", "org/model", "--gpufleet-no-such-flag"],
                      "kv-dtype-outside-choices": ["--model", "org/model", "--kv-cache-dtype", "fp3"]},

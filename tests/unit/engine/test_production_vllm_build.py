@@ -51,6 +51,21 @@ def test_the_spec_matrix_covers_every_quantization_and_kv_dtype_and_tp_speculati
     assert joined["extra-args"].endswith("--disable-log-stats")
 
 
+def test_the_spec_matrix_covers_each_kv_connector_in_each_pool_and_in_a_shared_kv_tier():
+    argv = json.loads(vbc.EXPECTED.read_text())["argv"]
+
+    def kv(name):
+        return json.loads(argv[name][argv[name].index("--kv-transfer-config") + 1])
+    for connector, vllm_name in (("nixl", "NixlConnector"), ("sharedstorage", "ExampleConnector"),
+                                 ("lmcache", "LMCacheConnectorV1")):
+        assert (kv(f"prefill-{connector}")["kv_role"], kv(f"decode-{connector}")["kv_role"]) == \
+            ("kv_producer", "kv_consumer")
+        assert kv(f"prefill-{connector}")["kv_connector"] == vllm_name
+    assert kv("kv-tier-sharedstorage")["kv_role"] == kv("kv-tier-lmcache")["kv_role"] == "kv_both"
+    assert kv("decode-sharedstorage")["kv_connector_extra_config"] == {"shared_storage_path": "/kv-store"}
+    assert "--kv-transfer-config" not in argv["defaults"]
+
+
 def test_the_production_vllm_accepts_the_operators_flags_serves_the_guards_routes_and_metrics(checks):
     cuda_vllm, result, _ = checks
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
