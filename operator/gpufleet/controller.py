@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator, Callable, Mapping, Sequence
+from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
 
 from gpufleet_engine.contract.guard_config import Role
 
@@ -30,7 +30,7 @@ from .manifests.network_policy import EngineIngress
 from .manifests.pools import POOL_ROLES, pools
 from .metrics import OperatorMetrics
 from .reconcile import conditions as cond
-from .reconcile.desired import desired_children, stale_deployments
+from .reconcile.desired import desired_children, draining_roles, stale_deployments
 from .reconcile.replicas import desired_replicas
 from .reconcile.status import (
     CHILD_REJECTED,
@@ -171,12 +171,14 @@ class Controller:
 
     # --- reconcile ----------------------------------------------------------------
 
-    async def observe(self, namespace: str, service: str) -> tuple[Observed, list[dict]]:
-        """What runs, and every Deployment of the service's (labelled as its children are), which
-        includes those of a shape it no longer has."""
+    async def engine_pods(self, namespace: str, service: str) -> list[dict]:
+        return await self.kube.list("v1", "Pod", namespace, label_selector=names.selector_string(service))
+
+    async def observe(self, namespace: str, service: str, pods: list[dict]) -> tuple[Observed, list[dict]]:
+        """What runs (``pods``: the service's engine pods), and every Deployment of the service's
+        (labelled as its children are), which includes those of a shape it no longer has."""
         selector = names.selector_string(service)
         deployments = await self.kube.list("apps/v1", "Deployment", namespace, label_selector=selector)
-        pods = await self.kube.list("v1", "Pod", namespace, label_selector=selector)
         by_name = {d["metadata"]["name"]: d for d in deployments}
         return Observed(deployment=by_name.get(names.deployment_name(service)), pods=pods,
                         pools={role: by_name.get(names.deployment_name(service, role)) for role in POOL_ROLES}), \
@@ -230,9 +232,12 @@ class Controller:
             by_pool = desired_replicas(spec, previous)
             replicas = sum(by_pool.values())
             rejected: list[dict] | None = None
+            # Read before the apply: the guard ConfigMap keeps the guard.json of a pool whose pods
+            # still run (draining after a change of shape; their preStop hook reads it).
+            pods = await self.engine_pods(ns, name)
             if apply_children:
-                rejected = await self._apply_children(isvc, spec, by_pool)
-            observed, deployments = await self.observe(ns, name)
+                rejected = await self._apply_children(isvc, spec, by_pool, draining_roles(pods, spec))
+            observed, deployments = await self.observe(ns, name, pods)
             keep_rejection = not apply_children and rejected_for(previous, gen)
             if not rejected and not keep_rejection:
                 await self.prune(isvc, stale_deployments(isvc, spec, deployments), observed, spec)
@@ -263,13 +268,14 @@ class Controller:
         finally:
             self.metrics.reconcile_seconds.observe(self._clock() - started)
 
-    async def _apply_children(self, isvc: dict, spec, replicas: Mapping[Role, int]) -> list[dict] | None:
+    async def _apply_children(self, isvc: dict, spec, replicas: Mapping[Role, int],
+                              draining: Iterable[Role] = ()) -> list[dict] | None:
         """Apply every child; the conditions that report a refused one (None when all were taken)."""
         meta = isvc["metadata"]
         key, gen = (meta["namespace"], meta["name"]), meta.get("generation", 0)
         for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor(),
                                      podmonitor_labels=self.podmonitor_labels,
-                                     engine_ingress=self.engine_ingress):
+                                     engine_ingress=self.engine_ingress, draining_roles=draining):
             try:
                 await self.kube.apply(obj)
             except ApiError as e:

@@ -135,6 +135,29 @@ async def test_switching_shape_deletes_the_deployments_of_the_shape_left_once_th
     assert "pools" not in kube.obj("InferenceService", "chat")["status"]
 
 
+def engine_pod(name, role=None):
+    labels = {"app.kubernetes.io/name": "gpufleet-engine", "gpufleet.dev/service": "chat"}
+    if role:
+        labels["gpufleet.dev/role"] = role
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "ml", "labels": labels},
+            "status": {}}
+
+
+async def test_the_guard_json_of_the_pods_left_behind_stays_until_they_are_gone(kube):
+    """Their preStop hook reads their drain timeout there; without it they would stop undrained."""
+    controller = Controller(kube, OperatorMetrics())
+    kube.put(isvc())
+    await controller.reconcile_key("ml", "chat")
+    kube.put(engine_pod("chat-engine-a"))
+    kube.put({**isvc(generation=2, **PD), "status": kube.obj("InferenceService", "chat")["status"]})
+    await controller.reconcile_key("ml", "chat")
+    assert sorted(kube.obj("ConfigMap", "chat-guard")["data"]) == ["guard-decode.json", "guard-prefill.json",
+                                                                   "guard.json"]
+    del kube.objects[("Pod", "ml", "chat-engine-a")]
+    await controller.reconcile_key("ml", "chat")
+    assert sorted(kube.obj("ConfigMap", "chat-guard")["data"]) == ["guard-decode.json", "guard-prefill.json"]
+
+
 async def test_a_refused_pool_leaves_the_unified_pool_serving(kube):
     controller = Controller(kube, OperatorMetrics())
     kube.put(isvc())

@@ -7,7 +7,7 @@ hand edit to a field we manage is put back.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from gpufleet_engine.contract import demand_prior, gpu_memory
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
@@ -51,12 +51,15 @@ def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
             "ownerReferences": [names.owner_reference(isvc)]}
 
 
-def build_configmap(isvc: dict, spec: InferenceServiceSpec) -> tuple[dict, dict[Role, str]]:
+def build_configmap(isvc: dict, spec: InferenceServiceSpec,
+                    draining: Iterable[Role] = ()) -> tuple[dict, dict[Role, str]]:
     """The guard ConfigMap and, per pool, the hash of its restart fields (rolls that pool's pods
     when it changes). One key per pool (``names.guard_config_key``: guard.json for the unified pool,
     guard-prefill.json and guard-decode.json for a disaggregated service's), each pod reading its
     own: the live fields reach every running guard through the one ConfigMap, and demand.json
-    lies beside them all."""
+    lies beside them all. ``draining``: roles of a shape the service left whose pods still run;
+    their key stays (a running guard takes only its live fields from it, and its preStop hook
+    reads its drain timeout there) until they are gone."""
     meta = isvc["metadata"]
     data, hashes = {}, {}
     for pool in pools.pools(spec):
@@ -64,6 +67,9 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec) -> tuple[dict, dict[
         data[names.guard_config_key(pool.role)] = guard_config.render(config)
         # Only what a restart applies is hashed: admission changes reach the running guards live.
         hashes[pool.role] = guard_config.config_hash(config)
+    for role in sorted(set(draining) - set(hashes)):
+        data[names.guard_config_key(role)] = guard_config.render(
+            guard_config.build_guard_config(meta["name"], meta["namespace"], spec, role))
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(isvc, names.configmap_name(meta["name"])),
           "data": data}
     return cm, hashes
