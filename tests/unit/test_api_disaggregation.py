@@ -53,6 +53,8 @@ def checked(**spec) -> list[str]:
         "persistentVolumeClaim": {"claimName": "kv"}}}}},
     {"engine": {"kvTier": "Shared", "kvTransfer": {"connector": "LMCache", "extraConfig": {"lmcache.x": "y"}}}},
     {"engine": {**CPU, "kvTier": "Shared", "kvTransfer": SHARED}},
+    {"disaggregation": {}, "isolation": {"mode": "Exclusive"}, "engine": {"kvTransfer": {
+        "connector": "SharedStorage", "sharedStorage": {"persistentVolumeClaim": {"claimName": "kv"}}}}},
     # A unified service keeps its kvTransfer while kvTier is Off (it is not rendered): switching
     # disaggregation off needs no other edit.
     {"engine": {"kvTransfer": {}}},
@@ -86,6 +88,10 @@ def test_specs_that_work_are_taken(spec):
      "a pool's minReplicas must be at most its maxReplicas"),
     ({"engine": {"kvTransfer": {**SHARED, "extraConfig": {"shared_storage_path": "/elsewhere"}}}},
      "engine.kvTransfer.extraConfig.shared_storage_path is set by the operator"),
+    ({"disaggregation": {}, "engine": {"kvTransfer": SHARED}, "isolation": {"mode": "Exclusive"}},
+     "isolation.mode Exclusive puts every engine pod on a node of its own"),
+    ({"engine": {"kvTier": "Shared", "kvTransfer": SHARED}, "isolation": {"mode": "Exclusive"}},
+     "use sharedStorage.persistentVolumeClaim (ReadWriteMany) or isolation.mode Dedicated"),
     ({"disaggregation": {}, "replicas": 2, "engine": {"kvTransfer": {}}},
      "with spec.disaggregation set disaggregation.prefill.replicas and disaggregation.decode.replicas"),
     ({"disaggregation": {"prefill": {"replicas": 5}}, "autoscaling": {"mode": "Manual"},

@@ -767,6 +767,13 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
         rule("!has(self.disaggregation) || !has(self.replicas)",
              "replicas (and kubectl scale) sizes a unified service; with spec.disaggregation set "
              "disaggregation.prefill.replicas and disaggregation.decode.replicas instead", field_path=".replicas"),
+        rule("!(has(self.disaggregation) || self.engine.kvTier == 'Shared') || !has(self.engine.kvTransfer) || "
+             "!has(self.engine.kvTransfer.sharedStorage) || !has(self.engine.kvTransfer.sharedStorage.hostPath) || "
+             "self.isolation.mode != 'Exclusive'",
+             "engine.kvTransfer.sharedStorage.hostPath is a directory of one node, and isolation.mode Exclusive puts "
+             "every engine pod on a node of its own, so no pod would read another's KV: use "
+             "sharedStorage.persistentVolumeClaim (ReadWriteMany) or isolation.mode Dedicated",
+             field_path=".engine.kvTransfer.sharedStorage.hostPath"),
         rule("!has(self.disaggregation) || self.autoscaling.mode == 'Auto' || (" + _both_pools(
                  "!has({p}.replicas) || ({p}.replicas >= {p}.minReplicas && {p}.replicas <= {p}.maxReplicas)") + ")",
              "disaggregation.prefill.replicas and disaggregation.decode.replicas must lie within their pool's "
