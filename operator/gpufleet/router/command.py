@@ -35,10 +35,13 @@ from .server import RouterSettings
                    "then gets 503 with Retry-After from the cold starts measured.")
 @click.option("--hold-max-requests", default=256, show_default=True, type=click.IntRange(0),
               help="Most requests held per service; more get 503 at once.")
+@click.option("--prefill-timeout-seconds", default=30.0, show_default=True, type=click.FloatRange(0.1),
+              help="A disaggregated service's prefill step gets this long; then the request goes to decode, "
+                   "which computes the prompt itself.")
 @click.option("-v", "--verbose", is_flag=True)
 def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, reading_interval_seconds,
            prefix_blocks, load_factor, max_body_bytes, drain_grace_seconds, hold_timeout_seconds,
-           hold_max_requests, verbose) -> None:
+           hold_max_requests, prefill_timeout_seconds, verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
     from ..kube.client import KubeClient
     from ..kube.config import KubeConfig, KubeConfigError
@@ -54,7 +57,7 @@ def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, readi
                               reading_interval=reading_interval_seconds, prefix_blocks=prefix_blocks,
                               load_factor=load_factor, max_body_bytes=max_body_bytes,
                               drain_grace=drain_grace_seconds, hold_timeout=hold_timeout_seconds,
-                              hold_max_requests=hold_max_requests)
+                              hold_max_requests=hold_max_requests, prefill_timeout=prefill_timeout_seconds)
 
     async def main() -> None:
         stop = asyncio.Event()

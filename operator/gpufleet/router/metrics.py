@@ -1,8 +1,9 @@
 """The router's own metrics (gpufleet_router_*), in a registry of its own.
 
 Labels stay bounded: ``model`` is a served name of a service in the router's
-scope, or "" for requests naming no known model; ``outcome`` and ``reason``
-come from the fixed lists here."""
+scope, or "" for requests naming no known model; ``role`` is a pool
+(table.ROLES); ``outcome``, ``reason`` and ``transfer_params`` come from the
+fixed lists here and in choice.py."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -21,6 +22,27 @@ class Outcome:
 
 OUTCOMES = (Outcome.OK, Outcome.REJECTED, Outcome.INVALID, Outcome.UNAVAILABLE, Outcome.ERROR, Outcome.CANCELLED)
 RETRY_REASONS = ("rejected", "connect_failed", "scale_out")
+
+
+class Fallback:
+    """Why a disaggregated request went to decode without a prefill (decode computes the prompt)."""
+    NO_REPLICA = "no_prefill_replica"   # no prefill replica can take requests now
+    REFUSED = "refused"                 # every prefill replica tried answered 429 or 503
+    UNREACHABLE = "unreachable"         # no prefill replica tried could be connected to
+    ERROR = "error"                     # a prefill replica answered another error, or an unreadable answer
+    TIMEOUT = "timeout"                 # no prefill answer within --prefill-timeout-seconds
+
+
+FALLBACK_REASONS = (Fallback.NO_REPLICA, Fallback.REFUSED, Fallback.UNREACHABLE, Fallback.ERROR, Fallback.TIMEOUT)
+
+
+class TransferParams:
+    """What a completed prefill handed to decode (the ``transfer_params`` label)."""
+    RETURNED = "returned"   # kv_transfer_params from the prefill's answer (NIXL, LMCache)
+    NONE = "none"           # none returned: the connector finds the KV by the prompt (shared storage)
+
+
+TRANSFER_PARAMS = (TransferParams.RETURNED, TransferParams.NONE)
 _COLD_START_SECONDS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -30,8 +52,8 @@ class RouterMetrics:
         r = self.registry = registry or CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "Requests by model and outcome.", ["model", "outcome"],
                                 registry=r)
-        self.picks = Counter(PREFIX + "picks", "Replica choices by reason (choice.py).", ["model", "reason"],
-                             registry=r)
+        self.picks = Counter(PREFIX + "picks", "Replica choices by pool and reason (choice.py).",
+                             ["model", "role", "reason"], registry=r)
         self.prefix_affinity_hits = Counter(
             PREFIX + "prefix_affinity_hits", "Requests with a prompt prefix key sent to a replica this router "
             "had sent at least half of its leading blocks to, and still remembers (a predicted prefix-cache "
@@ -39,13 +61,13 @@ class RouterMetrics:
         self.prefix_keyed = Counter(PREFIX + "prefix_keyed_requests",
                                     "Requests whose prompt was long enough for a prefix key.", ["model"],
                                     registry=r)
-        self.retries = Counter(PREFIX + "retries", "Requests sent to a second replica after the first refused "
-                               "(429) or could not be reached, before any byte went to the client.",
-                               ["model", "reason"], registry=r)
+        self.retries = Counter(PREFIX + "retries", "Requests sent to a second replica of a pool after the first "
+                               "refused (429) or could not be reached, before any byte went to the client.",
+                               ["model", "role", "reason"], registry=r)
         self.request_seconds = Histogram(PREFIX + "request_seconds", "From arrival to the answer's last byte.",
                                          ["model"], buckets=_SECONDS, registry=r)
         self.replicas = Gauge(PREFIX + "replicas", "Replicas the router may send to (serving and ready by its "
-                              "guard's last reading).", ["model"], registry=r)
+                              "guard's last reading), by pool.", ["model", "role"], registry=r)
         # By service, not model: the operator reads this to scale a service up from zero.
         self.held = Gauge(PREFIX + "held_requests", "Requests waiting for a replica of a service that has none "
                           "ready (a cold start).", ["namespace", "service"], registry=r)
@@ -55,6 +77,14 @@ class RouterMetrics:
                                             "ready replica to the first replica ready for it.",
                                             ["namespace", "service"],
                                             buckets=_COLD_START_SECONDS, registry=r)
+        self.prefill_seconds = Histogram(PREFIX + "prefill_seconds", "Disaggregated requests: from the first "
+                                         "send to a prefill replica to its answer, for prefills handed to decode.",
+                                         ["model"], buckets=_SECONDS, registry=r)
+        self.handoffs = Counter(PREFIX + "handoffs", "Disaggregated requests whose prefill answered and which went "
+                                "to decode with its hand-off.", ["model", "transfer_params"], registry=r)
+        self.prefill_fallbacks = Counter(PREFIX + "prefill_fallbacks", "Disaggregated requests sent to decode "
+                                         "without a prefill (decode computes the prompt), by reason.",
+                                         ["model", "reason"], registry=r)
         self.readings_failed = Counter(PREFIX + "readings_failed", "Guard /metrics reads that failed.",
                                        ["model"], registry=r)
 

@@ -8,6 +8,13 @@ fails before it answers, is sent once more to another replica: nothing has
 gone to the client yet. Refused twice, the client gets the 429 with the
 earlier of the replicas' Retry-After hints.
 
+A disaggregated service (prefill and decode pools) takes each request in two
+steps (handoff.py): a prefill replica, chosen by prefix affinity and load,
+computes the prompt's KV and answers with one token; a decode replica, chosen
+by free KV, gets the client's request with the prefill's hand-off and its
+answer goes to the client. A prefill that does not answer in time, or at all,
+is skipped: decode then computes the prompt itself.
+
 The I/O around the pure core: ``Fleet`` keeps the route table current from
 the API server and each replica's reading current from its guard.
 """
@@ -30,13 +37,13 @@ from ..api import API_VERSION, KIND
 from ..kube.client import KubeClient
 from ..kube.pods import is_serving
 from ..manifests import names
+from . import handoff, shedding
 from . import requests as rq
-from . import shedding
-from .choice import Pick, Picker, Reading, prefix_of
+from .choice import Pick, Picker, Prefix, Reading, prefix_of
 from .cold_start import ColdStarts
-from .metrics import Outcome, RouterMetrics
+from .metrics import Fallback, Outcome, RouterMetrics, TransferParams
 from .signals import parse_guard
-from .table import Route, Table, build_table
+from .table import ROLES, Role, Route, Table, build_table
 
 log = logging.getLogger("gpufleet.router")
 
@@ -68,10 +75,13 @@ class RouterSettings:
     # at most this many per service; then 503 with Retry-After from the measured cold starts.
     hold_timeout: float = 120.0
     hold_max_requests: int = 256
+    # A disaggregated request's prefill (queue, prompt, answer; retry included) gets this long, then
+    # the request goes to decode without it: never held on a stuck prefill replica.
+    prefill_timeout: float = 30.0
 
 
 class Fleet:
-    """The route table and each service's picker, kept current by two loops."""
+    """The route table and a picker per service and pool, kept current by two loops."""
 
     def __init__(self, settings: RouterSettings, metrics: RouterMetrics,
                  clock: Callable[[], float] = time.monotonic):
@@ -79,7 +89,7 @@ class Fleet:
         self.metrics = metrics
         self.clock = clock
         self.table = Table({})
-        self.pickers: dict[str, Picker] = {}
+        self.pickers: dict[tuple[str, str], Picker] = {}   # (model, role) -> that pool's picker
         self.listed = asyncio.Event()       # the first listing succeeded: the router can route
         self.draining = False
         self._problems: tuple[str, ...] = ()
@@ -93,14 +103,31 @@ class Fleet:
         self._problems = table.problems
         self.table = table
         for model, route in table.routes.items():
-            picker = self.pickers.setdefault(model, Picker(self.settings.load_factor))
-            picker.set_replicas(route.replicas)
-        for model in set(self.pickers) - set(table.routes):
-            del self.pickers[model]
-            self.metrics.replicas.remove(model)
-        for model, picker in self.pickers.items():
-            self.metrics.replicas.labels(model).set(len(picker.eligible()))
+            for role in ROLES:
+                picker = self.pickers.setdefault((model, role), Picker(self.settings.load_factor))
+                picker.set_replicas(route.pool(role))
+        for model, role in [key for key in self.pickers if key[0] not in table.routes]:
+            del self.pickers[(model, role)]
+            self.metrics.replicas.remove(model, role)
+        self._count_replicas()
         self.release_held()
+
+    def picker(self, model: str, role: str = Role.UNIFIED) -> Picker | None:
+        return self.pickers.get((model, role))
+
+    def serving_pool(self, model: str) -> str | None:
+        """The pool that answers the service's requests now: decode (after a prefill) when a decode
+        replica can take them, else unified, else None (held). Decode first: while a rollout turns a
+        unified service into pools, the new pools take over as soon as a decode replica is ready."""
+        for role in (Role.DECODE, Role.UNIFIED):
+            picker = self.picker(model, role)
+            if picker is not None and picker.eligible():
+                return role
+        return None
+
+    def _count_replicas(self) -> None:
+        for (model, role), picker in self.pickers.items():
+            self.metrics.replicas.labels(model, role).set(len(picker.eligible()))
 
     async def list_once(self, kube: KubeClient) -> None:
         services: list[dict] = []
@@ -138,10 +165,9 @@ class Fleet:
             picker.observe(pod, reading)
 
         await asyncio.gather(*(read(model, picker, r.pod, r.address)
-                               for model, picker in list(self.pickers.items())
+                               for (model, _role), picker in list(self.pickers.items())
                                for r in picker.replicas.values() if r.serving))
-        for model, picker in self.pickers.items():
-            self.metrics.replicas.labels(model).set(len(picker.eligible()))
+        self._count_replicas()
         self.release_held()
 
     # --- requests held through a cold start ------------------------------------------
@@ -150,7 +176,8 @@ class Fleet:
         return self.cold_starts.setdefault(model, ColdStarts())
 
     async def hold(self, model: str, deadline: float) -> bool:
-        """Wait, in arrival order, until the service has a replica to try; False at the deadline."""
+        """Wait, in arrival order, until the service has a replica to answer (serving_pool); False
+        at the deadline."""
         queue = self.held.setdefault(model, collections.deque())
         self.cold_since.setdefault(model, self.clock())
         waiter = asyncio.get_running_loop().create_future()
@@ -175,9 +202,9 @@ class Fleet:
         return len(self.held.get(model, ()))
 
     def release_held(self) -> None:
-        """Wake the requests held for each service that now has a replica, first come first."""
-        for model, picker in self.pickers.items():
-            if not picker.eligible():
+        """Wake the requests held for each service that now has a replica to answer, first come first."""
+        for model in self.table.routes:
+            if self.serving_pool(model) is None:
                 continue
             started = self.cold_since.pop(model, None)
             if started is not None:
@@ -291,8 +318,12 @@ class Router:
                                     param="model", code="model_not_found")
         except rq.BadRequest as e:
             return self._refuse("", Outcome.INVALID, e.status, e.body())
+        prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks)
+        if prefix is not None:
+            self.metrics.prefix_keyed.labels(parsed.model).inc()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         try:
-            return await self._forward(request, route, body, parsed, target)
+            return await self._forward(_Call(request, route, body, headers, parsed, target, arrived, prefix))
         finally:
             self.metrics.request_seconds.labels(parsed.model).observe(self.fleet.clock() - arrived)
 
@@ -310,22 +341,53 @@ class Router:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _forward(self, request: web.Request, route: str, body: bytes, parsed: rq.Parsed,
-                       target: Route) -> web.StreamResponse:
-        model = parsed.model
-        picker = self.fleet.pickers[model]
-        prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks)
-        if prefix is not None:
-            self.metrics.prefix_keyed.labels(model).inc()
-        cost = parsed.cost_blocks(target.block_size, route)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    async def _forward(self, call: _Call) -> web.StreamResponse:
+        deadline = call.arrived + self.settings.hold_timeout
+        while True:
+            pool = self.fleet.serving_pool(call.model)
+            if pool is None:
+                refusal = await self._hold(call, deadline)
+                if refusal is not None:
+                    return refusal
+                continue
+            if pool == Role.DECODE and call.route != rq.EMBEDDINGS:
+                params = await self._prefill(call)
+                answer = await self._send(call, Role.DECODE, handoff.decode_body(call.body, params), None)
+            else:
+                # Embeddings have nothing to decode: a disaggregated service's decode replicas answer them.
+                answer = await self._send(call, pool, call.body, call.prefix if pool == Role.UNIFIED else None)
+            if answer is not None:
+                return answer
+            # The pool lost its last replica before one was picked: held like a cold start.
+
+    async def _hold(self, call: _Call, deadline: float) -> web.Response | None:
+        """No pool can answer (no replica yet, all starting, or scaled to zero): hold the request until
+        one can (None), or answer why not."""
+        model, target = call.model, call.target
+        if self.fleet.held_count(model) >= self.settings.hold_max_requests:
+            return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(
+                f"{self.settings.hold_max_requests} requests already wait for a replica of "
+                f"{target.namespace}/{target.service} (model {model!r}); retry later.",
+                "service_unavailable", code="hold_queue_full"),
+                self.fleet.cold(model).retry_after(self.fleet.clock() - call.arrived))
+        if not await self.fleet.hold(model, deadline):
+            waited = self.fleet.clock() - call.arrived
+            return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(
+                f"No replica of {target.namespace}/{target.service} (model {model!r}) became ready "
+                f"within {waited:.0f}s.", "service_unavailable", code="no_ready_replica"),
+                self.fleet.cold(model).retry_after(waited))
+        return None
+
+    async def _send(self, call: _Call, role: str, body: bytes, prefix: Prefix | None) -> web.StreamResponse | None:
+        """Send ``body`` to a replica of the ``role`` pool and stream its answer to the client, with the
+        retries the module describes; None when the pool has no replica to try."""
+        model, target = call.model, call.target
+        cost = call.parsed.cost_blocks(target.block_size, call.route)
         tried: list[str] = []
         refusals: list[_Refused] = []
         failure = ""
-        arrived = self.fleet.clock()
-        deadline = arrived + self.settings.hold_timeout
         # Refused everywhere below maxReplicas: held at most as long as a new replica takes (shedding.py).
-        scale_out_deadline = arrived + min(self.settings.hold_timeout, self.fleet.cold(model).expected())
+        scale_out_deadline = call.arrived + min(self.settings.hold_timeout, self.fleet.cold(model).expected())
         attempt = 0
         while True:
             if attempt >= 2:
@@ -333,43 +395,31 @@ class Router:
                     break  # nothing answered: not a capacity question
                 route_now = self.fleet.table.routes.get(model, target)
                 wait = shedding.wait_before_retrying(
-                    len(route_now.replicas), route_now.max_replicas,
+                    len(route_now.pool(role)), route_now.max_replicas,
                     [r.retry_after for r in refusals if r.retry_after is not None],
                     scale_out_deadline - self.fleet.clock())
                 if wait is None:
                     break
                 await asyncio.sleep(wait)
-                picker = self.fleet.pickers.get(model, picker)
                 attempt, tried = 0, []
-                self.metrics.retries.labels(model, "scale_out").inc()
+                self.metrics.retries.labels(model, role, "scale_out").inc()
+            picker = self.fleet.picker(model, role)
+            if picker is None:
+                return None   # the service left the table: held until it is back or the hold times out
             pick = picker.pick(cost, prefix, exclude=tried)
             if pick is None:
                 if tried:
                     attempt = 2  # every replica there is was tried
                     continue
-                # No replica can take it (none yet, all starting, or scaled to zero): hold it.
-                if self.fleet.held_count(model) >= self.settings.hold_max_requests:
-                    return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(
-                        f"{self.settings.hold_max_requests} requests already wait for a replica of "
-                        f"{target.namespace}/{target.service} (model {model!r}); retry later.",
-                        "service_unavailable", code="hold_queue_full"),
-                        self.fleet.cold(model).retry_after(self.fleet.clock() - arrived))
-                if not await self.fleet.hold(model, deadline):
-                    waited = self.fleet.clock() - arrived
-                    return self._refuse(model, Outcome.UNAVAILABLE, 503, rq.error_body(
-                        f"No replica of {target.namespace}/{target.service} (model {model!r}) became ready "
-                        f"within {waited:.0f}s.", "service_unavailable", code="no_ready_replica"),
-                        self.fleet.cold(model).retry_after(waited))
-                picker = self.fleet.pickers.get(model, picker)
-                continue
+                return None
             attempt += 1
             pod = pick.replica.pod
             tried.append(pod)
             if attempt > 1:
-                self.metrics.retries.labels(model, "rejected" if refusals else "connect_failed").inc()
+                self.metrics.retries.labels(model, role, "rejected" if refusals else "connect_failed").inc()
             ticket = picker.sent(pod, cost, self.fleet.clock(), prefix)
             try:
-                return await self._exchange(request, route, body, headers, pick, model)
+                return await self._exchange(call, role, body, pick)
             except _Refused as r:
                 refusals.append(r)
             except _Unreachable as u:
@@ -385,20 +435,21 @@ class Router:
             if hints:
                 out.headers["Retry-After"] = str(max(1, math.ceil(min(hints))))
             return out
+        pool = "" if role == Role.UNIFIED else f"{role} "
         return self._refuse(model, Outcome.ERROR, 502, rq.error_body(
-            f"No replica of {target.namespace}/{target.service} answered: {failure}", "server_error",
+            f"No {pool}replica of {target.namespace}/{target.service} answered: {failure}", "server_error",
             code="replica_unreachable"), UNREACHABLE_RETRY_AFTER_SECONDS)
 
-    async def _exchange(self, request: web.Request, route: str, body: bytes, headers: dict, pick: Pick,
-                        model: str) -> web.StreamResponse:
+    async def _exchange(self, call: _Call, role: str, body: bytes, pick: Pick) -> web.StreamResponse:
         """Send to one replica. Raises _Refused (it answered 429 or 503: not admitted) or
         _Unreachable (nothing answered) before anything is written to the client."""
-        self.metrics.picks.labels(model, pick.reason).inc()
+        model = call.model
+        self.metrics.picks.labels(model, role, pick.reason).inc()
         if pick.affinity_hit:
             self.metrics.prefix_affinity_hits.labels(model).inc()
-        url = f"http://{pick.replica.address}{route}"
+        url = f"http://{pick.replica.address}{call.route}"
         try:
-            upstream = await self.http.post(url, data=body, headers=headers)
+            upstream = await self.http.post(url, data=body, headers=call.headers)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             raise _Unreachable(f"{pick.replica.pod} ({pick.replica.address}): {type(e).__name__}: {e}") from None
         done = False  # the answer was read to its end: the connection goes back to the pool
@@ -413,7 +464,7 @@ class Router:
                     response.headers.add(k, v)
             if upstream.headers.get("Content-Length") is not None:
                 response.content_length = int(upstream.headers["Content-Length"])
-            await response.prepare(request)
+            await response.prepare(call.request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
             done = True
@@ -438,6 +489,111 @@ class Router:
                 upstream.release()
             else:
                 upstream.close()
+
+    # --- the prefill step of a disaggregated request --------------------------------------
+
+    async def _prefill(self, call: _Call) -> dict | None:
+        """Prefill the prompt on a prefill replica: the ``kv_transfer_params`` its answer returned
+        for decode, or None (none returned, or the prefill skipped: counted as a fallback)."""
+        model = call.model
+        started = self.fleet.clock()
+        try:
+            params = await asyncio.wait_for(self._prefill_attempts(call), self.settings.prefill_timeout)
+        except _PrefillSkipped as skipped:
+            self.metrics.prefill_fallbacks.labels(model, skipped.reason).inc()
+            # A replica failing is worth a line; capacity (refused, none ready) shows in the metric.
+            level = logging.WARNING if skipped.reason in (Fallback.ERROR, Fallback.UNREACHABLE) else logging.DEBUG
+            log.log(level, "%s: prefill skipped (%s), decode computes the prompt: %s", model, skipped.reason,
+                    skipped.detail)
+            return None
+        except asyncio.TimeoutError:
+            self.metrics.prefill_fallbacks.labels(model, Fallback.TIMEOUT).inc()
+            log.debug("%s: no prefill answer within %gs, decode computes the prompt", model,
+                      self.settings.prefill_timeout)
+            return None
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(model, Outcome.CANCELLED).inc()
+            raise
+        self.metrics.prefill_seconds.labels(model).observe(self.fleet.clock() - started)
+        self.metrics.handoffs.labels(
+            model, TransferParams.NONE if params is None else TransferParams.RETURNED).inc()
+        return params
+
+    async def _prefill_attempts(self, call: _Call) -> dict | None:
+        """Up to two prefill replicas, the second after a refusal or a failed connection."""
+        model, target = call.model, call.target
+        picker = self.fleet.picker(model, Role.PREFILL)
+        cost = dataclasses.replace(call.parsed, max_tokens=1).cost_blocks(target.block_size, call.route)
+        body = handoff.prefill_body(call.body, call.route)
+        # The answer is read here, not passed on: uncompressed, whatever the client accepts.
+        headers = {k: v for k, v in call.headers.items() if k.lower() != "accept-encoding"}
+        headers["Accept-Encoding"] = "identity"
+        reason, detail = Fallback.NO_REPLICA, "no prefill replica is ready"
+        if picker is None:
+            raise _PrefillSkipped(reason, detail)
+        tried: list[str] = []
+        for attempt in range(2):
+            pick = picker.pick(cost, call.prefix, exclude=tried)
+            if pick is None:
+                break
+            pod = pick.replica.pod
+            tried.append(pod)
+            if attempt:
+                self.metrics.retries.labels(
+                    model, Role.PREFILL, "rejected" if reason == Fallback.REFUSED else "connect_failed").inc()
+            ticket = picker.sent(pod, cost, self.fleet.clock(), call.prefix)
+            try:
+                return await self._prefill_exchange(call, body, headers, pick)
+            except _Refused as r:
+                reason, detail = Fallback.REFUSED, f"{pod} answered {r.status}"
+            except _Unreachable as u:
+                reason, detail = Fallback.UNREACHABLE, u.message
+            finally:
+                picker.finished(pod, ticket)
+        raise _PrefillSkipped(reason, detail)
+
+    async def _prefill_exchange(self, call: _Call, body: bytes, headers: dict, pick: Pick) -> dict | None:
+        """One prefill request, its whole answer read. Raises _Refused, _Unreachable or _PrefillSkipped."""
+        model, pod = call.model, pick.replica.pod
+        self.metrics.picks.labels(model, Role.PREFILL, pick.reason).inc()
+        if pick.affinity_hit:
+            self.metrics.prefix_affinity_hits.labels(model).inc()
+        try:
+            async with self.http.post(f"http://{pick.replica.address}{call.route}", data=body,
+                                      headers=headers) as upstream:
+                answer = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise _Unreachable(f"{pod} ({pick.replica.address}): {type(e).__name__}: {e}") from None
+        if upstream.status in RETRIED_STATUSES:
+            raise _Refused(upstream.status, answer, upstream.content_type, _retry_after(upstream))
+        if upstream.status >= 300:
+            raise _PrefillSkipped(Fallback.ERROR, f"{pod} answered {upstream.status}: {answer[:300]!r}")
+        try:
+            return handoff.returned_params(answer)
+        except handoff.UnreadableAnswer as e:
+            raise _PrefillSkipped(Fallback.ERROR, f"{pod} answered {upstream.status} with {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One client request on its way through the router."""
+    request: web.Request
+    route: str                      # the OpenAI path
+    body: bytes                     # as the client sent it
+    headers: dict[str, str]         # the client's, less hop-by-hop ones
+    parsed: rq.Parsed
+    target: Route
+    arrived: float
+    prefix: Prefix | None           # the prompt's leading blocks, for prefix affinity
+
+    @property
+    def model(self) -> str:
+        return self.parsed.model
+
+
+class _PrefillSkipped(Exception):
+    def __init__(self, reason: str, detail: str):
+        self.reason, self.detail = reason, detail
 
 
 class _Refused(Exception):

@@ -3,7 +3,13 @@
 Built from the InferenceServices and engine pods the router lists: a
 service's ``model`` is its served name (``spec.model.servedName``, else
 ``spec.model.name``, as the guard serves it); its replicas are its engine
-pods, the guard's port on each pod IP."""
+pods, the guard's port on each pod IP.
+
+A disaggregated service's pods carry their pool in the ``gpufleet.dev/role``
+label (``prefill`` or ``decode``); pods without it are unified. The router
+reads the role from the pods, not from the spec, so a service changing shape
+is routed by the pods that exist: while a rollout replaces unified pods by
+prefill and decode pools, both kinds are in its route."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +21,17 @@ from ..manifests.guard_config import served_name
 from .choice import Replica
 
 
+class Role:
+    """An engine pod's pool: the ``role`` label of the router's per-role metrics."""
+    UNIFIED = "unified"   # no role label: prefill and decode in one engine
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+ROLES = (Role.UNIFIED, Role.PREFILL, Role.DECODE)
+_LABELLED = {Role.PREFILL, Role.DECODE}   # the values of gpufleet.dev/role
+
+
 @dataclasses.dataclass(frozen=True)
 class Route:
     namespace: str
@@ -23,13 +40,18 @@ class Route:
     block_size: int
     min_replicas: int
     max_replicas: int
-    replicas: tuple[Replica, ...]
+    replicas: tuple[Replica, ...]         # unified pods
+    prefill: tuple[Replica, ...] = ()
+    decode: tuple[Replica, ...] = ()
+
+    def pool(self, role: str) -> tuple[Replica, ...]:
+        return {Role.UNIFIED: self.replicas, Role.PREFILL: self.prefill, Role.DECODE: self.decode}[role]
 
 
 @dataclasses.dataclass(frozen=True)
 class Table:
     routes: dict[str, Route]          # by served model name
-    problems: tuple[str, ...] = ()    # services left out, and why
+    problems: tuple[str, ...] = ()    # services and pods left out, and why
 
     @property
     def models(self) -> list[str]:
@@ -39,17 +61,26 @@ class Table:
 def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callable[[dict], bool],
                 guard_port: int = names.GUARD_PORT) -> Table:
     """``serving(pod)``: whether the pod takes new requests (Ready, addressed, not terminating)."""
-    by_service: dict[tuple[str, str], list[Replica]] = {}
+    by_pool: dict[tuple[str, str, str], list[Replica]] = {}
+    problems = []
     for pod in pods:
         meta = pod.get("metadata") or {}
-        service = (meta.get("labels") or {}).get(names.LABEL_SERVICE)
+        labels = meta.get("labels") or {}
+        service = labels.get(names.LABEL_SERVICE)
         ip = (pod.get("status") or {}).get("podIP")
         if not service or not ip:
             continue
-        by_service.setdefault((meta.get("namespace", ""), service), []).append(
+        ns = meta.get("namespace", "")
+        role = labels.get(names.LABEL_ROLE, Role.UNIFIED)
+        if role != Role.UNIFIED and role not in _LABELLED:
+            # A pool the router does not know how to use (a newer operator's): sending it requests
+            # as if it were unified could answer them wrongly, so it gets none.
+            problems.append(f"{ns}/{meta['name']}: {names.LABEL_ROLE}={role!r} is not prefill or decode; "
+                            f"the pod gets no requests")
+            continue
+        by_pool.setdefault((ns, service, role), []).append(
             Replica(pod=meta["name"], address=f"{ip}:{guard_port}", serving=serving(pod)))
     routes: dict[str, Route] = {}
-    problems = []
     # Oldest first: when two services claim one model name, the one that had it first keeps it.
     ordered = sorted(services, key=lambda s: (s["metadata"].get("creationTimestamp") or "",
                                               s["metadata"].get("namespace", ""), s["metadata"]["name"]))
@@ -69,8 +100,9 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
             problems.append(f"{ns}/{name}: serves model {model!r}, which {kept.namespace}/{kept.service} "
                             f"already serves; not routed (give one of them another spec.model.servedName)")
             continue
-        replicas = sorted(by_service.get((ns, name), []), key=lambda r: r.pod)
+        pools = {role: tuple(sorted(by_pool.get((ns, name, role), []), key=lambda r: r.pod)) for role in ROLES}
         routes[model] = Route(namespace=ns, service=name, model=model, block_size=spec.engine.kv_cache.block_size,
                               min_replicas=spec.autoscaling.min_replicas,
-                              max_replicas=spec.autoscaling.max_replicas, replicas=tuple(replicas))
+                              max_replicas=spec.autoscaling.max_replicas, replicas=pools[Role.UNIFIED],
+                              prefill=pools[Role.PREFILL], decode=pools[Role.DECODE])
     return Table(routes, tuple(problems))

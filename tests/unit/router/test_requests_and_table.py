@@ -127,3 +127,23 @@ def test_an_invalid_or_deleted_service_is_left_out():
     table = build_table([bad, gone, isvc("fine")], [], serving)
     assert table.models == ["org/fine"]
     assert len(table.problems) == 1 and "ml/bad" in table.problems[0]
+
+
+def test_a_services_pods_are_split_into_pools_by_their_role_label():
+    def role_pod(name: str, ip: str, role: str | None) -> dict:
+        p = pod(name, "chat", ip)
+        if role is not None:
+            p["metadata"]["labels"]["gpufleet.dev/role"] = role
+        return p
+    table = build_table([isvc("chat")], [role_pod("chat-p-1", "10.0.0.1", "prefill"),
+                                         role_pod("chat-d-2", "10.0.0.3", "decode"),
+                                         role_pod("chat-d-1", "10.0.0.2", "decode"),
+                                         role_pod("chat-engine-1", "10.0.0.4", None),
+                                         role_pod("chat-x-1", "10.0.0.5", "encode")], serving)
+    route = table.routes["org/chat"]
+    assert [r.pod for r in route.prefill] == ["chat-p-1"]
+    assert [r.pod for r in route.decode] == ["chat-d-1", "chat-d-2"]
+    assert [r.pod for r in route.replicas] == ["chat-engine-1"] == [r.pod for r in route.pool("unified")]
+    # A pool the router does not know gets nothing, and the table says why.
+    assert table.problems == ("ml/chat-x-1: gpufleet.dev/role='encode' is not prefill or decode; the pod gets no "
+                              "requests",)

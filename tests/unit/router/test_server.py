@@ -137,7 +137,7 @@ async def test_the_replica_with_more_free_kv_gets_the_request(harness):
     async with harness.post(completion()) as r:
         assert r.status == 200 and r.headers["X-Replica"] == "b"
         await r.read()
-    assert harness.count("gpufleet_router_picks_total", model=MODEL, reason="kv_free") == 1
+    assert harness.count("gpufleet_router_picks_total", model=MODEL, role="unified", reason="kv_free") == 1
     assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="ok") == 1
 
 
@@ -175,7 +175,7 @@ async def test_a_client_that_leaves_mid_stream_cancels_the_replicas_request(harn
     await wait_for(lambda: harness.count("gpufleet_router_requests_total", model=MODEL, outcome="cancelled") >= 1,
                    timeout=30, interval=0.01, what="the cancelled request counted")
     assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="cancelled") == 1
-    assert harness.fleet.pickers[MODEL].in_flight == {}
+    assert harness.fleet.picker(MODEL).in_flight == {}
 
 
 async def test_a_429_is_retried_once_on_the_other_replica(harness):
@@ -186,7 +186,7 @@ async def test_a_429_is_retried_once_on_the_other_replica(harness):
         assert r.status == 200 and r.headers["X-Replica"] == "b"
         await r.read()
     assert len(harness.guards["a"].bodies) == 1
-    assert harness.count("gpufleet_router_retries_total", model=MODEL, reason="rejected") == 1
+    assert harness.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="rejected") == 1
 
 
 async def test_refused_by_every_replica_the_client_gets_429_with_the_earliest_hint(harness):
@@ -205,11 +205,11 @@ async def test_an_unreachable_replica_is_passed_over(harness):
     harness.publish([harness.route(dead, Replica("b", harness.guards["b"].address))])
     harness.guards["b"].free = 1
     await harness.fleet.read_once(harness.http)   # the dead one's read fails: its room is unknown
-    harness.fleet.pickers[MODEL].observe("b", None)  # neither read: the first try goes by name order, to the dead one
+    harness.fleet.picker(MODEL).observe("b", None)  # neither read: the first try goes by name order, to the dead one
     async with harness.post(completion()) as r:
         assert r.status == 200 and r.headers["X-Replica"] == "b"
         await r.read()
-    assert harness.count("gpufleet_router_retries_total", model=MODEL, reason="connect_failed") == 1
+    assert harness.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="connect_failed") == 1
     assert harness.count("gpufleet_router_readings_failed_total", model=MODEL) == 1
 
 
@@ -221,7 +221,7 @@ async def test_a_draining_replica_takes_nothing(harness):
         async with harness.post(completion(f"prompt {i} " * 40)) as r:
             assert r.headers["X-Replica"] == "b"
             await r.read()
-    assert harness.count("gpufleet_router_replicas", model=MODEL) == 1
+    assert harness.count("gpufleet_router_replicas", model=MODEL, role="unified") == 1
 
 
 async def test_requests_sharing_a_long_prefix_reach_one_replica(harness):
@@ -407,7 +407,7 @@ async def test_below_max_replicas_a_request_every_replica_refused_is_held_until_
         assert r.status == 200 and r.headers["X-Replica"] == "b"
         await r.read()
     await freed
-    assert harness.count("gpufleet_router_retries_total", model=MODEL, reason="scale_out") >= 1
+    assert harness.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="scale_out") >= 1
     assert harness.count("gpufleet_router_requests_total", model=MODEL, outcome="rejected") == 0
 
 
