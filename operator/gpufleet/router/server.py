@@ -395,7 +395,7 @@ class Router:
                     break  # nothing answered: not a capacity question
                 route_now = self.fleet.table.routes.get(model, target)
                 wait = shedding.wait_before_retrying(
-                    len(route_now.pool(role)), route_now.max_replicas,
+                    len(route_now.pool(role)), route_now.max_of(role),
                     [r.retry_after for r in refusals if r.retry_after is not None],
                     scale_out_deadline - self.fleet.clock())
                 if wait is None:

@@ -44,6 +44,13 @@ class Route:
     prefill: tuple[Replica, ...] = ()
     decode: tuple[Replica, ...] = ()
 
+    # A disaggregated service's bounds per pool ((role, maxReplicas), ...); unified: max_replicas.
+    pool_max: tuple[tuple[str, int], ...] = ()
+
+    def max_of(self, role: str) -> int:
+        """The most replicas ``role``'s pool can have: whether a refused request may wait for a scale-out."""
+        return dict(self.pool_max).get(role, self.max_replicas)
+
     def pool(self, role: str) -> tuple[Replica, ...]:
         return {Role.UNIFIED: self.replicas, Role.PREFILL: self.prefill, Role.DECODE: self.decode}[role]
 
@@ -104,5 +111,8 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
         routes[model] = Route(namespace=ns, service=name, model=model, block_size=spec.engine.kv_cache.block_size,
                               min_replicas=spec.autoscaling.min_replicas,
                               max_replicas=spec.autoscaling.max_replicas, replicas=pools[Role.UNIFIED],
+                              pool_max=((Role.PREFILL, spec.disaggregation.prefill.max_replicas),
+                                        (Role.DECODE, spec.disaggregation.decode.max_replicas))
+                              if spec.disaggregation else (),
                               prefill=pools[Role.PREFILL], decode=pools[Role.DECODE])
     return Table(routes, tuple(problems))

@@ -147,3 +147,12 @@ def test_a_services_pods_are_split_into_pools_by_their_role_label():
     # A pool the router does not know gets nothing, and the table says why.
     assert table.problems == ("ml/chat-x-1: gpufleet.dev/role='encode' is not prefill or decode; the pod gets no "
                               "requests",)
+
+
+def test_a_disaggregated_service_bounds_each_pool_by_its_own_max_replicas():
+    pd = isvc("chat")
+    pd["spec"]["engine"]["kvTransfer"] = {"connector": "Nixl"}
+    pd["spec"]["disaggregation"] = {"prefill": {"maxReplicas": 2}, "decode": {"maxReplicas": 6}}
+    route = build_table([pd, isvc("solo")], [], serving).routes
+    assert (route["org/chat"].max_of("prefill"), route["org/chat"].max_of("decode")) == (2, 6)
+    assert route["org/solo"].max_of("unified") == 3
