@@ -112,9 +112,16 @@ class CountedHistogram(Collector):
 
 class GuardMetrics:
     def __init__(self, classes: list[str], registry: CollectorRegistry | None = None,
-                 slo: SLOConfig | None = None, gpu_memory: GpuMemoryReader | None = None):
+                 slo: SLOConfig | None = None, gpu_memory: GpuMemoryReader | None = None,
+                 role: str = "unified"):
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        Gauge(m.ROLE_INFO, "What this pod does in its service: unified, prefill or decode (value 1).",
+              ["role"], registry=r).labels(role).set(1)
+        self.kv_handoffs = Counter(m.KV_HANDOFFS, "Admitted requests of a prefill/decode hand-off, by "
+                                   "phase (prefill, decode) and outcome.", ["phase", "outcome"], registry=r)
+        for phase, outcome in itertools.product(m.KV_HANDOFF_PHASES, m.KV_HANDOFF_OUTCOMES):
+            self.kv_handoffs.labels(phase, outcome)
         # GPU memory from inside vLLM (the plugin's reports), one series per device.
         self.gpu_memory = gpu_memory or GpuMemoryReader.from_environment()
         r.register(GpuMemoryCollector(self.gpu_memory))
