@@ -55,6 +55,10 @@ ROLE_INFO = PREFIX + "role_info"
 KV_HANDOFFS = PREFIX + "kv_handoffs"                          # counter: exported as ..._total
 KV_HANDOFF_PHASES = ("prefill", "decode")
 KV_HANDOFF_OUTCOMES = ("ok", "invalid", "timeout", "cancelled", "error")
+# The shared-storage connector's directory on a pod that writes it (vllm/shared_storage.py): its
+# prompt folders' bytes after the last pass, and the folders removed past the limit.
+KV_STORAGE_BYTES = PREFIX + "kv_storage_bytes"
+KV_STORAGE_REMOVED_PROMPTS = PREFIX + "kv_storage_removed_prompts"  # counter: exported as ..._total
 
 # GPU memory from inside vLLM's processes, per device (``device`` label): the
 # vLLM plugin's reports (contract.gpu_memory), exported by the guard.

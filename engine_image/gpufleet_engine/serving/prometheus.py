@@ -122,6 +122,14 @@ class GuardMetrics:
                                    "phase (prefill, decode) and outcome.", ["phase", "outcome"], registry=r)
         for phase, outcome in itertools.product(m.KV_HANDOFF_PHASES, m.KV_HANDOFF_OUTCOMES):
             self.kv_handoffs.labels(phase, outcome)
+        # Set by the guard of a pod that writes the shared-storage connector's files; absent elsewhere.
+        self.kv_storage_bytes: float | None = None
+        r.register(_OptionalGauge(m.KV_STORAGE_BYTES, "Bytes of the KV connector's prompt files in its "
+                                  "shared directory after the last bounding pass (pods that write it).",
+                                  lambda: self.kv_storage_bytes))
+        self.kv_storage_removed_prompts = Counter(m.KV_STORAGE_REMOVED_PROMPTS, "Prompts' KV files removed "
+                                                  "from the connector's shared directory past its limit.",
+                                                  registry=r)
         # GPU memory from inside vLLM (the plugin's reports), one series per device.
         self.gpu_memory = gpu_memory or GpuMemoryReader.from_environment()
         r.register(GpuMemoryCollector(self.gpu_memory))

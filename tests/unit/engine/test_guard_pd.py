@@ -1,9 +1,11 @@
 """A guard in a prefill or decode pod, in front of the scripted vLLM: the hand-off requests go
 through unchanged, a prefill's answer is its first token, and every hand-off is counted by phase
-and outcome."""
+and outcome; a pod that writes the shared-storage connector's files keeps them bounded."""
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 import aiohttp
 
@@ -73,3 +75,23 @@ async def test_a_unified_pod_says_so(guard_factory):
     async with aiohttp.ClientSession() as s:
         text = await metrics(s, guard)
     assert sample(text, "gpufleet_guard_role_info", role="unified") == 1
+    assert "\ngpufleet_guard_kv_storage_bytes " not in text   # nothing to bound here
+
+
+async def test_a_producer_removes_the_oldest_prompts_past_the_limit(guard_factory, fake_vllm, tmp_path):
+    old, young = tmp_path / f"{1:032x}", tmp_path / f"{2:032x}"
+    now = time.time()
+    for folder, age in ((old, 3600), (young, 0)):
+        folder.mkdir()
+        (folder / "model.layers.0.self_attn.attn.safetensors").write_bytes(b"k" * 600)
+        os.utime(folder, (now - age, now - age))
+    engine = {"model": "m", "servedModelName": "m", "blockSize": 32, "port": 8000, "kvTransfer": {
+        "connector": "ExampleConnector", "role": "kv_producer", "sharedStorageLimitBytes": 1000,
+        "extraConfig": {"shared_storage_path": str(tmp_path)}}}
+    guard = await guard_factory(role="prefill", engine=engine)
+    await until(lambda: not old.exists(), "the guard to remove the old prompt's files")
+    async with aiohttp.ClientSession() as s:
+        text = await metrics(s, guard)
+    assert young.exists()
+    assert sample(text, "gpufleet_guard_kv_storage_removed_prompts_total") == 1
+    assert sample(text, "gpufleet_guard_kv_storage_bytes") == 600
