@@ -76,6 +76,8 @@ class Prepared:
     stream: bool
     truncated_tokens: int = 0
     changed: bool = field(default=False)  # body differs from what the client sent
+    # Its part in a prefill/decode hand-off (kv_handoff.Phase): whole, prefill or decode.
+    phase: str = "whole"
 
     @property
     def max_tokens(self) -> int:

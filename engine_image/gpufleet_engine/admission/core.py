@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from gpufleet_engine.admission import route_costs
+from gpufleet_engine.admission import kv_handoff, route_costs
 from gpufleet_engine.admission.context import Limits, Prepared
 from gpufleet_engine.admission.demand import Demand, OutputPredictor
 from gpufleet_engine.admission.grants import Grant, Rejection
@@ -144,6 +144,10 @@ class Admission:
         the budget."""
         key = (route, queue_class.name)
         budget = prepared.max_tokens
+        if prepared.phase == kv_handoff.PREFILL:
+            # A prefill hands its KV on after sampling: its prompt and the tokens sampled before the
+            # last (none in vLLM's P/D protocol, max_tokens 1) are all it holds. No prediction.
+            return Reservation(key, prepared, max(0, budget - 1))
         demand = self.predictor.reserve(key, budget) if self.predicted and budget else Demand(budget)
         output = demand.tokens
         if self.predicted and budget and self.ledger.known:
@@ -174,7 +178,7 @@ class Admission:
         """A slot and the reservation's blocks, now or after a wait in the queue; Rejection else."""
         bs = self.block_size
         grant = await self.scheduler.acquire(reservation.cost(bs), queue_class, reservation.block_variance(bs),
-                                             start_tokens=reservation.start_tokens())
+                                             start_tokens=reservation.start_tokens(bs))
         self.retry.admitted()
         return grant
 
@@ -197,7 +201,7 @@ class Admission:
         """Keep a grant taken ahead for the request as parsed, if it holds what it needs."""
         bs = self.block_size
         kept = self.scheduler.settle(grant, reservation.cost(bs), reservation.block_variance(bs),
-                                     reservation.start_tokens())
+                                     reservation.start_tokens(bs))
         if kept:
             self.retry.admitted()
         return kept
@@ -233,8 +237,9 @@ class Admission:
 
     def learn(self, reservation: Reservation, completion_tokens: int | None) -> Learned | None:
         """A finished answer: its length per sequence joins the distribution."""
-        if completion_tokens is None or reservation.prepared.max_tokens == 0:
-            return None
+        prepared = reservation.prepared
+        if completion_tokens is None or prepared.max_tokens == 0 or prepared.phase == kv_handoff.PREFILL:
+            return None  # a prefill's one token says nothing of the answers' lengths
         length = per_sequence(reservation, completion_tokens)
         self.predictor.observe(reservation.key, length)
         return Learned(length, length / max(1, reservation.initial_output),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gpufleet_engine.admission import kv_handoff
 from gpufleet_engine.admission.context import Prepared
 
 
@@ -27,7 +28,9 @@ class Reservation:
         self.output = reserved_output
         self.variance = variance   # tokens² per sequence, around ``output``
         # Extend when this many events have streamed back (every sequence's share of its reservation).
-        self.next_extension = reserved_output * self.sequences if reserved_output < prepared.max_tokens else -1
+        # A prefill's reservation is exact (its budget less the token it hands on): never extended.
+        extendable = reserved_output < prepared.max_tokens and prepared.phase != kv_handoff.PREFILL
+        self.next_extension = reserved_output * self.sequences if extendable else -1
         self.events = 0
 
     def cost(self, block_size: int) -> int:
@@ -38,9 +41,20 @@ class Reservation:
         """The variance of the reservation in blocks²: its sequences' answers vary independently."""
         return self.sequences * self.variance / block_size ** 2
 
-    def start_tokens(self) -> int:
-        """The prompt tokens a streamed request starts with (the TTFT control's start bound)."""
-        return self.prepared.total_prompt_tokens if self.prepared.stream else 0
+    def computed_prompt_tokens(self, block_size: int) -> int:
+        """Prompt tokens vLLM computes for the request: all of them, except what a decode loads
+        from the prefill's hand-off (kv_handoff.py)."""
+        phase = self.prepared.phase
+        return sum(kv_handoff.computed_prompt_tokens(phase, p, block_size)
+                   for p in self.prepared.prompt_tokens)
+
+    def start_tokens(self, block_size: int) -> int:
+        """The prompt tokens the request starts with, for the TTFT control's start bound, when its
+        first token will be reported: a streamed request's, and a prefill's (its whole answer is
+        its first token). 0 for other requests."""
+        if not (self.prepared.stream or self.prepared.phase == kv_handoff.PREFILL):
+            return 0
+        return self.computed_prompt_tokens(block_size)
 
 
 @dataclass(frozen=True)

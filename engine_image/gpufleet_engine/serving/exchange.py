@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
-from gpufleet_engine.admission import context, sli
+from gpufleet_engine.admission import context, kv_handoff, sli
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Grant, Rejection
 from gpufleet_engine.admission.reservations import Reservation
@@ -96,10 +96,24 @@ class Exchange:
         m = self.services.metrics
         seconds = self.services.admission.clock() - self.arrived
         m.requests.labels(self.queue_class.name, outcome).inc()
+        phase = self.prepared.phase
+        if phase != kv_handoff.WHOLE:
+            m.kv_handoffs.labels(phase, outcome).inc()
         if outcome == "ok":
             m.request_seconds.labels(self.queue_class.name).observe(seconds)
+        # A prefill's answer is its first token: judged against the TTFT objective, streamed or not.
+        first_token_only = phase == kv_handoff.PREFILL
         m.count_sli(self.queue_class.name, sli.judge(self.services.admission.config.slo, sli.Request(
-            self.prepared.stream, outcome, seconds, self.ttft_seconds, self.gaps, self.late_gaps)))
+            self.prepared.stream or first_token_only, outcome, seconds, self.ttft_seconds, self.gaps,
+            self.late_gaps)))
+
+    def first_token(self, grant: Grant, now: float) -> None:
+        """The first token reached the client: its TTFT observed, and a sample for the TTFT control
+        with the prompt tokens vLLM computed (a decode's hand-off loads most of its prompt)."""
+        self.ttft_seconds = now - self.arrived
+        self.services.metrics.ttft_seconds.labels(self.queue_class.name).observe(self.ttft_seconds)
+        admission = self.services.admission
+        admission.scheduler.first_token(grant, now, self.reservation.computed_prompt_tokens(admission.block_size))
 
     def _extra_headers(self) -> dict[str, str]:
         if self.prepared.truncated_tokens:
@@ -127,6 +141,8 @@ class Exchange:
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
             return await self._stream(resp, out_headers, grant)
         body = await resp.read()
+        if resp.status == 200 and self.prepared.phase == kv_handoff.PREFILL:
+            self.first_token(grant, self.services.admission.clock())
         self.finish(_outcome(resp.status))
         if resp.status == 200:
             self.services.learn(self.reservation, _completion_tokens(body))
@@ -156,7 +172,6 @@ class Exchange:
         m = self.services.metrics
         name = self.queue_class.name
         clock = self.services.admission.clock
-        scheduler = self.services.admission.scheduler
         # Per chunk only a clock read, a bisection and a few local sums: every CPU cycle the
         # guard spends per token is taken from vLLM on a shared host. The gaps are counted into
         # the ITL histogram's buckets here and added to it every FLUSH_GAPS and at the end.
@@ -181,9 +196,7 @@ class Exchange:
                     await out.write(chunk)
                     now = clock()
                     if last is None:
-                        self.ttft_seconds = now - self.arrived
-                        m.ttft_seconds.labels(name).observe(self.ttft_seconds)
-                        scheduler.first_token(grant, now, self.prepared.total_prompt_tokens)
+                        self.first_token(grant, now)
                     else:
                         gap = now - last
                         counts[bisect_left(bounds, gap)] += 1

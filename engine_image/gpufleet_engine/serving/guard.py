@@ -41,7 +41,7 @@ class Guard:
         self.upstream = upstream
         self.clock = clock
         self.context_problem = "not read from vLLM's /v1/models yet"
-        self.metrics = GuardMetrics([c.name for c in config.queue_classes], slo=config.slo)
+        self.metrics = GuardMetrics([c.name for c in config.queue_classes], slo=config.slo, role=config.role)
         self.admission = Admission(config, tokenizer, clock=clock, on_context_warning=_warn_context)
         # KV waste compares vLLM's blocks in use with the tokens the guard counted when it read them.
         self.metrics.kv_waste = lambda: kv_waste(self.stats, self.block_size, self.sequences_at_read)[0]

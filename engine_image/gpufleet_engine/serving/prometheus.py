@@ -112,9 +112,24 @@ class CountedHistogram(Collector):
 
 class GuardMetrics:
     def __init__(self, classes: list[str], registry: CollectorRegistry | None = None,
-                 slo: SLOConfig | None = None, gpu_memory: GpuMemoryReader | None = None):
+                 slo: SLOConfig | None = None, gpu_memory: GpuMemoryReader | None = None,
+                 role: str = "unified"):
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        Gauge(m.ROLE_INFO, "What this pod does in its service: unified, prefill or decode (value 1).",
+              ["role"], registry=r).labels(role).set(1)
+        self.kv_handoffs = Counter(m.KV_HANDOFFS, "Admitted requests of a prefill/decode hand-off, by "
+                                   "phase (prefill, decode) and outcome.", ["phase", "outcome"], registry=r)
+        for phase, outcome in itertools.product(m.KV_HANDOFF_PHASES, m.KV_HANDOFF_OUTCOMES):
+            self.kv_handoffs.labels(phase, outcome)
+        # Set by the guard of a pod that writes the shared-storage connector's files; absent elsewhere.
+        self.kv_storage_bytes: float | None = None
+        r.register(_OptionalGauge(m.KV_STORAGE_BYTES, "Bytes of the KV connector's prompt files in its "
+                                  "shared directory after the last bounding pass (pods that write it).",
+                                  lambda: self.kv_storage_bytes))
+        self.kv_storage_removed_prompts = Counter(m.KV_STORAGE_REMOVED_PROMPTS, "Prompts' KV files removed "
+                                                  "from the connector's shared directory past its limit.",
+                                                  registry=r)
         # GPU memory from inside vLLM (the plugin's reports), one series per device.
         self.gpu_memory = gpu_memory or GpuMemoryReader.from_environment()
         r.register(GpuMemoryCollector(self.gpu_memory))

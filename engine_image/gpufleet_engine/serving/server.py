@@ -17,12 +17,13 @@ from gpufleet_engine.admission.tokens import HfTokenizer, Tokenizer, generation_
 from gpufleet_engine.contract import demand_prior
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_engine.contract.guard_config import GuardConfig
-from gpufleet_engine.serving import audit, reload, served_context, shared_demand, vllm_endpoints
+from gpufleet_engine.serving import audit, kv_storage, reload, served_context, shared_demand, vllm_endpoints
 from gpufleet_engine.serving import vllm_metrics_relay as engine_metrics
 from gpufleet_engine.serving.errors import error_response
 from gpufleet_engine.serving.guard import Guard
 from gpufleet_engine.serving.prometheus import CONTENT_TYPE
 from gpufleet_engine.serving.upstream import EngineMonitor, Upstream
+from gpufleet_engine.vllm import shared_storage
 
 log = logging.getLogger("gpufleet_engine.serving.server")
 
@@ -152,6 +153,11 @@ class GuardServer:
             self._tokenizer_task = asyncio.create_task(self._load_tokenizer(guard), name="tokenizer")
         if guard.admission.served_context is None:
             self._side_tasks.append(asyncio.create_task(self._learn_context(guard), name="served-context"))
+        storage = shared_storage.bounded_directory(self.config.engine)
+        if storage is not None:
+            # The shared-storage connector never removes its files; the pods that write them do.
+            self._side_tasks.append(asyncio.create_task(kv_storage.keep_bounded(*storage, guard.metrics),
+                                                        name="kv-storage"))
         if self._config_path:
             def apply(config: GuardConfig) -> None:
                 guard.configure(config)  # the same configure that set it up at start-up

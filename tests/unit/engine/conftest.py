@@ -103,6 +103,11 @@ class FakeVllm:
             n = min(n, self.answer_tokens)
         if body.get("model") == "fail-400":
             return web.json_response({"error": {"message": "bad", "code": 400}}, status=400)
+        if body.get("model") == "fail-500":
+            # What vLLM answers for a request it finished with an error (a KV load that failed
+            # under kv_load_failure_policy "fail", among others).
+            return web.json_response({"error": {"message": "Internal server error", "type": "InternalServerError",
+                                                "param": None, "code": 500}}, status=500)
         self.running += 1
         try:
             if self.hold is not None:

@@ -127,3 +127,40 @@ def test_wrong_types_are_named():
     found = problems(raw)
     assert "maxConcurrency: must be an integer, got '64'" in found
     assert "engine.enablePrefixCaching: must be true or false, got 'yes'" in found
+
+
+def kv_transfer(role: str, connector: str = "NixlConnector", **extra: str) -> dict:
+    return {"connector": connector, "role": role, "extraConfig": extra}
+
+
+@pytest.mark.parametrize(("role", "kv_role"), [("prefill", "kv_producer"), ("prefill", "kv_both"),
+                                               ("decode", "kv_consumer"), ("decode", "kv_both")])
+def test_each_disaggregated_role_takes_the_kv_roles_that_fit_it(role, kv_role):
+    raw = fixture()
+    raw["role"] = role
+    raw["engine"]["kvTransfer"] = kv_transfer(kv_role)
+    assert guard_config.parse(raw).role == role
+
+
+def test_a_role_whose_connector_hands_kv_the_wrong_way_is_refused_by_name():
+    raw = fixture()
+    raw["role"] = "decode"
+    raw["engine"]["kvTransfer"] = kv_transfer("kv_producer")
+    assert problems(raw) == ["engine.kvTransfer.role: 'kv_producer' does not fit role 'decode'; "
+                             "use kv_consumer or kv_both"]
+    del raw["engine"]["kvTransfer"]
+    assert problems(raw) == ["engine.kvTransfer: required with role 'decode'; a decode pod hands KV over "
+                             "through vLLM's KV connector (kvTransfer.role kv_consumer or kv_both)"]
+
+
+def test_the_shared_storage_connector_needs_an_absolute_directory_and_is_bounded_by_default():
+    raw = fixture()
+    raw["engine"]["kvTransfer"] = kv_transfer("kv_producer", "ExampleConnector")
+    assert problems(raw) == [
+        "engine.kvTransfer.extraConfig.shared_storage_path: ExampleConnector needs the absolute path of a "
+        "directory that the service's pods share and nothing else uses, got ''"]
+    raw["engine"]["kvTransfer"] = kv_transfer("kv_producer", "ExampleConnector", shared_storage_path="/kv")
+    kv = guard_config.parse(raw).engine.kv_transfer
+    assert kv.shared_storage_limit_bytes == guard_config.DEFAULT_SHARED_STORAGE_LIMIT_BYTES == 4 << 30
+    raw["engine"]["kvTransfer"]["sharedStorageLimitBytes"] = 1 << 20
+    assert guard_config.parse(raw).engine.kv_transfer.shared_storage_limit_bytes == 1 << 20

@@ -118,3 +118,16 @@ def test_the_guard_loads_the_tokenizer_at_the_engines_revision():
     raw = json.loads(FIXTURE.read_text())
     raw["engine"]["revision"] = "v2"
     assert guard_config.parse(raw).tokenizer_revision == "v2"
+
+
+def test_cpu_engines_with_a_kv_connector_size_their_pool_explicitly_so_two_share_a_host():
+    # vLLM's CPU worker claims --gpu-memory-utilization (default 0.92) of the host only when no KV
+    # size is given; with VLLM_CPU_KVCACHE_SPACE always set, a producer and a consumer start side
+    # by side on one host without that flag (tests/engine/test_pd_handoff.py starts them).
+    for role in ("kv_producer", "kv_consumer"):
+        cfg = engine_cfg(runtime="vllm-cpu", numGpuBlocksOverride=200, kvTransfer={
+            "connector": "ExampleConnector", "role": role, "extraConfig": {"shared_storage_path": "/kv"}})
+        launch = vllm_launch(cfg.engine, cpu_count=1)
+        assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        assert "--gpu-memory-utilization" not in launch.argv
+        assert json.loads(flag(launch.argv, "--kv-transfer-config"))["kv_role"] == role
