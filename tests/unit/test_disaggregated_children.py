@@ -136,14 +136,25 @@ def test_a_shared_kv_tier_gives_the_unified_pool_kv_both_and_without_it_no_conne
                               by_name(objects(s), "Deployment")["chat-engine"]["spec"]["template"]["spec"]["volumes"]}
 
 
-def test_the_shared_storage_volume_is_mounted_in_the_engine_of_every_pod_of_the_service():
+def test_the_shared_storage_volume_is_mounted_in_the_engine_of_every_pod_and_the_guard_of_every_writer():
+    """The guard of a pod that writes KV files (prefill's kv_producer, a tier's kv_both) bounds the
+    directory; a decode pod's guard has nothing to remove and does not see it."""
     for s in (pd(engine=CPU), spec(engine={**CPU, "kvTier": "Shared", "kvTransfer": SHARED})):
-        for dep in by_name(objects(s), "Deployment").values():
+        for name, dep in by_name(objects(s), "Deployment").items():
             pod = dep["spec"]["template"]["spec"]
             assert {"name": "kv-store", "hostPath": {"path": "/var/lib/kv", "type": "Directory"}} in pod["volumes"]
             assert {"name": "kv-store", "mountPath": KV_STORE_MOUNT} in engine_container(dep)["volumeMounts"]
             guard = next(c for c in pod["containers"] if c["name"] == "guard")
-            assert "kv-store" not in {m["name"] for m in guard["volumeMounts"]}
+            in_guard = {"name": "kv-store", "mountPath": KV_STORE_MOUNT} in guard["volumeMounts"]
+            assert in_guard == (name != "chat-decode"), name
+
+
+def test_the_store_is_bounded_by_its_size_limit():
+    cm, _ = children.build_configmap(ISVC, pd(engine={**CPU, "kvTransfer": {
+        **SHARED, "sharedStorage": {**SHARED["sharedStorage"], "sizeLimitGiB": 20}}}))
+    assert config_of(cm, "prefill").engine.kv_transfer.shared_storage_limit_bytes == 20 << 30
+    cm, _ = children.build_configmap(ISVC, pd(engine=CPU))
+    assert config_of(cm, "prefill").engine.kv_transfer.shared_storage_limit_bytes == 4 << 30
 
 
 def test_a_claim_for_the_kv_files_is_writable_by_the_engine():

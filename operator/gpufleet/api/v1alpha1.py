@@ -243,13 +243,18 @@ class KVStoreClaim(Model, frozen=True, kw_only=True):
 class SharedStorageSpec(Model, frozen=True, kw_only=True):
     """The volume the SharedStorage connector keeps KV files in: the operator mounts it at
     /kv-store in every engine pod of the service and passes that path as vLLM's shared_storage_path.
-    vLLM's connector never deletes these files (one folder per prompt): size the volume for the
-    prompts it will hold and clean it outside gpufleet."""
+    vLLM's connector never deletes these files (one folder per prompt): the guard of every pod that
+    writes them removes the oldest prompts' folders past sizeLimitGiB (never one written in the last
+    two minutes, which a decode pod may still be about to load)."""
     __schema__ = {"x_kubernetes_validations": [
         rule("has(self.hostPath) != has(self.persistentVolumeClaim)",
              "engine.kvTransfer.sharedStorage: set exactly one of hostPath and persistentVolumeClaim")]}
     host_path: Optional[Annotated[KVStoreHostPath, Meta(description="A directory on the node.")]] = None
     persistent_volume_claim: Optional[Annotated[KVStoreClaim, Meta(description="An existing claim.")]] = None
+    size_limit_gib: Annotated[int, Meta(
+        description="GiB of KV files the store keeps; past it the oldest prompts' files are removed. Size the "
+                    "volume above it.",
+        ge=1, le=65536)] = msgspec.field(default=4, name="sizeLimitGiB")
 
 
 class KVTransferSpec(Model, frozen=True, kw_only=True):

@@ -55,7 +55,9 @@ def kv_transfer(spec: InferenceServiceSpec, role: Role) -> KVTransferConfig | No
     own = {"shared_storage_path": KV_STORE_MOUNT} if kv.connector == "SharedStorage" else {}
     return KVTransferConfig(connector=KV_CONNECTORS[kv.connector], role=kv_role,
                             extra_config={**kv.extra_config, **own},
-                            load_failure_policy="recompute" if kv.load_failure_policy == "Recompute" else "fail")
+                            load_failure_policy="recompute" if kv.load_failure_policy == "Recompute" else "fail",
+                            **({"shared_storage_limit_bytes": kv.shared_storage.size_limit_gib << 30}
+                               if kv.shared_storage else {}))
 
 
 def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,

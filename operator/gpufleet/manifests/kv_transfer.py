@@ -4,7 +4,8 @@ The connector itself reaches vLLM through guard.json (``guard_config.kv_transfer
 needs, besides:
 
 - SharedStorage: the volume of the KV files (``kv-store``), mounted at ``KV_STORE_MOUNT`` in the
-  vLLM container of every pod of the service, so a file one pod writes another reads;
+  vLLM container of every pod of the service, so a file one pod writes another reads, and in the
+  guard of each pod that writes them, which bounds the directory (vLLM's connector never deletes);
 - Nixl: the address of vLLM's NIXL side channel, which the peer pods connect to (vLLM's default,
   localhost, is unreachable from another pod);
 - any connector: no ``expandable_segments:True`` in PYTORCH_CUDA_ALLOC_CONF. vLLM 0.32 refuses to
@@ -64,6 +65,13 @@ def volumes(spec: InferenceServiceSpec, role: Role) -> list[dict]:
 
 def mounts(spec: InferenceServiceSpec, role: Role) -> list[dict]:
     return [{"name": VOLUME, "mountPath": KV_STORE_MOUNT}] if _store(spec, role) is not None else []
+
+
+def guard_mounts(spec: InferenceServiceSpec, role: Role) -> list[dict]:
+    """The store in the guard of a pool that writes KV files (kv_producer, kv_both): the guard removes the
+    oldest prompts' files past sharedStorage.sizeLimitGiB (vLLM's connector never does)."""
+    writes = pools.kv_role(spec, role) in ("kv_producer", "kv_both")
+    return mounts(spec, role) if writes else []
 
 
 def env(spec: InferenceServiceSpec, role: Role) -> list[dict]:
