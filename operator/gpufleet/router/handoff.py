@@ -8,9 +8,10 @@ level, the ``kv_transfer_params`` the decode replica needs to fetch that KV
 (NIXL: the prefill engine's id, host, port and block ids). The decode replica
 gets the client's own request with those parameters and answers the client.
 A connector that finds KV by the prompt itself (the shared-storage
-connector) returns none, and the decode request goes without them. A decode
-request without hand-off parameters computes whatever KV it does not find,
-which is also what makes a failed prefill harmless (server.py falls back).
+connector) returns none, and the decode request carries ``null``. A decode
+request computes whatever KV it does not find, which is also what makes a
+failed prefill harmless (server.py falls back: the decode request then goes
+without hand-off parameters).
 """
 from __future__ import annotations
 
@@ -42,16 +43,28 @@ def prefill_body(body: bytes, route: str) -> bytes:
     return json.dumps(doc).encode()
 
 
-def decode_body(body: bytes, params: dict | None) -> bytes:
-    """The client's request as the decode replica gets it: unchanged (stream as asked), plus the
-    prefill's ``params`` when it returned any. A client's own ``kv_transfer_params`` never pass:
-    the router owns the hand-off of a disaggregated service."""
-    if params is None and KV_TRANSFER_PARAMS.encode() not in body:
+class Handoff:
+    """A prefill done: ``params`` is what its answer returned for decode (None: none, as the
+    shared-storage connector, which finds the KV by the prompt)."""
+    __slots__ = ("params",)
+
+    def __init__(self, params: dict | None):
+        self.params = params
+
+
+def decode_body(body: bytes, handoff: Handoff | None) -> bytes:
+    """The client's request as the decode replica gets it (stream as asked). After a prefill it
+    carries ``kv_transfer_params``: what the prefill returned, or ``null`` when it returned none, as
+    vllm-router sends it; the decode pod's guard reads their presence as a hand-off (only the
+    prompt's tail left to compute). Without a prefill (skipped: decode computes the prompt) the
+    client's bytes go unchanged. A client's own ``kv_transfer_params`` never pass: the router owns
+    the hand-off of a disaggregated service."""
+    if handoff is None and KV_TRANSFER_PARAMS.encode() not in body:
         return body
     doc = json.loads(body)
     doc.pop(KV_TRANSFER_PARAMS, None)
-    if params is not None:
-        doc[KV_TRANSFER_PARAMS] = params
+    if handoff is not None:
+        doc[KV_TRANSFER_PARAMS] = handoff.params
     return json.dumps(doc).encode()
 
 

@@ -351,8 +351,8 @@ class Router:
                     return refusal
                 continue
             if pool == Role.DECODE and call.route != rq.EMBEDDINGS:
-                params = await self._prefill(call)
-                answer = await self._send(call, Role.DECODE, handoff.decode_body(call.body, params), None)
+                done = await self._prefill(call)
+                answer = await self._send(call, Role.DECODE, handoff.decode_body(call.body, done), None)
             else:
                 # Embeddings have nothing to decode: a disaggregated service's decode replicas answer them.
                 answer = await self._send(call, pool, call.body, call.prefix if pool == Role.UNIFIED else None)
@@ -492,9 +492,9 @@ class Router:
 
     # --- the prefill step of a disaggregated request --------------------------------------
 
-    async def _prefill(self, call: _Call) -> dict | None:
-        """Prefill the prompt on a prefill replica: the ``kv_transfer_params`` its answer returned
-        for decode, or None (none returned, or the prefill skipped: counted as a fallback)."""
+    async def _prefill(self, call: _Call) -> handoff.Handoff | None:
+        """Prefill the prompt on a prefill replica: the hand-off for decode, or None when the prefill
+        was skipped (counted as a fallback; decode computes the prompt)."""
         model = call.model
         started = self.fleet.clock()
         try:
@@ -517,7 +517,7 @@ class Router:
         self.metrics.prefill_seconds.labels(model).observe(self.fleet.clock() - started)
         self.metrics.handoffs.labels(
             model, TransferParams.NONE if params is None else TransferParams.RETURNED).inc()
-        return params
+        return handoff.Handoff(params)
 
     async def _prefill_attempts(self, call: _Call) -> dict | None:
         """Up to two prefill replicas, the second after a refusal or a failed connection."""

@@ -123,7 +123,7 @@ async def test_a_request_is_prefilled_then_decoded_with_the_hand_off(pd):
     assert pd.count("gpufleet_router_replicas", model=MODEL, role="decode") == 2
 
 
-async def test_without_returned_params_decode_gets_the_clients_request_unchanged(pd):
+async def test_without_returned_params_decode_gets_the_clients_request_with_null_params(pd):
     # The shared-storage connector returns none: it finds the KV by the prompt.
     for g in pd.prefill.values():
         g.params = None
@@ -133,7 +133,8 @@ async def test_without_returned_params_decode_gets_the_clients_request_unchanged
         await r.read()
     [prefilled] = pd.sent(pd.prefill)
     assert (prefilled["max_tokens"], prefilled["max_completion_tokens"], prefilled["min_tokens"]) == (1, 1, 1)
-    assert pd.sent(pd.decode) == [payload]
+    # null, as vllm-router sends it: the decode pod's guard admits it as a hand-off.
+    assert pd.sent(pd.decode) == [{**payload, "kv_transfer_params": None}]
     assert pd.count("gpufleet_router_handoffs_total", model=MODEL, transfer_params="none") == 1
     assert pd.count("gpufleet_router_prefill_fallbacks_total", model=MODEL, reason="error") == 0
 

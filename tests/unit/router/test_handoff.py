@@ -29,17 +29,23 @@ def test_a_chat_request_is_cut_to_one_token_even_with_max_completion_tokens():
     assert sent["messages"] == client["messages"] and sent["kv_transfer_params"] == PREFILL_PARAMS
 
 
-def test_decode_gets_the_clients_bytes_unchanged_when_nothing_was_handed_over():
+def test_decode_gets_the_clients_bytes_unchanged_without_a_prefill():
     body = b'{"model": "m",  "prompt": "p", "stream": true}'
     assert handoff.decode_body(body, None) is body
+
+
+def test_after_a_prefill_that_returned_nothing_decode_gets_null_params_as_vllm_router_sends():
+    body = b'{"model": "m", "prompt": "p"}'
+    assert json.loads(handoff.decode_body(body, handoff.Handoff(None))) == {
+        "model": "m", "prompt": "p", "kv_transfer_params": None}
 
 
 def test_decode_gets_the_returned_params_and_never_a_clients_own():
     params = {"remote_engine_id": "e1", "remote_block_ids": [1, 2], "remote_host": "10.0.0.5", "remote_port": 5600,
               "do_remote_prefill": True, "do_remote_decode": False}
     body = json.dumps({"model": "m", "prompt": "p", "stream": True}).encode()
-    assert json.loads(handoff.decode_body(body, params)) == {"model": "m", "prompt": "p", "stream": True,
-                                                             "kv_transfer_params": params}
+    assert json.loads(handoff.decode_body(body, handoff.Handoff(params))) == {
+        "model": "m", "prompt": "p", "stream": True, "kv_transfer_params": params}
     own = json.dumps({"model": "m", "prompt": "p", "kv_transfer_params": {"do_remote_prefill": True}}).encode()
     assert json.loads(handoff.decode_body(own, None)) == {"model": "m", "prompt": "p"}
 
