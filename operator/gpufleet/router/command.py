@@ -25,6 +25,9 @@ from .server import RouterSettings
               help="Leading KV blocks of a prompt hashed for prefix affinity; 0 turns affinity off.")
 @click.option("--load-factor", default=0.25, show_default=True, type=click.FloatRange(0.0),
               help="Prefix affinity passes over a replica using more than (1 + this) x the mean KV blocks.")
+@click.option("--tier-load-factor", default=0.0, show_default=True, type=click.FloatRange(0.0),
+              help="--load-factor for a service with a shared KV tier (spec.engine.kvTier Shared): a request "
+                   "spilled off its prefix's replica loads the prefix from the tier, so spilling is cheap.")
 @click.option("--max-body-bytes", default=8 << 20, show_default=True, type=click.IntRange(1),
               help="Larger request bodies get 413.")
 @click.option("--drain-grace-seconds", default=5.0, show_default=True, type=click.FloatRange(0.0),
@@ -40,7 +43,7 @@ from .server import RouterSettings
                    "which computes the prompt itself.")
 @click.option("-v", "--verbose", is_flag=True)
 def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, reading_interval_seconds,
-           prefix_blocks, load_factor, max_body_bytes, drain_grace_seconds, hold_timeout_seconds,
+           prefix_blocks, load_factor, tier_load_factor, max_body_bytes, drain_grace_seconds, hold_timeout_seconds,
            hold_max_requests, prefill_timeout_seconds, verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
     from ..kube.client import KubeClient
@@ -55,7 +58,8 @@ def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, readi
         raise click.ClickException(str(e)) from None
     settings = RouterSettings(namespaces=tuple(namespaces), discovery_interval=discovery_interval_seconds,
                               reading_interval=reading_interval_seconds, prefix_blocks=prefix_blocks,
-                              load_factor=load_factor, max_body_bytes=max_body_bytes,
+                              load_factor=load_factor, tier_load_factor=tier_load_factor,
+                              max_body_bytes=max_body_bytes,
                               drain_grace=drain_grace_seconds, hold_timeout=hold_timeout_seconds,
                               hold_max_requests=hold_max_requests, prefill_timeout=prefill_timeout_seconds)
 

@@ -64,6 +64,10 @@ class RouterSettings:
     reading_timeout: float = 1.0
     prefix_blocks: int = 4                  # leading KV blocks hashed for prefix affinity
     load_factor: float = 0.25               # bounded-load slack over the mean
+    # The same for a service with a shared KV tier (spec.engine.kvTier Shared): a request spilled off its
+    # prefix's replica loads the prefix from the tier there instead of computing it, so spilling is cheap
+    # and load is balanced tightly.
+    tier_load_factor: float = 0.0
     max_body_bytes: int = 8 << 20
     connect_timeout: float = 2.0
     guard_port: int = names.GUARD_PORT
@@ -104,7 +108,9 @@ class Fleet:
         self.table = table
         for model, route in table.routes.items():
             for role in ROLES:
-                picker = self.pickers.setdefault((model, role), Picker(self.settings.load_factor))
+                factor = self.settings.tier_load_factor if route.kv_tier else self.settings.load_factor
+                picker = self.pickers.setdefault((model, role), Picker(factor))
+                picker.load_factor = factor
                 picker.set_replicas(route.pool(role))
         for model, role in [key for key in self.pickers if key[0] not in table.routes]:
             del self.pickers[(model, role)]

@@ -46,6 +46,8 @@ class Route:
 
     # A disaggregated service's bounds per pool ((role, maxReplicas), ...); unified: max_replicas.
     pool_max: tuple[tuple[str, int], ...] = ()
+    # spec.engine.kvTier Shared: every replica loads from the service's KV store what another computed.
+    kv_tier: bool = False
 
     def max_of(self, role: str) -> int:
         """The most replicas ``role``'s pool can have: whether a refused request may wait for a scale-out."""
@@ -114,5 +116,6 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
                               pool_max=((Role.PREFILL, spec.disaggregation.prefill.max_replicas),
                                         (Role.DECODE, spec.disaggregation.decode.max_replicas))
                               if spec.disaggregation else (),
+                              kv_tier=spec.engine.kv_tier == "Shared" and spec.engine.kv_transfer is not None,
                               prefill=pools[Role.PREFILL], decode=pools[Role.DECODE])
     return Table(routes, tuple(problems))

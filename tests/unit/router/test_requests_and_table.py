@@ -156,3 +156,35 @@ def test_a_disaggregated_service_bounds_each_pool_by_its_own_max_replicas():
     route = build_table([pd, isvc("solo")], [], serving).routes
     assert (route["org/chat"].max_of("prefill"), route["org/chat"].max_of("decode")) == (2, 6)
     assert route["org/solo"].max_of("unified") == 3
+
+
+def test_a_shared_kv_tier_balances_load_tightly_since_a_spilled_prefix_is_loaded_not_computed():
+    from gpufleet.router.choice import Prefix, Replica, prefix_of
+    from gpufleet.router.metrics import RouterMetrics
+    from gpufleet.router.server import Fleet, RouterSettings
+
+    tier = isvc("chat")
+    tier["spec"]["engine"].update(kvTier="Shared", kvTransfer={"connector": "LMCache"})
+    table = build_table([tier, isvc("solo")], [pod("chat-1", "chat", "10.0.0.1"), pod("chat-2", "chat", "10.0.0.2"),
+                                               pod("solo-1", "solo", "10.0.0.3"), pod("solo-2", "solo", "10.0.0.4")],
+                        serving)
+    assert table.routes["org/chat"].kv_tier and not table.routes["org/solo"].kv_tier
+    fleet = Fleet(RouterSettings(), RouterMetrics())
+    fleet.update(table)
+
+    def spilled_after(model: str) -> int:
+        """Requests of one hot prefix in flight before one goes to the other replica."""
+        picker = fleet.picker(model, "unified")
+        prefix = prefix_of("You are a billing assistant. " * 40, 32 * 4, 4)
+        assert isinstance(prefix, Prefix)
+        first = None
+        for n in range(1, 20):
+            pick = picker.pick(1, prefix)
+            assert pick is not None and isinstance(pick.replica, Replica)
+            first = first or pick.replica.pod
+            if pick.replica.pod != first:
+                return n
+            picker.sent(pick.replica.pod, 1, 0.0, prefix)
+        return 20
+    tight, loose = spilled_after("org/chat"), spilled_after("org/solo")
+    assert tight < loose, (tight, loose)
