@@ -8,13 +8,10 @@ leaving the service at one Ready replica.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import shutil
 import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -25,70 +22,12 @@ from gpufleet_dev.devcluster import node
 from gpufleet.manifests import names
 from gpufleet.manifests.children import RUN_AS_USER
 from gpufleet_engine.local.models import prepare
+from tests.realnode.load import answered_after, model_listed, streaming
 from tests.realnode.product import API, SERVICE, _pods, _ready, _sample, _service_ready, _wait_operator_ready
 from tests.support.fake_hub import FakeHub
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(900)
-
-
-# --- load through the Service ----------------------------------------------------
-
-
-@dataclass
-class Load:
-    ok: int = 0
-    shed: int = 0  # 429 with Retry-After: the guard's admission, not an error
-    errors: list[str] = field(default_factory=list)
-
-
-async def model_listed(client: openai.AsyncOpenAI) -> bool:
-    """Whether the model is listed through ``client``: False while its address refuses or errs."""
-    try:
-        return "tiny-llama" in [m.id async for m in client.models.list()]
-    except openai.APIError:
-        return False
-
-
-async def _stream_one(client: openai.AsyncOpenAI, load: Load) -> None:
-    try:
-        stream = await client.completions.create(model="tiny-llama", prompt="The real node says", max_tokens=12,
-                                                 stream=True)
-        async for _ in stream:
-            pass
-        load.ok += 1
-    except openai.RateLimitError:
-        load.shed += 1
-        await asyncio.sleep(0.5)
-    except Exception as e:  # every other failure is what the test counts
-        load.errors.append(f"{time.strftime('%H:%M:%S')} {type(e).__name__}: {e}"[:300])
-        await asyncio.sleep(0.2)
-
-
-async def answered_after(load: Load, what: str, clients: int = 2) -> None:
-    """Streams that began after this moment were answered: past the ``clients`` in flight now, one
-    more finished (or failed, which the test's error check then reports)."""
-    mark = load.ok + load.shed + len(load.errors)
-    await wait_for(lambda: load.ok + load.shed + len(load.errors) > mark + clients and load.ok > 0, timeout=120,
-                   what=f"a stream begun after {what} answered")
-
-
-@contextlib.asynccontextmanager
-async def streaming(client: openai.AsyncOpenAI, clients: int = 2):
-    """``clients`` streaming clients in a loop while the body runs (more starve a second engine's
-    start on a 2-core machine); what they saw."""
-    result, stop = Load(), asyncio.Event()
-
-    async def worker():
-        while not stop.is_set():
-            await _stream_one(client, result)
-            await asyncio.sleep(0.2)
-    tasks = [asyncio.create_task(worker()) for _ in range(clients)]
-    try:
-        yield result
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks)
 
 
 @pytest.fixture

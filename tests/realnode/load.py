@@ -1,0 +1,78 @@
+"""Streaming clients with the openai SDK, as the real-node tests send them: what they saw (answered,
+refused with a 429 the client honours, failed), while a test acts on the pods behind them."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import openai
+
+from tests.support.waiting import wait_for
+
+MODEL = "tiny-llama"
+
+
+@dataclass
+class Load:
+    ok: int = 0
+    shed: int = 0  # 429 with Retry-After: the guard's admission, not an error
+    errors: list[str] = field(default_factory=list)
+
+
+async def model_listed(client: openai.AsyncOpenAI, model: str = MODEL) -> bool:
+    """Whether ``model`` is listed through ``client``: False while its address refuses or errs."""
+    try:
+        return model in [m.id async for m in client.models.list()]
+    except openai.APIError:
+        return False
+
+
+def same_prompt(n: int) -> str:
+    return "The real node says"
+
+
+async def _stream_one(client: openai.AsyncOpenAI, load: Load, model: str, prompt: str, max_tokens: int) -> None:
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True)
+        async for _ in stream:
+            pass
+        load.ok += 1
+    except openai.RateLimitError:
+        load.shed += 1
+        await asyncio.sleep(0.5)
+    except Exception as e:  # every other failure is what the test counts
+        load.errors.append(f"{time.strftime('%H:%M:%S')} {type(e).__name__}: {e}"[:300])
+        await asyncio.sleep(0.2)
+
+
+async def answered_after(load: Load, what: str, clients: int = 2) -> None:
+    """Streams that began after this moment were answered: past the ``clients`` in flight now, one
+    more finished (or failed, which the test's error check then reports)."""
+    mark = load.ok + load.shed + len(load.errors)
+    await wait_for(lambda: load.ok + load.shed + len(load.errors) > mark + clients and load.ok > 0, timeout=120,
+                   what=f"a stream begun after {what} answered")
+
+
+@contextlib.asynccontextmanager
+async def streaming(client: openai.AsyncOpenAI, clients: int = 2, model: str = MODEL,
+                    prompt: Callable[[int], str] = same_prompt, max_tokens: int = 12):
+    """``clients`` streaming clients in a loop while the body runs (more starve a second engine's
+    start on a 2-core machine), the n-th request of all with ``prompt(n)``; what they saw."""
+    result, stop = Load(), asyncio.Event()
+    sent = 0
+
+    async def worker():
+        nonlocal sent
+        while not stop.is_set():
+            sent += 1
+            await _stream_one(client, result, model, prompt(sent), max_tokens)
+            await asyncio.sleep(0.2)
+    tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+    try:
+        yield result
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
