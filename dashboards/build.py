@@ -526,7 +526,8 @@ def _prefill_decode_rows(g: Grid, sel: str, latency_sel: str) -> None:
     g.row("KV tier (KV shared through the connector)")
     g.add(timeseries("External prefix-cache hit rate per replica", "Per replica, prompt tokens loaded from "
                      "the KV connector over those looked up in it: on decode pods the hand-off, on a unified "
-                     "service with kvTier Shared the prefixes other replicas computed.",
+                     "service with kvTier Shared the prefixes other replicas computed, on prefill pods the "
+                     "prompts already in the store (repeated ones).",
                      [target(f"sum by (pod) (rate(vllm:external_prefix_cache_hits_total{{{sel}}}[$__rate_interval]))"
                              f" / sum by (pod) (rate(vllm:external_prefix_cache_queries_total{{{sel}}}"
                              "[$__rate_interval]))", "{{pod}}")], unit="percentunit", max_value=1), 6)
