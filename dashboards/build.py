@@ -397,6 +397,24 @@ def fleet_overview() -> dict[str, Any]:
                              f"gpufleet_router_cold_start_seconds_bucket{{{sel}}}[$__rate_interval])))",
                              "cold start p90 (s): {{namespace}}/{{service}}")], unit="none"), 6)
 
+    g.row("Prefill / decode")
+    g.add(timeseries("Prefill fallbacks", "Share of each disaggregated service's requests the router sent to "
+                     "decode without a prefill (no prefill replica, refused, failed): decode computed the prompt.",
+                     [target(f"sum by (namespace, service) (namespace_service_reason:gpufleet_router_prefill_fallbacks:"
+                             f"rate5m{{{sel}}}) / on (namespace, service) namespace_service:gpufleet_router_"
+                             f"disaggregated_requests:rate5m{{{sel}}}", "{{namespace}}/{{service}}")],
+                     unit="percentunit", threshold=0.05), 8)
+    g.add(timeseries("Refused per pool", "Share of requests each pool's guards refused with HTTP 429 "
+                     "(GpufleetPrefillPoolStarved, GpufleetDecodePoolStarved).",
+                     [target("namespace_service_role:gpufleet_guard_shed:ratio_rate5m"
+                             f'{{{sel}, role=~"prefill|decode"}}',
+                             "{{namespace}}/{{service}} {{role}}")], unit="percentunit", threshold=0.05), 8)
+    g.add(timeseries("Decode KV hit rate", "Prompt tokens the decode pods loaded from the KV hand-off over those "
+                     "they looked up (GpufleetKVHandoffHitRateLow below 50%).",
+                     [target("namespace_service_role:vllm_external_prefix_cache_hit:ratio_rate5m"
+                             f'{{{sel}, role="decode"}}',
+                             "{{namespace}}/{{service}}")], unit="percentunit", max_value=1, threshold=0.5), 8)
+
     g.row("Operator")
     g.add(timeseries("Reconcile errors", "Failed reconciliations per second per service "
                      "(GpufleetReconcileErrors).",
@@ -429,6 +447,103 @@ def _quantiles(histogram: str, selector: str, by: str = "le") -> list[dict[str, 
 def _quantiles_by_class(histogram: str, selector: str) -> list[dict[str, Any]]:
     return [target(f"histogram_quantile(0.95, sum by (class, le) (rate({histogram}_bucket{{{selector}}}"
                    "[$__rate_interval])))", "{{class}}")]
+
+
+def _prefill_decode_rows(g: Grid, sel: str, latency_sel: str) -> None:
+    """A disaggregated service's pools and hand-off, and the KV tier (a unified service with
+    kvTier Shared shows in the second row too). Guard and vLLM series are split by pool with a
+    join on the pod's gpufleet_guard_role_info (unified on a unified service); the router's
+    per-model series reach the service through vLLM's model_name (the rules' served-model map)."""
+    roles = f"gpufleet_guard_role_info{{{sel}}}"
+    decode = f'gpufleet_guard_role_info{{{sel}, role="decode"}}'
+    served_model = f"namespace_service_model:vllm_served_model:group{{{sel}}}"
+
+    def by_role(per_pod: str) -> str:
+        return f"{per_pod} * on (namespace, pod) group_left (role) {roles}"
+
+    def router(per_model: str) -> str:
+        return f"{per_model} * on (model) group_left () {served_model}"
+
+    prefill_buckets = router("sum by (model, le) (rate(gpufleet_router_prefill_seconds_bucket[$__rate_interval]))")
+    handoffs = router("sum by (model, transfer_params) (rate(gpufleet_router_handoffs_total[$__rate_interval]))")
+    fallbacks = router("sum by (model, reason) (rate(gpufleet_router_prefill_fallbacks_total[$__rate_interval]))")
+
+    g.row("Prefill / decode")
+    g.add(timeseries("Replicas ready per role", "Engine pods per pool, and those whose guard is ready (a "
+                     "request needs a ready prefill and a ready decode pod; unified: a unified service).",
+                     [target(f"sum by (role) ({by_role(f'gpufleet_guard_ready{{{sel}}}')})", "ready {{role}}"),
+                      target(f"count by (role) ({roles})", "pods {{role}}")], unit="none"), 6)
+    g.add(timeseries("TTFT p99 per role", "The guards' time to first token per pool (all classes but "
+                     "background). On prefill pods it is the prefill time (the answer is one token); on "
+                     "decode pods the KV load and the first step; unified pods the whole prefill.",
+                     [target(f"histogram_quantile(0.99, sum by (role, le) ("
+                             f"{by_role(f'rate(gpufleet_guard_ttft_seconds_bucket{{{latency_sel}}}[$__rate_interval])')}))",
+                             "{{role}}"),
+                      target(f"namespace_service:gpufleet_slo_ttft_p99_seconds:objective{{{sel}}}", "p99 objective")],
+                     unit="s"), 6)
+    g.add(timeseries("ITL p99 per role", "Gap between streamed tokens per pool (decode streams the "
+                     "answers), and the p99 objective.",
+                     [target(f"histogram_quantile(0.99, sum by (role, le) ("
+                             f"{by_role(f'rate(gpufleet_guard_itl_seconds_bucket{{{latency_sel}}}[$__rate_interval])')}))",
+                             "{{role}}"),
+                      target(f"namespace_service:gpufleet_slo_itl_p99_seconds:objective{{{sel}}}", "p99 objective")],
+                     unit="s"), 6)
+    g.add(timeseries("Router prefill time", "The router's prefill step for requests handed to decode: first "
+                     "send to a prefill pod (retry included) to its answer. Above the TTFT objective at p99, "
+                     "decode waits on prefill (GpufleetPrefillPoolStarved).",
+                     [target(f"histogram_quantile({q}, sum by (le) ({prefill_buckets}))", f"p{round(q * 100)}")
+                      for q in (0.5, 0.99)]
+                     + [target(f"namespace_service:gpufleet_slo_ttft_p99_seconds:objective{{{sel}}}",
+                               "TTFT p99 objective")], unit="s"), 6)
+    g.add(timeseries("Hand-offs and prefill fallbacks", "Requests the router sent to decode: after a prefill "
+                     "(transfer params returned by the connector, or none: shared storage finds the KV by the "
+                     "prompt), or without one, by reason (decode computes the prompt). no_prefill_replica and "
+                     "refused: prefill capacity; error, timeout, unreachable: failures "
+                     "(GpufleetKVTransferFailures).",
+                     [target(f"sum by (transfer_params) ({handoffs})", "hand-off ({{transfer_params}})"),
+                      target(f"sum by (reason) ({fallbacks})", "fallback: {{reason}}")], unit="reqps", stack=True), 6)
+    g.add(timeseries("KV hand-offs at the guards", "Admitted hand-off requests by phase and outcome (zero "
+                     "series hidden). A decode error is a KV load that failed with loadFailurePolicy Fail, "
+                     "or another vLLM error on a decode pod.",
+                     [target(f"sum by (phase, outcome) (rate(gpufleet_guard_kv_handoffs_total{{{sel}}}"
+                             "[$__rate_interval])) > 0", "{{phase}} {{outcome}}")], unit="reqps", stack=True), 6)
+    g.add(timeseries("Refusals per role", "Requests each pool's guards refused, by reason (zero series "
+                     "hidden). Decode refusals throw a finished prefill away (GpufleetDecodePoolStarved); "
+                     "prefill refusals send the prompt to decode.",
+                     [target(f"sum by (role, reason) ("
+                             f"{by_role(f'rate(gpufleet_guard_rejections_total{{{sel}}}[$__rate_interval])')}) > 0",
+                             "{{role}} {{reason}}")], unit="reqps", stack=True), 6)
+    g.add(timeseries("Decode KV hit rate", "The KV tier's hit rate for the hand-off: prompt tokens the decode "
+                     "pods loaded from the connector over those they looked up (vLLM's external prefix-cache "
+                     "counters). Near 100% when hand-offs work (each prompt's last partial block is "
+                     "computed); below 50% decode recomputes them (GpufleetKVHandoffHitRateLow).",
+                     [target(f"sum(rate(vllm:external_prefix_cache_hits_total{{{sel}}}[$__rate_interval])"
+                             f" * on (namespace, pod) group_left () {decode})"
+                             f" / sum(rate(vllm:external_prefix_cache_queries_total{{{sel}}}[$__rate_interval])"
+                             f" * on (namespace, pod) group_left () {decode})", "decode")],
+                     unit="percentunit", max_value=1, threshold=0.5), 6)
+
+    g.row("KV tier (KV shared through the connector)")
+    g.add(timeseries("External prefix-cache hit rate per replica", "Per replica, prompt tokens loaded from "
+                     "the KV connector over those looked up in it: on decode pods the hand-off, on a unified "
+                     "service with kvTier Shared the prefixes other replicas computed, on prefill pods the "
+                     "prompts already in the store (repeated ones).",
+                     [target(f"sum by (pod) (rate(vllm:external_prefix_cache_hits_total{{{sel}}}[$__rate_interval]))"
+                             f" / sum by (pod) (rate(vllm:external_prefix_cache_queries_total{{{sel}}}"
+                             "[$__rate_interval]))", "{{pod}}")], unit="percentunit", max_value=1), 6)
+    g.add(timeseries("Prompt tokens by source", "Prompt tokens per second the engines computed, found in "
+                     "their own prefix cache, or loaded through the KV connector.",
+                     [target(f"sum by (source) (rate(vllm:prompt_tokens_by_source_total{{{sel}}}[$__rate_interval]))",
+                             "{{source}}")], unit="short", stack=True), 6)
+    g.add(timeseries("Shared KV storage", "Bytes of prompt folders in the shared-storage connector's directory, "
+                     "as each pod that writes it measured after its last bounding pass.",
+                     [target(f"max by (pod) (gpufleet_guard_kv_storage_bytes{{{sel}}})", "{{pod}}")],
+                     unit="bytes"), 6)
+    g.add(timeseries("Prompts removed from shared storage", "Prompt folders the guards removed, oldest first, "
+                     "to keep the directory under sharedStorageLimitBytes. Removed faster than decode loads "
+                     "them, the hand-offs miss.",
+                     [target(f"sum by (pod) (rate(gpufleet_guard_kv_storage_removed_prompts_total{{{sel}}}"
+                             "[$__rate_interval]))", "{{pod}}")], unit="ops"), 6)
 
 
 def service() -> dict[str, Any]:
@@ -527,6 +642,8 @@ def service() -> dict[str, Any]:
                      "when admission works.",
                      [target(f"sum(rate(vllm:num_preemptions_total{{{sel}}}[$__rate_interval]))", "preemptions")],
                      unit="ops"), 8)
+
+    _prefill_decode_rows(g, sel, latency_sel)
 
     g.row("GPU memory inside vLLM")
     g.add(timeseries("Allocator memory per replica",

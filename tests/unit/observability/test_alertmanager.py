@@ -78,6 +78,29 @@ def test_engine_down_silences_the_symptoms_of_that_service_only():
     assert [a for a in firing if not inhibited(a, firing)] == [down, elsewhere]
 
 
+def test_a_prefill_pool_skipped_is_one_ticket_not_two():
+    # Requests skipping prefill reach decode without a hand-off: decode's hit rate drops with them.
+    for cause in (svc("GpufleetPrefillPoolStarved", "warning", cause="capacity"),
+                  svc("GpufleetKVTransferFailures", "warning", phase="prefill")):
+        misses = svc("GpufleetKVHandoffHitRateLow", "warning")
+        elsewhere = {**misses, "service": "embed"}
+        firing = [cause, misses, elsewhere]
+        assert [a for a in firing if not inhibited(a, firing)] == [cause, elsewhere]
+    # Decode failing its loads does not explain the misses of loads that were recomputed.
+    load_errors = svc("GpufleetKVTransferFailures", "warning", phase="decode")
+    misses = svc("GpufleetKVHandoffHitRateLow", "warning")
+    assert [a for a in [load_errors, misses] if not inhibited(a, [load_errors, misses])] == [load_errors, misses]
+
+
+def test_engine_down_silences_the_prefill_decode_alerts_of_that_service():
+    down = svc("GpufleetEngineDown", "critical")
+    pd = [svc("GpufleetKVTransferFailures", "warning", phase="prefill"),
+          svc("GpufleetPrefillPoolStarved", "warning", cause="capacity"),
+          svc("GpufleetDecodePoolStarved", "warning"), svc("GpufleetKVHandoffHitRateLow", "warning")]
+    firing = [down, *pd]
+    assert [a for a in firing if not inhibited(a, firing)] == [down]
+
+
 def test_operator_down_silences_the_alerts_built_on_its_metrics():
     for source in ({"alertname": "GpufleetOperatorDown", "severity": "warning"},
                    {"alertname": "GpufleetMetricsMissing", "severity": "warning", "target": "operator"}):
@@ -103,6 +126,7 @@ def test_amtool_accepts_the_config(amtool):
 @pytest.mark.parametrize("labels, receiver", [
     (["alertname=GpufleetTTFTBudgetBurn", "severity=critical"], "gpufleet-page"),
     (["alertname=GpufleetRequestsShed", "severity=warning"], "gpufleet-ticket"),
+    (["alertname=GpufleetPrefillPoolStarved", "severity=warning", "cause=capacity"], "gpufleet-ticket"),
     (["alertname=KubePodCrashLooping", "severity=critical"], "default"),
 ])
 def test_amtool_routes_pages_and_tickets(amtool, labels, receiver):
