@@ -92,8 +92,8 @@ def bound_decode(own: Decision | None, current: int, band: RatioBand, th: Thresh
         return Decision(band.low, RATIO_BOUND, f"{why}{band.text}: raised to {band.low}"), None
     if own is not None and own.target > current:
         target = max(band.high, current)
-        held = (f"decode held at {target} replica(s), below the {own.target} its signals ask for "
-                f"({own.message}): {band.text}")
+        held = f"decode held at {target} replica(s), below the {own.target} its signals ask for ({own.reason}): " \
+               f"{band.text}"
         if target == current:
             return None, held
         return dataclasses.replace(own, target=target, message=f"{own.message}; {band.text}: capped at "
@@ -103,12 +103,12 @@ def bound_decode(own: Decision | None, current: int, band: RatioBand, th: Thresh
                       f"{', '.join(sorted(obs.unreadable))} cannot be read: {band.text}")
     high = pressure(th, obs)
     if high or obs.kv_usage is None:
-        why = "; ".join(m for _, m in high) if high else "KV usage unknown"
+        why = ", ".join(r for r, _ in high) if high else "KV usage unknown"
         return None, f"decode stays at {current} replica(s), above the band ({why}): {band.text}"
     need = math.ceil(serving * obs.kv_usage / th.kv_high - _EPS)  # keeps mean usage under the watermark
     target = max(band.high, need, th.min_replicas)
     if target >= current:
-        return None, (f"decode stays at {current} replica(s): KV usage {obs.kv_usage:.0%} of {serving} needs "
-                      f"{need} under the {th.kv_high:.0%} watermark; {band.text}")
+        return None, (f"decode stays at {current} replica(s), above the band: fewer would put its mean KV usage "
+                      f"over the {th.kv_high:.0%} watermark; {band.text}")
     kv_note = f" (KV usage {obs.kv_usage:.0%} needs {need})" if need > band.high else ""
     return Decision(target, RATIO_BOUND, f"{band.text}: scaled in to {target}{kv_note}"), None

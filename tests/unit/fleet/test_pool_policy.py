@@ -178,7 +178,8 @@ def test_a_decision_within_the_band_stands_and_names_the_band():
 def test_a_scale_out_past_the_band_is_capped_and_said():
     own = Decision(6, "KVHighWatermark", "KV usage 95% >= 80%")
     d, held = bound_decode(own, 4, RatioBand(3, 5, "the band"), decode_th(), observed(kv=0.95), 4)
-    assert d.target == 5 and "capped at 5" in d.message and "below the 6" in held
+    assert d.target == 5 and "capped at 5" in d.message
+    assert held == "decode held at 5 replica(s), below the 6 its signals ask for (KVHighWatermark): the band"
     d, held = bound_decode(own, 5, RatioBand(3, 5, "the band"), decode_th(), observed(kv=0.95), 5)
     assert d is None and "held at 5" in held
 
@@ -190,12 +191,12 @@ def test_above_the_band_decode_scales_in_but_keeps_what_its_kv_needs():
     d, _ = bound_decode(None, 6, RatioBand(2, 3, "band"), th, observed(kv=0.6), 6)   # 6 x 0.6 / 0.8 = 4.5
     assert d.target == 5 and "KV usage 60% needs 5" in d.message
     d, held = bound_decode(None, 6, RatioBand(2, 3, "band"), th, observed(kv=0.75), 6)
-    assert d is None and "needs 6" in held
+    assert d is None and "fewer would put its mean KV usage over the 80% watermark" in held
 
 
 def test_above_the_band_decode_is_not_scaled_in_under_pressure_or_blind():
     th = decode_th()
     d, held = bound_decode(None, 6, RatioBand(2, 3, "band"), th, observed(kv=0.85), 6)
-    assert d is None and "KV usage 85%" in held
+    assert d is None and "above the band (KVHighWatermark)" in held
     d, held = bound_decode(None, 6, RatioBand(2, 3, "band"), th, observed(kv=0.1, unreadable=["d4"]), 6)
     assert d is None and "d4 cannot be read" in held
