@@ -34,7 +34,6 @@ from .reconcile.desired import desired_children, draining_roles, stale_deploymen
 from .reconcile.replicas import desired_replicas
 from .reconcile.status import (
     CHILD_REJECTED,
-    POOLS_NOT_AUTOSCALED,
     Observed,
     child_rejected_conditions,
     crashlooping_pods,
@@ -328,8 +327,3 @@ class Controller:
                 await self.kube.event(isvc, reason=new_ready["reason"], message=new_ready["message"], type_=kind)
         if new_prog and new_prog["reason"] == "RollingOut" and old_prog.get("reason") != "RollingOut":
             await self.kube.event(isvc, reason="RollingOut", message=new_prog["message"])
-        new_scaling = cond.get(updates, cond.SCALING)
-        old_scaling = cond.get(previous.get("conditions"), cond.SCALING) or {}
-        if new_scaling and new_scaling["reason"] == POOLS_NOT_AUTOSCALED and old_scaling.get("reason") != \
-                POOLS_NOT_AUTOSCALED:
-            await self.kube.event(isvc, reason=POOLS_NOT_AUTOSCALED, message=new_scaling["message"])

@@ -5,11 +5,15 @@ parses to."""
 from pathlib import Path
 
 import celpy
+import msgspec
 import pytest
 import yaml
 
-from gpufleet.api import parse_spec, to_api
+from gpufleet.api import SpecError, parse_spec, to_api
 from gpufleet.api.crd import build_crd
+from gpufleet.api.v1alpha1 import InferenceServiceStatus
+from gpufleet.planning.live_ratio import LiveRatio
+from gpufleet.reconcile.ratio import ratio_status
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -160,3 +164,38 @@ def test_status_has_pools_keyed_by_role_and_wide_columns_per_pool():
         column = columns[role.capitalize()]
         assert column["jsonPath"] == f'.status.pools[?(@.role=="{role}")].readyReplicas'
         assert column["priority"] == 1
+
+
+def test_the_ratio_policy_defaults_to_none_and_takes_bound_with_a_tolerance():
+    spec = parse_spec({"model": {"name": "m"}, "disaggregation": {}, "engine": {"kvTransfer": {}}})
+    assert spec.disaggregation is not None
+    assert (spec.disaggregation.ratio_policy, spec.disaggregation.ratio_tolerance_percent) == ("None", 25)
+    assert checked(disaggregation={"ratioPolicy": "Bound", "ratioTolerancePercent": 0},
+                   engine={"kvTransfer": {}}) == []
+
+
+@pytest.mark.parametrize("disaggregation, field", [
+    ({"ratioPolicy": "Always"}, "ratioPolicy"),
+    ({"ratioTolerancePercent": 101}, "ratioTolerancePercent"),
+    ({"prefill": {"minReplicas": 0}}, "minReplicas"),   # a pool never scales to zero
+])
+def test_out_of_range_ratio_and_pool_settings_are_refused(disaggregation, field):
+    with pytest.raises(SpecError, match=field):
+        parse_spec({"model": {"name": "m"}, "disaggregation": disaggregation, "engine": {"kvTransfer": {}}})
+    schema = SCHEMA["properties"]["disaggregation"]["properties"]
+    assert schema["prefill"]["properties"]["minReplicas"]["minimum"] == 1
+    assert schema["ratioPolicy"]["enum"] == ["None", "Bound"]
+
+
+def test_the_ratio_the_operator_writes_is_what_the_status_schema_describes():
+    written = ratio_status(LiveRatio("Measured", "m", prefill=2, decode=5, decode_per_prefill=2.3456, requests=900,
+                                     window_seconds=300), None, "2026-01-01T00:00:00Z")
+    last = {"time": "2026-01-01T00:00:00Z", "from": 1, "to": 2, "role": "prefill", "reason": "TTFT"}
+    status = msgspec.convert({"prefillDecodeRatio": written, "lastScaling": last}, InferenceServiceStatus)
+    assert status.prefill_decode_ratio is not None and status.prefill_decode_ratio.decode_per_prefill == "2.35"
+    assert status.last_scaling is not None and status.last_scaling.role == "prefill"
+    properties = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"][
+        "properties"]
+    assert properties["prefillDecodeRatio"]["properties"]["reason"]["enum"] == ["Measured", "NoProfile",
+                                                                                "AwaitingTraffic"]
+    assert properties["lastScaling"]["properties"]["role"]["enum"] == ["prefill", "decode"]

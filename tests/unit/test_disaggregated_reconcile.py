@@ -1,6 +1,7 @@
 """Reconciling a disaggregated service: replicas per pool, status per pool, the Scaling condition
-that says the autoscaler does not size pools yet, and a switch between unified and disaggregated
-that deletes the Deployments of the shape left, against the in-memory API server."""
+an older operator left (PoolsNotAutoscaled) replaced now that the pools are autoscaled, and a switch
+between unified and disaggregated that deletes the Deployments of the shape left, against the
+in-memory API server."""
 import pytest
 
 from gpufleet.api import parse_spec
@@ -69,16 +70,17 @@ def test_a_service_without_a_ready_decode_pod_is_not_ready_whatever_its_prefill_
     assert c.get(partly["conditions"], c.READY)["reason"] == "PartiallyReady"
 
 
-def test_auto_mode_says_the_pools_are_not_autoscaled_and_a_unified_service_takes_it_back():
-    st = derive(pd_spec("Auto"), {"prefill": dep(1, 1), "decode": dep(1, 1)}, {"prefill": 1, "decode": 1})
-    scaling = c.get(st["conditions"], c.SCALING)
-    assert scaling["status"] == "False" and scaling["reason"] == POOLS_NOT_AUTOSCALED
-    assert "disaggregation.prefill.replicas" in scaling["message"]
-    manual = derive(pd_spec("Manual"), {"prefill": dep(1, 1), "decode": dep(1, 1)}, {"prefill": 1, "decode": 1})
-    assert c.get(manual["conditions"], c.SCALING) is None
+def test_the_reconciler_leaves_scaling_to_the_autoscaler_and_replaces_what_an_older_operator_said():
+    pools = {"prefill": dep(1, 1), "decode": dep(1, 1)}
+    for mode in ("Auto", "Manual"):
+        st = derive(pd_spec(mode), pools, {"prefill": 1, "decode": 1})
+        assert c.get(st["conditions"], c.SCALING) is None
+    older = {"conditions": [c.condition(c.SCALING, False, POOLS_NOT_AUTOSCALED, "not yet")]}
+    auto = c.get(derive(pd_spec("Auto"), pools, {"prefill": 1, "decode": 1}, older)["conditions"], c.SCALING)
+    assert auto["status"] == "True" and auto["reason"] == "PoolsAutoscaled"
     unified = derive_status(service="chat", namespace="ml", generation=3, spec=spec(), desired=1,
-                            observed=Observed(dep(1, 1), []), previous={"conditions": st["conditions"]})
-    assert c.get(unified["conditions"], c.SCALING)["status"] == "True"
+                            observed=Observed(dep(1, 1), []), previous=older)
+    assert c.get(unified["conditions"], c.SCALING)["reason"] == "UnifiedPool"
     assert unified["pools"] is None  # removes the pools a former disaggregated shape left in status
 
 
@@ -111,7 +113,7 @@ async def test_a_disaggregated_service_is_reconciled_into_its_pools_with_status_
     status = kube.obj("InferenceService", "chat")["status"]
     assert [(p["role"], p["desiredReplicas"]) for p in status["pools"]] == [("prefill", 1), ("decode", 2)]
     assert status["desiredReplicas"] == 3
-    assert kube.event_reasons().count(POOLS_NOT_AUTOSCALED) == 1
+    assert POOLS_NOT_AUTOSCALED not in kube.event_reasons()
 
 
 async def test_switching_shape_deletes_the_deployments_of_the_shape_left_once_the_new_ones_exist(kube):

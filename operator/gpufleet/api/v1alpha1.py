@@ -388,9 +388,8 @@ class PoolSpec(Model, frozen=True, kw_only=True):
     min_replicas: Annotated[int, Meta(description="Fewest replicas of the pool.", ge=1, le=1000)] = 1
     max_replicas: Annotated[int, Meta(description="Most replicas of the pool.", ge=1, le=1000)] = 4
     replicas: Optional[Annotated[int, Meta(
-        description="Replicas when autoscaling.mode is Manual; unset: minReplicas. In Auto mode the pool keeps "
-                    "its current replicas within minReplicas..maxReplicas (the autoscaler does not size "
-                    "pools yet).",
+        description="Replicas when autoscaling.mode is Manual; unset: minReplicas. Ignored in Auto mode (the "
+                    "autoscaler sizes the pool within minReplicas..maxReplicas).",
         ge=1, le=1000)]] = None
     resources: Optional[Annotated[ResourceSpec, Meta(
         description="What one replica of this pool needs, in place of spec.resources (all of it: fields "
@@ -405,6 +404,15 @@ class DisaggregationSpec(Model, frozen=True, kw_only=True):
         description="The prefill pool (Deployment <service>-prefill).")] = msgspec.field(default_factory=PoolSpec)
     decode: Annotated[PoolSpec, Meta(
         description="The decode pool (Deployment <service>-decode).")] = msgspec.field(default_factory=PoolSpec)
+    ratio_policy: Annotated[Literal["None", "Bound"], Meta(
+        description="Bound (autoscaling.mode Auto): the autoscaler keeps the decode pool within "
+                    "ratioTolerancePercent of the prefill:decode ratio measured from the traffic "
+                    "(status.prefillDecodeRatio) times the prefill pool's replicas, as far as the decode pool's "
+                    "minReplicas..maxReplicas allow. None: each pool is sized by its own signals only.")] = "None"
+    ratio_tolerance_percent: Annotated[int, Meta(
+        description="With ratioPolicy Bound: how far, in percent, the decode pool may stray from the measured "
+                    "ratio times the prefill replicas.",
+        ge=0, le=100)] = 25
 
 
 class Toleration(Model, frozen=True, kw_only=True):
@@ -852,8 +860,11 @@ class ScalingDecision(Model, frozen=True, kw_only=True):
     )]
     from_replicas: Annotated[int, Meta(description="Replicas before.")] = msgspec.field(name="from")
     to_replicas: Annotated[int, Meta(description="Replicas after.")] = msgspec.field(name="to")
+    role: Optional[Annotated[Literal["prefill", "decode"], Meta(
+        description="The pool the action sized (a disaggregated service); absent for a unified service.")]] = None
     reason: Annotated[str, Meta(
-        description="Why, e.g. KVHighWatermark, Shedding, QueueDepth, QueueTime, KVLowWatermark.")]
+        description="Why, e.g. KVHighWatermark, Shedding, QueueDepth, QueueTime, TTFT, ITL, RatioBound, "
+                    "KVLowWatermark.")]
     message: Annotated[str, Meta(description="Signals behind the decision.")] = ""
 
 
@@ -883,6 +894,36 @@ class PoolStatus(Model, frozen=True, kw_only=True):
     desired_replicas: Annotated[int, Meta(description="Replicas the operator wants in the pool.")] = 0
 
 
+class PrefillDecodeRatio(Model, frozen=True, kw_only=True):
+    """The prefill and decode replicas the measured traffic needs, by the planner's token-throughput model
+    (docs/disaggregation.md): the decode pods' finished requests' prompt and output tokens per second over
+    windowSeconds, divided by one replica's prefill and decode tokens per second on the pools' GPU and model
+    profiles."""
+    prefill: Optional[Annotated[int, Meta(
+        description="Prefill replicas the measured prompt tokens per second need (at least 1).")]] = None
+    decode: Optional[Annotated[int, Meta(
+        description="Decode replicas the measured output tokens per second need (at least 1).")]] = None
+    decode_per_prefill: Optional[Annotated[str, Meta(
+        description="Decode per prefill replica of demand, as `gpufleet plan` prints it (a decimal, e.g. "
+                    "\"2.30\").",
+        pattern=r"^[0-9]+(\.[0-9]+)?$")]] = None
+    reason: Annotated[Literal["Measured", "NoProfile", "AwaitingTraffic"], Meta(
+        description="Measured: from the requests of the window (kept, with its time, while too few requests "
+                    "finish for a new measurement). NoProfile: the planner has no profile of the model or a pool's "
+                    "GPU (the message says which, and the field to set). AwaitingTraffic: too few requests "
+                    "finished in the window, and none measured before.")]
+    message: Annotated[str, Meta(description="What the numbers come from, or why there are none.")] = ""
+    requests: Optional[Annotated[int, Meta(description="Requests finished in the window.")]] = None
+    window_seconds: Optional[Annotated[int, Meta(description="The window measured.")]] = None
+    time: Annotated[str, Meta(
+        description="When this was written (RFC 3339); it is measured every 30 s and rewritten when the "
+                    "replica counts, the reason or the ratio (by 10% or more) change.",
+        extra_json_schema={
+            "format": "date-time",
+        },
+    )]
+
+
 class InferenceServiceStatus(Model, frozen=True, kw_only=True):
     """Observed state, written by the operator."""
     observed_generation: Optional[Annotated[int, Meta(description="Generation of the spec last reconciled.")]] = None
@@ -908,6 +949,9 @@ class InferenceServiceStatus(Model, frozen=True, kw_only=True):
         description="Share of the KV blocks in use holding no token of an in-flight "
                     "request, mean over replicas that know it.")]] = None
     last_scaling: Optional[Annotated[ScalingDecision, Meta(description="The autoscaler's last action.")]] = None
+    prefill_decode_ratio: Optional[Annotated[PrefillDecodeRatio, Meta(
+        description="With spec.disaggregation: the live prefill:decode ratio, which "
+                    "spec.disaggregation.ratioPolicy Bound holds the pools to.")]] = None
     fragmentation: Optional[Annotated[FragmentationStatus, Meta(description="Last fragmentation audit.")]] = None
     isolation_violations: Annotated[list[str], Meta(
         description="Foreign pods found on nodes reserved for this service.")] = msgspec.field(default_factory=list)

@@ -16,6 +16,14 @@ service at zero goes to one as soon as a router holds a request for it
 A replica that stays not ready past ``not_ready_grace_s`` (unschedulable,
 crash-looping, a model that never loads) must not freeze the service: from
 then on decisions are made on the ready replicas, and the observation says so.
+
+The same policy sizes each pool of a disaggregated service (``autoscale.pools``), each on the
+signals that measure its work: ``scale_on_kv`` off for a prefill pool (its KV is the prompts in
+flight, not a capacity signal), a TTFT objective for it (the guard's TTFT p99 of prefill pods is
+the prefill time), an ITL objective for a decode pool. A latency objective scales out when the
+p99 over the last ``LATENCY_WINDOW_S`` exceeds it (from ``MIN_LATENCY_OBSERVATIONS`` on; a few
+requests are no p99), and allows a scale-in only below the objective × kv_low / kv_high, the
+same hysteresis as the KV watermarks.
 """
 from __future__ import annotations
 
@@ -26,6 +34,9 @@ from .signals import ReplicaSample, bucket_delta, quantile_from_buckets
 
 QUEUE_WINDOW_S = 30.0
 QUEUE_QUANTILE = 0.9
+LATENCY_WINDOW_S = 60.0
+LATENCY_QUANTILE = 0.99
+MIN_LATENCY_OBSERVATIONS = 20
 NOT_READY_GRACE_S = 600.0  # model download and load can take minutes; the startup probe allows 30
 
 Buckets = tuple[tuple[float, float], ...]
@@ -44,6 +55,9 @@ class Thresholds:
     queue_time_s: float = 1.0
     not_ready_grace_s: float = NOT_READY_GRACE_S
     scale_to_zero_s: float | None = None  # None: never to zero (minReplicas >= 1)
+    scale_on_kv: bool = True              # KV usage over the high watermark scales out
+    ttft_p99_s: float | None = None       # scale out when the TTFT p99 exceeds this (None: not a signal)
+    itl_p99_s: float | None = None        # scale out when the ITL p99 exceeds this (None: not a signal)
 
     @classmethod
     def from_spec(cls, auto) -> "Thresholds":
@@ -65,6 +79,10 @@ class PolicyState:
     not_ready_since: float | None = None  # since when fewer replicas are ready than wanted
     idle_since: float | None = None  # since when no request arrived and none ran (scale to zero)
     requests_seen: tuple[tuple[str, float], ...] = ()  # per pod cumulative finished requests last tick
+    ttft_seen: tuple[tuple[str, Buckets], ...] = ()  # per pod cumulative TTFT buckets last tick
+    ttft_window: tuple[tuple[float, Buckets], ...] = ()
+    itl_seen: tuple[tuple[str, Buckets], ...] = ()  # per pod cumulative ITL buckets last tick
+    itl_window: tuple[tuple[float, Buckets], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +96,8 @@ class Observation:
     not_ready: int = 0              # wanted replicas that are not ready
     not_ready_seconds: float = 0.0  # for how long
     on_ready_only: bool = False     # past the grace: deciding on the ready replicas alone
+    ttft_p99_s: float | None = None  # over LATENCY_WINDOW_S; None: not asked for, or too few requests
+    itl_p99_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,28 +107,37 @@ class Decision:
     message: str
 
 
-def _queue_window(ok: list[ReplicaSample], state: PolicyState, now: float) -> tuple[tuple, tuple, float | None]:
-    """(queue_seen, queue_window, p90 seconds): per-pod deltas, so a pod that comes or goes is no counter reset."""
-    before = dict(state.queue_seen)
+def _window(ok: list[ReplicaSample], field: str, seen: tuple, window: tuple, now: float,
+            span: float) -> tuple[tuple, tuple, Buckets]:
+    """(seen, window, observations in the window) of one histogram: per-pod deltas, so a pod that
+    comes or goes is no counter reset."""
+    before = dict(seen)
     tick: dict[float, float] = {}
     for s in ok:
         prev = before.get(s.pod)
         if prev is None:  # a pod's first read: its history is not recent
             continue
-        for le, n in bucket_delta(s.queue_buckets, prev):
+        for le, n in bucket_delta(getattr(s, field), prev):
             tick[le] = tick.get(le, 0.0) + n
-    window = tuple((t, b) for t, b in state.queue_window if now - t < QUEUE_WINDOW_S)
+    kept = tuple((t, b) for t, b in window if now - t < span)
     if tick:
-        window += ((now, tuple(sorted(tick.items()))),)
+        kept += ((now, tuple(sorted(tick.items()))),)
     total: dict[float, float] = {}
-    for _, b in window:
+    for _, b in kept:
         for le, n in b:
             total[le] = total.get(le, 0.0) + n
-    p90 = quantile_from_buckets(sorted(total.items()), QUEUE_QUANTILE)
-    return tuple((s.pod, s.queue_buckets) for s in ok), window, p90
+    return tuple((s.pod, getattr(s, field)) for s in ok), kept, tuple(sorted(total.items()))
 
 
-def observe(samples: list[ReplicaSample], state: PolicyState, now: float = 0.0) -> tuple[Observation, PolicyState]:
+def _latency_p99(observations: Buckets) -> float | None:
+    if not observations or observations[-1][1] < MIN_LATENCY_OBSERVATIONS:
+        return None
+    return quantile_from_buckets(list(observations), LATENCY_QUANTILE)
+
+
+def observe(samples: list[ReplicaSample], state: PolicyState, now: float = 0.0,
+            th: Thresholds | None = None) -> tuple[Observation, PolicyState]:
+    """``th``: which latency objectives to measure (None: none)."""
     ok = [s for s in samples if s.ok]
     before = dict(state.shed_seen)
     shed = 0.0
@@ -119,11 +148,22 @@ def observe(samples: list[ReplicaSample], state: PolicyState, now: float = 0.0) 
     kv_values = [s.kv_usage for s in ok if s.kv_usage is not None]
     kv = sum(kv_values) / len(kv_values) if kv_values else None
     waiting = sum(s.engine_waiting + s.guard_queued for s in ok) / len(ok) if ok else 0.0
-    queue_seen, queue_window, p90 = _queue_window(ok, state, now)
+    queue_seen, queue_window, queued = _window(ok, "queue_buckets", state.queue_seen, state.queue_window, now,
+                                               QUEUE_WINDOW_S)
+    p90 = quantile_from_buckets(list(queued), QUEUE_QUANTILE)
     obs = Observation(kv_usage=kv, waiting_per_replica=waiting, shed_delta=shed, readable=len(ok),
                       unreadable=[s.pod for s in samples if not s.ok], queue_p90_s=p90)
-    return obs, dataclasses.replace(state, shed_seen=tuple((s.pod, s.shed_total) for s in ok),
-                                    queue_seen=queue_seen, queue_window=queue_window)
+    state = dataclasses.replace(state, shed_seen=tuple((s.pod, s.shed_total) for s in ok),
+                                queue_seen=queue_seen, queue_window=queue_window)
+    if th is not None and th.ttft_p99_s is not None:
+        seen, window, ttft = _window(ok, "ttft_buckets", state.ttft_seen, state.ttft_window, now, LATENCY_WINDOW_S)
+        state = dataclasses.replace(state, ttft_seen=seen, ttft_window=window)
+        obs = dataclasses.replace(obs, ttft_p99_s=_latency_p99(ttft))
+    if th is not None and th.itl_p99_s is not None:
+        seen, window, itl = _window(ok, "itl_buckets", state.itl_seen, state.itl_window, now, LATENCY_WINDOW_S)
+        state = dataclasses.replace(state, itl_seen=seen, itl_window=window)
+        obs = dataclasses.replace(obs, itl_p99_s=_latency_p99(itl))
+    return obs, state
 
 
 def _idle_since(samples: list[ReplicaSample], state: PolicyState, now: float, demand: int) -> float | None:
@@ -158,7 +198,7 @@ def _to_or_from_zero(th: Thresholds, current: int, samples: list[ReplicaSample],
 def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSample], state: PolicyState,
            now: float, demand: int = 0) -> tuple[Decision | None, PolicyState, Observation]:
     """``demand``: requests routers hold for this service (they found no replica to take them)."""
-    obs, state = observe(samples, state, now)
+    obs, state = observe(samples, state, now, th)
     high_since, low_since = state.high_since, state.low_since
     decision = None
 
@@ -184,34 +224,22 @@ def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSam
     # Past the grace the replicas that never became ready are not waited for: the
     # sizing and the "every replica readable" test count the ready ones.
     serving = ready if on_ready_only else current
-    reasons = []
-    if obs.kv_usage is not None and obs.kv_usage >= th.kv_high:
-        reasons.append(("KVHighWatermark", f"KV usage {obs.kv_usage:.0%} >= {th.kv_high:.0%}"))
-    if obs.shed_delta > 0:
-        reasons.append(("Shedding", f"guard refused {obs.shed_delta:.0f} request(s) since the last read"))
-    if obs.waiting_per_replica > th.queue_depth:
-        reasons.append(("QueueDepth", f"{obs.waiting_per_replica:.1f} waiting per replica > {th.queue_depth}"))
-    if obs.queue_p90_s is not None and obs.queue_p90_s > th.queue_time_s:
-        reasons.append(("QueueTime", f"p90 queue time {obs.queue_p90_s * 1000:.0f} ms over the last "
-                                     f"{QUEUE_WINDOW_S:.0f}s > {th.queue_time_s * 1000:.0f} ms"))
-
+    reasons = pressure(th, obs)
     if reasons:
         low_since = None
         high_since = high_since if high_since is not None else now
         starting = bool(not_ready) and not on_ready_only
         if current < th.max_replicas and not starting and now - high_since >= th.up_stabilization_s:
-            want = current + 1
-            if obs.kv_usage is not None and obs.kv_usage >= th.kv_high:
-                # Enough replicas to bring mean usage back under the watermark.
-                want = max(want, math.ceil(serving * obs.kv_usage / th.kv_high))
+            want = max(current + 1, _kv_replicas(th, obs, serving))
             target = min(th.max_replicas, want, current + th.max_step)
             decision = Decision(target, reasons[0][0], "; ".join(m for _, m in reasons))
             high_since = None
-            state = dataclasses.replace(state, queue_window=())  # that evidence is answered
+            # That evidence is answered.
+            state = dataclasses.replace(state, queue_window=(), ttft_window=(), itl_window=())
     else:
         high_since = None
         calm = (obs.kv_usage is not None and obs.kv_usage < th.kv_low and obs.waiting_per_replica == 0
-                and not obs.unreadable and obs.readable == serving)
+                and not obs.unreadable and obs.readable == serving and _latency_calm(th, obs))
         if calm:
             low_since = low_since if low_since is not None else now
             # Zero is for an idle service only (above), never a step of scaling in by KV usage.
@@ -223,6 +251,43 @@ def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSam
         else:
             low_since = None
     return decision, dataclasses.replace(state, high_since=high_since, low_since=low_since), obs
+
+
+def pressure(th: Thresholds, obs: Observation) -> list[tuple[str, str]]:
+    """(reason, message) of every signal that asks for more replicas now."""
+    reasons = []
+    if th.scale_on_kv and obs.kv_usage is not None and obs.kv_usage >= th.kv_high:
+        reasons.append(("KVHighWatermark", f"KV usage {obs.kv_usage:.0%} >= {th.kv_high:.0%}"))
+    if obs.shed_delta > 0:
+        reasons.append(("Shedding", f"guard refused {obs.shed_delta:.0f} request(s) since the last read"))
+    if obs.waiting_per_replica > th.queue_depth:
+        reasons.append(("QueueDepth", f"{obs.waiting_per_replica:.1f} waiting per replica > {th.queue_depth}"))
+    if obs.queue_p90_s is not None and obs.queue_p90_s > th.queue_time_s:
+        reasons.append(("QueueTime", f"p90 queue time {obs.queue_p90_s * 1000:.0f} ms over the last "
+                                     f"{QUEUE_WINDOW_S:.0f}s > {th.queue_time_s * 1000:.0f} ms"))
+    if th.ttft_p99_s is not None and obs.ttft_p99_s is not None and obs.ttft_p99_s > th.ttft_p99_s:
+        reasons.append(("TTFT", f"TTFT p99 {obs.ttft_p99_s * 1000:.0f} ms over the last {LATENCY_WINDOW_S:.0f}s "
+                                f"> objective {th.ttft_p99_s * 1000:.0f} ms"))
+    if th.itl_p99_s is not None and obs.itl_p99_s is not None and obs.itl_p99_s > th.itl_p99_s:
+        reasons.append(("ITL", f"ITL p99 {obs.itl_p99_s * 1000:.0f} ms over the last {LATENCY_WINDOW_S:.0f}s "
+                               f"> objective {th.itl_p99_s * 1000:.0f} ms"))
+    return reasons
+
+
+def _kv_replicas(th: Thresholds, obs: Observation, serving: int) -> int:
+    """Replicas that bring mean KV usage back under the high watermark (0: KV is not a signal here)."""
+    if not th.scale_on_kv or obs.kv_usage is None or obs.kv_usage < th.kv_high:
+        return 0
+    return math.ceil(serving * obs.kv_usage / th.kv_high)
+
+
+def _latency_calm(th: Thresholds, obs: Observation) -> bool:
+    """The latency objectives leave the headroom a scale-in needs: p99 under the objective ×
+    kv_low / kv_high (no p99 yet, too few requests: nothing says otherwise)."""
+    share = th.kv_low / th.kv_high
+    return all(p99 is None or p99 <= objective * share
+               for p99, objective in ((obs.ttft_p99_s, th.ttft_p99_s), (obs.itl_p99_s, th.itl_p99_s))
+               if objective is not None)
 
 
 def least_loaded(samples: list[ReplicaSample]) -> str | None:

@@ -9,8 +9,43 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufleet_engine.contract import guard_metrics as guard
 from gpufleet_engine.contract.guard_metrics import SHED_REASONS
 
-__all__ = ["SHED_REASONS", "ReplicaSample", "bucket_delta", "parse_replica", "quantile_from_buckets"]
+__all__ = ["SHED_REASONS", "ReplicaSample", "RequestTokens", "bucket_delta", "parse_replica",
+           "quantile_from_buckets"]
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
+# vLLM's per-request token histograms, observed as each request finishes: the measured request
+# distribution (the planner's prompt and output lengths, and their rates).
+PROMPT_TOKENS = "vllm:request_prompt_tokens"
+OUTPUT_TOKENS = "vllm:request_generation_tokens"
+
+Buckets = tuple[tuple[float, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTokens:
+    """Cumulative counts of the requests an engine finished: how many, their prompt and output
+    tokens in all, and the (le, count) buckets of each length. Deltas of two reads (``since``)
+    are the requests finished in between."""
+    requests: float = 0.0
+    prompt_sum: float = 0.0
+    output_sum: float = 0.0
+    prompt_buckets: Buckets = ()
+    output_buckets: Buckets = ()
+
+    def since(self, before: "RequestTokens") -> "RequestTokens":
+        """What finished after ``before`` (an engine restarted in between counts from zero)."""
+        if self.requests < before.requests or self.prompt_sum < before.prompt_sum \
+                or self.output_sum < before.output_sum:
+            return self
+        return RequestTokens(self.requests - before.requests, self.prompt_sum - before.prompt_sum,
+                             self.output_sum - before.output_sum,
+                             tuple(bucket_delta(self.prompt_buckets, before.prompt_buckets)),
+                             tuple(bucket_delta(self.output_buckets, before.output_buckets)))
+
+    def plus(self, other: "RequestTokens") -> "RequestTokens":
+        return RequestTokens(self.requests + other.requests, self.prompt_sum + other.prompt_sum,
+                             self.output_sum + other.output_sum,
+                             _bucket_sum(self.prompt_buckets, other.prompt_buckets),
+                             _bucket_sum(self.output_buckets, other.output_buckets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +59,12 @@ class ReplicaSample:
     guard_queued: float = 0.0            # waiting in the guard's queues
     guard_in_flight: float = 0.0
     shed_total: float = 0.0              # cumulative guard rejections that mean "overloaded"
-    ttft_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's TTFT
-    queue_buckets: tuple[tuple[float, float], ...] = ()  # cumulative (le, count) of the guard's queue time
+    ttft_buckets: Buckets = ()           # cumulative (le, count) of the guard's TTFT
+    queue_buckets: Buckets = ()          # cumulative (le, count) of the guard's queue time
+    itl_buckets: Buckets = ()            # cumulative (le, count) of the guard's inter-token latency
     kv_waste: float | None = None        # 0..1, KV blocks in use holding no token (None: unknown now)
     requests_total: float = 0.0          # cumulative requests the guard finished (any outcome): arrivals
+    request_tokens: RequestTokens = RequestTokens()  # vLLM's finished requests' token counts
 
     @property
     def load(self) -> float:
@@ -47,13 +84,23 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
     waste: float | None = None
     ttft: dict[float, float] = {}
     queue: dict[float, float] = {}
-    for name, _labels, value in _samples(engine_text):
+    itl: dict[float, float] = {}
+    tokens: dict[str, float] = {}
+    prompt: dict[float, float] = {}
+    output: dict[float, float] = {}
+    for name, labels, value in _samples(engine_text):
         if name in KV_USAGE:
             kv.setdefault(name, value)
         elif name == "vllm:num_requests_waiting":
             waiting += value
         elif name == "vllm:num_requests_running":
             running += value
+        elif name == PROMPT_TOKENS + "_bucket":
+            _add(prompt, labels, value)
+        elif name == OUTPUT_TOKENS + "_bucket":
+            _add(output, labels, value)
+        elif name in (PROMPT_TOKENS + "_count", PROMPT_TOKENS + "_sum", OUTPUT_TOKENS + "_sum"):
+            tokens[name] = tokens.get(name, 0.0) + value
     for name, labels, value in _samples(guard_text):
         if name == guard.QUEUE_DEPTH:
             queued += value
@@ -66,16 +113,33 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
         elif name == guard.REJECTIONS + "_total" and labels.get("reason") in SHED_REASONS:
             shed += value
         elif name == guard.TTFT_SECONDS + "_bucket":
-            le = float(labels["le"])
-            ttft[le] = ttft.get(le, 0.0) + value
+            _add(ttft, labels, value)
         elif name == guard.QUEUE_SECONDS + "_bucket":  # every class: waiting is waiting
-            le = float(labels["le"])
-            queue[le] = queue.get(le, 0.0) + value
+            _add(queue, labels, value)
+        elif name == guard.ITL_SECONDS + "_bucket":
+            _add(itl, labels, value)
     usage = next((kv[n] for n in KV_USAGE if n in kv), None)
+    finished = RequestTokens(tokens.get(PROMPT_TOKENS + "_count", 0.0), tokens.get(PROMPT_TOKENS + "_sum", 0.0),
+                             tokens.get(OUTPUT_TOKENS + "_sum", 0.0), tuple(sorted(prompt.items())),
+                             tuple(sorted(output.items())))
     return ReplicaSample(pod=pod, ok=True, kv_usage=usage, engine_waiting=waiting, engine_running=running,
                          guard_queued=queued, guard_in_flight=in_flight, shed_total=shed,
                          ttft_buckets=tuple(sorted(ttft.items())), queue_buckets=tuple(sorted(queue.items())),
-                         kv_waste=waste, requests_total=requests)
+                         itl_buckets=tuple(sorted(itl.items())), kv_waste=waste, requests_total=requests,
+                         request_tokens=finished)
+
+
+def _add(buckets: dict[float, float], labels: dict[str, str], value: float) -> None:
+    """Sum a histogram's series (classes, engines) bucket by bucket."""
+    le = float(labels["le"])
+    buckets[le] = buckets.get(le, 0.0) + value
+
+
+def _bucket_sum(a: Buckets, b: Buckets) -> Buckets:
+    total = dict(a)
+    for le, n in b:
+        total[le] = total.get(le, 0.0) + n
+    return tuple(sorted(total.items()))
 
 
 def quantile_from_buckets(buckets: list[tuple[float, float]], q: float) -> float | None:

@@ -8,10 +8,13 @@ fragmentation remediation (only under every rule of
 ``audit.fragmentation.may_restart``). An action is applied under the
 service's lock in the ``Controller``, so it and a reconcile never interleave.
 
-A disaggregated service (spec.disaggregation) is read and audited like any other, but the
-autoscaler sizes one unified pool only: its pools keep the replicas the reconciler gives them
-(``reconcile.replicas.desired_replicas``; status says so with Scaling=False). Its fragmentation
-remediation judges a replica against the other replicas of its own pool.
+A disaggregated service (spec.disaggregation) is read and audited like any other. In Auto mode
+each pool is sized by its own signals (``autoscale.pools``): a decision writes the pool's
+``status.pools[].desiredReplicas``, which the reconciler applies to the pool's Deployment
+(``reconcile.replicas.desired_replicas``), and ``status.lastScaling.role`` and the Event name the
+pool. The decode pods' finished requests give the live prefill:decode ratio
+(``status.prefillDecodeRatio``, every ``RATIO_UPDATE_S``), which ratioPolicy Bound holds the decode
+pool to. Its fragmentation remediation judges a replica against the other replicas of its own pool.
 """
 from __future__ import annotations
 
@@ -22,22 +25,37 @@ import time
 from datetime import datetime, timezone
 from typing import Sequence
 
+from gpufleet_engine.contract.guard_config import Role
+
 from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
 from ..audit import fragmentation as frag
 from ..autoscale import policy
+from ..autoscale import pools as pool_policy
 from ..autoscale.signals import ReplicaSample, bucket_delta, quantile_from_buckets
+from ..autoscale.token_window import TokenWindow
 from ..kube.errors import ApiError
 from ..manifests import names
+from ..manifests.pools import POOL_ROLES
+from ..planning.live_ratio import live_ratio
 from ..reconcile import conditions as cond
+from ..reconcile import ratio as ratio_status
+from ..reconcile.replicas import desired_replicas
 from .demand_share import DemandShare
 from .ports import ServicePorts
 
 log = logging.getLogger(__name__)
 
+# Scaling=True while ratioPolicy Bound keeps the decode pool from where its signals want it.
+HELD_BY_RATIO = "HeldByRatio"
+# One pool as the Scaling condition sees it: its role, what the policy observed, the replicas
+# wanted and ready, and its thresholds.
+PoolView = tuple[Role, policy.Observation, int, int, policy.Thresholds]
+
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 TTFT_WINDOW_S = 60
 FIRST_AUDIT_DELAY_S = 15
+RATIO_UPDATE_S = 30.0
 
 
 def readable_replicas(pods: list[dict]) -> list[dict]:
@@ -45,7 +63,7 @@ def readable_replicas(pods: list[dict]) -> list[dict]:
     return [p for p in pods if p["ready"] and p.get("ip") and not p["deleting"]]
 
 
-def role_of(pod: dict) -> str:
+def role_of(pod: dict) -> Role:
     return pod.get("role") or "unified"
 
 
@@ -54,11 +72,15 @@ class ServiceLoop:
         self.ports = ports
         self.ns, self.name = namespace, name
         self.state = policy.PolicyState()
+        self.pool_states: dict[Role, policy.PolicyState] = {role: policy.PolicyState() for role in POOL_ROLES}
+        self.tokens = TokenWindow()  # the decode pods' finished requests (the live prefill:decode ratio)
+        self.ratio_measured: float | None = None
         self.ttft_history: collections.deque = collections.deque()
         self.last_audit: float | None = None
         self._spec_key: tuple | None = None
         self._spec: InferenceServiceSpec | None = None
-        self.removals: dict[str, int] = {}  # pod marked for scale-in -> the replica count it was marked for
+        # pod marked for scale-in -> (its pool, the pool's replica count it was marked for)
+        self.removals: dict[str, tuple[Role, int]] = {}
         self.watching_since: float | None = None  # first tick of this operator process for the service
         self.audit_baseline: dict[str, tuple[int, int]] = {}  # pod -> (alloc retries, OOMs) at the last audit
         self.scaled_in_this_pass = False
@@ -124,7 +146,13 @@ class ServiceLoop:
         if p99 is not None:
             fields["ttftP99Milliseconds"] = round(p99 * 1000)
         conditions: list[dict] = []
-        if spec.autoscaling.mode == "Auto" and spec.disaggregation is None:
+        if spec.disaggregation is not None:
+            roles = {p["name"]: role_of(p) for p in ready}
+            by_role = {role: [s for s in samples if roles.get(s.pod) == role] for role in POOL_ROLES}
+            self.measure_ratio(body, spec, by_role["decode"], now, fields)
+            if spec.autoscaling.mode == "Auto":
+                conditions = await self.autoscale_pools(body, spec, by_role, now, fields)
+        elif spec.autoscaling.mode == "Auto":
             conditions = await self.autoscale(body, spec, samples, now, fields, demand)
         if fields or conditions:
             await self.ports.status.write_status(body, fields, conditions)
@@ -156,60 +184,164 @@ class ServiceLoop:
     def signal_conditions(self, body: dict, obs: policy.Observation, current: int, ready: int,
                           th: policy.Thresholds) -> list[dict]:
         """Scaling=False while the autoscaler cannot see every replica, back to True once it can."""
+        return self.pool_conditions(body, [("unified", obs, current, ready, th)])
+
+    def pool_conditions(self, body: dict, views: Sequence[PoolView], held: str | None = None) -> list[dict]:
+        """The Scaling condition from each pool's observation (``views``): False while the
+        autoscaler cannot see every replica or decides on the ready ones only, True with
+        HeldByRatio while ratioPolicy Bound keeps the decode pool from where its signals want it
+        (``held``), back to True once none of these holds."""
         gen = body.get("metadata", {}).get("generation")
         old = cond.get((body.get("status") or {}).get("conditions"), cond.SCALING) or {}
-        if obs.unreadable:
+        unreadable = sorted(p for _, obs, *_ in views for p in obs.unreadable)
+        waiting = [(name, obs, current, ready, th) for name, obs, current, ready, th in views if obs.on_ready_only]
+        if unreadable:
             new = cond.condition(cond.SCALING, False, "MetricsUnavailable",
-                                 f"cannot read {', '.join(sorted(obs.unreadable))}; not scaling in until they "
+                                 f"cannot read {', '.join(unreadable)}; not scaling in until they "
                                  f"answer", generation=gen)
-        elif obs.on_ready_only:
-            new = cond.condition(cond.SCALING, False, "ReplicasNotReady",
-                                 f"{obs.not_ready} of {current} replica(s) not ready for more than "
-                                 f"{th.not_ready_grace_s:.0f}s; scaling decisions use the {ready} ready "
-                                 f"replica(s)", generation=gen)
+        elif waiting:
+            new = cond.condition(cond.SCALING, False, "ReplicasNotReady", "; ".join(
+                f"{'' if name == 'unified' else name + ': '}{obs.not_ready} of {current} replica(s) not ready for "
+                f"more than {th.not_ready_grace_s:.0f}s; scaling decisions use the {ready} ready replica(s)"
+                for name, obs, current, ready, th in waiting), generation=gen)
+        elif held:
+            new = cond.condition(cond.SCALING, True, HELD_BY_RATIO, held, generation=gen)
         elif old.get("reason") in ("MetricsUnavailable", "ReplicasNotReady"):
             new = cond.condition(cond.SCALING, True, "SignalsAvailable",
-                                 f"reading all {obs.readable} replica(s) again", generation=gen)
+                                 f"reading all {sum(obs.readable for _, obs, *_ in views)} replica(s) again",
+                                 generation=gen)
+        elif old.get("reason") == HELD_BY_RATIO:
+            new = cond.condition(cond.SCALING, True, "WithinRatioBound",
+                                 "the decode pool is where its signals want it, within the ratio bound",
+                                 generation=gen)
         else:
             return []
         if all(old.get(k) == new.get(k) for k in ("status", "reason", "message", "observedGeneration")):
             return []
         return [new]
 
+    # --- disaggregated services --------------------------------------------------------
+
+    def measure_ratio(self, body: dict, spec: InferenceServiceSpec, decode: list[ReplicaSample], now: float,
+                      fields: dict) -> None:
+        """Add the decode pods' finished requests to the window; every RATIO_UPDATE_S, the live
+        prefill:decode ratio into ``fields`` when it says something new."""
+        self.tokens = self.tokens.advance(decode, now)
+        if self.ratio_measured is not None and now - self.ratio_measured < RATIO_UPDATE_S:
+            return
+        self.ratio_measured = now
+        ratio = live_ratio(spec, self.tokens.demand(now))
+        new = ratio_status.ratio_status(ratio, (body.get("status") or {}).get(ratio_status.FIELD), cond.now_iso())
+        if new is not None:
+            fields[ratio_status.FIELD] = new
+
+    async def autoscale_pools(self, body: dict, spec: InferenceServiceSpec,
+                              samples: dict[Role, list[ReplicaSample]], now: float, fields: dict) -> list[dict]:
+        """Each pool by its own signals, the decode pool then held to the measured ratio under
+        ratioPolicy Bound; act on each decision (prefill first: the band follows it)."""
+        assert spec.disaggregation is not None
+        status = body.get("status") or {}
+        current = desired_replicas(spec, status)
+        ready = {p.get("role"): p.get("readyReplicas", 0) for p in status.get("pools") or []}
+        views: dict[Role, PoolView] = {}
+        decisions: dict[Role, policy.Decision | None] = {}
+        for role in POOL_ROLES:
+            th = pool_policy.pool_thresholds(spec, role)
+            decision, self.pool_states[role], obs = policy.decide(
+                th, current=current[role], ready=ready.get(role, 0), samples=samples[role],
+                state=self.pool_states[role], now=now)
+            decisions[role] = decision if decision is not None and decision.target != current[role] else None
+            views[role] = (role, obs, current[role], ready.get(role, 0), th)
+        held = None
+        if spec.disaggregation.ratio_policy == "Bound":
+            decisions["decode"], held = self.bound_decode(spec, status, fields, decisions, current, views["decode"])
+        acted = False
+        for role in POOL_ROLES:
+            decision = decisions[role]
+            if decision is None or decision.target == current[role]:
+                continue
+            acted = True
+            if not await self.act(body, spec, decision, current[role], samples[role], fields, role=role):
+                break  # the replicas changed meanwhile: the next tick decides again
+        return [] if acted else self.pool_conditions(body, list(views.values()), held)
+
+    def bound_decode(self, spec: InferenceServiceSpec, status: dict, fields: dict,
+                     decisions: dict[Role, policy.Decision | None], current: dict[Role, int],
+                     view: PoolView) -> tuple[policy.Decision | None, str | None]:
+        """The decode pool's decision within the ratio band, and why it is held (None: not)."""
+        assert spec.disaggregation is not None
+        own = decisions["decode"]
+        measured = ratio_status.measured_ratio(fields.get(ratio_status.FIELD) or status.get(ratio_status.FIELD))
+        if measured is None:
+            if own is None:
+                return None, None
+            why = ((fields.get(ratio_status.FIELD) or status.get(ratio_status.FIELD) or {}).get("message")
+                   or "not measured yet")
+            return policy.Decision(own.target, own.reason, f"{own.message}; ratio bound not applied: no "
+                                                           f"measured ratio ({why})"), None
+        prefill = decisions["prefill"].target if decisions["prefill"] is not None else current["prefill"]
+        _, obs, decode_current, decode_ready, th = view
+        band = pool_policy.ratio_band(measured.prefill, measured.decode, prefill,
+                                      spec.disaggregation.ratio_tolerance_percent / 100,
+                                      th.min_replicas, th.max_replicas)
+        serving = decode_ready if obs.on_ready_only else decode_current
+        return pool_policy.bound_decode(own, decode_current, band, th, obs, serving)
+
+    def current_replicas(self, spec: InferenceServiceSpec, status: dict, role: Role) -> int:
+        """The replicas last wanted for a pool: the unified pool's desiredReplicas, or a pool's
+        status.pools[].desiredReplicas as the reconciler applies it (inside the pool's bounds)."""
+        if role == "unified":
+            return status.get("desiredReplicas") or spec.autoscaling.min_replicas
+        return desired_replicas(spec, status)[role]
+
+    def replicas_fields(self, spec: InferenceServiceSpec, status: dict, role: Role, target: int) -> dict:
+        """The status fields that record ``target`` replicas for a pool."""
+        if role == "unified":
+            return {"desiredReplicas": target}
+        wanted = {**desired_replicas(spec, status), role: target}
+        rows = {p.get("role"): p for p in status.get("pools") or []}
+        return {"desiredReplicas": sum(wanted.values()),
+                "pools": [{**rows.get(r, {"role": r}), "desiredReplicas": n} for r, n in wanted.items()]}
+
     async def act(self, body: dict, spec: InferenceServiceSpec, decision: policy.Decision, current: int,
-                  samples: list[ReplicaSample], fields: dict) -> None:
-        """Apply a decision under the service's lock, on the freshest object: a reconcile
-        holding an older copy cannot run in between, and a decision made on a replica
-        count that changed meanwhile is dropped (the next tick decides again)."""
+                  samples: list[ReplicaSample], fields: dict, role: Role = "unified") -> bool:
+        """Apply a decision for a pool (``role``; "unified" for a unified service) under the
+        service's lock, on the freshest object: a reconcile holding an older copy cannot run in
+        between, and a decision made on a replica count that changed meanwhile is dropped (the
+        next tick decides again). True when applied."""
         gen = body.get("metadata", {}).get("generation")
+        pool = "" if role == "unified" else f"{role} "
         async with self.ports.locks.locked(self.ns, self.name) as fresh:
             if fresh is None:
-                return
-            fresh_current = (fresh.get("status") or {}).get("desiredReplicas") or spec.autoscaling.min_replicas
+                return False
+            fresh_status = fresh.get("status") or {}
+            fresh_current = self.current_replicas(spec, fresh_status, role)
             if fresh_current != current or fresh["metadata"].get("generation") != gen:
-                log.info("%s/%s: replicas changed to %d since the signals were read; not applying %d -> %d",
-                         self.ns, self.name, fresh_current, current, decision.target)
-                return
+                log.info("%s/%s: %sreplicas changed to %d since the signals were read; not applying %d -> %d",
+                         self.ns, self.name, pool, fresh_current, current, decision.target)
+                return False
             direction = "up" if decision.target > current else "down"
-            self.scaled_in_this_pass = direction == "down"
+            self.scaled_in_this_pass = self.scaled_in_this_pass or direction == "down"
             victim = policy.least_loaded(samples) if direction == "down" else None
             if victim:
-                await self.mark_for_removal(victim, decision.target)
+                await self.mark_for_removal(victim, decision.target, role)
             else:
-                await self.release_all_marks()
+                await self.release_marks(role)
             stamp = cond.now_iso()
+            last = {"time": stamp, "from": current, "to": decision.target, "reason": decision.reason,
+                    "message": decision.message}
+            if role != "unified":
+                last["role"] = role
             # The Event goes first: if the operator dies between the writes, the record of
             # the decision survives and its successor completes it from status.
             event_reason = "ScaledUp" if direction == "up" else "ScaledDown"
             await self.ports.events.event(fresh, reason=event_reason,
-                                     message=f"{current} -> {decision.target} replicas ({decision.reason}): "
-                                             f"{decision.message}")
+                                          message=f"{pool.replace(' ', ': ')}{current} -> {decision.target} "
+                                                  f"replicas ({decision.reason}): {decision.message}")
             try:
                 await self.ports.status.write_status(fresh, {
-                    **fields, "desiredReplicas": decision.target,
-                    "lastScaling": {"time": stamp, "from": current, "to": decision.target,
-                                    "reason": decision.reason, "message": decision.message},
-                }, [cond.condition(cond.SCALING, True, decision.reason, f"{current} -> {decision.target}: "
+                    **fields, **self.replicas_fields(spec, fresh_status, role, decision.target), "lastScaling": last,
+                }, [cond.condition(cond.SCALING, True, decision.reason, f"{pool}{current} -> {decision.target}: "
                                    f"{decision.message}", generation=gen)])
             except ApiError:
                 if victim:  # no scale-in will follow: the mark must not outlive the decision
@@ -217,44 +349,52 @@ class ServiceLoop:
                 raise
             fields.clear()
             self.ports.metrics.decisions.labels(self.ns, self.name, direction).inc()
-            log.info("%s/%s: %s %d -> %d (%s)", self.ns, self.name, event_reason, current, decision.target,
+            log.info("%s/%s: %s%s %d -> %d (%s)", self.ns, self.name, pool, event_reason, current, decision.target,
                      decision.message)
             await self.ports.locks.reconcile_locked(fresh)  # applies the new replica count to the Deployment
             # The fleet's copy catches up through the watch; until then it must not decide from the old count.
             body["status"] = fresh.get("status") or {}
             body["metadata"]["resourceVersion"] = fresh["metadata"].get("resourceVersion")
+            return True
 
     # --- the scale-in mark -----------------------------------------------------------
 
-    async def mark_for_removal(self, pod: str, target: int) -> None:
+    async def mark_for_removal(self, pod: str, target: int, role: Role = "unified") -> None:
         """The ReplicaSet removes the pod with the lowest deletion cost first."""
         try:
             await self.ports.objects.merge_patch("v1", "Pod", pod, {"metadata": {"annotations": {
                 DELETION_COST: "-1000"}}}, self.ns)
-            self.removals[pod] = target
+            self.removals[pod] = (role, target)
         except ApiError as e:
             log.warning("could not mark %s for scale-in: %s", pod, e)
 
     async def release_deletion_costs(self, body: dict, pods: list[dict]) -> None:
         """Clear the mark on a replica that outlived its scale-in (the ReplicaSet took
         another, e.g. a not-ready one): left, it would make that replica the next one
-        removed however busy it is by then."""
+        removed however busy it is by then. Counted per pool: each pool's ReplicaSet
+        removes its own pods."""
         live = [p for p in pods if not p["deleting"]]
         names_live = {p["name"] for p in live}
         for name in [n for n in self.removals if n not in names_live]:
             del self.removals[name]  # removed as intended
-        desired = (body.get("status") or {}).get("desiredReplicas")
+        status = body.get("status") or {}
+        wanted: dict[Role | None, int | None] = {"unified": status.get("desiredReplicas")}
+        wanted.update({p.get("role"): p.get("desiredReplicas") for p in status.get("pools") or []})
+        counts = collections.Counter(role_of(p) for p in live)
         for p in live:
-            target = self.removals.get(p["name"])
-            if target is None:
-                if not p.get("marked") or desired is None:
+            mark = self.removals.get(p["name"])
+            if mark is None:
+                target = wanted.get(role_of(p))
+                if not p.get("marked") or target is None:
                     continue
-                target = desired  # a mark from before a restart
-            if len(live) <= target:  # the scale-in is done and this one stayed
+                role = role_of(p)  # a mark from before a restart
+            else:
+                role, target = mark
+            if counts[role] <= target:  # the scale-in is done and this one stayed
                 await self.unmark(p["name"])
 
-    async def release_all_marks(self) -> None:
-        for name in list(self.removals):
+    async def release_marks(self, role: Role) -> None:
+        for name in [n for n, (r, _) in self.removals.items() if r == role]:
             await self.unmark(name)
 
     async def unmark(self, pod: str) -> None:

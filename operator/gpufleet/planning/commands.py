@@ -17,7 +17,7 @@ from .profiles import ProfileSet, load_profile_file
 from .prometheus import PrometheusClient, read_sample
 from .report import render
 from .requests import parse_request_log
-from .sizing import Settings
+from .sizing import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_MFU, Settings
 
 # The plan assumes what a default InferenceService would run with.
 _SLO, _ADMISSION, _ENGINE = SLOSpec(), AdmissionSpec(), EngineSpec()
@@ -113,9 +113,10 @@ def _sources(ctx: click.Context) -> dict[str, str]:
               help="vLLM's batch limit per replica.")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=_ADMISSION.max_concurrency,
               show_default=True, help="Requests the guard lets into one engine at once.")
-@click.option("--mfu", type=click.FloatRange(0.01, 1.0), default=0.4, show_default=True,
+@click.option("--mfu", type=click.FloatRange(0.01, 1.0), default=DEFAULT_MFU, show_default=True,
               help="Model-FLOPs utilization assumed for prefill (and the decode compute cap).")
-@click.option("--bandwidth-efficiency", type=click.FloatRange(0.01, 1.0), default=0.7, show_default=True,
+@click.option("--bandwidth-efficiency", type=click.FloatRange(0.01, 1.0), default=DEFAULT_BANDWIDTH_EFFICIENCY,
+              show_default=True,
               help="Share of peak HBM bandwidth a decode step achieves.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.pass_context

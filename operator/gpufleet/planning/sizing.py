@@ -19,6 +19,10 @@ from .errors import SizingError
 from .profiles import GIB, GpuProfile, ModelProfile
 
 TENSOR_PARALLEL_CHOICES = (1, 2, 4, 8)
+# What a forward pass achieves of the GPU's peak, when nobody says otherwise (`gpufleet plan`
+# --mfu, --bandwidth-efficiency; the operator's live prefill:decode ratio).
+DEFAULT_MFU = 0.4
+DEFAULT_BANDWIDTH_EFFICIENCY = 0.7
 _EPS = 1e-9
 
 
@@ -109,6 +113,13 @@ def size_replica(gpu: GpuProfile, model: ModelProfile, settings: Settings,
             return _replica(gpu, model, settings, tp, prompt, output)
     raise SizingError(f"{model.name} cannot be served on up to {TENSOR_PARALLEL_CHOICES[-1]} × {gpu.name}: "
                       f"{problem}; choose a larger GPU, a quantized model (bytesPerParam), or looser SLOs")
+
+
+def replica_at(gpu: GpuProfile, model: ModelProfile, settings: Settings, tensor_parallel: int,
+               prompt: TokenStats, output: TokenStats) -> ReplicaModel:
+    """One replica's capacity on ``tensor_parallel`` GPUs, without asking whether the planner would
+    choose that size: for engines that already run there (the operator's live ratio)."""
+    return _replica(gpu, model, settings, tensor_parallel, prompt, output)
 
 
 def _replica_problem(gpu, model, settings, tp, prompt, output) -> str | None:

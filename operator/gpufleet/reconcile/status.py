@@ -11,7 +11,8 @@ from ..manifests import names
 from ..manifests.model_cache import FETCH_CONTAINER
 from . import conditions as c
 
-# Scaling=False on a disaggregated service in Auto mode: the autoscaler does not size its pools yet.
+# Scaling=False that operators before per-pool autoscaling wrote on a disaggregated service in Auto
+# mode; replaced by True once read (``_scaling_condition``).
 POOLS_NOT_AUTOSCALED = "PoolsNotAutoscaled"
 
 
@@ -122,16 +123,16 @@ def _pool_status(observed: Observed, pool_desired: Mapping[Role, int]) -> list[d
 
 
 def _scaling_condition(spec: InferenceServiceSpec, generation: int, current: dict | None) -> dict | None:
-    """What the autoscaler cannot do for a disaggregated service (it sizes one unified pool)."""
-    if spec.disaggregation is not None and spec.autoscaling.mode == "Auto":
-        return c.condition(c.SCALING, False, POOLS_NOT_AUTOSCALED,
-                           "the autoscaler does not size prefill and decode pools yet: each pool keeps its "
-                           "replicas within its minReplicas..maxReplicas; to size them, set autoscaling.mode "
-                           "Manual and disaggregation.prefill.replicas and disaggregation.decode.replicas",
-                           generation=generation)
-    if spec.disaggregation is None and current and current.get("reason") == POOLS_NOT_AUTOSCALED:
+    """Scaling=True in place of the PoolsNotAutoscaled an older operator left: the autoscaler sizes
+    every pool in Auto mode now (the fleet loop owns the condition from then on)."""
+    if not current or current.get("reason") != POOLS_NOT_AUTOSCALED:
+        return None
+    if spec.disaggregation is None:
         return c.condition(c.SCALING, True, "UnifiedPool", "one unified pool again: the autoscaler sizes it "
                            "in Auto mode", generation=generation)
+    if spec.autoscaling.mode == "Auto":
+        return c.condition(c.SCALING, True, "PoolsAutoscaled", "the autoscaler sizes the prefill and decode "
+                           "pools, each within its minReplicas..maxReplicas", generation=generation)
     return None
 
 

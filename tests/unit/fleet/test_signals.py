@@ -1,5 +1,9 @@
 """Parsing replica metrics the way vLLM and the guard expose them."""
+from prometheus_client import CollectorRegistry, generate_latest
+
 from gpufleet.autoscale.signals import bucket_delta, parse_replica, quantile_from_buckets
+from gpufleet_engine.contract.guard_metrics import ITL_SECONDS
+from gpufleet_engine.serving.prometheus import CountedHistogram
 
 VLLM = """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE vllm:kv_cache_usage_perc gauge
@@ -67,3 +71,36 @@ def test_only_capacity_refusals_are_shedding():
 
     assert SHED_REASONS == {Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL, Reason.TTFT_LIMIT}
     assert Reason.EXCEEDS_KV_POOL in REASONS and Reason.EXCEEDS_KV_POOL not in SHED_REASONS
+
+
+# vLLM 0.32's per-request token histograms as its /metrics shows them (one engine): two requests
+# finished, of 300 and 40 prompt tokens, with 20 and 120 output tokens.
+VLLM_TOKENS = """# TYPE vllm:request_prompt_tokens histogram
+vllm:request_prompt_tokens_sum{engine="0",model_name="tiny"} 340.0
+vllm:request_prompt_tokens_bucket{engine="0",le="50.0",model_name="tiny"} 1.0
+vllm:request_prompt_tokens_bucket{engine="0",le="500.0",model_name="tiny"} 2.0
+vllm:request_prompt_tokens_bucket{engine="0",le="+Inf",model_name="tiny"} 2.0
+vllm:request_prompt_tokens_count{engine="0",model_name="tiny"} 2.0
+# TYPE vllm:request_generation_tokens histogram
+vllm:request_generation_tokens_sum{engine="0",model_name="tiny"} 140.0
+vllm:request_generation_tokens_bucket{engine="0",le="50.0",model_name="tiny"} 1.0
+vllm:request_generation_tokens_bucket{engine="0",le="500.0",model_name="tiny"} 2.0
+vllm:request_generation_tokens_bucket{engine="0",le="+Inf",model_name="tiny"} 2.0
+vllm:request_generation_tokens_count{engine="0",model_name="tiny"} 2.0
+"""
+
+
+def test_the_finished_requests_token_counts_are_read_from_vllm():
+    tokens = parse_replica("p", VLLM + VLLM_TOKENS, "").request_tokens
+    assert (tokens.requests, tokens.prompt_sum, tokens.output_sum) == (2, 340, 140)
+    assert tokens.prompt_buckets == ((50.0, 1.0), (500.0, 2.0), (float("inf"), 2.0))
+    assert parse_replica("p", VLLM, "").request_tokens.requests == 0   # an engine before any finished
+
+
+def test_the_guards_itl_histogram_is_read_as_the_guard_exposes_it():
+    registry = CollectorRegistry()
+    itl = CountedHistogram(ITL_SECONDS, "gaps", "class", (0.05, 0.1), registry)
+    itl.labels("interactive").add([3, 1, 1], 0.4)
+    itl.labels("background").add([2, 0, 0], 0.02)
+    r = parse_replica("p", VLLM, generate_latest(registry).decode())
+    assert r.itl_buckets == ((0.05, 5.0), (0.1, 6.0), (float("inf"), 7.0))
