@@ -123,16 +123,17 @@ async def test_a_pd_service_answers_the_openai_sdk_through_the_router_with_the_k
         before = decode_loaded(control_plane, install.work_ns, decode)
         expected = 0
         for seed in range(3):
-            chunks, finish, prompt_tokens = 0, None, 0
+            text, finish, prompt_tokens, answered = "", None, 0, 0
             stream = await client.completions.create(model=MODEL, prompt=long_prompt(seed), max_tokens=16,
                                                      stream=True, stream_options={"include_usage": True})
             async for chunk in stream:
                 if chunk.choices:
-                    chunks += 1
+                    text += chunk.choices[0].text
                     finish = chunk.choices[0].finish_reason or finish
                 if chunk.usage:
-                    prompt_tokens = chunk.usage.prompt_tokens
-            assert finish == "length" and chunks >= 8, (finish, chunks)
+                    prompt_tokens, answered = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+            # A slow engine sends several tokens in one chunk: the answer is counted by its usage.
+            assert finish == "length" and answered == 16 and text, (finish, answered, text)
             # vLLM 0.32's shared-storage connector never finds a prompt of 32k + 1 tokens (docs/router.md).
             expected += 0 if prompt_tokens % BLOCK_SIZE == 1 else (prompt_tokens - 2) // BLOCK_SIZE * BLOCK_SIZE
         loaded = decode_loaded(control_plane, install.work_ns, decode) - before
