@@ -63,6 +63,9 @@ class Pair(NamedTuple):
     decode: LocalEngine
     kv: str          # the directory both share
 
+    def by_role(self) -> dict[str, LocalEngine]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
 
 def prompt(topic: str) -> str:
     return f"About {topic}: " + " ".join(f"{topic}{i}" for i in range(140))
@@ -268,10 +271,10 @@ async def stream_completion(client: openai.AsyncOpenAI, prompt: str) -> tuple[fl
 
 async def test_a_long_prompt_streams_through_prefill_and_decode_with_the_kv_handed_over(pools, router):
     url, fleet = router
-    before = {role: await engine_counters(e.guard_url) for role, e in {"prefill": pools.prefill, "decode": pools.decode}.items()}
+    before = {role: await engine_counters(e.guard_url) for role, e in pools.by_role().items()}
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
         ttft, chunks, text, finish, prompt_tokens = await stream_completion(client, long_prompt(1))
-    after = {role: await engine_counters(e.guard_url) for role, e in {"prefill": pools.prefill, "decode": pools.decode}.items()}
+    after = {role: await engine_counters(e.guard_url) for role, e in pools.by_role().items()}
     hits = after["decode"][EXTERNAL_HITS] - before["decode"][EXTERNAL_HITS]
     queried = after["decode"][EXTERNAL_QUERIES] - before["decode"][EXTERNAL_QUERIES]
 
