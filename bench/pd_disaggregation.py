@@ -35,8 +35,6 @@ import dataclasses
 import json
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +48,11 @@ from gpufleet.router.choice import Replica
 from gpufleet.router.metrics import RouterMetrics
 from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
 from gpufleet.router.table import Route, Table
-from gpufleet_engine.local.runner import LocalEngine, free_port
+from gpufleet_engine.local.runner import LocalEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_router_process import ROUTER, VllmRouterProcess  # noqa: E402
 
 MODEL = "tiny"
 BLOCK_SIZE = 32
@@ -58,7 +60,6 @@ KV_BLOCKS = 160
 MAX_MODEL_LEN = 1024
 WORDS = ("invoice refund shipping warranty helmet lock frame wheel brake chain saddle pedal gear tyre light "
          "basket bell pump mirror rack").split()
-ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
 ARMS = ("a unified x2, gpufleet router", "b P/D 1+1, gpufleet router", "c P/D 1+1, vllm-router")
@@ -102,21 +103,27 @@ async def one(http: aiohttp.ClientSession, url: str, req: Request) -> Result:
     try:
         async with http.post(f"{url}/v1/completions", json={
                 "model": MODEL, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0}) as r:
+                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}) as r:
             if r.status != 200:
                 res.error = f"{r.status} {(await r.text())[:200]}"
                 return res
             last = None
             async for line in r.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                if not line.startswith(b"data: {"):
                     continue
+                chunk = json.loads(line[len(b"data: "):])
+                if chunk.get("usage"):
+                    res.tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                # A chunk may carry several tokens when the engine is busy (vLLM sends what is ready): the
+                # gaps are between chunks, as vLLM's own benchmark client measures inter-token latency.
                 now = time.monotonic()
                 if res.ttft is None:
                     res.ttft = now - sent
                 elif last is not None:
                     res.gaps.append(now - last)
                 last = now
-                res.tokens += 1
     except aiohttp.ClientError as e:
         res.error = f"{type(e).__name__}: {e}"
     if res.error is None and res.tokens < req.max_tokens:
@@ -166,41 +173,6 @@ async def counters(guard_url: str) -> dict[str, float]:
                 if s.name in got:
                     got[s.name] += s.value
     return got
-
-
-class VllmRouterPD:
-    def __init__(self, prefill: str, decode: str, log: Path):
-        self.port = free_port("127.0.0.1")
-        args = [ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                "--host", "127.0.0.1", "--port", str(self.port),
-                # Its Prometheus listener defaults to 29000: a port of its own, so nothing else clashes.
-                "--prometheus-port", str(free_port("127.0.0.1")), "--log-level", "warning"]
-        self.log = log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    async def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"vllm-router exited: {self.log.read_text()[-2000:]}")
-                try:
-                    async with http.get(self.url + "/health") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.3)
-        raise TimeoutError(f"vllm-router not healthy after {timeout}s: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 class GpufleetRouter:
@@ -311,7 +283,8 @@ async def run(args: argparse.Namespace) -> dict:
                                     for r in ("no_prefill_replica", "refused", "unreachable", "error", "timeout"))
                     extra.setdefault(arm, {"prefill_fallbacks": 0})["prefill_fallbacks"] += fallbacks
                 else:
-                    vr = VllmRouterPD(prefill.guard_url, decode.guard_url, work / f"vllm-router-{round_}.log")
+                    vr = VllmRouterProcess(["--vllm-pd-disaggregation", "--prefill", prefill.guard_url,
+                                            "--decode", decode.guard_url], work / f"vllm-router-{round_}.log")
                     try:
                         await vr.wait_healthy()
                         results, wall = await run_trace(vr.url, requests)

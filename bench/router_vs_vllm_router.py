@@ -23,9 +23,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,12 +38,15 @@ from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
 from gpufleet.router.table import Route, Table
 from gpufleet_engine.local.runner import LocalEngine, free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_router_process import ROUTER, VllmRouterProcess  # noqa: E402
+
 MODEL = "tiny"
 BLOCK_SIZE = 32
 KV_BLOCKS = 64
 WORDS = ("invoice refund shipping warranty helmet lock frame wheel brake chain saddle pedal gear tyre light "
          "basket bell pump mirror rack").split()
-ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
 
 
 def system_prompt(seed: int) -> str:
@@ -150,41 +150,14 @@ def summary(runs: list[dict], slo: float) -> dict:
                       for k in sorted({k for r in runs for k in r.get("picks", {})})}}
 
 
-class VllmRouter:
+class VllmRouter(VllmRouterProcess):
     def __init__(self, policy: str, guards: list[str], events: dict[str, str], log: Path):
-        self.port = free_port("127.0.0.1")
-        args = [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
-                "--worker-urls", *guards, "--log-level", "warning"]
+        args = ["--policy", policy, "--worker-urls", *guards]
         if policy == "kv_aware":
             for guard, endpoint in events.items():
                 args += ["--kv-event-source", f"{guard}={endpoint}"]
             args += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
-        self.log = log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    async def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"vllm-router exited: {self.log.read_text()[-2000:]}")
-                try:
-                    async with http.get(self.url + "/health") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.3)
-        raise TimeoutError(f"vllm-router not healthy after {timeout}s: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        super().__init__(args, log)
 
 
 async def run_front(front: str, requests: list[tuple[str, str]], guards: list[str], events: list[str],
