@@ -34,16 +34,15 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
-from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.router.choice import Replica
-from gpufleet.router.metrics import RouterMetrics
-from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
-from gpufleet.router.table import Route, Table
+from gpufleet.router.server import Fleet
+from gpufleet.router.table import Route
 from gpufleet_engine.admission.kv_handoff import computed_prompt_tokens
 from gpufleet_engine.local.runner import LocalEngine
 from gpufleet_engine.vllm import shared_storage
+from tests.support.router import static_router
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
@@ -222,22 +221,11 @@ def long_prompt(seed: int, words: int = 290) -> str:
 async def router(pools):
     for e in pools[:2]:
         await warm_up(e.guard_url)
-    settings = RouterSettings()
-    fleet = Fleet(settings, RouterMetrics())
-    http = client_session(settings)
-    fleet.update(Table({MODEL: Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 1, replicas=(),
-                                     prefill=(Replica("prefill-0", pools.prefill.guard_url.removeprefix("http://")),),
-                                     decode=(Replica("decode-0", pools.decode.guard_url.removeprefix("http://")),))}))
-    await fleet.read_once(http)
-    reads = asyncio.create_task(fleet.read(http))
-    server = TestServer(Router(fleet, http).app(), host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield f"http://127.0.0.1:{server.port}", fleet
-    finally:
-        reads.cancel()
-        await server.close()
-        await http.close()
+    async with static_router(Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 1, replicas=(),
+                                   prefill=(Replica("prefill-0", pools.prefill.guard_url.removeprefix("http://")),),
+                                   decode=(Replica("decode-0", pools.decode.guard_url.removeprefix("http://")),))
+                             ) as served:
+        yield served
 
 
 async def engine_counters(guard_url: str) -> dict[str, float]:

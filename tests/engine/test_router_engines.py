@@ -16,14 +16,12 @@ import time
 import aiohttp
 import pytest
 import pytest_asyncio
-from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.router.choice import Replica
-from gpufleet.router.metrics import RouterMetrics
-from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
-from gpufleet.router.table import Route, Table
+from gpufleet.router.table import Route
 from gpufleet_engine.local.runner import LocalEngine
+from tests.support.router import static_router
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 
@@ -66,20 +64,9 @@ async def replicas():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def router(replicas):
-    settings = RouterSettings()
-    fleet = Fleet(settings, RouterMetrics())
-    http = client_session(settings)
-    fleet.update(Table({MODEL: Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 2, tuple(
-        Replica(f"replica-{i}", e.guard_url.removeprefix("http://")) for i, e in enumerate(replicas)))}))
-    reads = asyncio.create_task(fleet.read(http))
-    server = TestServer(Router(fleet, http).app(), host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield f"http://127.0.0.1:{server.port}", fleet
-    finally:
-        reads.cancel()
-        await server.close()
-        await http.close()
+    async with static_router(Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 2, tuple(
+            Replica(f"replica-{i}", e.guard_url.removeprefix("http://")) for i, e in enumerate(replicas)))) as served:
+        yield served
 
 
 async def prefix_counters(http: aiohttp.ClientSession, guard_url: str) -> tuple[float, float]:

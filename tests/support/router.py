@@ -1,0 +1,32 @@
+"""gpufleet's router in process over a fixed table (no API server): what the engine tests put in front of
+their engines, as ``gpufleet router`` serves a cluster's."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from aiohttp.test_utils import TestServer
+
+from gpufleet.router.metrics import RouterMetrics
+from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
+from gpufleet.router.table import Route, Table
+
+
+@contextlib.asynccontextmanager
+async def static_router(*routes: Route, settings: RouterSettings | None = None) -> AsyncIterator[tuple[str, Fleet]]:
+    """(the router's base URL, its Fleet) once it has read every replica's guard once."""
+    settings = settings or RouterSettings()
+    fleet = Fleet(settings, RouterMetrics())
+    http = client_session(settings)
+    fleet.update(Table({r.model: r for r in routes}))
+    await fleet.read_once(http)
+    reads = asyncio.create_task(fleet.read(http))
+    server = TestServer(Router(fleet, http).app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield f"http://127.0.0.1:{server.port}", fleet
+    finally:
+        reads.cancel()
+        await server.close()
+        await http.close()
