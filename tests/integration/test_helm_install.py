@@ -40,7 +40,9 @@ def test_install_prints_notes_and_creates_the_operator(control_plane, installed)
 @pytest.mark.parametrize("verb, resource, allowed", [
     ("patch", "deployments.apps", "yes"), ("create", "pods/eviction", "yes"), ("list", "nodes", "yes"),
     ("patch", "inferenceservices.serving.gpufleet.dev/status", "yes"),
-    ("list", "secrets", "no"), ("delete", "deployments.apps", "no"), ("create", "pods", "no"),
+    # delete deployments: the pools of a shape a service left (unified <-> prefill/decode; docs/disaggregation.md).
+    ("delete", "deployments.apps", "yes"), ("delete", "configmaps", "no"), ("delete", "services", "no"),
+    ("list", "secrets", "no"), ("create", "pods", "no"),
     ("update", "inferenceservices.serving.gpufleet.dev", "no"), ("create", "pods/exec", "no"),
     ("update", "clusterroles.rbac.authorization.k8s.io", "no"), ("delete", "nodes", "no"),
 ])
