@@ -59,6 +59,8 @@ def checked(**spec) -> list[str]:
     {"engine": {**CPU, "kvTier": "Shared", "kvTransfer": SHARED}},
     {"disaggregation": {}, "isolation": {"mode": "Exclusive"}, "engine": {"kvTransfer": {
         "connector": "SharedStorage", "sharedStorage": {"persistentVolumeClaim": {"claimName": "kv"}}}}},
+    {"disaggregation": {}, "engine": {"kvTransfer": {"connector": "SharedStorage", "sharedStorage": {
+        "persistentVolumeClaim": {"size": "100Gi", "storageClassName": "nfs", "accessMode": "ReadWriteMany"}}}}},
     # A unified service keeps its kvTransfer while kvTier is Off (it is not rendered): switching
     # disaggregation off needs no other edit.
     {"engine": {"kvTransfer": {}}},
@@ -79,6 +81,13 @@ def test_specs_that_work_are_taken(spec):
     ({"engine": {"kvTransfer": {"connector": "SharedStorage", "sharedStorage": {
         "hostPath": {"path": "/kv"}, "persistentVolumeClaim": {"claimName": "kv"}}}}},
      "engine.kvTransfer.sharedStorage: set exactly one of hostPath and persistentVolumeClaim"),
+    ({"engine": {"kvTransfer": {"connector": "SharedStorage", "sharedStorage": {"persistentVolumeClaim": {}}}}},
+     "set exactly one of claimName (an existing claim) and size (the operator creates the claim <service>-kv-store)"),
+    ({"engine": {"kvTransfer": {"connector": "SharedStorage", "sharedStorage": {"persistentVolumeClaim": {
+        "claimName": "kv", "size": "1Gi"}}}}}, "set exactly one of claimName (an existing claim) and size"),
+    ({"engine": {"kvTransfer": {"connector": "SharedStorage", "sharedStorage": {"persistentVolumeClaim": {
+        "claimName": "kv", "storageClassName": "nfs"}}}}},
+     "storageClassName and accessMode are for the claim the operator creates"),
     ({"disaggregation": {}, "engine": {**CPU, "kvTransfer": {"connector": "Nixl"}}},
      "engine.kvTransfer.connector Nixl and LMCache move KV between GPUs; with engine.runtime vllm-cpu use "
      "connector SharedStorage"),

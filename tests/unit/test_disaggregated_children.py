@@ -165,6 +165,26 @@ def test_a_claim_for_the_kv_files_is_writable_by_the_engine():
     assert pod["securityContext"]["fsGroup"] == children.RUN_AS_USER
 
 
+def test_the_operator_creates_the_claim_of_the_kv_files_when_given_a_size():
+    s = pd(engine={"kvTransfer": {"connector": "SharedStorage",
+                                  "sharedStorage": {"persistentVolumeClaim": {"size": "50Gi"}}}})
+    objs = objects(s)
+    claim = by_name(objs, "PersistentVolumeClaim")["chat-kv-store"]
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "50Gi"}}}
+    assert claim["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    assert objs.index(claim) < min(objs.index(d) for d in by_name(objs, "Deployment").values())
+    for dep in by_name(objs, "Deployment").values():
+        assert {"name": "kv-store", "persistentVolumeClaim": {"claimName": "chat-kv-store"}} in \
+            dep["spec"]["template"]["spec"]["volumes"]
+    # An existing claim, or a unified service not running the connector (kvTier Off): nothing created.
+    named = pd(engine={"kvTransfer": {"connector": "SharedStorage",
+                                      "sharedStorage": {"persistentVolumeClaim": {"claimName": "kv"}}}})
+    unified = spec(engine={"kvTransfer": {"connector": "SharedStorage",
+                                          "sharedStorage": {"persistentVolumeClaim": {"size": "50Gi"}}}})
+    assert not by_name(objects(named), "PersistentVolumeClaim") and not by_name(objects(unified),
+                                                                                "PersistentVolumeClaim")
+
+
 def test_pods_with_a_connector_run_without_expandable_segments_which_vllm_refuses_beside_one():
     def allocator(s, name):
         env = engine_container(by_name(objects(s), "Deployment")[name])["env"]

@@ -233,11 +233,29 @@ class KVStoreHostPath(Model, frozen=True, kw_only=True):
 
 
 class KVStoreClaim(Model, frozen=True, kw_only=True):
-    """An existing PersistentVolumeClaim in the namespace; engine pods on several nodes need
-    ReadWriteMany (NFS, CephFS, EFS, Filestore, ...)."""
-    claim_name: Annotated[str, Meta(
-        description="Name of the claim, writable by the engine (uid/gid 65532; the pod's fsGroup).",
-        pattern=DNS_SUBDOMAIN, max_length=253)]
+    """A PersistentVolumeClaim for the KV files: name an existing claim (claimName), or give size for the
+    operator to create <service>-kv-store, owned by the InferenceService and deleted with it. Engine pods on
+    several nodes need ReadWriteMany (NFS, CephFS, EFS, Filestore, ...)."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("has(self.claimName) != has(self.size)",
+             "engine.kvTransfer.sharedStorage.persistentVolumeClaim: set exactly one of claimName (an existing "
+             "claim) and size (the operator creates the claim <service>-kv-store)"),
+        rule("!has(self.claimName) || (!has(self.storageClassName) && !has(self.accessMode))",
+             "engine.kvTransfer.sharedStorage.persistentVolumeClaim.storageClassName and accessMode are for the "
+             "claim the operator creates; an existing claim (claimName) has its own, so remove them"),
+    ]}
+    claim_name: Optional[Annotated[str, Meta(
+        description="An existing claim in the namespace, writable by the engine (uid/gid 65532; the pod's fsGroup).",
+        pattern=DNS_SUBDOMAIN, max_length=253)]] = None
+    size: Optional[Annotated[int | str, Meta(
+        description="Storage of the claim the operator creates: above sharedStorage.sizeLimitGiB.",
+        extra_json_schema=QUANTITY)]] = None
+    storage_class_name: Optional[Annotated[str, Meta(
+        description="StorageClass of the claim the operator creates; unset: the cluster's default class.",
+        pattern=DNS_SUBDOMAIN, max_length=253)]] = None
+    access_mode: Optional[Annotated[Literal["ReadWriteMany", "ReadWriteOnce"], Meta(
+        description="Access mode of the claim the operator creates. ReadWriteMany (default) shares it between "
+                    "engine pods on any node; ReadWriteOnce only between pods on one node.")]] = None
 
 
 class SharedStorageSpec(Model, frozen=True, kw_only=True):

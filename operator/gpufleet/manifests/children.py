@@ -221,7 +221,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             {"name": gpu_memory.VOLUME, "emptyDir": {"sizeLimit": "16Mi"}},
             *model_volumes,
             *model_cache.volumes(service, spec),
-            *kv_transfer.volumes(spec, role),
+            *kv_transfer.volumes(service, spec, role),
             *pod.volumes,
         ],
         "enableServiceLinks": False,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from gpufleet_engine.contract.guard_config import Role
 
 from ..api.v1alpha1 import KV_STORE_MOUNT, InferenceServiceSpec
-from . import pools
+from . import names, pools
 
 VOLUME = "kv-store"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -51,12 +51,13 @@ def _store(spec: InferenceServiceSpec, role: Role):
     return kv.shared_storage if kv is not None and active(spec, role) else None
 
 
-def volumes(spec: InferenceServiceSpec, role: Role) -> list[dict]:
+def volumes(service: str, spec: InferenceServiceSpec, role: Role) -> list[dict]:
     store = _store(spec, role)
     if store is None:
         return []
     if store.persistent_volume_claim:
-        return [{"name": VOLUME, "persistentVolumeClaim": {"claimName": store.persistent_volume_claim.claim_name}}]
+        claim = store.persistent_volume_claim.claim_name or names.kv_store_claim_name(service)
+        return [{"name": VOLUME, "persistentVolumeClaim": {"claimName": claim}}]
     assert store.host_path is not None  # the CRD asks for exactly one
     # Directory, not DirectoryOrCreate: one the kubelet creates belongs to root and vLLM (uid 65532)
     # could not write it; a missing one fails the pod start with its path.
@@ -87,3 +88,24 @@ def pod_security(spec: InferenceServiceSpec, role: Role, group: int) -> dict:
     if store is not None and store.persistent_volume_claim:
         return {"fsGroup": group, "fsGroupChangePolicy": "OnRootMismatch"}
     return {}
+
+
+def build_claim(isvc: dict, spec: InferenceServiceSpec) -> dict | None:
+    """The claim of the KV files the operator creates (``sharedStorage.persistentVolumeClaim.size`` set, and a
+    pool runs the connector), else None."""
+    kv = spec.engine.kv_transfer
+    store = kv.shared_storage if kv is not None else None
+    claim = store.persistent_volume_claim if store is not None else None
+    if claim is None or claim.claim_name or not any(active(spec, p.role) for p in pools.pools(spec)):
+        return None
+    service = isvc["metadata"]["name"]
+    pvc_spec: dict = {"accessModes": [claim.access_mode or "ReadWriteMany"],
+                      "resources": {"requests": {"storage": str(claim.size)}}}
+    if claim.storage_class_name:
+        pvc_spec["storageClassName"] = claim.storage_class_name
+    return {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": names.kv_store_claim_name(service), "namespace": isvc["metadata"]["namespace"],
+                     "labels": names.common_labels(service), "ownerReferences": [names.owner_reference(isvc)]},
+        "spec": pvc_spec,
+    }

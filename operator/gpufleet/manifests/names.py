@@ -63,6 +63,10 @@ def networkpolicy_name(service: str) -> str:
     return f"{service}-engine"
 
 
+def kv_store_claim_name(service: str) -> str:
+    return f"{service}-kv-store"
+
+
 def model_cache_claim_name(service: str) -> str:
     return f"{service}-model-cache"
 

@@ -21,9 +21,9 @@ def desired_children(isvc: dict, spec: InferenceServiceSpec, replicas: Mapping[R
     objs = [cm, *(children.build_deployment(isvc, pool.spec, replicas[pool.role], config_hashes[pool.role], pool.role)
                   for pool in pools.pools(spec)),
             children.build_service(isvc), children.build_pdb(isvc)]
-    claim = model_cache.build_claim(isvc, spec)
-    if claim is not None:
-        objs.insert(0, claim)  # before the Deployment whose pods mount it
+    for claim in (model_cache.build_claim(isvc, spec), kv_transfer.build_claim(isvc, spec)):
+        if claim is not None:
+            objs.insert(0, claim)  # before the Deployments whose pods mount it
     if with_podmonitor:
         objs.append(children.build_podmonitor(isvc, spec, podmonitor_labels))
     if engine_ingress is not None:
