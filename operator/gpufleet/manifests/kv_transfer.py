@@ -17,7 +17,7 @@ from __future__ import annotations
 from gpufleet_engine.contract.guard_config import Role
 
 from ..api.v1alpha1 import KV_STORE_MOUNT, InferenceServiceSpec
-from . import names, pools
+from . import claims, names, pools
 
 VOLUME = "kv-store"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -98,14 +98,4 @@ def build_claim(isvc: dict, spec: InferenceServiceSpec) -> dict | None:
     claim = store.persistent_volume_claim if store is not None else None
     if claim is None or claim.claim_name or not any(active(spec, p.role) for p in pools.pools(spec)):
         return None
-    service = isvc["metadata"]["name"]
-    pvc_spec: dict = {"accessModes": [claim.access_mode or "ReadWriteMany"],
-                      "resources": {"requests": {"storage": str(claim.size)}}}
-    if claim.storage_class_name:
-        pvc_spec["storageClassName"] = claim.storage_class_name
-    return {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": names.kv_store_claim_name(service), "namespace": isvc["metadata"]["namespace"],
-                     "labels": names.common_labels(service), "ownerReferences": [names.owner_reference(isvc)]},
-        "spec": pvc_spec,
-    }
+    return claims.owned_claim(isvc, names.kv_store_claim_name(isvc["metadata"]["name"]), claim)

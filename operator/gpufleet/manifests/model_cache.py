@@ -14,7 +14,7 @@ cache read-only and run with ``HF_HUB_OFFLINE=1``.
 from __future__ import annotations
 
 from ..api.v1alpha1 import InferenceServiceSpec
-from . import names
+from . import claims, names
 
 HF_HOME = "/cache/huggingface"
 VOLUME = "model-cache"
@@ -89,14 +89,4 @@ def build_claim(isvc: dict, spec: InferenceServiceSpec) -> dict | None:
     claim = spec.model.cache.persistent_volume_claim
     if claim is None or claim.claim_name or not downloads(spec):
         return None
-    service = isvc["metadata"]["name"]
-    pvc_spec: dict = {"accessModes": [claim.access_mode or "ReadWriteMany"],
-                      "resources": {"requests": {"storage": str(claim.size)}}}
-    if claim.storage_class_name:
-        pvc_spec["storageClassName"] = claim.storage_class_name
-    return {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": names.model_cache_claim_name(service), "namespace": isvc["metadata"]["namespace"],
-                     "labels": names.common_labels(service), "ownerReferences": [names.owner_reference(isvc)]},
-        "spec": pvc_spec,
-    }
+    return claims.owned_claim(isvc, names.model_cache_claim_name(isvc["metadata"]["name"]), claim)
