@@ -32,7 +32,16 @@ MANAGED_FLAGS: dict[str, str] = {
     "-sc": "set spec.engine.speculative",
     "--num-gpu-blocks-override": "set spec.engine.kvCache.numBlocksOverride",
     "--kv-transfer-config": "set spec.engine.kvTransfer",
+    "--enable-lora": "set spec.engine.lora",
+    "--max-loras": "set spec.engine.lora.maxAdaptersPerBatch",
+    "--max-lora-rank": "set spec.engine.lora.maxRank",
+    "--max-cpu-loras": "set spec.engine.lora.cpuCacheAdapters",
+    "--lora-modules": "declare an InferenceAdapter for each adapter",
 }
+
+# vLLM's switch for its runtime LoRA API (/v1/load_lora_adapter, /v1/unload_lora_adapter): the
+# entrypoint sets it when engine.lora is set.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def flag_name(arg: str) -> str:

@@ -117,6 +117,18 @@ class KVTransferConfig(_Section, frozen=True):
     shared_storage_limit_bytes: Annotated[int, Meta(ge=1)] = DEFAULT_SHARED_STORAGE_LIMIT_BYTES
 
 
+class LoraConfig(_Section, frozen=True):
+    """LoRA adapters on this engine (spec.engine.lora): vLLM's ``--enable-lora`` and its capacity.
+    Adapters themselves are not listed here: the operator places them on replicas at run time
+    (``PUT /adapters``, contract/adapters.py) and the guard loads them through vLLM's runtime API."""
+    max_loras: Annotated[int, Meta(ge=1)] = 4          # --max-loras: adapters in one batch (GPU slots)
+    max_lora_rank: Annotated[int, Meta(ge=1)] = 16     # --max-lora-rank
+    max_cpu_loras: Optional[Annotated[int, Meta(ge=1)]] = None  # --max-cpu-loras; None: vLLM's (= max_loras)
+    # The most adapters this replica holds at once (PUT /adapters refuses more); also the bound
+    # on the ``adapter`` label of the guard's per-adapter series.
+    max_adapters: Annotated[int, Meta(ge=1, le=256)] = 32
+
+
 class EngineConfig(_Section, frozen=True):
     model: str
     runtime: Runtime = "vllm"
@@ -142,6 +154,7 @@ class EngineConfig(_Section, frozen=True):
     cpu_kv_cache_space_gib: Optional[Annotated[int, Meta(ge=1)]] = msgspec.field(default=None,
                                                                                  name="cpuKvCacheSpaceGiB")
     kv_transfer: Optional[KVTransferConfig] = None
+    lora: Optional[LoraConfig] = None
     extra_args: Annotated[tuple[str, ...], Meta(examples=['["--enforce-eager"]'])] = ()
 
 

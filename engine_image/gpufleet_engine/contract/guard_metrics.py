@@ -60,6 +60,21 @@ KV_HANDOFF_OUTCOMES = ("ok", "invalid", "timeout", "cancelled", "error")
 KV_STORAGE_BYTES = PREFIX + "kv_storage_bytes"
 KV_STORAGE_REMOVED_PROMPTS = PREFIX + "kv_storage_removed_prompts"  # counter: exported as ..._total
 
+# LoRA adapters on this replica (serving/adapters.py, vllm/lora_stats.py). The ``adapter`` label
+# takes at most engine.lora.maxAdapters values (the adapters this replica holds); requests for the
+# base model carry no adapter series.
+ADAPTER_STATE = PREFIX + "adapter_state"            # gauge 1 per adapter, label state (ADAPTER_STATES)
+ADAPTER_REQUESTS = PREFIX + "adapter_requests"      # counter {adapter, outcome}: exported as ..._total
+ADAPTER_TOKENS = PREFIX + "adapter_tokens"          # counter {adapter, kind=prompt|generation}: ..._total
+ADAPTER_TTFT_SECONDS = PREFIX + "adapter_ttft_seconds"  # histogram {adapter}
+# Inside vLLM's engine (the plugin counts them): an adapter read from disk into the CPU-side cache
+# (--max-cpu-loras), one dropped from that cache to make room, one moved into a GPU slot (--max-loras).
+ADAPTER_LOADS = PREFIX + "adapter_loads"            # counter {adapter}: exported as ..._total
+ADAPTER_EVICTIONS = PREFIX + "adapter_evictions"    # counter {adapter}: exported as ..._total
+ADAPTER_ACTIVATIONS = PREFIX + "adapter_activations"  # counter {adapter}: exported as ..._total
+ADAPTER_LOAD_FAILURES = PREFIX + "adapter_load_failures"  # counter {adapter, reason}: ..._total
+ADAPTER_STATES = ("Fetching", "Loading", "Loaded", "Failed", "Unloading")
+
 # GPU memory from inside vLLM's processes, per device (``device`` label): the
 # vLLM plugin's reports (contract.gpu_memory), exported by the guard.
 GPU_MEMORY_PREFIX = "gpufleet_engine_gpu_memory_"

@@ -1,0 +1,72 @@
+"""The guard's adapter endpoint: which LoRA adapters one replica holds.
+
+The operator places each InferenceAdapter on some of its service's replicas
+and tells each replica's guard its whole set with ``PUT /adapters`` (an
+``AdapterSet``); the guard fetches what is missing, loads it into vLLM through
+vLLM's runtime LoRA API, unloads what left the set, and answers ``GET
+/adapters`` with an ``AdapterReport``. The set is declarative: sending the same
+one twice changes nothing, and a replica that restarted (empty set) gets its
+adapters back on the operator's next pass. The router sends ``model: <name>``
+only to replicas whose report (or ``gpufleet_guard_adapter_state``) says
+``Loaded``.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import msgspec
+
+from . import typed
+
+ADAPTERS_PATH = "/adapters"
+
+AdapterStateName = Literal["Fetching", "Loading", "Loaded", "Failed", "Unloading"]
+# Why an adapter failed, as the InferenceAdapter's condition reason and the metric's label.
+FailureReason = Literal["SourceUnreachable", "MissingFiles", "RankTooHigh", "WrongBaseModel",
+                        "LoadFailed", "TooManyAdapters"]
+FAILURE_REASONS: tuple[str, ...] = FailureReason.__args__  # type: ignore[attr-defined]
+
+
+class _Doc(typed.Model, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class HuggingFaceAdapterSource(_Doc, frozen=True):
+    name: str                       # the Hub repository, e.g. "org/customer-a-lora"
+    revision: Optional[str] = None  # branch, tag or commit; None: the default branch
+
+
+class AdapterSource(_Doc, frozen=True):
+    """Exactly one of: a Hub repository, a folder inside the pod (a mounted claim), or a URL of
+    a tar archive of the adapter's folder (http, https or file)."""
+    hugging_face: Optional[HuggingFaceAdapterSource] = msgspec.field(default=None, name="huggingFace")
+    path: Optional[str] = None
+    uri: Optional[str] = None
+
+
+class AdapterSpec(_Doc, frozen=True):
+    name: str                 # what clients send as ``model``
+    source: AdapterSource
+    # The base model the adapter was trained on, when its author said (InferenceAdapter
+    # spec.baseModel); the guard also compares adapter_config.json's base_model_name_or_path.
+    base_model: Optional[str] = None
+
+
+class AdapterSet(_Doc, frozen=True):
+    adapters: tuple[AdapterSpec, ...] = ()
+
+
+class AdapterState(_Doc, frozen=True):
+    name: str
+    state: AdapterStateName
+    reason: Optional[FailureReason] = None
+    message: str = ""
+    rank: Optional[int] = None
+    since: float = 0.0        # unix time of the last state change
+
+
+class AdapterReport(_Doc, frozen=True):
+    adapters: tuple[AdapterState, ...] = ()
+    max_adapters: int = 0     # engine.lora.maxAdapters; 0: LoRA is off on this replica
+    max_loras: int = 0        # adapters per batch (GPU slots)
+    max_cpu_loras: int = 0    # vLLM's CPU-side adapter cache
