@@ -1,0 +1,1 @@
+"""LoRA adapters: where each InferenceAdapter is held (placement) and keeping replicas told."""
