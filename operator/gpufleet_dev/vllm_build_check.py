@@ -78,7 +78,7 @@ def spec_matrix() -> dict[str, tuple[dict, Role]]:
                                                             "gpuMemoryUtilizationPercent": 85,
                                                             "kvCache": {"numBlocksOverride": 1000}}},
                               "extra-args": {**base, "engine": {"extraArgs": [
-                                  "--enforce-eager", "--enable-chunked-prefill", "--max-loras=2",
+                                  "--enforce-eager", "--enable-chunked-prefill",
                                   "--trust-remote-code", "--disable-log-stats"]}}}
     for q in _choices(EngineSpec, "quantization"):
         specs[f"quantization-{q}"] = {**base, "engine": {"quantization": q}}

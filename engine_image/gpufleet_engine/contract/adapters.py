@@ -20,6 +20,19 @@ from . import typed
 
 ADAPTERS_PATH = "/adapters"
 
+# Where a replica keeps fetched adapters: the operator mounts an emptyDir named ADAPTER_VOLUME at
+# ADAPTER_DIR in the engine container and sets ADAPTER_DIR_ENV; the guard fetches each adapter
+# once into ADAPTER_DIR/<name>/ and hands vLLM that folder. A ``path`` source is read in place.
+ADAPTER_DIR_ENV = "GPUFLEET_ADAPTER_DIR"
+ADAPTER_DIR = "/var/lib/gpufleet/adapters"
+ADAPTER_VOLUME = "adapters"
+
+# The InferenceAdapter resource (operator/gpufleet/api/v1alpha1.py declares it), named here so
+# the router and the guard's docs need not import the operator's API.
+ADAPTER_KIND = "InferenceAdapter"
+ADAPTER_PLURAL = "inferenceadapters"
+ADAPTER_SHORT_NAMES = ("iad",)
+
 AdapterStateName = Literal["Fetching", "Loading", "Loaded", "Failed", "Unloading"]
 # Why an adapter failed, as the InferenceAdapter's condition reason and the metric's label.
 FailureReason = Literal["SourceUnreachable", "MissingFiles", "RankTooHigh", "WrongBaseModel",
