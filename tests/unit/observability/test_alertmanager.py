@@ -101,6 +101,15 @@ def test_engine_down_silences_the_prefill_decode_alerts_of_that_service():
     assert [a for a in firing if not inhibited(a, firing)] == [down]
 
 
+def test_engine_down_silences_the_adapter_alerts_of_that_service():
+    down = svc("GpufleetEngineDown", "critical")
+    adapters = [svc("GpufleetAdapterLoadFailing", "warning", adapter="customer-a", reason="LoadFailed"),
+                svc("GpufleetAdapterThrashing", "warning", adapter="customer-b")]
+    elsewhere = {**adapters[1], "service": "embed"}
+    firing = [down, *adapters, elsewhere]
+    assert [a for a in firing if not inhibited(a, firing)] == [down, elsewhere]
+
+
 def test_operator_down_silences_the_alerts_built_on_its_metrics():
     for source in ({"alertname": "GpufleetOperatorDown", "severity": "warning"},
                    {"alertname": "GpufleetMetricsMissing", "severity": "warning", "target": "operator"}):
@@ -127,6 +136,7 @@ def test_amtool_accepts_the_config(amtool):
     (["alertname=GpufleetTTFTBudgetBurn", "severity=critical"], "gpufleet-page"),
     (["alertname=GpufleetRequestsShed", "severity=warning"], "gpufleet-ticket"),
     (["alertname=GpufleetPrefillPoolStarved", "severity=warning", "cause=capacity"], "gpufleet-ticket"),
+    (["alertname=GpufleetAdapterThrashing", "severity=warning", "adapter=customer-b"], "gpufleet-ticket"),
     (["alertname=KubePodCrashLooping", "severity=critical"], "default"),
 ])
 def test_amtool_routes_pages_and_tickets(amtool, labels, receiver):
