@@ -31,6 +31,8 @@ REFERENCE_SERIES = "/objective|watermark|admission limit|threshold|budget/"
 # Series that list the services: the operator's, or the guards' when the
 # operator is down or not scraped (the variables must not go blank with it).
 SERVICE_SERIES = '__name__=~"gpufleet_service_desired_replicas|gpufleet_guard_ready"'
+# The service dashboard repeats its LoRA adapter row for each adapter the guards report.
+ADAPTER_VARIABLE = "adapter"
 
 
 # --- panels -----------------------------------------------------------------
@@ -172,9 +174,12 @@ class Grid:
         self._x += w
         self._line_height = max(self._line_height, h)
 
-    def row(self, title: str) -> None:
+    def row(self, title: str, *, repeat: str | None = None) -> None:
+        """A row header; with `repeat`, Grafana draws the row and its panels once per value of
+        that variable."""
         self._newline()
-        self._place({"type": "row", "title": title, "collapsed": False, "panels": []}, GRID_WIDTH, 1)
+        self._place({"type": "row", "title": title, "collapsed": False, "panels": [],
+                     **({"repeat": repeat} if repeat else {})}, GRID_WIDTH, 1)
         self._newline()
 
     def add(self, panel: Panel, w: int, h: int = 8) -> None:
@@ -262,7 +267,8 @@ def alerts_table(title: str, description: str, selector: str) -> Panel:
 
 
 def _dashboard(uid: str, title: str, description: str, grid: Grid, *, multi: bool,
-               annotations: list[dict[str, Any]]) -> dict[str, Any]:
+               annotations: list[dict[str, Any]],
+               extra_variables: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
         "uid": uid,
         "title": title,
@@ -277,7 +283,7 @@ def _dashboard(uid: str, title: str, description: str, grid: Grid, *, multi: boo
         "timezone": "",
         "links": [{"title": "gpufleet dashboards", "type": "dashboards", "tags": ["gpufleet"],
                    "asDropdown": True, "includeVars": True, "keepTime": True}],
-        "templating": {"list": _variables(multi=multi)},
+        "templating": {"list": _variables(multi=multi) + (extra_variables or [])},
         "annotations": {"list": annotations},
         "panels": grid.panels,
     }
@@ -546,6 +552,41 @@ def _prefill_decode_rows(g: Grid, sel: str, latency_sel: str) -> None:
                              "[$__rate_interval]))", "{{pod}}")], unit="ops"), 6)
 
 
+def _adapter_row(g: Grid, sel: str) -> None:
+    """One row per LoRA adapter of the service (the `adapter` variable, repeated): its traffic,
+    first-token latency, the loads and evictions its replicas' caches go through, and its state
+    on each replica (GpufleetAdapterThrashing, GpufleetAdapterLoadFailing)."""
+    one = f'{sel}, adapter="${ADAPTER_VARIABLE}"'
+    g.row(f"LoRA adapters: ${ADAPTER_VARIABLE}", repeat=ADAPTER_VARIABLE)
+    g.add(timeseries("Adapter requests", "Finished requests naming the adapter, by outcome, over the "
+                     "service's replicas.",
+                     [target(f"sum by (outcome) (rate(gpufleet_guard_adapter_requests_total{{{one}}}"
+                             "[$__rate_interval]))", "{{outcome}}")], unit="reqps", stack=True), 6)
+    g.add(timeseries("Adapter TTFT p99", "The adapter's time to first token at p99 (streaming requests, "
+                     "every class), and the service's p99 objective. Loads from disk show here first.",
+                     [target(f"histogram_quantile(0.99, sum by (le) (rate(gpufleet_guard_adapter_ttft_seconds_bucket"
+                             f"{{{one}}}[$__rate_interval])))", "p99"),
+                      target(f"namespace_service:gpufleet_slo_ttft_p99_seconds:objective{{{sel}}}",
+                             "p99 objective")], unit="s"), 6)
+    g.add(timeseries("Adapter loads and evictions", "Per second over the replicas: reads from disk into "
+                     "vLLM's CPU-side adapter cache (cpuCacheAdapters), drops from it, moves into a GPU slot "
+                     "(maxAdaptersPerBatch) and failed loads by reason; and loads per request (5m): above 0.2 "
+                     "with evictions the caches thrash (GpufleetAdapterThrashing).",
+                     [target(f"sum(rate(gpufleet_guard_adapter_loads_total{{{one}}}[$__rate_interval]))", "loads"),
+                      target(f"sum(rate(gpufleet_guard_adapter_evictions_total{{{one}}}[$__rate_interval]))",
+                             "evictions"),
+                      target(f"sum(rate(gpufleet_guard_adapter_activations_total{{{one}}}[$__rate_interval]))",
+                             "GPU slot activations"),
+                      target(f"sum by (reason) (rate(gpufleet_guard_adapter_load_failures_total{{{one}}}"
+                             "[$__rate_interval])) > 0", "failed: {{reason}}"),
+                      target(f"namespace_service_adapter:gpufleet_guard_adapter_loads_per_request:ratio_rate5m"
+                             f"{{{one}}}", "loads per request")], unit="short"), 6)
+    g.add(timeseries("Adapter state per replica", "Replicas holding the adapter in each state: Loaded "
+                     "serves it; Failed does not (GpufleetAdapterLoadFailing; kubectl describe iad says why).",
+                     [target(f"count by (state) (gpufleet_guard_adapter_state{{{one}}} == 1)", "{{state}}")],
+                     unit="none", stack=True), 6)
+
+
 def service() -> dict[str, Any]:
     sel = 'namespace="$namespace", service="$service"'
     latency_sel = f"{sel}, {LATENCY_CLASSES}"
@@ -718,6 +759,8 @@ def service() -> dict[str, Any]:
                       target(f"sum(rate(gpufleet_reconcile_errors_total{{{sel}}}[$__rate_interval]))",
                              "reconcile errors/s")], unit="short"), 8)
 
+    _adapter_row(g, sel)
+
     return _dashboard(
         SERVICE_DASHBOARD_UID, "gpufleet / Service",
         "One InferenceService: latency against its SLOs, throughput, KV cache against its watermarks, "
@@ -725,7 +768,10 @@ def service() -> dict[str, Any]:
         g, multi=False,
         annotations=[_scaling_annotation("up", sel, "Scaled up", "green"),
                      _scaling_annotation("down", sel, "Scaled down", "blue"),
-                     *_pod_annotations(sel)])
+                     *_pod_annotations(sel)],
+        extra_variables=[_query_variable(
+            ADAPTER_VARIABLE, "LoRA adapter",
+            f"label_values(gpufleet_guard_adapter_state{{{sel}}}, {ADAPTER_VARIABLE})", multi=True)])
 
 
 # --- output -----------------------------------------------------------------

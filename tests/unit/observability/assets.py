@@ -31,6 +31,7 @@ HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 GRAFANA_VARIABLES = {
     "namespace": "default",
     "service": "chat",
+    "adapter": "customer-a",
     "__rate_interval": "5m",
     "__interval": "1m",
     "__range": "1h",

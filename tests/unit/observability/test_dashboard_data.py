@@ -1,6 +1,7 @@
-"""The dashboards' prefill/decode and KV-tier panels, queried in Prometheus's own engine (promtool)
+"""The dashboards' prefill/decode, KV-tier and LoRA adapter panels, queried in Prometheus's own engine (promtool)
 over the series a disaggregated service and a unified service with kvTier Shared export, as
-scraped (guard, vLLM and router targets with their labels) and with gpufleet's rules loaded:
+scraped (guard, vLLM and router targets with their labels; the unified one also serves LoRA
+adapters) and with gpufleet's rules loaded:
 each query returns a series for what it draws, no more (a join that matches nothing, or twice,
 shows here), and the key ones the right values."""
 from __future__ import annotations
@@ -21,8 +22,12 @@ from tests.unit.observability.assets import (
 FLEET = "gpufleet-fleet-overview.json"
 SERVICE = "gpufleet-service.json"
 # The rows checked here, by dashboard.
-ROWS = {SERVICE: ("Prefill / decode", "KV tier (KV shared through the connector)"), FLEET: ("Prefill / decode",)}
+ADAPTER_ROW = "LoRA adapters: $adapter"   # repeated per adapter; checked for ADAPTER
+ROWS = {SERVICE: ("Prefill / decode", "KV tier (KV shared through the connector)", ADAPTER_ROW),
+        FLEET: ("Prefill / decode",)}
 NAMESPACE = "default"
+ADAPTER = "customer-a"
+ADAPTER_STATES = ("Fetching", "Loading", "Loaded", "Failed", "Unloading")
 EVAL_TIME = "30m"
 MINUTES = 60
 
@@ -88,6 +93,29 @@ def engine_pod(scrape: Scrape, service: str, pod: str, ip: str, role: str | None
         scrape.per_minute("vllm:prompt_tokens_by_source_total", {**vllm, "source": source}, per_minute)
 
 
+def adapter_on_pod(scrape: Scrape, service: str, pod: str, ip: str, adapter: str, state: str, *,
+                   requests: dict[str, float] | None = None, ttft: tuple[float, float] = (0, 0),
+                   loads: float = 0, evictions: float = 0, activations: float = 0,
+                   failures: dict[str, float] | None = None) -> None:
+    """One LoRA adapter on a unified service's replica, as its guard exports it: a state gauge per
+    state (1 for the one it is in), per-adapter requests and TTFT, and vLLM's cache counters
+    (per minute); a load-failure series only once a load failed."""
+    guard = {"namespace": NAMESPACE, "service": service, "pod": pod, "instance": f"{ip}:8080",
+             "endpoint": "http", "job": f"{NAMESPACE}/{service}-engine", "adapter": adapter}
+    for name in ADAPTER_STATES:
+        scrape.constant("gpufleet_guard_adapter_state", {**guard, "state": name}, 1 if name == state else 0)
+    for outcome, per_minute in (requests or {}).items():
+        scrape.per_minute("gpufleet_guard_adapter_requests_total", {**guard, "outcome": outcome}, per_minute)
+    fast, slow = ttft
+    for le, per_minute in (("0.5", fast), ("1", fast + slow), ("+Inf", fast + slow)):
+        scrape.per_minute("gpufleet_guard_adapter_ttft_seconds_bucket", {**guard, "le": le}, per_minute)
+    scrape.per_minute("gpufleet_guard_adapter_loads_total", guard, loads)
+    scrape.per_minute("gpufleet_guard_adapter_evictions_total", guard, evictions)
+    scrape.per_minute("gpufleet_guard_adapter_activations_total", guard, activations)
+    for reason, per_minute in (failures or {}).items():
+        scrape.per_minute("gpufleet_guard_adapter_load_failures_total", {**guard, "reason": reason}, per_minute)
+
+
 def router_pod(scrape: Scrape, pod: str, ip: str, model: str, *, handoffs: float,
                fallbacks: dict[str, float], prefill: tuple[float, float]) -> None:
     """A router pod's target as the chart's ServiceMonitor labels it: its own namespace and
@@ -128,6 +156,14 @@ def fleet() -> Scrape:
                    external=(8000, 2400),
                    tokens_by_source={"local_compute": 5000, "local_cache_hit": 600, "external_kv_transfer": 2400},
                    storage_bytes=1e9, removed_per_minute=0)
+    # tier's LoRA adapters: customer-a Loaded on tier-engine-a (its cache reloading it for some
+    # requests), Failed on tier-engine-b (vLLM refusing it once a minute); customer-b, busier, on
+    # tier-engine-a only (the panels for customer-a must not count it).
+    adapter_on_pod(s, "tier", "tier-engine-a", "10.0.1.1", ADAPTER, "Loaded", requests={"ok": 30, "rejected": 3},
+                   ttft=(20, 10), loads=6, evictions=6, activations=30)
+    adapter_on_pod(s, "tier", "tier-engine-b", "10.0.1.2", ADAPTER, "Failed", failures={"LoadFailed": 1})
+    adapter_on_pod(s, "tier", "tier-engine-a", "10.0.1.1", "customer-b", "Loaded", requests={"ok": 60},
+                   ttft=(60, 0), loads=1, evictions=1, activations=60)
     return s
 
 
@@ -154,6 +190,15 @@ SERIES = {
     (SERVICE, "Prompt tokens by source", "A"): {"chat": 2, "tier": 3},
     (SERVICE, "Shared KV storage", "A"): {"chat": 1, "tier": 2},
     (SERVICE, "Prompts removed from shared storage", "A"): {"chat": 1, "tier": 2},
+    (SERVICE, "Adapter requests", "A"): {"chat": 0, "tier": 2},                # ok, rejected
+    (SERVICE, "Adapter TTFT p99", "A"): {"chat": 0, "tier": 1},
+    (SERVICE, "Adapter TTFT p99", "B"): {"chat": 1, "tier": 1},                # the objective
+    (SERVICE, "Adapter loads and evictions", "A"): {"chat": 0, "tier": 1},
+    (SERVICE, "Adapter loads and evictions", "B"): {"chat": 0, "tier": 1},
+    (SERVICE, "Adapter loads and evictions", "C"): {"chat": 0, "tier": 1},
+    (SERVICE, "Adapter loads and evictions", "D"): {"chat": 0, "tier": 1},     # failed: LoadFailed
+    (SERVICE, "Adapter loads and evictions", "E"): {"chat": 0, "tier": 1},
+    (SERVICE, "Adapter state per replica", "A"): {"chat": 0, "tier": 2},       # Loaded, Failed
     (FLEET, "Prefill fallbacks", "A"): {"": 1},
     (FLEET, "Refused per pool", "A"): {"": 2},
     (FLEET, "Decode KV hit rate", "A"): {"": 1},
@@ -172,6 +217,13 @@ VALUES = {
     (SERVICE, "Decode KV hit rate", "A", "chat"): {"{}": 0.95},
     (SERVICE, "External prefix-cache hit rate per replica", "A", "tier"): {
         '{pod="tier-engine-a"}': 0.3, '{pod="tier-engine-b"}': 0.3},
+    (SERVICE, "Adapter requests", "A", "tier"): {'{outcome="ok"}': 0.5, '{outcome="rejected"}': 0.05},
+    (SERVICE, "Adapter TTFT p99", "A", "tier"): {"{}": 0.985},                 # 0.5 + (29.7 - 20) / 10 * 0.5
+    (SERVICE, "Adapter loads and evictions", "A", "tier"): {"{}": 0.1},
+    (SERVICE, "Adapter loads and evictions", "D", "tier"): {'{reason="LoadFailed"}': 0.017},
+    (SERVICE, "Adapter loads and evictions", "E", "tier"): {                # 6 loads per 33 requests
+        '{namespace="default", service="tier", adapter="customer-a"}': 0.182},
+    (SERVICE, "Adapter state per replica", "A", "tier"): {'{state="Loaded"}': 1, '{state="Failed"}': 1},
     (FLEET, "Prefill fallbacks", "A", ""): {'{namespace="default", service="chat"}': 0.1},
     (FLEET, "Refused per pool", "A", ""): {
         '{namespace="default", service="chat", role="prefill"}': 0,
@@ -197,7 +249,8 @@ def checked_targets() -> dict[tuple[str, str, str], str]:
 def query(dashboard: str, expr: str, service: str) -> str:
     if dashboard == FLEET:
         return expr.replace("$namespace", ".+").replace("$service", ".+")
-    return substitute_grafana_variables(expr.replace("$namespace", NAMESPACE).replace("$service", service))
+    return substitute_grafana_variables(expr.replace("$namespace", NAMESPACE).replace("$service", service)
+                                        .replace("$adapter", ADAPTER))
 
 
 def test_every_panel_of_the_rows_is_checked():
