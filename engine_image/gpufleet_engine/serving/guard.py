@@ -255,11 +255,17 @@ class Guard:
 
     async def _admit(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
                      raw: bytes, prepared: context.Prepared) -> web.StreamResponse:
+        with self.services.using(prepared.adapter):
+            return await self._admit_prepared(request, route, queue_class, arrived, raw, prepared)
+
+    async def _admit_prepared(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
+                              raw: bytes, prepared: context.Prepared) -> web.StreamResponse:
         admission = self.admission
+        adapter = prepared.adapter
         reservation = admission.reserve(route, queue_class, prepared)
         never = admission.never_fits(reservation)
         if never is not None:
-            return self.refusals.refuse(queue_class, never)
+            return self.refusals.refuse(queue_class, never, adapter=adapter)
 
         exchange = Exchange(self.services, request, route, queue_class, arrived, prepared, reservation)
         try:
@@ -270,7 +276,7 @@ class Guard:
                 finally:
                     self._done(grant)
         except Rejection as r:
-            return self.refusals.refuse(queue_class, r, stream=prepared.stream)
+            return self.refusals.refuse(queue_class, r, stream=prepared.stream, adapter=adapter)
         except TimeoutError:
             return await exchange.timed_out()
         except asyncio.CancelledError:
