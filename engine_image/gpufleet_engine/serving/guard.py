@@ -54,6 +54,7 @@ class Guard:
         self.tracked: dict[Grant, Tracked] = {}
         self.sequences_at_read: list[SequenceLength] = []  # in-flight lengths when vLLM's metrics were read
         self.on_engine_unreachable: Callable[[], None] = lambda: None
+        self.on_engine_up: Callable[[], None] = lambda: None  # vLLM answers again (or for the first time)
         self.services = Services(self.admission, self.metrics, self.refusals, upstream, self.tracked,
                                  lambda: self.on_engine_unreachable())
         self.send_ahead = SendAhead(self.services, self._admit)
@@ -118,6 +119,8 @@ class Guard:
         self.engine_problem = ""
         self.admission.engine_read(stats.kv_snapshot(), stats.block_size)
         self.refresh_gauges()
+        if first_read:
+            self.on_engine_up()
 
     def engine_down(self, problem: str) -> None:
         self.engine_up = False
