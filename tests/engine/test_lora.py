@@ -128,7 +128,8 @@ async def test_after_vllm_restarts_its_adapters_are_back_and_answer_as_plain_vll
     # vLLM again, with lora-0 on its own command line as plain vLLM serves it; lora-1 only the guard brings back.
     assert lora_engine.engine_proc is not None and lora_engine.config.engine is not None
     lora_engine.engine_proc.stop(30)
-    launch = vllm_launch(lora_engine.config.engine, cpu_count=1)
+    launch = vllm_launch(lora_engine.config.engine, python=lora_engine.python, cpu_count=lora_engine.cpu_threads,
+                         cpu_cores=lora_engine.cpu_cores)
     argv = [*launch.argv, "--lora-modules", f"lora-0={adapters['lora-0']}"]
     lora_engine.engine_proc = ManagedProcess("vllm", argv, {**launch.env, **lora_engine._shared_env()},
                                              lora_engine.work_dir / "vllm-restarted.log")
