@@ -1,4 +1,5 @@
-"""The vLLM plugin that reports GPU memory from inside vLLM's processes.
+"""The vLLM plugin that reports GPU memory from inside vLLM's processes (and, with LoRA on, counts
+adapter loads, evictions and activations in vLLM's adapter cache: ``lora_stats.py``).
 
 Registered under vLLM's ``vllm.general_plugins`` entry-point group, which vLLM
 loads in every process it starts (API server, engine core, workers). In each
