@@ -78,6 +78,8 @@ class Prepared:
     changed: bool = field(default=False)  # body differs from what the client sent
     # Its part in a prefill/decode hand-off (kv_handoff.Phase): whole, prefill or decode.
     phase: str = "whole"
+    # The LoRA adapter it asks for (its ``model``, loaded on this replica); None: the base model.
+    adapter: str | None = None
 
     @property
     def max_tokens(self) -> int:

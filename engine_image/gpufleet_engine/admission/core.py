@@ -54,6 +54,9 @@ class Admission:
         self.max_body_bytes = max_body_bytes(0)
         self.engine_block_size: int | None = None   # vLLM's, once read; else guard.json's
         self._on_context_warning = on_context_warning
+        # Whether an adapter is loaded here and may be asked for as ``model`` (serving/adapters.py);
+        # None: LoRA is off, and a model name is vLLM's to check.
+        self.adapter_served: Callable[[str], bool] | None = None
         self.predictor = OutputPredictor()
         self.lane = ParseLane()
         self.ledger = KvLedger(config.kv_watermark_percent)
@@ -134,7 +137,21 @@ class Admission:
     def prepare(self, path: str, body: Any) -> Prepared:
         """Count and check a parsed body for vLLM's route ``path`` (route_costs.py)."""
         assert self.tokenizer is not None and self.limits is not None  # refused until known
-        return route_costs.prepare(path, body, self.tokenizer, self.limits)
+        prepared = route_costs.prepare(path, body, self.tokenizer, self.limits)
+        if self.adapter_served is not None:
+            prepared.adapter = self._adapter(body)
+        return prepared
+
+    def _adapter(self, body: dict) -> str | None:
+        """The adapter a request asks for; None for the base model; 404 as vLLM answers it for a model
+        this replica does not serve now (an adapter not loaded here: the router avoids that)."""
+        model = body.get("model")
+        if model is None or model == self.config.served_model_name:
+            return None
+        if isinstance(model, str) and self.adapter_served is not None and self.adapter_served(model):
+            return model
+        raise Rejection(Reason.INVALID_REQUEST, 404, f"The model `{model}` does not exist. Valid aliases: "
+                        f"{self.config.served_model_name}.", param="model")
 
     def early_refusal(self, queue_class: QueueClass, waited: float = 0.0) -> Rejection | None:
         return self.scheduler.early_refusal(queue_class, waited)

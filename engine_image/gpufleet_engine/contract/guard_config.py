@@ -345,6 +345,11 @@ def _engine_problems(e: EngineConfig, where: str) -> list[str]:
     for _, flag in managed_flags_in(e.extra_args):
         problems.append(f"{where}.extraArgs: {flag} is managed by gpufleet; remove it and "
                         f"{MANAGED_FLAGS[flag]}")
+    lora = e.lora
+    if lora is not None and lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
+        # vLLM refuses to start: its CPU cache holds every adapter of a batch.
+        problems.append(f"{where}.lora.maxCpuLoras: {lora.max_cpu_loras} is below maxLoras {lora.max_loras}; "
+                        f"vLLM's CPU-side cache must hold at least the adapters of one batch")
     kv = e.kv_transfer
     if kv is not None and kv.connector == SHARED_STORAGE_CONNECTOR:
         path = kv.extra_config.get(SHARED_STORAGE_PATH_KEY, "")

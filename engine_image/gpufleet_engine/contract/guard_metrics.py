@@ -74,6 +74,7 @@ ADAPTER_EVICTIONS = PREFIX + "adapter_evictions"    # counter {adapter}: exporte
 ADAPTER_ACTIVATIONS = PREFIX + "adapter_activations"  # counter {adapter}: exported as ..._total
 ADAPTER_LOAD_FAILURES = PREFIX + "adapter_load_failures"  # counter {adapter, reason}: ..._total
 ADAPTER_STATES = ("Fetching", "Loading", "Loaded", "Failed", "Unloading")
+ADAPTER_TOKEN_KINDS = ("prompt", "generation")
 
 # GPU memory from inside vLLM's processes, per device (``device`` label): the
 # vLLM plugin's reports (contract.gpu_memory), exported by the guard.

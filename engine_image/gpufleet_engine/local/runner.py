@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet_engine.contract import gpu_memory, guard_config
+from gpufleet_engine.contract.adapters import ADAPTER_DIR_ENV
 from gpufleet_engine.local.models import prepare
 from gpufleet_engine.runtime.flags import vllm_launch
 from gpufleet_engine.runtime.processes import ManagedProcess, wait_until
@@ -59,10 +60,12 @@ class LocalEngine:
                  engine_host: str | None = None, engine_port: int | None = None,
                  kv_blocks: int = DEFAULT_KV_BLOCKS, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_model_len: int | None = None, cpu_threads: int | None = None,
-                 cpu_cores: str | None = None,
+                 cpu_cores: str | None = None, lora: dict[str, Any] | None = None,
                  guard: dict[str, Any] | None = None, work_dir: Path | None = None,
                  startup_timeout: float = 600.0, python: str = sys.executable):
-        """``guard`` overrides fields of the generated guard.json (``engine`` merges key by key)."""
+        """``guard`` overrides fields of the generated guard.json (``engine`` merges key by key).
+        ``lora``: engine.lora (e.g. ``{"maxLoras": 2, "maxLoraRank": 8, "maxCpuLoras": 2}``): vLLM
+        serves LoRA adapters, which ``PUT /adapters`` on the guard loads."""
         self.model = prepare(model)
         self.host = host
         self.engine_host = engine_host or host
@@ -81,12 +84,15 @@ class LocalEngine:
         self.startup_timeout = startup_timeout
         self.python = python
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="gpufleet-local-"))
+        self.lora = lora
         self.config_dict = _merge(self._base_config(), guard or {})
         # Validate before starting anything: a bad override fails in a second, not after vLLM's start.
         self.config = guard_config.parse(self.config_dict)
         self.config_path = self.work_dir / "guard.json"
         # vLLM's plugin writes GPU memory reports here and the guard reads them (as in the pod).
         self.gpu_memory_dir = self.work_dir / "gpu-memory"
+        # The guard fetches adapters here (the pod's "adapters" emptyDir).
+        self.adapter_dir = self.work_dir / "adapters"
         self.engine_proc: ManagedProcess | None = None
         self.guard_proc: ManagedProcess | None = None
 
@@ -114,6 +120,7 @@ class LocalEngine:
                 "cpuKvCacheSpaceGiB": 1,
                 "maxNumSeqs": 64,
                 "maxNumBatchedTokens": max(2048, self.max_model_len),
+                **({"lora": self.lora} if self.lora is not None else {}),
             },
         }
 
@@ -166,7 +173,7 @@ class LocalEngine:
                 self.guard_proc.stop(5)
 
     def _shared_env(self) -> dict[str, str]:
-        return {gpu_memory.ENV_DIR: str(self.gpu_memory_dir)}
+        return {gpu_memory.ENV_DIR: str(self.gpu_memory_dir), ADAPTER_DIR_ENV: str(self.adapter_dir)}
 
     def update_guard(self, overrides: dict[str, Any]) -> None:
         """A new guard.json from ``overrides`` over this engine's own layout, written in one rename as

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gpufleet_engine.contract.guard_config import EngineConfig, KVTransferConfig
+from gpufleet_engine.contract.engine_flags import RUNTIME_LORA_ENV
+from gpufleet_engine.contract.guard_config import EngineConfig, KVTransferConfig, LoraConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -63,12 +64,26 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
         argv += ["--num-gpu-blocks-override", str(engine.num_gpu_blocks_override)]
     if engine.kv_transfer:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_document(engine.kv_transfer), sort_keys=True)]
+    if engine.lora:
+        argv += lora_flags(engine.lora)
     argv += list(engine.extra_args)
 
     env: dict[str, str] = {}
     if cpu:
         env.update(_cpu_env(engine, cpu_count, cpu_cores))
+    if engine.lora:
+        # The guard loads and unloads adapters through vLLM's runtime API (serving/adapters.py),
+        # which vLLM serves only with this set.
+        env[RUNTIME_LORA_ENV] = "True"
     return EngineLaunch(tuple(argv), env)
+
+
+def lora_flags(lora: LoraConfig) -> list[str]:
+    """vLLM's LoRA flags for ``engine.lora``: adapters are loaded at run time, none on the command line."""
+    argv = ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank)]
+    if lora.max_cpu_loras is not None:
+        argv += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    return argv
 
 
 def kv_transfer_document(kv: KVTransferConfig) -> dict:

@@ -17,7 +17,7 @@ from gpufleet_engine.serving.prometheus import GuardMetrics
 
 def invalid_response(status: int, message: str, param: str | None = None) -> web.Response:
     """A client error in vLLM's own format, so clients see the same 4xx with or without the guard."""
-    kind = {400: "BadRequestError", 403: "PermissionDeniedError",
+    kind = {400: "BadRequestError", 403: "PermissionDeniedError", 404: "NotFoundError",
             413: "RequestEntityTooLargeError"}.get(status, "BadRequestError")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.json_response(body, status=status)
@@ -49,14 +49,19 @@ class Refusals:
         self._admission = admission
         self._metrics = metrics
 
-    def refuse(self, queue_class: QueueClass, r: Rejection, stream: bool | None = None) -> web.Response:
-        """``stream``: whether the refused request asked to stream; None when it was not read."""
+    def refuse(self, queue_class: QueueClass, r: Rejection, stream: bool | None = None,
+               adapter: str | None = None) -> web.Response:
+        """``stream``: whether the refused request asked to stream; None when it was not read.
+        ``adapter``: the LoRA adapter it asked for, once read."""
         self._admission.refused(r)
         m = self._metrics
         m.rejections.labels(queue_class.name, r.reason).inc()
         m.count_sli(queue_class.name, sli.judge_refusal(r.reason, stream))
-        invalid = r.status in (400, 403, 413)
-        m.requests.labels(queue_class.name, "invalid" if invalid else "rejected").inc()
+        invalid = r.status in (400, 403, 404, 413)
+        outcome = "invalid" if invalid else "rejected"
+        m.requests.labels(queue_class.name, outcome).inc()
+        if adapter is not None:
+            m.adapter_requests.labels(adapter, outcome).inc()
         if invalid:
             return invalid_response(r.status, r.message, r.param)
         return error_response(r.status, r.reason, r.message, r.retry_after)

@@ -13,8 +13,9 @@ import contextlib
 import json
 import logging
 import re
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterator
 
 import aiohttp
 from aiohttp import web
@@ -54,12 +55,32 @@ class Services:
     upstream: Upstream
     tracked: dict[Grant, Tracked]
     engine_unreachable: Callable[[], None]
+    # Requests in the guard per LoRA adapter, from its parse to its end: an adapter leaves vLLM
+    # only when none is left (serving/adapters.py).
+    adapters_in_use: Counter[str] = field(default_factory=Counter)
+
+    @contextlib.contextmanager
+    def using(self, adapter: str | None) -> Iterator[None]:
+        """A request for ``adapter`` (None: the base model) is in the guard while inside."""
+        if adapter is None:
+            yield
+            return
+        self.adapters_in_use[adapter] += 1
+        try:
+            yield
+        finally:
+            self.adapters_in_use[adapter] -= 1
+            if not self.adapters_in_use[adapter]:
+                del self.adapters_in_use[adapter]
 
     def grow(self, grant: Grant, reservation: Reservation) -> None:
         if self.admission.grow(grant, reservation):
             self.metrics.reservation_extensions.labels(reservation.key[1]).inc()
 
     def learn(self, reservation: Reservation, completion_tokens: int | None) -> None:
+        adapter = reservation.prepared.adapter
+        if adapter is not None and completion_tokens:
+            self.metrics.adapter_tokens.labels(adapter, "generation").inc(completion_tokens)
         learned = self.admission.learn(reservation, completion_tokens)
         if learned is None:
             return
@@ -96,6 +117,8 @@ class Exchange:
         m = self.services.metrics
         seconds = self.services.admission.clock() - self.arrived
         m.requests.labels(self.queue_class.name, outcome).inc()
+        if self.prepared.adapter is not None:
+            m.adapter_requests.labels(self.prepared.adapter, outcome).inc()
         phase = self.prepared.phase
         if phase != kv_handoff.WHOLE:
             m.kv_handoffs.labels(phase, outcome).inc()
@@ -112,6 +135,8 @@ class Exchange:
         with the prompt tokens vLLM computed (a decode's hand-off loads most of its prompt)."""
         self.ttft_seconds = now - self.arrived
         self.services.metrics.ttft_seconds.labels(self.queue_class.name).observe(self.ttft_seconds)
+        if self.prepared.adapter is not None:
+            self.services.metrics.adapter_ttft_seconds.labels(self.prepared.adapter).observe(self.ttft_seconds)
         admission = self.services.admission
         admission.scheduler.first_token(grant, now, self.reservation.computed_prompt_tokens(admission.block_size))
 
@@ -125,6 +150,9 @@ class Exchange:
         from now (a request that does not stream gets vLLM's headers only with its whole answer)."""
         services = self.services
         services.metrics.queue_seconds.labels(self.queue_class.name).observe(grant.queued_seconds)
+        if self.prepared.adapter is not None:
+            services.metrics.adapter_tokens.labels(self.prepared.adapter, "prompt").inc(
+                self.prepared.total_prompt_tokens)
         single = len(self.prepared.prompt_tokens) == 1 and self.prepared.sequences_per_prompt == 1
         self.tracked = Tracked(self.prepared.prompt_tokens[0] if single and self.prepared.stream else None)
         services.tracked[grant] = self.tracked
@@ -154,7 +182,8 @@ class Exchange:
         self.finished = True  # counted as a refusal below, not as a request outcome
         return services.refusals.refuse(self.queue_class, Rejection(
             Reason.ENGINE_DOWN, 503, "The model engine is not accepting connections. Retry later.",
-            services.admission.config.retry_after_seconds), stream=self.prepared.stream)
+            services.admission.config.retry_after_seconds), stream=self.prepared.stream,
+            adapter=self.prepared.adapter)
 
     def failed(self, e: aiohttp.ClientError) -> web.StreamResponse:
         if self.response is not None:

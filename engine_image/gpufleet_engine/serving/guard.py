@@ -54,6 +54,7 @@ class Guard:
         self.tracked: dict[Grant, Tracked] = {}
         self.sequences_at_read: list[SequenceLength] = []  # in-flight lengths when vLLM's metrics were read
         self.on_engine_unreachable: Callable[[], None] = lambda: None
+        self.on_engine_up: Callable[[], None] = lambda: None  # vLLM answers again (or for the first time)
         self.services = Services(self.admission, self.metrics, self.refusals, upstream, self.tracked,
                                  lambda: self.on_engine_unreachable())
         self.send_ahead = SendAhead(self.services, self._admit)
@@ -118,6 +119,8 @@ class Guard:
         self.engine_problem = ""
         self.admission.engine_read(stats.kv_snapshot(), stats.block_size)
         self.refresh_gauges()
+        if first_read:
+            self.on_engine_up()
 
     def engine_down(self, problem: str) -> None:
         self.engine_up = False
@@ -255,11 +258,17 @@ class Guard:
 
     async def _admit(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
                      raw: bytes, prepared: context.Prepared) -> web.StreamResponse:
+        with self.services.using(prepared.adapter):
+            return await self._admit_prepared(request, route, queue_class, arrived, raw, prepared)
+
+    async def _admit_prepared(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
+                              raw: bytes, prepared: context.Prepared) -> web.StreamResponse:
         admission = self.admission
+        adapter = prepared.adapter
         reservation = admission.reserve(route, queue_class, prepared)
         never = admission.never_fits(reservation)
         if never is not None:
-            return self.refusals.refuse(queue_class, never)
+            return self.refusals.refuse(queue_class, never, adapter=adapter)
 
         exchange = Exchange(self.services, request, route, queue_class, arrived, prepared, reservation)
         try:
@@ -270,7 +279,7 @@ class Guard:
                 finally:
                     self._done(grant)
         except Rejection as r:
-            return self.refusals.refuse(queue_class, r, stream=prepared.stream)
+            return self.refusals.refuse(queue_class, r, stream=prepared.stream, adapter=adapter)
         except TimeoutError:
             return await exchange.timed_out()
         except asyncio.CancelledError:

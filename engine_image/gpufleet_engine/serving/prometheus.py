@@ -17,9 +17,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gpufleet_engine.contract import guard_metrics as m
+from gpufleet_engine.contract.adapters import FAILURE_REASONS
 from gpufleet_engine.contract.guard_config import SLOConfig
 from gpufleet_engine.contract.guard_metrics import OUTCOMES, REASONS, SLIS
 from gpufleet_engine.vllm.gpu_memory import GpuMemoryCollector, GpuMemoryReader
+from gpufleet_engine.vllm.lora_stats import LoraStatsCollector
 
 __all__ = ["CONTENT_TYPE", "OUTCOMES", "REASONS", "GuardMetrics"]
 
@@ -53,6 +55,28 @@ class _OptionalGauge(Collector):
         value = self.read()
         if value is not None:
             family.add_metric([], value)
+        yield family
+
+
+class _AdapterStates(Collector):
+    """``gpufleet_guard_adapter_state{adapter, state}``: per adapter of the book, 1 for its state
+    and 0 for the others, read at scrape time (an adapter that left has no series)."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, str]]]):
+        self.read = read
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(m.ADAPTER_STATE, "LoRA adapters of this replica by state: 1 for the state "
+                                 "each is in, 0 for the others.", labels=["adapter", "state"])
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for adapter, state in self.read():
+            for each in m.ADAPTER_STATES:
+                family.add_metric([adapter, each], 1.0 if each == state else 0.0)
         yield family
 
 
@@ -214,7 +238,50 @@ class GuardMetrics:
                                             "pod applies (vLLM's engine section, addresses).", registry=r)
         for result in ("applied", "invalid"):
             self.config_reloads.labels(result)
+        # LoRA adapters (serving/adapters.py): series for the adapters of this replica's set only,
+        # created with add_adapter and removed with remove_adapter, so the label stays bounded.
+        self.adapter_requests = Counter(m.ADAPTER_REQUESTS, "Finished and refused requests for a LoRA adapter, "
+                                        "by adapter and outcome.", ["adapter", "outcome"], registry=r)
+        self.adapter_tokens = Counter(m.ADAPTER_TOKENS, "Tokens of requests for a LoRA adapter, by adapter and "
+                                      "kind (prompt: sent to vLLM; generation: answered).", ["adapter", "kind"],
+                                      registry=r)
+        self.adapter_ttft_seconds = Histogram(m.ADAPTER_TTFT_SECONDS, "Time to first token of streaming "
+                                              "requests for a LoRA adapter.", ["adapter"],
+                                              buckets=_with(_LATENCY_BUCKETS, slo.ttft_p99_seconds), registry=r)
+        self.adapter_load_failures = Counter(m.ADAPTER_LOAD_FAILURES, "Times an adapter could not be fetched, "
+                                             "checked or loaded into vLLM, by adapter and reason.",
+                                             ["adapter", "reason"], registry=r)
+        self.adapters: set[str] = set()
+        self.adapter_states: Callable[[], list[tuple[str, str]]] = lambda: []
+        r.register(_AdapterStates(lambda: self.adapter_states()))
+        r.register(LoraStatsCollector(self.gpu_memory.directory, lambda: self.adapters))
         self.add_classes(classes)
+
+    def add_adapter(self, name: str) -> None:
+        """Create an adapter's series at zero (it joined this replica's set)."""
+        if name in self.adapters:
+            return
+        self.adapters.add(name)
+        for outcome in OUTCOMES:
+            self.adapter_requests.labels(name, outcome)
+        for kind in m.ADAPTER_TOKEN_KINDS:
+            self.adapter_tokens.labels(name, kind)
+        self.adapter_ttft_seconds.labels(name)
+        for reason in FAILURE_REASONS:
+            self.adapter_load_failures.labels(name, reason)
+
+    def remove_adapter(self, name: str) -> None:
+        """Drop an adapter's series (it left this replica's set)."""
+        if name not in self.adapters:
+            return
+        self.adapters.discard(name)
+        for outcome in OUTCOMES:
+            self.adapter_requests.remove(name, outcome)
+        for kind in m.ADAPTER_TOKEN_KINDS:
+            self.adapter_tokens.remove(name, kind)
+        self.adapter_ttft_seconds.remove(name)
+        for reason in FAILURE_REASONS:
+            self.adapter_load_failures.remove(name, reason)
 
     def add_classes(self, classes: list[str]) -> None:
         """Create every series of these queue classes at zero (a reload may add classes)."""

@@ -21,6 +21,7 @@ from aiohttp import web
 from gpufleet_engine.admission import context
 from gpufleet_engine.admission.context import InvalidRequest
 from gpufleet_engine.admission.grants import Grant
+from gpufleet_engine.admission.reservations import Reservation
 from gpufleet_engine.contract.guard_config import QueueClass
 from gpufleet_engine.serving.exchange import Exchange, Services, abort, forward
 
@@ -90,6 +91,16 @@ class SendAhead:
         if not kept:
             await self._withdraw(sent, grant, queue_class)
             return await self._admit(request, route, queue_class, arrived, raw, prepared)
+        with services.using(prepared.adapter):
+            return await self._keep(sent, verdict, request, route, queue_class, arrived, prepared, reservation,
+                                    grant)
+
+    async def _keep(self, sent: asyncio.Future, verdict: asyncio.Future[Exchange], request: web.Request,
+                    route: str, queue_class: QueueClass, arrived: float, prepared: context.Prepared,
+                    reservation: Reservation, grant: Grant) -> web.StreamResponse:
+        """The copy sent ahead is the request: relay its answer and account it."""
+        services = self._services
+        admission = services.admission
         services.metrics.sent_ahead.labels(queue_class.name, "kept").inc()
         exchange = Exchange(services, request, route, queue_class, arrived, prepared, reservation)
         exchange.dispatched(grant)

@@ -17,7 +17,7 @@ from gpufleet_engine.admission.tokens import HfTokenizer, Tokenizer, generation_
 from gpufleet_engine.contract import demand_prior
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_engine.contract.guard_config import GuardConfig
-from gpufleet_engine.serving import audit, kv_storage, reload, served_context, shared_demand, vllm_endpoints
+from gpufleet_engine.serving import adapters, audit, kv_storage, reload, served_context, shared_demand, vllm_endpoints
 from gpufleet_engine.serving import vllm_metrics_relay as engine_metrics
 from gpufleet_engine.serving.errors import error_response
 from gpufleet_engine.serving.guard import Guard
@@ -31,7 +31,7 @@ TOKENIZER_RETRY_SECONDS = 5.0
 DRAIN_READ_LIMIT_BYTES = 1 << 20
 
 
-def build_app(guard: Guard) -> web.Application:
+def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None) -> web.Application:
     # Bodies are bounded before they are parsed (docs/guard-config.md).
     # The proxied routes read their bodies themselves, bounded by the guard's current limit.
     app = web.Application(client_max_size=max_body_bytes(0))
@@ -100,6 +100,7 @@ def build_app(guard: Guard) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/audit", audit_report)
     app.router.add_get(demand_prior.DEMAND_PATH, demand)
+    adapters.register(app, adapter_agent)
     # vLLM's own API (vllm/routes.py): admitted, answered with the guard's state, or passed through.
     vllm_endpoints.register(app, guard)
     return app
@@ -128,6 +129,7 @@ class GuardServer:
         self._monitor_task: asyncio.Task | None = None
         self._tokenizer_task: asyncio.Task | None = None
         self._side_tasks: list[asyncio.Task] = []
+        self.adapters: adapters.AdapterAgent | None = None
         self.port: int | None = None
 
     @property
@@ -153,6 +155,15 @@ class GuardServer:
             self._tokenizer_task = asyncio.create_task(self._load_tokenizer(guard), name="tokenizer")
         if guard.admission.served_context is None:
             self._side_tasks.append(asyncio.create_task(self._learn_context(guard), name="served-context"))
+        engine = self.config.engine
+        if engine is not None and engine.lora is not None:
+            agent = adapters.AdapterAgent(engine.lora, served_model_name=self.config.served_model_name,
+                                          base_model=engine.model, upstream=upstream, metrics=guard.metrics,
+                                          in_use=guard.services.adapters_in_use, engine_up=lambda: guard.engine_up)
+            guard.admission.adapter_served = agent.serves
+            guard.on_engine_up = agent.poke
+            self.adapters = agent
+            self._side_tasks.append(asyncio.create_task(agent.run(), name="adapters"))
         storage = shared_storage.bounded_directory(self.config.engine)
         if storage is not None:
             # The shared-storage connector never removes its files; the pods that write them do.
@@ -167,7 +178,7 @@ class GuardServer:
             self._side_tasks.append(asyncio.create_task(self.watcher.run(), name="config-reload"))
         # handler_cancellation: a client that disconnects cancels its handler,
         # which closes the upstream connection and makes vLLM abort the work.
-        self._runner = web.AppRunner(build_app(guard), handler_cancellation=True,
+        self._runner = web.AppRunner(build_app(guard, self.adapters), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)

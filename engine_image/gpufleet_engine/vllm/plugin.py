@@ -1,4 +1,5 @@
-"""The vLLM plugin that reports GPU memory from inside vLLM's processes.
+"""The vLLM plugin that reports GPU memory from inside vLLM's processes (and, with LoRA on, counts
+adapter loads, evictions and activations in vLLM's adapter cache: ``lora_stats.py``).
 
 Registered under vLLM's ``vllm.general_plugins`` entry-point group, which vLLM
 loads in every process it starts (API server, engine core, workers). In each
@@ -26,11 +27,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpufleet_engine.contract import gpu_memory as gm
+from gpufleet_engine.contract.engine_flags import RUNTIME_LORA_ENV
 
 log = logging.getLogger("gpufleet_engine.vllm.plugin")
 
 _lock = threading.Lock()
 _sampler: "Sampler | None" = None
+_lora_pid: int | None = None   # the process whose LoRA counts are written
 
 
 def register() -> None:
@@ -40,6 +43,26 @@ def register() -> None:
         log.debug("%s is not set; GPU memory reporting is off", gm.ENV_DIR)
         return
     _start(Path(directory))
+    if os.environ.get(RUNTIME_LORA_ENV):
+        _count_lora(Path(directory))
+
+
+def _count_lora(directory: Path) -> None:
+    """Count LoRA adapter loads, evictions and activations in this process (lora_stats.py)."""
+    global _lora_pid
+    from gpufleet_engine.vllm import lora_stats
+
+    if _lora_pid == os.getpid():
+        return
+    first = _lora_pid is None
+    _lora_pid = os.getpid()
+    try:
+        lora_stats.start(directory)
+    except Exception:  # never into vLLM: a vLLM whose cache moved leaves the counts at zero
+        log.exception("gpufleet: cannot count LoRA adapters in this vLLM")
+    if first:
+        # A forked worker inherits the wrapped cache but not the thread that writes its counts.
+        os.register_at_fork(after_in_child=lambda: _count_lora(directory))
 
 
 def _start(directory: Path) -> None:

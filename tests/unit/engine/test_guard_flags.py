@@ -131,3 +131,31 @@ def test_cpu_engines_with_a_kv_connector_size_their_pool_explicitly_so_two_share
         assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
         assert "--gpu-memory-utilization" not in launch.argv
         assert json.loads(flag(launch.argv, "--kv-transfer-config"))["kv_role"] == role
+
+
+def test_lora_renders_vllms_flags_and_its_runtime_api_switch():
+    cfg = engine_cfg(runtime="vllm-cpu", lora={"maxLoras": 2, "maxLoraRank": 8, "maxCpuLoras": 3})
+    launch = vllm_launch(cfg.engine, cpu_count=1)
+    argv = launch.argv
+    assert "--enable-lora" in argv
+    assert (flag(argv, "--max-loras"), flag(argv, "--max-lora-rank"), flag(argv, "--max-cpu-loras")) == ("2", "8", "3")
+    assert "--lora-modules" not in argv  # adapters come at run time (PUT /adapters), never on the command line
+    assert launch.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def test_lora_defaults_leave_the_cpu_cache_to_vllm():
+    argv = vllm_launch(engine_cfg(lora={}).engine).argv
+    assert (flag(argv, "--max-loras"), flag(argv, "--max-lora-rank")) == ("4", "16")
+    assert "--max-cpu-loras" not in argv
+
+
+def test_without_lora_nothing_of_it_is_rendered():
+    launch = vllm_launch(engine_cfg().engine)
+    assert not [a for a in launch.argv if "lora" in a]
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in launch.env
+
+
+def test_a_cpu_cache_smaller_than_a_batch_is_refused():
+    import pytest
+    with pytest.raises(guard_config.ConfigError, match="maxCpuLoras"):
+        engine_cfg(lora={"maxLoras": 4, "maxCpuLoras": 2})
