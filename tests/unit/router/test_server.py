@@ -250,8 +250,11 @@ async def test_an_unknown_model_gets_404_listing_the_served_ones(harness):
     async with harness.post({"model": "gpt-9", "prompt": "x"}) as r:
         assert r.status == 404
         err = (await r.json())["error"]
-    assert err["code"] == "model_not_found" and err["param"] == "model" and MODEL in err["message"]
+    # vLLM's answer for a model it does not serve, then what is served here.
+    assert err["type"] == "NotFoundError" and err["code"] == 404 and err["param"] == "model"
+    assert err["message"] == f"The model `gpt-9` does not exist. Served here: {MODEL}."
     assert harness.count("gpufleet_router_requests_total", model="", outcome="invalid") == 1
+    assert harness.count("gpufleet_router_unknown_model_requests_total") == 1
     assert not any(g.bodies for g in harness.guards.values())
 
 
