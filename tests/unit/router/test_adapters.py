@@ -75,8 +75,9 @@ def test_a_reading_lists_the_adapters_the_guard_holds_loaded_and_no_other():
 
 
 def test_the_guards_own_adapter_gauge_is_the_one_parsed():
-    from gpufleet_engine.contract import guard_metrics as guard
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    from gpufleet_engine.contract import guard_metrics as guard
     registry = CollectorRegistry()
     Gauge(guard.ADAPTER_STATE, "", ["adapter", "state"], registry=registry).labels("a", "Loaded").set(1)
     assert parse_guard(GUARD_METRICS + generate_latest(registry).decode(), 0.0).adapters == {"a"}
@@ -85,9 +86,9 @@ def test_the_guards_own_adapter_gauge_is_the_one_parsed():
 def picker(policy: str = Policy.KV_AWARE, **holding: tuple[str, ...]) -> Picker:
     """Replicas a, b, c; ``holding[pod]``: the adapters its reading lists; b has the most room."""
     p = Picker(policy=policy)
-    p.set_replicas([Replica(pod, f"{pod}:8080") for pod in ("a", "b", "c")])
-    for pod, free in (("a", 10), ("b", 90), ("c", 50)):
-        p.observe(pod, Reading(0.0, True, free, 100, adapters=frozenset(holding.get(pod, ()))))
+    p.set_replicas([Replica(name, f"{name}:8080") for name in ("a", "b", "c")])
+    for name, free in (("a", 10), ("b", 90), ("c", 50)):
+        p.observe(name, Reading(0.0, True, free, 100, adapters=frozenset(holding.get(name, ()))))
     return p
 
 
