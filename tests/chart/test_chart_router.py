@@ -1,5 +1,5 @@
 """The chart's router: a Deployment of two replicas with a PDB, its own Service,
-read-only RBAC on InferenceServices and pods, the engines' NetworkPolicy
+read-only RBAC on InferenceServices, InferenceAdapters and pods, the engines' NetworkPolicy
 admitting it, and an HTTPRoute only when asked for and pointed at a Gateway."""
 import yaml
 
@@ -17,6 +17,9 @@ def test_the_router_runs_two_replicas_behind_its_own_service_and_a_pdb(helm):  #
     pod = dep["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["args"][0] == "router" and "--port=8000" in container["args"]
+    assert "--policy=kv_aware" in container["args"]
+    assert "--policy=round_robin" in objects(helm, "--set", "router.policy=round_robin")[
+        ("Deployment", "gpufleet-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
     labels = dep["spec"]["selector"]["matchLabels"]
@@ -28,11 +31,11 @@ def test_the_router_runs_two_replicas_behind_its_own_service_and_a_pdb(helm):  #
         "gpufleet-operator"
 
 
-def test_the_router_may_only_read_inferenceservices_and_pods(helm):  # noqa: F811
+def test_the_router_may_only_read_inferenceservices_their_adapters_and_pods(helm):  # noqa: F811
     docs = objects(helm)
     rules = docs[("ClusterRole", "gpufleet-router")]["rules"]
     assert {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]} == {
-        ("serving.gpufleet.dev", "inferenceservices"), ("", "pods")}
+        ("serving.gpufleet.dev", "inferenceservices"), ("serving.gpufleet.dev", "inferenceadapters"), ("", "pods")}
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in rules)
     binding = docs[("ClusterRoleBinding", "gpufleet-router")]
     assert binding["subjects"][0]["name"] == "gpufleet-router"

@@ -184,7 +184,9 @@ async def test_an_unknown_model_gets_404_naming_the_served_ones(fleet):
     async with fleet.http.post(f"{fleet.router.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}) as r:
         assert r.status == 404
         err = (await r.json())["error"]
-    assert err["code"] == "model_not_found" and "tiny-b" in err["message"] and "tiny-llama" in err["message"]
+    assert err["type"] == "NotFoundError" and err["code"] == 404
+    assert err["message"].startswith("The model `gpt-9` does not exist.")
+    assert "tiny-b" in err["message"] and "tiny-llama" in err["message"]
 
 
 async def test_a_stream_arrives_as_server_sent_events(fleet):

@@ -8,18 +8,21 @@ from typing import AsyncIterator
 
 from aiohttp.test_utils import TestServer
 
+from gpufleet.router.adapters import EMPTY, Catalog
 from gpufleet.router.metrics import RouterMetrics
 from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
 from gpufleet.router.table import Route, Table
 
 
 @contextlib.asynccontextmanager
-async def static_router(*routes: Route, settings: RouterSettings | None = None) -> AsyncIterator[tuple[str, Fleet]]:
-    """(the router's base URL, its Fleet) once it has read every replica's guard once."""
+async def static_router(*routes: Route, settings: RouterSettings | None = None,
+                        adapters: Catalog = EMPTY) -> AsyncIterator[tuple[str, Fleet]]:
+    """(the router's base URL, its Fleet) once it has read every replica's guard once; ``adapters``: the
+    LoRA adapters it serves (adapters.Adapter by name; each routed to replicas whose guard holds it Loaded)."""
     settings = settings or RouterSettings()
     fleet = Fleet(settings, RouterMetrics())
     http = client_session(settings)
-    fleet.update(Table({r.model: r for r in routes}))
+    fleet.update(Table({r.model: r for r in routes}), adapters)
     await fleet.read_once(http)
     reads = asyncio.create_task(fleet.read(http))
     server = TestServer(Router(fleet, http).app(), host="127.0.0.1")

@@ -39,6 +39,15 @@ whose guard says not ready forgets what was learned of it: an engine that
 restarted has an empty cache). A replica not read yet counts as having no
 known room: it is chosen by placement or, when nothing has been read, by the
 fewest requests in flight from this router.
+
+A request for a LoRA adapter goes only to replicas whose last reading says
+they hold it loaded (``Reading.adapters``); the signals above choose among
+those. Its prefix is keyed with the adapter's name: vLLM caches an adapter's
+blocks apart from the base model's and other adapters'.
+
+``Policy.ROUND_ROBIN`` ignores all of the above but eligibility (and the
+adapter's holders): each request goes to the next replica in name order. It
+is the baseline the benchmarks compare against, not a production choice.
 """
 from __future__ import annotations
 
@@ -73,7 +82,19 @@ class Reason:
     LEAST_BUSY = "least_in_flight"  # no reading yet anywhere: fewest in flight from this router
 
 
-REASONS = (Reason.AFFINITY, Reason.NEW_PREFIX, Reason.KV, Reason.LEAST_BUSY)
+    ROUND_ROBIN = "round_robin"    # --policy round_robin: the next replica in turn
+
+
+REASONS = (Reason.AFFINITY, Reason.NEW_PREFIX, Reason.KV, Reason.LEAST_BUSY, Reason.ROUND_ROBIN)
+
+
+class Policy:
+    """How a replica is chosen among the eligible ones (the router's ``--policy``)."""
+    KV_AWARE = "kv_aware"          # prefix affinity, then free KV (this module's docstring)
+    ROUND_ROBIN = "round_robin"    # each in turn, by name: the benchmarks' baseline
+
+
+POLICIES = (Policy.KV_AWARE, Policy.ROUND_ROBIN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +105,7 @@ class Reading:
     free_blocks: int           # blocks the guard would admit into now: free less the watermark, unreserved
     total_blocks: int
     queued: int = 0            # waiting in the guard's queues
+    adapters: frozenset[str] = frozenset()   # LoRA adapters the replica holds Loaded
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,16 +138,20 @@ class Pick:
     affinity_hit: bool         # the replica holds (as far as this router learned) the prompt's prefix
 
 
-def prefix_of(text: str, block_chars: int, blocks: int, match_blocks: int = MATCH_BLOCKS) -> Prefix | None:
+def prefix_of(text: str, block_chars: int, blocks: int, match_blocks: int = MATCH_BLOCKS,
+              adapter: str | None = None) -> Prefix | None:
     """The prompt's leading whole blocks of ``block_chars`` characters: the ring key hashes the first
     ``blocks`` (0 turns prefixes off), the chain covers up to ``max(blocks, match_blocks)``. None when the
-    prompt is shorter than one block (nothing a prefix cache would reuse): vLLM caches whole blocks."""
+    prompt is shorter than one block (nothing a prefix cache would reuse): vLLM caches whole blocks.
+    With ``adapter``, the hashes start from its name: one prompt through two adapters is two prefixes."""
     if block_chars <= 0 or blocks <= 0:
         return None
     whole = min(max(blocks, match_blocks), len(text) // block_chars)
     if whole == 0:
         return None
     h = hashlib.blake2b(digest_size=8)
+    if adapter is not None:
+        h.update(adapter.encode() + b"\0")
     chain = []
     for i in range(whole):
         h.update(text[i * block_chars:(i + 1) * block_chars].encode())
@@ -199,10 +225,14 @@ class Picker:
     """One service's replicas as this router sees them: readings, its own
     sends since each reading, its requests in flight and the prefixes it sent."""
 
-    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR):
+    def __init__(self, load_factor: float = DEFAULT_LOAD_FACTOR, policy: str = Policy.KV_AWARE):
         if load_factor < 0:
             raise ValueError(f"load_factor must be >= 0, got {load_factor}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.load_factor = load_factor
+        self.policy = policy
+        self._turn = 0   # round robin: picks made so far
         self.replicas: dict[str, Replica] = {}
         self.readings: dict[str, Reading] = {}
         self.in_flight: dict[str, int] = {}
@@ -278,6 +308,15 @@ class Picker:
                 out.append(r)
         return out
 
+    def holds(self, pod: str, adapter: str) -> bool:
+        """The replica's last reading says it holds ``adapter`` loaded (unread: not known to)."""
+        reading = self.readings.get(pod)
+        return reading is not None and adapter in reading.adapters
+
+    def holders(self, adapter: str) -> list[Replica]:
+        """The eligible replicas holding ``adapter`` loaded."""
+        return [r for r in self.eligible() if self.holds(r.pod, adapter)]
+
     def room(self, pod: str) -> int | None:
         """Blocks the replica would admit into, net of this router's sends since the reading; None: unread."""
         reading = self.readings.get(pod)
@@ -290,13 +329,20 @@ class Picker:
         learned = self.learned.get(pod)
         return learned.match(prefix.chain) if learned else 0
 
-    def pick(self, cost_blocks: int, prefix: Prefix | None, exclude: Iterable[str] = ()) -> Pick | None:
+    def pick(self, cost_blocks: int, prefix: Prefix | None, exclude: Iterable[str] = (),
+             adapter: str | None = None) -> Pick | None:
         """The replica for a request needing about ``cost_blocks`` KV blocks whose prompt begins with
-        ``prefix``; None when no replica is eligible."""
+        ``prefix``, through ``adapter`` when it names one; None when no replica is eligible (for an
+        adapter: none eligible holds it)."""
         excluded = set(exclude)
-        candidates = [r for r in self.eligible() if r.pod not in excluded]
+        candidates = [r for r in (self.eligible() if adapter is None else self.holders(adapter))
+                      if r.pod not in excluded]
         if not candidates:
             return None
+        if self.policy == Policy.ROUND_ROBIN:
+            candidates.sort(key=lambda r: r.pod)
+            self._turn += 1
+            return Pick(candidates[(self._turn - 1) % len(candidates)], Reason.ROUND_ROBIN, False)
         by_pod = {r.pod: r for r in candidates}
         held = {}
         if prefix is not None:

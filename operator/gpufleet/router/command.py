@@ -7,6 +7,7 @@ import signal
 
 import click
 
+from .choice import POLICIES, Policy
 from .server import RouterSettings
 
 
@@ -41,10 +42,13 @@ from .server import RouterSettings
 @click.option("--prefill-timeout-seconds", default=30.0, show_default=True, type=click.FloatRange(0.1),
               help="A disaggregated service's prefill step gets this long; then the request goes to decode, "
                    "which computes the prompt itself.")
+@click.option("--policy", type=click.Choice(POLICIES), default=Policy.KV_AWARE, show_default=True,
+              help="How a replica is chosen: kv_aware (prefix affinity, then free KV; docs/router.md) or "
+                   "round_robin (each eligible replica in turn: a baseline for benchmarks).")
 @click.option("-v", "--verbose", is_flag=True)
 def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, reading_interval_seconds,
            prefix_blocks, load_factor, tier_load_factor, max_body_bytes, drain_grace_seconds, hold_timeout_seconds,
-           hold_max_requests, prefill_timeout_seconds, verbose) -> None:
+           hold_max_requests, prefill_timeout_seconds, policy, verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
     from ..kube.client import KubeClient
     from ..kube.config import KubeConfig, KubeConfigError
@@ -61,7 +65,8 @@ def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, readi
                               load_factor=load_factor, tier_load_factor=tier_load_factor,
                               max_body_bytes=max_body_bytes,
                               drain_grace=drain_grace_seconds, hold_timeout=hold_timeout_seconds,
-                              hold_max_requests=hold_max_requests, prefill_timeout=prefill_timeout_seconds)
+                              hold_max_requests=hold_max_requests, prefill_timeout=prefill_timeout_seconds,
+                              policy=policy)
 
     async def main() -> None:
         stop = asyncio.Event()

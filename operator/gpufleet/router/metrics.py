@@ -1,7 +1,9 @@
 """The router's own metrics (gpufleet_router_*), in a registry of its own.
 
 Labels stay bounded: ``model`` is a served name of a service in the router's
-scope, or "" for requests naming no known model; ``role`` is a pool
+scope, or "" for requests naming no known model (a request for a LoRA adapter
+counts under its service's model, and under the adapter's name, an
+InferenceAdapter in scope, in the ``adapter_*`` counters only); ``role`` is a pool
 (table.ROLES); ``outcome``, ``reason`` and ``transfer_params`` come from the
 fixed lists here and in choice.py."""
 from __future__ import annotations
@@ -85,6 +87,14 @@ class RouterMetrics:
         self.prefill_fallbacks = Counter(PREFIX + "prefill_fallbacks", "Disaggregated requests sent to decode "
                                          "without a prefill (decode computes the prompt), by reason.",
                                          ["model", "reason"], registry=r)
+        self.adapter_requests = Counter(PREFIX + "adapter_requests", "Requests naming a LoRA adapter (an "
+                                        "InferenceAdapter in scope) as their model, answered or not.", ["model"],
+                                        registry=r)
+        self.adapter_not_loaded = Counter(PREFIX + "adapter_not_loaded", "Requests for a LoRA adapter that no "
+                                          "ready replica of its service holds loaded, answered 503.", ["model"],
+                                          registry=r)
+        self.unknown_model_requests = Counter(PREFIX + "unknown_model_requests", "Requests naming a model that "
+                                              "no service or adapter in scope serves, answered 404.", registry=r)
         self.readings_failed = Counter(PREFIX + "readings_failed", "Guard /metrics reads that failed.",
                                        ["model"], registry=r)
 

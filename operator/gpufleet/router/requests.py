@@ -26,7 +26,7 @@ DEFAULT_OUTPUT_TOKENS = 256
 class BadRequest(Exception):
     """A request the router refuses itself: answered in the OpenAI error format."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,
                  kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status = status
@@ -39,7 +39,7 @@ class BadRequest(Exception):
         return error_body(self.message, self.kind, self.param, self.code)
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, kind: str, param: str | None = None, code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 

@@ -1,7 +1,8 @@
 """The router's HTTP server: one OpenAI endpoint in front of every InferenceService in scope.
 
-A request is read (bounded), its ``model`` names the service (table.py),
-choice.py names the replica, and the body goes to that replica's guard
+A request is read (bounded), its ``model`` names the service (table.py) or
+a LoRA adapter of one (adapters.py), choice.py names the replica (for an
+adapter, one that holds it loaded), and the body goes to that replica's guard
 unchanged. The answer comes back as it arrives, chunk by chunk, so streamed
 tokens are not held. A 429 from the first replica, or a connection that
 fails before it answers, is sent once more to another replica: nothing has
@@ -31,15 +32,17 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from gpufleet_engine.contract.adapters import ADAPTER_KIND
 from gpufleet_engine.contract.endpoints import GUARD_METRICS_PATH
 
 from ..api import API_VERSION, KIND
 from ..kube.client import KubeClient
+from ..kube.errors import NotFound
 from ..kube.pods import is_serving
 from ..manifests import names
-from . import handoff, shedding
+from . import adapters, handoff, shedding
 from . import requests as rq
-from .choice import Pick, Picker, Prefix, Reading, prefix_of
+from .choice import Pick, Picker, Policy, Prefix, Reading, prefix_of
 from .cold_start import ColdStarts
 from .metrics import Fallback, Outcome, RouterMetrics, TransferParams
 from .signals import parse_guard
@@ -54,6 +57,9 @@ UNREACHABLE_RETRY_AFTER_SECONDS = 5
 # A guard answers these before it admits a request (KV watermark, queue full or timed out; draining,
 # engine down): the request never started, so another replica may take it.
 RETRIED_STATUSES = (429, 503)
+# An adapter no ready replica holds loaded: the operator is placing or loading it (or it failed: its
+# InferenceAdapter's Ready condition says), so the client retries soon.
+ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS = 5
 
 
 @dataclasses.dataclass
@@ -82,6 +88,7 @@ class RouterSettings:
     # A disaggregated request's prefill (queue, prompt, answer; retry included) gets this long, then
     # the request goes to decode without it: never held on a stuck prefill replica.
     prefill_timeout: float = 30.0
+    policy: str = Policy.KV_AWARE           # choice.POLICIES: round_robin is the benchmarks' baseline
 
 
 class Fleet:
@@ -93,23 +100,27 @@ class Fleet:
         self.metrics = metrics
         self.clock = clock
         self.table = Table({})
+        self.catalog = adapters.EMPTY       # the LoRA adapters in scope
         self.pickers: dict[tuple[str, str], Picker] = {}   # (model, role) -> that pool's picker
         self.listed = asyncio.Event()       # the first listing succeeded: the router can route
         self.draining = False
         self._problems: tuple[str, ...] = ()
+        self._adapter_items: list[dict] = []   # the last InferenceAdapters listed
         self.held: dict[str, collections.deque[asyncio.Future]] = {}
         self.cold_since: dict[str, float] = {}   # model -> when its first request found no replica
         self.cold_starts: dict[str, ColdStarts] = {}
 
-    def update(self, table: Table) -> None:
-        for problem in set(table.problems) - set(self._problems):
+    def update(self, table: Table, catalog: adapters.Catalog = adapters.EMPTY) -> None:
+        problems = table.problems + catalog.problems
+        for problem in set(problems) - set(self._problems):
             log.warning("%s", problem)
-        self._problems = table.problems
+        self._problems = problems
         self.table = table
+        self.catalog = catalog
         for model, route in table.routes.items():
             for role in ROLES:
                 factor = self.settings.tier_load_factor if route.kv_tier else self.settings.load_factor
-                picker = self.pickers.setdefault((model, role), Picker(factor))
+                picker = self.pickers.setdefault((model, role), Picker(factor, self.settings.policy))
                 picker.load_factor = factor
                 picker.set_replicas(route.pool(role))
         for model, role in [key for key in self.pickers if key[0] not in table.routes]:
@@ -142,8 +153,24 @@ class Fleet:
         for ns in self.settings.namespaces or (None,):
             services += await kube.list(API_VERSION, KIND, ns)
             pods += await kube.list("v1", "Pod", ns, label_selector=selector)
-        self.update(build_table(services, pods, is_serving, self.settings.guard_port))
+        table = build_table(services, pods, is_serving, self.settings.guard_port)
+        self.update(table, await self._list_adapters(kube, table))
         self.listed.set()
+
+    async def _list_adapters(self, kube: KubeClient, table: Table) -> adapters.Catalog:
+        """The InferenceAdapters in scope. Without their CRD (a chart older than adapters) there are none;
+        when they cannot be listed, the last catalog is kept so that base models are still routed."""
+        items: list[dict] = []
+        try:
+            for ns in self.settings.namespaces or (None,):
+                items += await kube.list(API_VERSION, ADAPTER_KIND, ns)
+        except NotFound:
+            return adapters.EMPTY
+        except Exception as e:
+            log.warning("cannot list InferenceAdapters (adapters served as last listed): %s", e)
+            return adapters.build_catalog(self._adapter_items, table)
+        self._adapter_items = items
+        return adapters.build_catalog(items, table)
 
     async def discover(self, kube: KubeClient) -> None:
         while True:
@@ -289,10 +316,15 @@ class Router:
         return app
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": model, "object": "model", "created": 0, "owned_by": "gpufleet",
-             "root": route.model, "namespace": route.namespace, "service": route.service}
-            for model, route in sorted(self.fleet.table.routes.items())]})
+        # As vLLM lists them (serving_models.show_available_models): a base model's ``root`` is the model
+        # it loads and its ``parent`` null; an adapter's ``root`` is its source, its ``parent`` the base.
+        cards = [{"id": model, "object": "model", "created": 0, "owned_by": "gpufleet", "root": route.root,
+                  "parent": None, "namespace": route.namespace, "service": route.service}
+                 for model, route in self.fleet.table.routes.items()]
+        cards += [{"id": a.name, "object": "model", "created": 0, "owned_by": "gpufleet", "root": a.root,
+                   "parent": a.parent, "namespace": a.namespace, "service": a.service}
+                  for a in self.fleet.catalog.adapters.values()]
+        return web.json_response({"object": "list", "data": sorted(cards, key=lambda c: c["id"])})
 
     async def render_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
@@ -316,22 +348,28 @@ class Router:
         try:
             body = await self._read_body(request)
             parsed = rq.parse(body, route)
-            target = self.fleet.table.routes.get(parsed.model)
-            if target is None:
-                served = self.fleet.table.models
-                raise rq.BadRequest(404, f"The model {parsed.model!r} does not exist here. Served models: "
-                                         f"{', '.join(served) if served else '(none)'}.",
-                                    param="model", code="model_not_found")
+            resolved = adapters.resolve(parsed.model, self.fleet.table, self.fleet.catalog)
+            if resolved is None:
+                self.metrics.unknown_model_requests.inc()
+                # vLLM's 404 (OpenAI's shape, vLLM's type and numeric code), naming what is served here.
+                raise rq.BadRequest(404, adapters.not_found_message(parsed.model, self.fleet.table,
+                                                                    self.fleet.catalog),
+                                    param="model", code=404, kind="NotFoundError")
         except rq.BadRequest as e:
             return self._refuse("", Outcome.INVALID, e.status, e.body())
-        prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks)
+        target, adapter = resolved.route, resolved.adapter
+        if adapter is not None:
+            self.metrics.adapter_requests.labels(adapter.name).inc()
+        prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks,
+                           adapter=adapter.name if adapter else None)
         if prefix is not None:
-            self.metrics.prefix_keyed.labels(parsed.model).inc()
+            self.metrics.prefix_keyed.labels(target.model).inc()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         try:
-            return await self._forward(_Call(request, route, body, headers, parsed, target, arrived, prefix))
+            return await self._forward(_Call(request, route, body, headers, parsed, target, arrived, prefix,
+                                             adapter.name if adapter else None))
         finally:
-            self.metrics.request_seconds.labels(parsed.model).observe(self.fleet.clock() - arrived)
+            self.metrics.request_seconds.labels(target.model).observe(self.fleet.clock() - arrived)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -349,13 +387,22 @@ class Router:
 
     async def _forward(self, call: _Call) -> web.StreamResponse:
         deadline = call.arrived + self.settings.hold_timeout
+        held = False
         while True:
             pool = self.fleet.serving_pool(call.model)
             if pool is None:
+                held = True
                 refusal = await self._hold(call, deadline)
                 if refusal is not None:
                     return refusal
                 continue
+            if call.adapter is not None and not self._adapter_held(call.model, pool, call.adapter):
+                if held and self.fleet.clock() < deadline:
+                    # Held through a cold start: the new replica gets its adapters loaded next (the
+                    # operator's next pass), so the request waits for that within the same deadline.
+                    await asyncio.sleep(self.settings.reading_interval)
+                    continue
+                return self._adapter_not_loaded(call)
             if pool == Role.DECODE and call.route != rq.EMBEDDINGS:
                 done = await self._prefill(call)
                 answer = await self._send(call, Role.DECODE, handoff.decode_body(call.body, done), None)
@@ -365,6 +412,20 @@ class Router:
             if answer is not None:
                 return answer
             # The pool lost its last replica before one was picked: held like a cold start.
+
+    def _adapter_held(self, model: str, pool: str, adapter: str) -> bool:
+        """A ready replica of the pool that answers (decode, or unified) holds the adapter loaded."""
+        picker = self.fleet.picker(model, pool)
+        return picker is not None and bool(picker.holders(adapter))
+
+    def _adapter_not_loaded(self, call: _Call) -> web.Response:
+        adapter, target = call.adapter or "", call.target
+        self.metrics.adapter_not_loaded.labels(adapter).inc()
+        return self._refuse(call.model, Outcome.UNAVAILABLE, 503, rq.error_body(
+            f"The adapter `{adapter}` of {target.namespace}/{target.service} is not loaded on any ready replica "
+            f"now; retry shortly (kubectl -n {target.namespace} get inferenceadapter {adapter} says where it is "
+            f"loaded, or why not).", "adapter_not_loaded", code="adapter_not_loaded"),
+            ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS)
 
     async def _hold(self, call: _Call, deadline: float) -> web.Response | None:
         """No pool can answer (no replica yet, all starting, or scaled to zero): hold the request until
@@ -412,7 +473,7 @@ class Router:
             picker = self.fleet.picker(model, role)
             if picker is None:
                 return None   # the service left the table: held until it is back or the hold times out
-            pick = picker.pick(cost, prefix, exclude=tried)
+            pick = picker.pick(cost, prefix, exclude=tried, adapter=call.adapter)
             if pick is None:
                 if tried:
                     attempt = 2  # every replica there is was tried
@@ -539,7 +600,7 @@ class Router:
             raise _PrefillSkipped(reason, detail)
         tried: list[str] = []
         for attempt in range(2):
-            pick = picker.pick(cost, call.prefix, exclude=tried)
+            pick = picker.pick(cost, call.prefix, exclude=tried, adapter=call.adapter)
             if pick is None:
                 break
             pod = pick.replica.pod
@@ -591,10 +652,12 @@ class _Call:
     target: Route
     arrived: float
     prefix: Prefix | None           # the prompt's leading blocks, for prefix affinity
+    adapter: str | None = None      # the LoRA adapter the request names; None: the base model
 
     @property
     def model(self) -> str:
-        return self.parsed.model
+        """The service's served model name: its pickers and metrics (an adapter's request counts there)."""
+        return self.target.model
 
 
 class _PrefillSkipped(Exception):

@@ -48,6 +48,12 @@ class Route:
     pool_max: tuple[tuple[str, int], ...] = ()
     # spec.engine.kvTier Shared: every replica loads from the service's KV store what another computed.
     kv_tier: bool = False
+    # The model the engines load (spec.model.name): /v1/models' ``root``, as vLLM's; "": the served name.
+    model_root: str = ""
+
+    @property
+    def root(self) -> str:
+        return self.model_root or self.model
 
     def max_of(self, role: str) -> int:
         """The most replicas ``role``'s pool can have: whether a refused request may wait for a scale-out."""
@@ -117,5 +123,5 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
                                         (Role.DECODE, spec.disaggregation.decode.max_replicas))
                               if spec.disaggregation else (),
                               kv_tier=spec.engine.kv_tier == "Shared" and spec.engine.kv_transfer is not None,
-                              prefill=pools[Role.PREFILL], decode=pools[Role.DECODE])
+                              prefill=pools[Role.PREFILL], decode=pools[Role.DECODE], model_root=spec.model.name)
     return Table(routes, tuple(problems))

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gpufleet.router.adapters import EMPTY, Catalog
 from gpufleet.router.choice import Replica
 from gpufleet.router.metrics import RouterMetrics
 from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
@@ -37,6 +38,7 @@ class FakeGuard:
         self.headers: list[dict] = []
         self.cancelled = asyncio.Event()
         self.server: TestServer | None = None
+        self.adapters: dict[str, str] = {}   # LoRA adapter -> its state (gpufleet_guard_adapter_state)
 
     @property
     def address(self) -> str:
@@ -44,9 +46,11 @@ class FakeGuard:
         return f"127.0.0.1:{self.server.port}"
 
     async def metrics(self, request: web.Request) -> web.Response:
+        adapters = "".join(f'gpufleet_guard_adapter_state{{adapter="{name}",state="{state}"}} 1\n'
+                           for name, state in self.adapters.items())
         return web.Response(text=f"gpufleet_guard_kv_free_blocks {self.free}\ngpufleet_guard_kv_reserved_blocks 0\n"
                                  f"gpufleet_guard_kv_total_blocks 100\ngpufleet_guard_kv_watermark_blocks 0\n"
-                                 f"gpufleet_guard_ready {self.ready}\n")
+                                 f"gpufleet_guard_ready {self.ready}\n{adapters}")
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
@@ -95,8 +99,8 @@ class Harness:
         return Route(namespace="ml", service=model, model=model, block_size=16, min_replicas=1, max_replicas=2,
                      replicas=replicas)
 
-    def publish(self, routes: list[Route]) -> None:
-        self.fleet.update(Table({r.model: r for r in routes}))
+    def publish(self, routes: list[Route], adapters: Catalog = EMPTY) -> None:
+        self.fleet.update(Table({r.model: r for r in routes}), adapters)
 
     @property
     def url(self) -> str:
@@ -250,8 +254,11 @@ async def test_an_unknown_model_gets_404_listing_the_served_ones(harness):
     async with harness.post({"model": "gpt-9", "prompt": "x"}) as r:
         assert r.status == 404
         err = (await r.json())["error"]
-    assert err["code"] == "model_not_found" and err["param"] == "model" and MODEL in err["message"]
+    # vLLM's answer for a model it does not serve, then what is served here.
+    assert err["type"] == "NotFoundError" and err["code"] == 404 and err["param"] == "model"
+    assert err["message"] == f"The model `gpt-9` does not exist. Served here: {MODEL}."
     assert harness.count("gpufleet_router_requests_total", model="", outcome="invalid") == 1
+    assert harness.count("gpufleet_router_unknown_model_requests_total") == 1
     assert not any(g.bodies for g in harness.guards.values())
 
 
