@@ -25,7 +25,7 @@ def _strip_status_defaults(schema: dict) -> dict:
     return schema
 
 
-PRINTER_COLUMNS = [
+PRINTER_COLUMNS: list[dict] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
      "description": "Ready condition"},
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
@@ -51,7 +51,7 @@ PRINTER_COLUMNS = [
 ]
 
 
-ADAPTER_PRINTER_COLUMNS = [
+ADAPTER_PRINTER_COLUMNS: list[dict] = [
     {"name": "Service", "type": "string", "jsonPath": ".spec.service", "description": "The base InferenceService"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
      "description": "Ready condition"},
