@@ -61,6 +61,7 @@ def crds_installed(control_plane):
     root = Path(__file__).resolve().parents[1]
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(root / "crds"))
     control_plane.wait_established("inferenceservices.serving.gpufleet.dev")
+    control_plane.wait_established("inferenceadapters.serving.gpufleet.dev")
     return True
 
 

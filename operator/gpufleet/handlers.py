@@ -85,6 +85,13 @@ async def service_event(type, body, namespace, name, memo: kopf.Memo, **_) -> No
         rt.trigger(namespace, name, apply=True)
 
 
+@kopf.on.event(t.GROUP, t.VERSION, t.ADAPTER_PLURAL)
+async def adapter_event(type, body, namespace, name, memo: kopf.Memo, **_) -> None:
+    """Keep the fleet loop's copy of every InferenceAdapter current; a created, changed or deleted
+    adapter wakes its service's loop, which places it and tells the replicas."""
+    _rt(memo).adapter_changed(namespace, name, None if type == "DELETED" else dict(body))
+
+
 def _owner_service(body) -> str | None:
     for ref in body.get("metadata", {}).get("ownerReferences", []) or []:
         if ref.get("kind") == t.KIND and ref.get("apiVersion", "").startswith(t.GROUP):

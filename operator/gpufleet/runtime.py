@@ -161,6 +161,16 @@ class OperatorRuntime:
         if self.fleet is not None:
             self.fleet.upsert_pod(namespace, service, pod, view)
 
+    def adapter_changed(self, namespace: str, name: str, body: dict | None) -> None:
+        """An InferenceAdapter was created or changed (``body``), or deleted (None): its service's
+        adapters pass runs at once (the fleet loops place, load and unload adapters)."""
+        if self.fleet is None:
+            return
+        if body is None:
+            self.fleet.remove_adapter(namespace, name)
+        else:
+            self.fleet.upsert_adapter(body)
+
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
         self._failures.pop((namespace, name), None)

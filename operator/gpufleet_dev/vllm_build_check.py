@@ -64,8 +64,8 @@ def _kv_transfer(connector: str) -> dict:
 def spec_matrix() -> dict[str, tuple[dict, Role]]:
     """Specs, each with the pool whose engines run it, whose flags must reach vLLM's parser: every
     quantization, KV dtype, weight dtype and block size the API allows, tensor parallelism,
-    speculative decoding and extra arguments; each KV connector in a prefill and a decode pool
-    (spec.disaggregation) and in a unified service's shared KV tier (kv_both)."""
+    speculative decoding, LoRA adapters (engine.lora) and extra arguments; each KV connector in a
+    prefill and a decode pool (spec.disaggregation) and in a unified service's shared KV tier (kv_both)."""
     base = {"model": {"name": "org/model"}}
     specs: dict[str, dict] = {"defaults": base,
                               "tensor-parallel-4": {**base, "engine": {"tensorParallelSize": 4}},
@@ -77,6 +77,9 @@ def spec_matrix() -> dict[str, tuple[dict, Role]]:
                                                             "maxNumBatchedTokens": 4096,
                                                             "gpuMemoryUtilizationPercent": 85,
                                                             "kvCache": {"numBlocksOverride": 1000}}},
+                              "lora": {**base, "engine": {"lora": {"maxAdaptersPerBatch": 8, "maxRank": 64,
+                                                                   "cpuCacheAdapters": 16, "maxAdapters": 64}}},
+                              "lora-defaults": {**base, "engine": {"lora": {}}},
                               "extra-args": {**base, "engine": {"extraArgs": [
                                   "--enforce-eager", "--enable-chunked-prefill",
                                   "--trust-remote-code", "--disable-log-stats"]}}}

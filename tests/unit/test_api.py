@@ -31,10 +31,14 @@ def test_short_manifest_gets_every_default():
 
 
 def test_every_sample_parses():
+    from gpufleet.api import parse
+    from gpufleet.api.v1alpha1 import InferenceAdapterSpec
     for f in (ROOT / "samples").glob("*.yaml"):
-        doc = yaml.safe_load(f.read_text())
-        if doc.get("kind") == "InferenceService":
-            parse_spec(doc["spec"])
+        for doc in yaml.safe_load_all(f.read_text()):
+            if doc.get("kind") == "InferenceService":
+                parse_spec(doc["spec"])
+            elif doc.get("kind") == "InferenceAdapter":
+                parse(InferenceAdapterSpec, doc["spec"])
 
 
 @pytest.mark.parametrize("spec, path", [

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -24,7 +25,7 @@ def _strip_status_defaults(schema: dict) -> dict:
     return schema
 
 
-PRINTER_COLUMNS = [
+PRINTER_COLUMNS: list[dict] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
      "description": "Ready condition"},
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
@@ -50,36 +51,85 @@ PRINTER_COLUMNS = [
 ]
 
 
-def build_crd() -> dict:
-    spec_schema = schema.openapi(t.InferenceServiceSpec)
-    status_schema = _strip_status_defaults(schema.openapi(t.InferenceServiceStatus))
+ADAPTER_PRINTER_COLUMNS: list[dict] = [
+    {"name": "Service", "type": "string", "jsonPath": ".spec.service", "description": "The base InferenceService"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+     "description": "Ready condition"},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+     "description": "Why Ready is what it is"},
+    {"name": "Loaded", "type": "integer", "jsonPath": ".status.loadedReplicas",
+     "description": "Replicas that have the adapter loaded"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas",
+     "description": "Replicas the operator placed the adapter on"},
+    {"name": "RPS", "type": "string", "jsonPath": ".status.requestsPerSecond", "priority": 1,
+     "description": "Requests per second for the adapter over the last minute"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One CustomResourceDefinition: its names, types and columns."""
+    kind: str
+    plural: str
+    singular: str
+    short_names: list[str]
+    spec: type
+    status: type
+    description: str
+    columns: list[dict]
+    subresources: dict
+    metadata_schema: dict = field(default_factory=lambda: {"type": "object"})
+
+
+SERVICE = Kind(
+    t.KIND, t.PLURAL, t.SINGULAR, t.SHORT_NAMES, t.InferenceServiceSpec, t.InferenceServiceStatus,
+    "An LLM served by vLLM engines on dedicated GPUs behind an admission guard, "
+    "autoscaled on KV-cache watermarks and audited for fragmentation and isolation.",
+    PRINTER_COLUMNS,
+    {"status": {}, "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                             "labelSelectorPath": ".status.selector"}})
+ADAPTER = Kind(
+    t.ADAPTER_KIND, t.ADAPTER_PLURAL, t.ADAPTER_SINGULAR, t.ADAPTER_SHORT_NAMES, t.InferenceAdapterSpec,
+    t.InferenceAdapterStatus,
+    "A LoRA adapter served on an InferenceService's base model: fetched and loaded by the replicas' "
+    "guards at run time, on as many replicas as its traffic needs, and routed by `model: <name>`.",
+    ADAPTER_PRINTER_COLUMNS, {"status": {}},
+    # The name is what clients send as `model`, a folder name and a metric label.
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 63, "pattern": t.DNS_LABEL}}})
+KINDS = {k.kind: k for k in (SERVICE, ADAPTER)}
+
+
+def crd_file_name(kind: Kind = SERVICE) -> str:
+    return f"{kind.plural}.{t.GROUP}.yaml"
+
+
+def build_crd(kind: Kind = SERVICE) -> dict:
+    spec_schema = schema.openapi(kind.spec)
+    status_schema = _strip_status_defaults(schema.openapi(kind.status))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{t.PLURAL}.{t.GROUP}",
+        "metadata": {"name": f"{kind.plural}.{t.GROUP}",
                      "labels": {"app.kubernetes.io/part-of": "gpufleet"}},
         "spec": {
             "group": t.GROUP,
             "scope": "Namespaced",
-            "names": {"kind": t.KIND, "listKind": f"{t.KIND}List", "plural": t.PLURAL,
-                      "singular": t.SINGULAR, "shortNames": t.SHORT_NAMES, "categories": ["gpufleet", "all"]},
+            "names": {"kind": kind.kind, "listKind": f"{kind.kind}List", "plural": kind.plural,
+                      "singular": kind.singular, "shortNames": kind.short_names,
+                      "categories": ["gpufleet", "all"]},
             "versions": [{
                 "name": t.VERSION, "served": True, "storage": True,
-                "subresources": {
-                    "status": {},
-                    "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-                              "labelSelectorPath": ".status.selector"},
-                },
-                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "subresources": kind.subresources,
+                "additionalPrinterColumns": kind.columns,
                 "schema": {"openAPIV3Schema": {
                     "type": "object",
-                    "description": "An LLM served by vLLM engines on dedicated GPUs behind an admission guard, "
-                                   "autoscaled on KV-cache watermarks and audited for fragmentation and isolation.",
+                    "description": kind.description,
                     "required": ["spec"],
                     "properties": {
                         "apiVersion": {"type": "string", "description": "API version of this object."},
                         "kind": {"type": "string", "description": "Kind of this object."},
-                        "metadata": {"type": "object"},
+                        "metadata": kind.metadata_schema,
                         "spec": spec_schema,
                         "status": status_schema,
                     },
@@ -89,9 +139,9 @@ def build_crd() -> dict:
     }
 
 
-def render_yaml() -> str:
+def render_yaml(kind: Kind = SERVICE) -> str:
     header = "# Generated from operator/gpufleet/api/v1alpha1.py by `gpufleet crd`. Do not edit.\n"
-    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)
+    return header + yaml.safe_dump(build_crd(kind), sort_keys=False, width=100)
 
 
 def _default_text(default: Any) -> str:
@@ -104,10 +154,10 @@ def _default_text(default: Any) -> str:
     return f"`{default}`"
 
 
-def render_markdown() -> str:
-    """docs/api.md: every spec field with type, default and description."""
-    spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    rows = []
+def _tables(kind: Kind) -> tuple[list[str], list[str], list[str]]:
+    """(spec rows, status rows, CEL rule lines) of a kind's field reference."""
+    root = build_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    rows: list[str] = []
 
     def walk(schema: dict, path: str) -> None:
         for name, sub in schema.get("properties", {}).items():
@@ -123,8 +173,8 @@ def render_markdown() -> str:
                 walk(sub, p)
             elif sub.get("items", {}).get("properties"):
                 walk(sub["items"], p + "[]")
-    walk(spec, "spec")
-    status_rows = []
+    walk(root["spec"], "spec")
+    status_rows: list[str] = []
 
     def walk_status(schema: dict, path: str) -> None:
         for name, sub in schema.get("properties", {}).items():
@@ -137,15 +187,22 @@ def render_markdown() -> str:
                 walk_status(sub, p)
             elif sub.get("items", {}).get("properties"):
                 walk_status(sub["items"], p + "[]")
-    walk_status(build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"], "status")
-    rules = []
+    walk_status(root["status"], "status")
+    rules: list[str] = []
 
     def collect(schema: dict, path: str) -> None:
         for r in schema.get("x-kubernetes-validations", []):
             rules.append(f"- `{path}`: {r['message']}")
         for name, sub in schema.get("properties", {}).items():
             collect(sub, f"{path}.{name}")
-    collect(spec, "spec")
+    collect(root["spec"], "spec")
+    return rows, status_rows, rules
+
+
+def render_markdown() -> str:
+    """docs/api.md: every spec field with type, default and description, of both kinds."""
+    rows, status_rows, rules = _tables(SERVICE)
+    adapter_rows, adapter_status_rows, adapter_rules = _tables(ADAPTER)
     return "\n".join([
         "# InferenceService API (serving.gpufleet.dev/v1alpha1)", "",
         "Generated from `operator/gpufleet/api/v1alpha1.py` (`gpufleet crd --markdown`); "
@@ -160,4 +217,11 @@ def render_markdown() -> str:
         "## Checked by the operator (reported as `Ready=False, reason=InvalidSpec`)", "",
         "- `spec.engine.extraArgs` may not set flags gpufleet manages (port, model, parallelism, KV and "
         "batching); the message names the typed field to use instead.",
-        "- `spec.engine.runtime: vllm-cpu` serves unquantized weights with `kvCache.dtype: auto` only.", ""])
+        "- `spec.engine.runtime: vllm-cpu` serves unquantized weights with `kvCache.dtype: auto` only.", "",
+        "# InferenceAdapter API (serving.gpufleet.dev/v1alpha1)", "",
+        "A LoRA adapter on an InferenceService's base model (`kubectl get iad`). Its `metadata.name` is what "
+        "clients send as `model`, so it must be a DNS label (at most 63 lowercase letters, digits and '-').", "",
+        "| field | type | default | description |", "|---|---|---|---|", *adapter_rows, "",
+        "## Status (written by the operator)", "",
+        "| field | type | description |", "|---|---|---|", *adapter_status_rows, "",
+        "## Rules (checked by the API server)", "", *adapter_rules, ""])

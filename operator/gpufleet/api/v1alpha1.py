@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Optional
 import msgspec
 from msgspec import Meta
 
+from gpufleet_engine.contract import adapters as adapter_contract
 from gpufleet_engine.contract.typed import Model
 
 from .engine_release import DEFAULT_ENGINE_IMAGE
@@ -313,6 +314,55 @@ class KVTransferSpec(Model, frozen=True, kw_only=True):
     )] = msgspec.field(default_factory=dict)
 
 
+# vLLM's --max-lora-rank takes these values only.
+LoraRank = Literal[8, 16, 32, 64, 128, 256, 512]
+# With engine.lora.adapterStorage unset, the adapters emptyDir may hold this much per adapter
+# (maxAdapters of them): a rank-16 adapter of an 8B model is about 50 MiB, a rank-64 one of a
+# 70B model about 800 MiB.
+ADAPTER_STORAGE_MIB = 256
+# Where the engine and guard containers mount engine.lora.adapterClaims, one folder per claim.
+ADAPTER_CLAIMS_MOUNT = "/var/lib/gpufleet/adapter-claims"
+ADAPTER_CLAIM_VOLUME_PREFIX = "adapter-claim-"
+
+
+class LoraSpec(Model, frozen=True, kw_only=True):
+    """LoRA adapters on this service's replicas (vLLM's --enable-lora). The adapters themselves are
+    InferenceAdapter objects naming this service: the operator places each on some replicas and
+    their guards load it at run time, without a restart. Changing these fields restarts the replicas
+    (they are vLLM flags)."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("!has(self.cpuCacheAdapters) || self.cpuCacheAdapters >= self.maxAdaptersPerBatch",
+             "engine.lora.cpuCacheAdapters must be at least engine.lora.maxAdaptersPerBatch (vLLM keeps every "
+             "adapter of a batch in its CPU cache)", field_path=".cpuCacheAdapters"),
+    ]}
+    max_adapters_per_batch: Annotated[int, Meta(
+        description="Adapters one batch may use at once: the adapter slots vLLM reserves memory for "
+                    "(--max-loras). A request for an adapter outside the slots waits for one.",
+        ge=1, le=256)] = 4
+    max_rank: Annotated[LoraRank, Meta(
+        description="Highest LoRA rank an adapter may have (--max-lora-rank); vLLM sizes the slots for it. An "
+                    "adapter of a higher rank fails to load (reason RankTooHigh).")] = 16
+    cpu_cache_adapters: Optional[Annotated[int, Meta(
+        description="Adapters vLLM keeps in host memory, ready to move into a slot (--max-cpu-loras). Unset: "
+                    "vLLM's default (maxAdaptersPerBatch).",
+        ge=1, le=1024)]] = None
+    max_adapters: Annotated[int, Meta(
+        description="Most adapters one replica holds (the operator places no more on it, the guard refuses "
+                    "more); also the bound on the adapter label of the guard's per-adapter metrics.",
+        ge=1, le=256)] = 32
+    adapter_storage: Optional[Annotated[int | str, Meta(
+        description=f"Size limit of the emptyDir each replica fetches adapters into ({adapter_contract.ADAPTER_DIR}). "
+                    f"Unset: maxAdapters x {ADAPTER_STORAGE_MIB}Mi.",
+        extra_json_schema=QUANTITY)]] = None
+    adapter_claims: Annotated[list[Annotated[str, Meta(pattern=DNS_SUBDOMAIN, max_length=253)]], Meta(
+        description="PersistentVolumeClaims the replicas mount read-only at "
+                    f"{ADAPTER_CLAIMS_MOUNT}/<claim>, for InferenceAdapters with source.pvc. An adapter "
+                    "naming a claim not listed here fails with reason SourceUnreachable. Changing the list "
+                    "restarts the replicas (a pod's volumes are fixed).",
+        max_length=8,
+        extra_json_schema={"x-kubernetes-list-type": "set"})] = msgspec.field(default_factory=list)
+
+
 class EngineSpec(Model, frozen=True, kw_only=True):
     """The inference engine (vLLM) and its batching knobs."""
     __schema__ = {"x_kubernetes_validations": [
@@ -369,6 +419,9 @@ class EngineSpec(Model, frozen=True, kw_only=True):
         description="Shared: a unified service's replicas share KV through engine.kvTransfer (vLLM's kv_both), "
                     "so a replica loads a prefix another replica computed. Off: each replica's KV is its "
                     "own.")] = "Off"
+    lora: Optional[Annotated[LoraSpec, Meta(
+        description="Serve LoRA adapters (InferenceAdapter objects) on this base model; off when unset. Not "
+                    "with spec.disaggregation or engine.kvTransfer.")]] = None
     extra_args: Annotated[list[str], Meta(
         description="Extra vLLM command-line flags, appended last. Flags gpufleet manages "
                     "(port, model, parallelism, KV and batching) are rejected.",
@@ -660,7 +713,7 @@ class MonitoringSpec(Model, frozen=True, kw_only=True):
 
 
 # Volumes the engine pod has already; a volume of pod.volumes may not reuse their names.
-RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "model-cache", "kv-store"]
+RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "model-cache", "kv-store", "adapters"]
 
 
 class LocalObjectReference(Model, frozen=True, kw_only=True):
@@ -734,6 +787,9 @@ class PodSpec(Model, frozen=True, kw_only=True):
             "x-kubernetes-validations": [
                    rule(f"self.all(v, !(v.name in {RESERVED_VOLUMES}))",
                         f"pod.volumes names {', '.join(RESERVED_VOLUMES)} are gpufleet's; choose another name"),
+                   rule(f"self.all(v, !v.name.startsWith('{ADAPTER_CLAIM_VOLUME_PREFIX}'))",
+                        f"pod.volumes names starting {ADAPTER_CLAIM_VOLUME_PREFIX} are gpufleet's (the claims "
+                        "of engine.lora.adapterClaims); choose another name"),
                ],
         },
     )] = msgspec.field(default_factory=list)
@@ -817,6 +873,14 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
                  "!has({p}.resources) || !has({p}.resources.migProfile)") + ")",
              "engine.tensorParallelSize must be 1 with a pool's resources.migProfile in spec.disaggregation",
              field_path=".engine.tensorParallelSize"),
+        rule("!has(self.engine.lora) || !has(self.disaggregation)",
+             "engine.lora cannot be combined with spec.disaggregation: adapters are loaded per replica and a "
+             "decode pod would continue KV a prefill pod computed without the adapter. Serve adapters from a "
+             "unified InferenceService (remove spec.disaggregation or engine.lora)", field_path=".engine.lora"),
+        rule("!has(self.engine.lora) || !has(self.engine.kvTransfer)",
+             "engine.lora cannot be combined with engine.kvTransfer: KV shared through a connector does not say "
+             "which adapter computed it. Remove engine.kvTransfer (and engine.kvTier Shared) or engine.lora",
+             field_path=".engine.lora"),
     ]}
     model: Annotated[ModelSpec, Meta(description="The model served.")]
     engine: Annotated[EngineSpec, Meta(
@@ -975,6 +1039,113 @@ class InferenceServiceStatus(Model, frozen=True, kw_only=True):
         description="Foreign pods found on nodes reserved for this service.")] = msgspec.field(default_factory=list)
     conditions: Annotated[list[Condition], Meta(
         description="Current conditions.",
+        extra_json_schema={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )] = msgspec.field(default_factory=list)
+
+
+# --- InferenceAdapter ------------------------------------------------------------------
+
+# The kind's names are the contract's (the router and the guard's docs use them too).
+ADAPTER_KIND = adapter_contract.ADAPTER_KIND
+ADAPTER_PLURAL = adapter_contract.ADAPTER_PLURAL
+ADAPTER_SINGULAR = ADAPTER_KIND.lower()
+ADAPTER_SHORT_NAMES = list(adapter_contract.ADAPTER_SHORT_NAMES)
+# Clients send an adapter's metadata.name as `model`; the guard keeps it in a folder of that name
+# and labels its metrics with it: a DNS label keeps all three safe.
+ADAPTER_NAME_MESSAGE = ("an InferenceAdapter's name is what clients send as `model` and must be a DNS label: "
+                        "lowercase letters, digits and '-', at most 63 characters, e.g. customer-a")
+
+
+class AdapterHuggingFaceSource(Model, frozen=True, kw_only=True):
+    """An adapter repository on the Hugging Face Hub (a PEFT folder: adapter_config.json and weights)."""
+    name: Annotated[str, Meta(
+        description="Repository id, e.g. org/customer-a-lora.",
+        min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]
+    revision: Optional[Annotated[str, Meta(
+        description="Git revision (branch, tag or commit) to fetch. A commit hash pins the adapter. Unset: "
+                    "the default branch.",
+        min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]] = None
+
+
+class AdapterPVCSource(Model, frozen=True, kw_only=True):
+    """An adapter folder on a PersistentVolumeClaim, read in place. The claim must be listed in the
+    service's spec.engine.lora.adapterClaims (its replicas mount it read-only)."""
+    claim_name: Annotated[str, Meta(
+        description="Name of the PersistentVolumeClaim in the same namespace.",
+        pattern=DNS_SUBDOMAIN, max_length=253)]
+    path: Annotated[str, Meta(
+        description="Path of the adapter folder inside the volume.",
+        pattern=r"^/([^.].*)?$", max_length=1024,
+        extra_json_schema={"x-kubernetes-validations": [rule(
+            "!self.contains('/../') && !self.endsWith('/..')",
+            "source.pvc.path must stay inside the volume: no '..' segments")]})] = "/"
+
+
+class AdapterSource(Model, frozen=True, kw_only=True):
+    """Where the adapter's files come from: exactly one of huggingFace, pvc, uri."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("[has(self.huggingFace), has(self.pvc), has(self.uri)].filter(x, x).size() == 1",
+             "set exactly one of source.huggingFace, source.pvc, source.uri")]}
+    hugging_face: Optional[Annotated[AdapterHuggingFaceSource, Meta(description="Hugging Face Hub source.")]] = None
+    pvc: Optional[Annotated[AdapterPVCSource, Meta(description="PersistentVolumeClaim source.")]] = None
+    uri: Optional[Annotated[str, Meta(
+        description="URL of a tar archive (optionally gzip-compressed) of the adapter folder: http://, https:// "
+                    "or file:// (a path inside the engine image). Each replica fetches it once.",
+        min_length=8, max_length=2048, pattern=r"^(https?://[^\s/]+|file://)/[^\s]*$",
+        extra_json_schema={"x-kubernetes-validations": [rule(
+            "self.startsWith('http://') || self.startsWith('https://') || self.startsWith('file:///')",
+            "source.uri must be an http://, https:// or file:/// URL of a tar archive of the adapter folder; "
+            "for a folder on a volume use source.pvc, for the Hub source.huggingFace")]})]] = None
+
+
+class AdapterPlacement(Model, frozen=True, kw_only=True):
+    """How many of the service's replicas hold the adapter. Unset bounds: the operator sizes the set by the
+    adapter's share of the service's adapter traffic (at least one replica, at most all)."""
+    __schema__ = {"x_kubernetes_validations": [
+        rule("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+             "placement.minReplicas must be at most placement.maxReplicas", field_path=".minReplicas")]}
+    min_replicas: Optional[Annotated[int, Meta(
+        description="Fewest replicas holding the adapter (capped at the ready replicas).", ge=1, le=1000)]] = None
+    max_replicas: Optional[Annotated[int, Meta(
+        description="Most replicas holding the adapter.", ge=1, le=1000)]] = None
+
+
+class InferenceAdapterSpec(Model, frozen=True, kw_only=True):
+    """Desired state of an InferenceAdapter: a LoRA adapter served on an InferenceService's base model."""
+    service: Annotated[str, Meta(
+        description="Name of the InferenceService (same namespace) whose replicas serve the adapter; it needs "
+                    "spec.engine.lora.",
+        pattern=DNS_LABEL, max_length=63)]
+    source: Annotated[AdapterSource, Meta(description="Where the adapter's files come from.")]
+    base_model: Optional[Annotated[str, Meta(
+        description="The base model the adapter was trained on, e.g. meta-llama/Llama-3.1-8B-Instruct; the guard "
+                    "refuses to load it on another (reason WrongBaseModel). Unset: only the adapter's own "
+                    "adapter_config.json is checked.",
+        min_length=1, max_length=256)]] = None
+    placement: Annotated[AdapterPlacement, Meta(
+        description="Bounds on the replicas holding the adapter.")] = msgspec.field(default_factory=AdapterPlacement)
+
+
+class InferenceAdapterStatus(Model, frozen=True, kw_only=True):
+    """Observed state, written by the operator from the replicas' guards."""
+    observed_generation: Optional[Annotated[int, Meta(description="Generation of the spec last handled.")]] = None
+    loaded_replicas: Optional[Annotated[int, Meta(description="Replicas that have the adapter loaded.")]] = None
+    desired_replicas: Optional[Annotated[int, Meta(
+        description="Replicas the operator placed the adapter on.")]] = None
+    replicas: Annotated[list[str], Meta(
+        description="Engine pods that have the adapter loaded; the router sends its requests only there.",
+        extra_json_schema={"x-kubernetes-list-type": "set"})] = msgspec.field(default_factory=list)
+    requests_per_second: Optional[Annotated[str, Meta(
+        description="Requests for the adapter per second over the last minute, all replicas (a decimal, e.g. "
+                    "\"2.50\").",
+        pattern=r"^[0-9]+(\.[0-9]+)?$")]] = None
+    conditions: Annotated[list[Condition], Meta(
+        description="Ready: True (reason Loaded) when loaded on a replica and on every replica placed; False "
+                    "with Placing, Loading, ServiceNotFound, LoraDisabled or a load failure (SourceUnreachable, "
+                    "MissingFiles, RankTooHigh, WrongBaseModel, LoadFailed, TooManyAdapters).",
         extra_json_schema={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],

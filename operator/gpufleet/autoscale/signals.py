@@ -65,6 +65,8 @@ class ReplicaSample:
     kv_waste: float | None = None        # 0..1, KV blocks in use holding no token (None: unknown now)
     requests_total: float = 0.0          # cumulative requests the guard finished (any outcome): arrivals
     request_tokens: RequestTokens = RequestTokens()  # vLLM's finished requests' token counts
+    # cumulative requests per LoRA adapter (every outcome), (adapter, count) sorted by adapter
+    adapter_requests: tuple[tuple[str, float], ...] = ()
 
     @property
     def load(self) -> float:
@@ -88,6 +90,7 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
     tokens: dict[str, float] = {}
     prompt: dict[float, float] = {}
     output: dict[float, float] = {}
+    adapters: dict[str, float] = {}
     for name, labels, value in _samples(engine_text):
         if name in KV_USAGE:
             kv.setdefault(name, value)
@@ -118,6 +121,8 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
             _add(queue, labels, value)
         elif name == guard.ITL_SECONDS + "_bucket":
             _add(itl, labels, value)
+        elif name == guard.ADAPTER_REQUESTS + "_total" and labels.get("adapter"):
+            adapters[labels["adapter"]] = adapters.get(labels["adapter"], 0.0) + value
     usage = next((kv[n] for n in KV_USAGE if n in kv), None)
     finished = RequestTokens(tokens.get(PROMPT_TOKENS + "_count", 0.0), tokens.get(PROMPT_TOKENS + "_sum", 0.0),
                              tokens.get(OUTPUT_TOKENS + "_sum", 0.0), tuple(sorted(prompt.items())),
@@ -126,7 +131,7 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
                          guard_queued=queued, guard_in_flight=in_flight, shed_total=shed,
                          ttft_buckets=tuple(sorted(ttft.items())), queue_buckets=tuple(sorted(queue.items())),
                          itl_buckets=tuple(sorted(itl.items())), kv_waste=waste, requests_total=requests,
-                         request_tokens=finished)
+                         request_tokens=finished, adapter_requests=tuple(sorted(adapters.items())))
 
 
 def _add(buckets: dict[float, float], labels: dict[str, str], value: float) -> None:

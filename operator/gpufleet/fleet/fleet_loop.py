@@ -21,9 +21,11 @@ import logging
 import time
 from typing import Callable
 
+from ..adapters.index import AdapterIndex
 from ..api import v1alpha1 as t
 from ..kube.errors import ApiError, NotFound
 from ..manifests import names
+from .adapter_sync import SYNC_SECONDS, OrphanAdapters
 from .ports import Key, Leadership, ServicePorts
 from .service_loop import ServiceLoop, readable_replicas
 
@@ -54,6 +56,15 @@ class FleetLoop:
         self._wake = asyncio.Event()
         # Requests the routers hold per service (router_demand.py): wakes a service at zero replicas.
         self.demand: dict[Key, int] = {}
+        # InferenceAdapters by service (the adapters' watch); their passes run in the service's tick,
+        # or alone for a service with no ready replica (``_adapters_only``), and those of services
+        # that do not exist in ``orphans``.
+        self.adapters = AdapterIndex()
+        self.orphans = OrphanAdapters(ports)
+        self._adapters_due: dict[Key, float] = {}
+        self._started: float | None = None
+        self._orphans_task: asyncio.Task[None] | None = None
+        self._orphans_at = 0.0
 
     # --- fed by the watch handlers ------------------------------------------------
 
@@ -73,6 +84,7 @@ class FleetLoop:
         self.services.pop(key, None)
         self._loops.pop(key, None)
         self._due.pop(key, None)
+        self._adapters_due.pop(key, None)
 
     def upsert_pod(self, namespace: str, service: str, pod: str, view: dict | None) -> None:
         """``view``: {ip, ready, deleting, marked (for scale-in), role (unified, prefill or decode)}; None
@@ -88,6 +100,29 @@ class FleetLoop:
         if became_ready:  # read a new replica at once rather than on the next round
             self._due[key] = 0.0
             self._wake.set()
+
+    def upsert_adapter(self, body: dict) -> None:
+        """An InferenceAdapter was created or changed: its service's adapters pass runs at once."""
+        meta = body["metadata"]
+        old = self.adapters.get(meta["namespace"], meta["name"])
+        adapter = self.adapters.upsert(body)
+        if old is None or old.generation != adapter.generation or old.service != adapter.service:
+            for service in {adapter.service, *([old.service] if old else [])}:
+                self._wake_adapters((adapter.namespace, service))
+
+    def remove_adapter(self, namespace: str, name: str) -> None:
+        """An InferenceAdapter was deleted: its replicas are told to unload it at once."""
+        old = self.adapters.remove(namespace, name)
+        if old is not None:
+            loop = self._loops.get((namespace, old.service))
+            if loop is not None:
+                loop.adapters.forget(name)
+            self._wake_adapters((namespace, old.service))
+
+    def _wake_adapters(self, key: Key) -> None:
+        self._due[key] = 0.0
+        self._adapters_due[key] = 0.0
+        self._wake.set()
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -121,13 +156,33 @@ class FleetLoop:
                 out.append(key)
         return out
 
+    def adapters_only_now(self, now: float, ticking: list[Key]) -> list[Key]:
+        """Services with adapters that no tick serves now (no ready replica), every
+        ``adapter_sync.SYNC_SECONDS`` or when their adapters changed."""
+        out = []
+        for key in self.adapters.services():
+            if key not in self.services or key in ticking or key in self._running:
+                continue
+            if self._adapters_due.get(key, 0.0) > now:
+                continue
+            self._adapters_due[key] = now + SYNC_SECONDS
+            out.append(key)
+        return out
+
     async def run_forever(self) -> None:
         while True:
             if self.leadership is not None and not self.leadership.acting():
                 await self.leadership.wait_leading()  # a follower reads no replicas and decides nothing
             now = self._clock()
-            for key in self.due_now(now):
+            if self._started is None:
+                self._started = now
+            ticking = self.due_now(now)
+            for key in ticking:
                 self._running[key] = asyncio.create_task(self._tick(key), name=f"fleet-{key[0]}/{key[1]}")
+            for key in self.adapters_only_now(now, ticking):
+                self._running[key] = asyncio.create_task(self._tick(key, adapters_only=True),
+                                                         name=f"fleet-adapters-{key[0]}/{key[1]}")
+            self._check_orphans(now)
             nxt = min((d for k, d in self._due.items() if k in self.services and k not in self._running),
                       default=now + self.interval)
             self._wake.clear()
@@ -136,7 +191,23 @@ class FleetLoop:
             except asyncio.TimeoutError:
                 pass
 
-    async def _tick(self, key: Key) -> None:
+    def _check_orphans(self, now: float) -> None:
+        """Adapters naming a service that does not exist, every SYNC_SECONDS (one task at a time)."""
+        if self._orphans_task is not None and not self._orphans_task.done() or now < self._orphans_at:
+            return
+        self._orphans_at = now + SYNC_SECONDS
+        orphans = [a for key in self.adapters.services() if key not in self.services for a in self.adapters.of(*key)]
+        if not orphans:
+            return
+
+        async def run() -> None:
+            try:
+                await self.orphans.tick(orphans, now - (self._started or now))
+            except Exception:
+                log.exception("fleet loop: writing the status of adapters without a service failed; continuing")
+        self._orphans_task = asyncio.create_task(run(), name="fleet-adapter-orphans")
+
+    async def _tick(self, key: Key, adapters_only: bool = False) -> None:
         body = None
         try:
             async with self._sem:
@@ -147,7 +218,11 @@ class FleetLoop:
                 if loop is None:
                     loop = self._loops[key] = ServiceLoop(self.ports, *key)
                 pods = list(self.pods.get(key, {}).values())
-                await loop.tick(body, pods, demand=self.demand.get(key, 0))
+                adapters = self.adapters.of(*key)
+                if adapters_only:
+                    await loop.sync_adapters(body, pods, adapters)
+                else:
+                    await loop.tick(body, pods, demand=self.demand.get(key, 0), adapters=adapters)
         except ApiError as e:
             if not (isinstance(e, NotFound) and body is not None and self._gone(key, body, e)):
                 log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
@@ -179,8 +254,12 @@ class FleetLoop:
         await self.stop()
         self._loops.clear()
         self._due.clear()
+        self._adapters_due.clear()
+        self._started = None
 
     async def stop(self) -> None:
-        for task in list(self._running.values()):
+        tasks = [*self._running.values(), *([self._orphans_task] if self._orphans_task else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._orphans_task = None

@@ -12,8 +12,8 @@ another one.
   and the reconcile it runs there (``Controller``).
 - ``ObjectLister``, ``ObjectApplier``, ``ObjectApi``: the API verbs a loop uses
   (``KubeClient``).
-- ``ReplicaSource``, ``DemandSource``: what the replicas report
-  (``scrape.ReplicaReader``).
+- ``ReplicaSource``, ``DemandSource``, ``AdapterEndpoints``: what the replicas report, and
+  the adapter sets they are told (``scrape.ReplicaReader``).
 - ``Leadership``: whether this replica may act now, and waiting until it may
   (``OperatorRuntime``; absent without leader election).
 """
@@ -23,6 +23,7 @@ import dataclasses
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, Sequence
 
+from gpufleet_engine.contract.adapters import AdapterReport, AdapterSet
 from gpufleet_engine.contract.demand_prior import DemandPrior
 
 from ..autoscale.signals import ReplicaSample
@@ -74,7 +75,15 @@ class DemandSource(Protocol):
     async def demand(self, pod: str, ip: str) -> DemandPrior | None: ...
 
 
-class ReplicaSource(DemandSource, Protocol):
+class AdapterEndpoints(Protocol):
+    """A replica's guard's ``GET`` and ``PUT /adapters`` (contract/adapters.py)."""
+
+    async def adapters(self, pod: str, ip: str) -> tuple[AdapterReport | None, str | None]: ...
+
+    async def put_adapters(self, pod: str, ip: str, wanted: AdapterSet) -> str | None: ...
+
+
+class ReplicaSource(DemandSource, AdapterEndpoints, Protocol):
     async def sample(self, pod: str, ip: str) -> ReplicaSample: ...
 
     async def audit(self, pod: str, ip: str) -> tuple[dict | None, str | None]: ...

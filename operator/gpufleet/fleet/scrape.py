@@ -13,7 +13,8 @@ import logging
 
 import aiohttp
 
-from gpufleet_engine.contract import demand_prior
+from gpufleet_engine.contract import demand_prior, typed
+from gpufleet_engine.contract.adapters import ADAPTERS_PATH, AdapterReport, AdapterSet
 from gpufleet_engine.contract.demand_prior import DemandPrior, PriorError
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 
@@ -78,3 +79,24 @@ class ReplicaReader:
             return None
         except Exception:  # unreachable or older: the next look asks again
             return None
+
+    async def adapters(self, pod: str, ip: str) -> tuple[AdapterReport | None, str | None]:
+        """The replica's ``GET /adapters`` (what it holds, in which state); (None, why) when it
+        cannot say."""
+        try:
+            raw = json.loads(await self._get(f"http://{ip}:{self.guard_port}{ADAPTERS_PATH}"))
+            return typed.convert(AdapterReport, raw), None
+        except Exception as e:
+            return None, f"{type(e).__name__}: {e}"[:200]
+
+    async def put_adapters(self, pod: str, ip: str, wanted: AdapterSet) -> str | None:
+        """Tell the replica its whole adapter set (``PUT /adapters``); None when it took it, else why not."""
+        try:
+            async with self._sem:
+                async with self._http().put(f"http://{ip}:{self.guard_port}{ADAPTERS_PATH}",
+                                            json=typed.to_builtins(wanted, omit_none=True)) as r:
+                    if r.status >= 300:
+                        return f"{ADAPTERS_PATH} answered {r.status}: {(await r.text())[:200]}"
+                    return None
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"[:200]

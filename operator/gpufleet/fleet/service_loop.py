@@ -27,6 +27,7 @@ from typing import Sequence
 
 from gpufleet_engine.contract.guard_config import Role
 
+from ..adapters.index import Adapter
 from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
 from ..audit import fragmentation as frag
@@ -41,6 +42,7 @@ from ..planning.live_ratio import live_ratio
 from ..reconcile import conditions as cond
 from ..reconcile import ratio as ratio_status
 from ..reconcile.replicas import desired_replicas
+from .adapter_sync import AdapterSync
 from .demand_share import DemandShare
 from .ports import ServicePorts
 
@@ -85,6 +87,7 @@ class ServiceLoop:
         self.audit_baseline: dict[str, tuple[int, int]] = {}  # pod -> (alloc retries, OOMs) at the last audit
         self.scaled_in_this_pass = False
         self.demand_share = DemandShare(ports.objects, ports.replicas, namespace, name)
+        self.adapters = AdapterSync(ports, namespace, name)
 
     def spec_of(self, body: dict) -> InferenceServiceSpec | None:
         """The parsed spec, parsed once per generation; None when invalid."""
@@ -123,8 +126,19 @@ class ServiceLoop:
 
     # --- one tick -----------------------------------------------------------------
 
-    async def tick(self, body: dict, pods: list[dict], now: float | None = None, demand: int = 0) -> None:
-        """``demand``: requests routers hold for the service (it may be at zero replicas)."""
+    async def sync_adapters(self, body: dict, pods: list[dict], adapters: Sequence[Adapter],
+                            now: float | None = None) -> None:
+        """Only the adapters' pass, for a service the loop does not tick (no ready replica): their
+        status still says why they are not loaded (LoraDisabled, Placing)."""
+        spec = self.spec_of(body)
+        if spec is not None:
+            await self.adapters.tick(spec, readable_replicas(pods), adapters,
+                                     time.monotonic() if now is None else now)
+
+    async def tick(self, body: dict, pods: list[dict], now: float | None = None, demand: int = 0,
+                   adapters: Sequence[Adapter] = ()) -> None:
+        """``demand``: requests routers hold for the service (it may be at zero replicas);
+        ``adapters``: the InferenceAdapters naming it."""
         now = time.monotonic() if now is None else now
         if self.watching_since is None:
             self.watching_since = now
@@ -133,6 +147,11 @@ class ServiceLoop:
         if spec is None:
             return  # the reconciler reports InvalidSpec
         ready, samples = await self.read_replicas(pods)
+        if spec.engine.lora is not None:
+            self.adapters.observe(samples, now)
+        if spec.engine.lora is not None or adapters:
+            # Before autoscaling: a replica that just became ready gets its adapters first.
+            await self.adapters.tick(spec, ready, adapters, now)
         fields: dict = {}
         kv = [s.kv_usage for s in samples if s.ok and s.kv_usage is not None]
         if kv:

@@ -15,7 +15,7 @@ from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV
 from gpufleet_engine.contract.guard_config import Role
 
 from ..api.v1alpha1 import InferenceServiceSpec, VolumeMount
-from . import guard_config, kv_transfer, model_cache, names, placement, pools
+from . import guard_config, kv_transfer, lora, model_cache, names, placement, pools
 
 CONFIG_DIR = "/etc/gpufleet"
 DRAIN_SLACK_SECONDS = 30
@@ -148,7 +148,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
                 {"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
                     "resource": "requests.cpu", "divisor": "1"}}},
                 *_allocator_env(spec, role), {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH},
-                *kv_transfer.env(spec, role)],
+                *kv_transfer.env(spec, role), *lora.env(spec)],
         "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus,
                                    **model_cache.requests(spec)},
                       "limits": {"memory": str(res.memory), **gpus}},
@@ -157,7 +157,8 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
                          {"name": "engine-tmp", "mountPath": "/tmp"},
                          {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts,
                          {"name": gpu_memory.VOLUME, "mountPath": gpu_memory.MOUNT_PATH},
-                         *kv_transfer.mounts(spec, role), *(_volume_mount(m) for m in pod.volume_mounts)],
+                         *kv_transfer.mounts(spec, role), *lora.mounts(spec, writes=False),
+                         *(_volume_mount(m) for m in pod.volume_mounts)],
         # vLLM must outlive the guard's drain, or in-flight requests die with it.
         "lifecycle": {"preStop": drain},
         "securityContext": container_security_context(),
@@ -174,13 +175,13 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
         # on CUDA's sets NVIDIA_VISIBLE_DEVICES=all). GPU memory comes from vLLM's plugin's reports.
         "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *model_env, *model_cache.offline_env(spec),
                 {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"},
-                {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH}],
+                {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH}, *lora.env(spec)],
         # The root filesystem is read-only; loading a tokenizer needs a temporary directory.
         "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache", "readOnly": True},
                          *model_cache.mounts(spec, read_only=True),
                          {"name": "guard-tmp", "mountPath": "/tmp"}, *model_mounts,
                          {"name": gpu_memory.VOLUME, "mountPath": gpu_memory.MOUNT_PATH, "readOnly": True},
-                         *kv_transfer.guard_mounts(spec, role)],
+                         *kv_transfer.guard_mounts(spec, role), *lora.mounts(spec, writes=True)],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2,
                            "failureThreshold": 2, "timeoutSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
@@ -222,6 +223,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
             *model_volumes,
             *model_cache.volumes(service, spec),
             *kv_transfer.volumes(service, spec, role),
+            *lora.volumes(spec),
             *pod.volumes,
         ],
         "enableServiceLinks": False,

@@ -14,6 +14,7 @@ from gpufleet_engine.contract.guard_config import (
     EngineConfig,
     GuardConfig,
     KVTransferConfig,
+    LoraConfig,
     QueueClass,
     Role,
     SLOConfig,
@@ -26,7 +27,7 @@ from gpufleet_engine.contract.guard_config import (
 from ..api.v1alpha1 import KV_CONNECTORS, KV_STORE_MOUNT, InferenceServiceSpec
 from . import names, pools
 
-__all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "kv_transfer", "model_location", "render",
+__all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "kv_transfer", "lora", "model_location", "render",
            "served_name"]
 
 MODEL_MOUNT = "/models"
@@ -60,6 +61,15 @@ def kv_transfer(spec: InferenceServiceSpec, role: Role) -> KVTransferConfig | No
                                if kv.shared_storage else {}))
 
 
+def lora(spec: InferenceServiceSpec) -> LoraConfig | None:
+    """spec.engine.lora as guard.json's engine.lora, from which the guard renders vLLM's LoRA flags."""
+    lo = spec.engine.lora
+    if lo is None:
+        return None
+    return LoraConfig(max_loras=lo.max_adapters_per_batch, max_lora_rank=lo.max_rank,
+                      max_cpu_loras=lo.cpu_cache_adapters, max_adapters=lo.max_adapters)
+
+
 def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
                        role: Role = "unified") -> GuardConfig:
     """``role``: the pool whose guards read it (``pools.pools``); ``spec`` has that pool's resources."""
@@ -90,6 +100,7 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
         num_gpu_blocks_override=engine.kv_cache.num_blocks_override,
         cpu_kv_cache_space_gib=engine.kv_cache.cpu_kv_cache_space_gib,
         kv_transfer=kv_transfer(spec, role),
+        lora=lora(spec),
         extra_args=tuple(engine.extra_args),
     )
     return GuardConfig(
