@@ -5,7 +5,8 @@ of the adapter's folder, over http, https or from a file; it is extracted into
 ``<adapter dir>/<name>/`` only when every member is a plain file or folder inside that folder:
 no absolute paths, no ``..``, no links or devices (an archive a user can point the guard at
 must not write anywhere else in the pod). A ``huggingFace`` source is downloaded with
-``huggingface_hub.snapshot_download`` at its revision into the same folder. Each replaces what
+``huggingface_hub.snapshot_download`` at its revision into the same folder, in a child process that
+may reach the Hub although the pod runs with ``HF_HUB_OFFLINE=1``. Each replaces what
 a previous fetch of that name left, atomically: a half-fetched folder is never handed to vLLM.
 
 Failures are ``AdapterProblem``: SourceUnreachable (network, HTTP, Hub; the agent retries
@@ -13,7 +14,10 @@ with backoff) or MissingFiles (nothing there, or not an archive it may extract).
 """
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import tempfile
 import urllib.error
@@ -26,6 +30,7 @@ from gpufleet_engine.contract.adapters import AdapterSpec
 from gpufleet_engine.serving.adapter_check import CONFIG_FILE, AdapterProblem
 
 DOWNLOAD_TIMEOUT_SECONDS = 60.0
+HUB_TIMEOUT_SECONDS = 600.0   # a large adapter from the Hub
 UNREACHABLE, MISSING = "SourceUnreachable", "MissingFiles"
 
 Download = Callable[..., str]  # huggingface_hub.snapshot_download's signature
@@ -123,16 +128,27 @@ def adapter_root(folder: Path) -> Path:
 
 
 def _fetch_hub(repo: str, revision: str | None, into: Path, download: Download | None) -> Path:
-    if download is None:
-        from huggingface_hub import constants, snapshot_download
-        if constants.HF_HUB_OFFLINE:
-            raise AdapterProblem(UNREACHABLE, f"cannot download {repo}: the guard runs with HF_HUB_OFFLINE=1")
-        download = snapshot_download
     folder = into / "adapter"
     try:
-        download(repo_id=repo, revision=revision, local_dir=str(folder))
+        (download or _download_online)(repo_id=repo, revision=revision, local_dir=str(folder))
     except Exception as e:  # the Hub's errors (not found, gated, network) all mean: not fetched
         raise AdapterProblem(UNREACHABLE, f"cannot download {repo}"
                                           f"{'@' + revision if revision else ''} from the Hub: "
                                           f"{type(e).__name__}: {e}") from None
     return folder
+
+
+def _download_online(*, repo_id: str, revision: str | None, local_dir: str) -> str:
+    """huggingface_hub's snapshot_download in a child process with HF_HUB_OFFLINE=0: the pod runs with
+    HF_HUB_OFFLINE=1 (vLLM and the guard read the base model from what model-fetch cached, and
+    huggingface_hub reads the switch once, at import), while an adapter is downloaded on purpose, at
+    run time. HF_ENDPOINT and HF_TOKEN pass through (a mirror, a private adapter)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "0"}
+    code = ("import sys; from huggingface_hub import snapshot_download; "
+            "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3])")
+    done = subprocess.run([sys.executable, "-c", code, repo_id, revision or "", local_dir], env=env,
+                          capture_output=True, text=True, timeout=HUB_TIMEOUT_SECONDS)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(last[-500:])
+    return local_dir

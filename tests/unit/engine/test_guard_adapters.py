@@ -278,3 +278,23 @@ class _Tokenizer:
 
     def chat_token_count(self, messages, **kwargs) -> int:
         return 8
+
+
+async def test_a_hub_adapter_downloads_although_the_pod_runs_offline(tmp_path, monkeypatch):
+    """The engine pod sets HF_HUB_OFFLINE=1 for the base model; an adapter from the Hub (here a local
+    stand-in of its HTTP API, as a mirror would be named with HF_ENDPOINT) still downloads."""
+    from tests.support.fake_hub import FakeHub
+    source = tmp_path / "source"
+    adapter(source)
+    hub = FakeHub.from_folder(source)
+    url = await hub.start()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    try:
+        spec = AdapterSpec("h", AdapterSource(hugging_face=HuggingFaceAdapterSource("org/a", "v1")))
+        got = await asyncio.to_thread(adapter_fetch.fetch, spec, tmp_path / "dir")
+    finally:
+        await hub.stop()
+    assert (got / "adapter_config.json").read_bytes() == (source / "adapter_config.json").read_bytes()
+    assert any("/resolve/" in p for p in hub.requested)
