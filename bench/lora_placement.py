@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import random
 import shutil
@@ -53,7 +52,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
-from pd_disaggregation import pct, replica  # noqa: E402
+from pd_disaggregation import Request, Result, pct, replica, run_trace  # noqa: E402
 from vllm_router_process import ROUTER, VllmRouterProcess  # noqa: E402
 
 from tests.support.lora_adapters import make_adapters  # noqa: E402
@@ -73,14 +72,6 @@ COUNTERS = {gm.ADAPTER_LOADS + "_total": "loads", gm.ADAPTER_EVICTIONS + "_total
 ARMS = ("a round robin, every adapter everywhere, vllm-router", "b gpufleet placement + router")
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
-    at: float
-    adapter: str
-    prompt: str
-    max_tokens: int
-
-
 def zipf_weights(names: list[str], s: float = 1.0) -> list[float]:
     return [1.0 / (k ** s) for k in range(1, len(names) + 1)]
 
@@ -94,60 +85,8 @@ def trace(seed: int, names: list[str], requests: int, rate: float, words: int = 
         at += rng.expovariate(rate)
         adapter = rng.choices(names, weights)[0]
         text = f"Ticket {seed}-{i}. " + " ".join(rng.choice(WORDS) for _ in range(words))
-        out.append(Request(at, adapter, text, answer))
+        out.append(Request(at, text, answer, kind=adapter, model=adapter))
     return out
-
-
-@dataclasses.dataclass
-class Result:
-    adapter: str
-    ttft: float | None = None
-    gaps: list[float] = dataclasses.field(default_factory=list)
-    tokens: int = 0
-    error: str | None = None
-
-
-async def one(http: aiohttp.ClientSession, url: str, req: Request) -> Result:
-    res = Result(req.adapter)
-    sent = time.monotonic()
-    try:
-        async with http.post(f"{url}/v1/completions", json={
-                "model": req.adapter, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}) as r:
-            if r.status != 200:
-                res.error = f"{r.status} {(await r.text())[:200]}"
-                return res
-            last = None
-            async for line in r.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line[len(b"data: "):])
-                if chunk.get("usage"):
-                    res.tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                now = time.monotonic()
-                if res.ttft is None:
-                    res.ttft = now - sent
-                elif last is not None:
-                    res.gaps.append(now - last)
-                last = now
-    except aiohttp.ClientError as e:
-        res.error = f"{type(e).__name__}: {e}"
-    if res.error is None and res.tokens < req.max_tokens:
-        res.error = f"answer cut at {res.tokens} of {req.max_tokens} tokens"
-    return res
-
-
-async def run_trace(url: str, requests: list[Request]) -> tuple[list[Result], float]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-        started = time.monotonic()
-
-        async def at_its_time(req: Request) -> Result:
-            await asyncio.sleep(max(0.0, started + req.at - time.monotonic()))
-            return await one(http, url, req)
-        results = await asyncio.gather(*(at_its_time(r) for r in requests))
-        return list(results), time.monotonic() - started
 
 
 async def counters(engines: list[LocalEngine]) -> dict[str, dict[str, float]]:
@@ -337,7 +276,9 @@ def table(report: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=150)
-    ap.add_argument("--warmup", type=int, default=180, help="requests whose per-adapter counts place the adapters (60 s at the default rate: the operator's rate window)")
+    ap.add_argument("--warmup", type=int, default=180,
+                    help="requests whose per-adapter counts place the adapters (60 s at the default rate: the "
+                         "operator's rate window)")
     ap.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ttft-slo-ms", type=int, default=1000)

@@ -70,7 +70,8 @@ class Request:
     at: float          # seconds after the trace starts
     prompt: str
     max_tokens: int
-    kind: str          # "long-prompt" or "long-answer"
+    kind: str          # "long-prompt" or "long-answer" (bench/lora_placement.py: the adapter)
+    model: str = MODEL  # what the request names (an adapter in bench/lora_placement.py)
 
 
 def trace(seed: int, requests: int, rate: float, long_words: int = 420, short_words: int = 24,
@@ -102,7 +103,7 @@ async def one(http: aiohttp.ClientSession, url: str, req: Request) -> Result:
     sent = time.monotonic()
     try:
         async with http.post(f"{url}/v1/completions", json={
-                "model": MODEL, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+                "model": req.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
                 "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}) as r:
             if r.status != 200:
                 res.error = f"{r.status} {(await r.text())[:200]}"
