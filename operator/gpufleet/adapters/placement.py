@@ -21,7 +21,10 @@ So each adapter is held by a bounded set of replicas sized by its traffic:
   (TooManyAdapters);
 - replicas that hold an adapter now keep it while it is still wanted there
   (a move costs a load on the new replica), so placement changes only when
-  traffic or replicas do.
+  traffic or replicas do; but when keeping them leaves the busiest replica
+  more than ``MOVE_SLACK`` above what a placement from scratch would give it
+  (a placement made before any traffic, when every adapter counted the same),
+  the placement from scratch is taken, matched to the current holders.
 
 Traffic is requests per second; with no traffic yet every adapter counts the same.
 """
@@ -33,6 +36,11 @@ from typing import Collection, Mapping, Sequence
 
 # A replica should carry at most this share of one adapter's traffic before the adapter gets another.
 TARGET_SHARE = 0.8
+# Sticky holders are kept while the busiest replica's adapter traffic stays within this fraction above
+# what a placement from scratch gives it; past that the placement from scratch is taken (its replicas
+# matched to the current holders to move as few adapters as it can): stickiness cannot freeze a
+# placement made before the traffic was known.
+MOVE_SLACK = 0.1
 
 
 @dataclass
@@ -61,6 +69,42 @@ def place(adapters: Mapping[str, float], replicas: Sequence[str], capacity: int,
           bounds: Mapping[str, tuple[int, int]] | None = None, limit: int | None = None) -> Placement:
     """Place ``adapters`` (name → requests/s) on ``replicas``; ``capacity`` adapters fit one
     replica's cache, ``limit`` (default ``capacity``) is the most one replica may hold."""
+    sticky = _place(adapters, replicas, capacity, current, bounds, limit)
+    if not current:
+        return sticky
+    fresh = _place(adapters, replicas, capacity, None, bounds, limit)
+    if _busiest(sticky, adapters, replicas) <= _busiest(fresh, adapters, replicas) * (1 + MOVE_SLACK) + 1e-9:
+        return sticky
+    return _matched(fresh, current, replicas)
+
+
+def _busiest(p: Placement, adapters: Mapping[str, float], replicas: Sequence[str]) -> float:
+    """The largest adapter traffic one replica carries (each adapter's split evenly over its holders)."""
+    load = dict.fromkeys(replicas, 0.0)
+    for a, rs in p.holders.items():
+        for r in rs:
+            load[r] += max(adapters.get(a, 0.0), 0.0) / len(rs)
+    return max(load.values(), default=0.0)
+
+
+def _matched(p: Placement, current: Mapping[str, Collection[str]], replicas: Sequence[str]) -> Placement:
+    """``p`` with its replicas renamed (a permutation: every replica is alike) so that as many
+    adapters as it can stay where they are now; pairs by the most adapters in common first."""
+    wanted = {r: set(p.adapters_on(r)) for r in replicas}
+    have = {r: {a for a, rs in current.items() if r in rs} for r in replicas}
+    pairs = sorted(((len(wanted[f] & have[c]), f, c) for f in replicas for c in replicas),
+                   key=lambda t: (-t[0], replicas.index(t[1]), replicas.index(t[2])))
+    rename: dict[str, str] = {}
+    for _, f, c in pairs:
+        if f not in rename and c not in rename.values():
+            rename[f] = c
+    holders = {a: sorted((rename[r] for r in rs), key=replicas.index) for a, rs in p.holders.items()}
+    return Placement(holders, p.unplaced, sorted((rename[r] for r in p.overflowing), key=replicas.index))
+
+
+def _place(adapters: Mapping[str, float], replicas: Sequence[str], capacity: int,
+           current: Mapping[str, Collection[str]] | None,
+           bounds: Mapping[str, tuple[int, int]] | None, limit: int | None) -> Placement:
     current = current or {}
     bounds = bounds or {}
     limit = max(limit if limit is not None else capacity, capacity)
