@@ -152,6 +152,10 @@ class AdapterAgent:
                                                   served_model=self.base_model, base_model=step.spec.base_model)
             except AdapterProblem as p:
                 self._failed(step, p)
+            except Exception as e:  # a surprise fails this adapter, never the loop or the others
+                log.exception("fetching adapter %s failed", step.name)
+                self._failed(step, AdapterProblem("LoadFailed", f"the guard could not fetch it: "
+                                                                f"{type(e).__name__}: {e}"))
             else:
                 self.book.fetched(step.name, step.spec, checked.path, checked.rank, now())
         elif step.kind == "load":
