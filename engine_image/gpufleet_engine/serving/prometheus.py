@@ -8,7 +8,7 @@ rate() and absent() in alert rules work before the first failure.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -257,31 +257,28 @@ class GuardMetrics:
         r.register(LoraStatsCollector(self.gpu_memory.directory, lambda: self.adapters))
         self.add_classes(classes)
 
+    def _adapter_series(self, name: str) -> list[tuple[Any, tuple[str, ...]]]:
+        """Every (metric, labels) series of one adapter."""
+        return [*((self.adapter_requests, (name, o)) for o in OUTCOMES),
+                *((self.adapter_tokens, (name, k)) for k in m.ADAPTER_TOKEN_KINDS),
+                (self.adapter_ttft_seconds, (name,)),
+                *((self.adapter_load_failures, (name, r)) for r in FAILURE_REASONS)]
+
     def add_adapter(self, name: str) -> None:
         """Create an adapter's series at zero (it joined this replica's set)."""
         if name in self.adapters:
             return
         self.adapters.add(name)
-        for outcome in OUTCOMES:
-            self.adapter_requests.labels(name, outcome)
-        for kind in m.ADAPTER_TOKEN_KINDS:
-            self.adapter_tokens.labels(name, kind)
-        self.adapter_ttft_seconds.labels(name)
-        for reason in FAILURE_REASONS:
-            self.adapter_load_failures.labels(name, reason)
+        for metric, labels in self._adapter_series(name):
+            metric.labels(*labels)
 
     def remove_adapter(self, name: str) -> None:
         """Drop an adapter's series (it left this replica's set)."""
         if name not in self.adapters:
             return
         self.adapters.discard(name)
-        for outcome in OUTCOMES:
-            self.adapter_requests.remove(name, outcome)
-        for kind in m.ADAPTER_TOKEN_KINDS:
-            self.adapter_tokens.remove(name, kind)
-        self.adapter_ttft_seconds.remove(name)
-        for reason in FAILURE_REASONS:
-            self.adapter_load_failures.remove(name, reason)
+        for metric, labels in self._adapter_series(name):
+            metric.remove(*labels)
 
     def add_classes(self, classes: list[str]) -> None:
         """Create every series of these queue classes at zero (a reload may add classes)."""

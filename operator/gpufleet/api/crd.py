@@ -25,11 +25,16 @@ def _strip_status_defaults(schema: dict) -> dict:
     return schema
 
 
-PRINTER_COLUMNS: list[dict] = [
+# Both kinds' Ready condition and its reason.
+READY_COLUMNS: list[dict] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
      "description": "Ready condition"},
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
      "description": "Why Ready is what it is"},
+]
+
+PRINTER_COLUMNS: list[dict] = [
+    *READY_COLUMNS,
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready replicas"},
     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas",
      "description": "Replicas the operator wants"},
@@ -53,10 +58,7 @@ PRINTER_COLUMNS: list[dict] = [
 
 ADAPTER_PRINTER_COLUMNS: list[dict] = [
     {"name": "Service", "type": "string", "jsonPath": ".spec.service", "description": "The base InferenceService"},
-    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
-     "description": "Ready condition"},
-    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
-     "description": "Why Ready is what it is"},
+    *READY_COLUMNS,
     {"name": "Loaded", "type": "integer", "jsonPath": ".status.loadedReplicas",
      "description": "Replicas that have the adapter loaded"},
     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas",

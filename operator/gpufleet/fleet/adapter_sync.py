@@ -74,7 +74,7 @@ class AdapterSync:
         self.last_sync: float | None = None
         self.seen: tuple = ()
         self.sent: dict[str, AdapterSet] = {}     # replica → the set this process last PUT there
-        self.written: dict[str, dict] = {}        # adapter → the status this process last wrote
+        self.status = StatusWriter(ports)
 
     def observe(self, samples: Sequence[ReplicaSample], now: float) -> None:
         """The adapters' request counters of this tick's reads (for their rates)."""
@@ -94,7 +94,7 @@ class AdapterSync:
         if lora is None:
             # Nothing to send (no replica of this service loads adapters); the adapters say why.
             for a in adapters:
-                await self.write(a, adapter_status.lora_disabled(self.name, a.generation))
+                await self.status.write(a, adapter_status.lora_disabled(self.name, a.generation))
             return
         # Also with no adapter left: a replica may still hold one that was deleted.
         if not self.due(adapters, ready, now):
@@ -119,7 +119,7 @@ class AdapterSync:
         for a in adapters:
             seen = adapter_status.Observed(holders=plan.holders(a.name), reports=reports,
                                            rate=rates.get(a.name, 0.0), refusal=plan.refused.get(a.name))
-            await self.write(a, adapter_status.adapter_status(a.name, self.name, a.generation, seen))
+            await self.status.write(a, adapter_status.adapter_status(a.name, self.name, a.generation, seen))
 
     async def send(self, pod: dict, wanted: AdapterSet, report: AdapterReport | None, now: float) -> None:
         name = pod["name"]
@@ -135,16 +135,31 @@ class AdapterSync:
         self.sent[name] = wanted
         log.info("%s/%s: %s holds adapters %s", self.ns, self.name, name, [a.name for a in wanted.adapters])
 
+    def forget(self, adapter: str) -> None:
+        self.status.forget(self.ns, adapter)
+
+
+class StatusWriter:
+    """InferenceAdapters' status as this process last wrote it: a write only when it changed."""
+
+    def __init__(self, ports: ServicePorts):
+        self.ports = ports
+        self.written: dict[tuple[str, str], dict] = {}   # (namespace, adapter) → the status last written
+
     async def write(self, adapter: Adapter, new: dict) -> None:
         """Write an adapter's status when it changed; an Event when its failure reason did."""
-        old = self.written.get(adapter.name) or adapter.status
-        if not adapter_status.differs(old, new):
-            return
-        await write_status(self.ports, adapter, old, new)
-        self.written[adapter.name] = new
+        key = (adapter.namespace, adapter.name)
+        old = self.written.get(key) or adapter.status
+        if adapter_status.differs(old, new):
+            await write_status(self.ports, adapter, old, new)
+            self.written[key] = new
 
-    def forget(self, adapter: str) -> None:
-        self.written.pop(adapter, None)
+    def forget(self, namespace: str, adapter: str) -> None:
+        self.written.pop((namespace, adapter), None)
+
+    def keep_only(self, adapters: Sequence[Adapter]) -> None:
+        live = {(a.namespace, a.name) for a in adapters}
+        self.written = {k: v for k, v in self.written.items() if k in live}
 
 
 async def write_status(ports: ServicePorts, adapter: Adapter, old: dict, new: dict) -> None:
@@ -172,17 +187,11 @@ class OrphanAdapters:
     GRACE_S = 10.0
 
     def __init__(self, ports: ServicePorts):
-        self.ports = ports
-        self.written: dict[tuple[str, str], dict] = {}
+        self.status = StatusWriter(ports)
 
     async def tick(self, adapters: Sequence[Adapter], watching_for: float) -> None:
         if watching_for < self.GRACE_S:
             return
-        live = {(a.namespace, a.name) for a in adapters}
-        self.written = {k: v for k, v in self.written.items() if k in live}
+        self.status.keep_only(adapters)
         for a in adapters:
-            new = adapter_status.service_not_found(a.service, a.namespace, a.generation)
-            old = self.written.get((a.namespace, a.name)) or a.status
-            if adapter_status.differs(old, new):
-                await write_status(self.ports, a, old, new)
-                self.written[(a.namespace, a.name)] = new
+            await self.status.write(a, adapter_status.service_not_found(a.service, a.namespace, a.generation))
