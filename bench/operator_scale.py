@@ -2,12 +2,19 @@
 and the operator's peak RSS. Baseline in the same run: N=10, so the ratio
 shows how per-service cost grows with N.
 
+Where the time went: the CPU seconds of the operator and of the control
+plane's processes over the run (on 2 cores they share the machine), and the
+operator's API requests per service by verb and resource (its own counter,
+gpufleet_operator_api_requests_total).
+
     .venv/bin/python bench/operator_scale.py [--n 100]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import os
 import sys
 import tempfile
 import time
@@ -17,6 +24,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import client, ensure_cluster, fresh_namespace, peak_rss_mib  # noqa: E402
 from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and its reaped children so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / TICK
+
+
+def cpu_now(state: dict, operator_pid: int) -> dict[str, float]:
+    out = {"operator": cpu_seconds(operator_pid)}
+    for name, proc in state.get("processes", {}).items():
+        if name in CONTROL_PLANE:
+            try:
+                out[name] = cpu_seconds(proc["pid"])
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return out
+
+
+def api_requests(op: OperatorProcess) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    for family in text_string_to_metric_families(op.metrics_text()):
+        if family.name == "gpufleet_operator_api_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[f"{sample.labels['verb']} {sample.labels['resource']}"] += int(sample.value)
+    return counts
 
 API = "serving.gpufleet.dev/v1alpha1"
 
@@ -34,6 +72,7 @@ async def reconcile_n(state: dict, n: int) -> dict:
     op = OperatorProcess(state["kubeconfig"], log, ("--namespace", ns)).start()
     try:
         start = time.monotonic()
+        cpu_before = cpu_now(state, op.proc.pid)
         sem = asyncio.Semaphore(20)
 
         async def create(i):
@@ -53,10 +92,13 @@ async def reconcile_n(state: dict, n: int) -> dict:
                 raise SystemExit(f"only {done}/{n} reconciled after 600s; operator log {log}")
             await asyncio.sleep(0.5)
         total = time.monotonic() - start
+        cpu_after = cpu_now(state, op.proc.pid)
+        requests = api_requests(op)
         deployments = len(await kube.list("apps/v1", "Deployment", ns))
         rss = peak_rss_mib(op.proc.pid)
         return {"n": n, "seconds": total, "create_seconds": created, "per_service_ms": 1000 * total / n,
-                "deployments": deployments, "peak_rss_mib": rss}
+                "deployments": deployments, "peak_rss_mib": rss,
+                "cpu": {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}, "requests": requests}
     finally:
         op.stop()
         await kube.delete("v1", "Namespace", ns)
@@ -78,6 +120,13 @@ async def main() -> None:
               f"{r['peak_rss_mib']:.0f} MiB |")
     print(f"\nper-service cost ratio N={args.n} vs N={args.baseline_n}: "
           f"{big['per_service_ms'] / base['per_service_ms']:.2f}x (1.0 = linear scaling)")
+    for r in (base, big):
+        print(f"\nN={r['n']}: CPU seconds over the run ({r['seconds']:.1f} s wall, 2 cores = "
+              f"{2 * r['seconds']:.0f} CPU s): " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                       sorted(r["cpu"].items(), key=lambda kv: -kv[1])))
+        total = sum(r["requests"].values())
+        print(f"N={r['n']}: the operator's API requests: {total} ({total / r['n']:.1f} per service): " +
+              ", ".join(f"{k} {v / r['n']:.2f}" for k, v in r["requests"].most_common()))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ SUITE = [
     ("A new replica's first minute: cold, seeded from the service, warm", ["bench/guard_scaleout.py"]),
     ("Prefill/decode: unified x2, P/D behind gpufleet's router and behind vllm-router", ["bench/pd_disaggregation.py"]),
     ("LoRA adapters: placement by traffic vs round robin over every adapter", ["bench/lora_placement.py"]),
+    ("Streams that survive a dying replica: resumption on vs off", ["bench/stream_resumption.py"]),
     ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
 ]

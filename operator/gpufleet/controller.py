@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from datetime import datetime, timezone
 from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
 
 from gpufleet_engine.contract.guard_config import Role
@@ -25,12 +26,21 @@ from .api import SpecError, parse_spec
 from .api import v1alpha1 as t
 from .kube.client import KubeClient
 from .kube.errors import ApiError, Conflict
-from .manifests import names
+from .manifests import names, revision
+from .manifests.guard_config import read_running
 from .manifests.network_policy import EngineIngress
 from .manifests.pools import POOL_ROLES, pools
 from .metrics import OperatorMetrics
 from .reconcile import conditions as cond
-from .reconcile.desired import desired_children, draining_roles, stale_deployments
+from .reconcile import drains
+from .reconcile.desired import (
+    CanaryChildren,
+    desired_children,
+    draining_roles,
+    spec_revision,
+    stale_budgets,
+    stale_deployments,
+)
 from .reconcile.replicas import desired_replicas
 from .reconcile.status import (
     CHILD_REJECTED,
@@ -43,6 +53,8 @@ from .reconcile.status import (
     unschedulable_pods,
 )
 from .reconcile.validation import validate
+from .rollout import steps
+from .rollout.status import rollout_conditions, rollout_patch
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +83,10 @@ class _Rejection:
 
 class Controller:
     def __init__(self, kube: KubeClient, metrics: OperatorMetrics, clock: Callable[[], float] = time.monotonic, *,
-                 podmonitor_labels: Mapping[str, str] | None = None, engine_ingress: EngineIngress | None = None):
+                 podmonitor_labels: Mapping[str, str] | None = None, engine_ingress: EngineIngress | None = None,
+                 wall: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
         self.kube = kube
+        self._wall = wall  # the time a canary step starts (status.rollout.stepStartedAt)
         self.metrics = metrics
         self._clock = clock
         self._podmonitor_checked_at = -1e9
@@ -85,6 +99,8 @@ class Controller:
         self.last_reconciled: dict[tuple[str, str], float] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._rejections: dict[tuple[str, str], _Rejection] = {}
+        # Cordoned nodes and the services with pods on them, fed by the runtime's watches.
+        self.cordons = drains.CordonIndex()
 
     async def has_podmonitor(self) -> bool:
         # The Prometheus Operator may be installed after us: re-discover now and then.
@@ -183,6 +199,44 @@ class Controller:
                         pools={role: by_name.get(names.deployment_name(service, role)) for role in POOL_ROLES}), \
             deployments
 
+    async def cordoned_nodes(self, pods: list[dict]) -> set[str]:
+        """The nodes of ``pods`` that are cordoned: as the node watch showed them, or read once when it
+        has not shown one yet (a reconcile right after the operator starts)."""
+        out = set()
+        for node in drains.node_names(pods):
+            known = self.cordons.cordoned(node)
+            if known is None:
+                obj = await self.kube.get_or_none("v1", "Node", node)
+                if obj is None:
+                    continue
+                known = bool((obj.get("spec") or {}).get("unschedulable"))
+                self.cordons.node_seen(node, known)
+            if known:
+                out.add(node)
+        return out
+
+    async def prune_budgets(self, isvc: dict, spec: t.InferenceServiceSpec) -> None:
+        """Delete the PodDisruptionBudgets of the shape the service left (or the one budget over every
+        pool an older operator made): a pod under two budgets cannot be evicted at all."""
+        meta = isvc["metadata"]
+        budgets = await self.kube.list("policy/v1", "PodDisruptionBudget", meta["namespace"],
+                                       label_selector=names.selector_string(meta["name"]))
+        for pdb in stale_budgets(isvc, spec, budgets):
+            if await self.kube.delete("policy/v1", "PodDisruptionBudget", pdb["metadata"]["name"], meta["namespace"]):
+                log.info("%s/%s: deleted PodDisruptionBudget %s of its former shape", meta["namespace"],
+                         meta["name"], pdb["metadata"]["name"])
+
+    async def drain_events(self, isvc: dict, previous: dict | None, surge: drains.Surge) -> None:
+        """One Event when the surge for cordoned nodes starts or changes, one when it ends."""
+        if not drains.changed(previous, surge):
+            return
+        if surge.total:
+            await self.kube.event(isvc, reason="DrainSurge", message=drains.message(surge))
+        else:
+            await self.kube.event(isvc, reason="DrainSurgeEnded", message=(
+                f"no engine pod left on a cordoned node ({', '.join((previous or {}).get('nodes') or [])}); "
+                f"back to the desired replicas"))
+
     async def prune(self, isvc: dict, stale: list[dict], observed: Observed, spec: t.InferenceServiceSpec) -> None:
         """Delete the Deployments of the shape the service left (unified ↔ disaggregated), once every
         Deployment of its new shape exists: the old pods go as the new ones are created, never
@@ -234,18 +288,39 @@ class Controller:
             # Read before the apply: the guard ConfigMap keeps the guard.json of a pool whose pods
             # still run (draining after a change of shape; their preStop hook reads it).
             pods = await self.engine_pods(ns, name)
+            # Pods on cordoned nodes (kubectl drain): their replacements start before they are evicted.
+            surge = drains.surge(pods, await self.cordoned_nodes(pods))
+            if drains.changed(previous.get(drains.FIELD), surge):
+                apply_children = True
+            plan: steps.Plan | None = None
+            canary: CanaryChildren | None = None
             if apply_children:
-                rejected = await self._apply_children(isvc, spec, by_pool, draining_roles(pods, spec))
+                plan, canary = await self._rollout_plan(isvc, spec, by_pool, pods)
+                rejected = await self._apply_children(isvc, spec, by_pool, draining_roles(pods, spec), surge, canary)
             observed, deployments = await self.observe(ns, name, pods)
             keep_rejection = not apply_children and rejected_for(previous, gen)
             if not rejected and not keep_rejection:
-                await self.prune(isvc, stale_deployments(isvc, spec, deployments), observed, spec)
+                stale = stale_deployments(isvc, spec, deployments)
+                await self.prune(isvc, stale, observed, spec)
+                # Stale budgets come with a change of shape, or (a disaggregated service's) from an
+                # operator that made one budget over every pool: no extra list for the others.
+                if apply_children and (stale or spec.disaggregation is not None):
+                    await self.prune_budgets(isvc, spec)
+            if plan is not None and not rejected:
+                for reason, message, type_ in plan.events:
+                    await self.kube.event(isvc, reason=reason, message=message, type_=type_)
 
             def compute(current: dict) -> StatusUpdate:
                 status = derive_status(service=name, namespace=ns, generation=gen, spec=spec, desired=replicas,
                                        observed=observed, previous=current,
-                                       pool_desired=by_pool if spec.disaggregation is not None else None)
+                                       pool_desired=by_pool if spec.disaggregation is not None else None,
+                                       surge=surge)
                 updates = status.pop("conditions")
+                # What the Deployments were given: a refused apply leaves the surge to its retry.
+                status[drains.FIELD] = current.get(drains.FIELD) if rejected else drains.status(surge)
+                if plan is not None and not rejected:
+                    status["rollout"] = rollout_patch(current.get("rollout"), plan.rollout)
+                    updates = rollout_conditions(plan.rollout, updates, gen)
                 if rejected:
                     updates = rejected + [u for u in updates if u["type"] not in (cond.READY, cond.PROGRESSING)]
                 elif keep_rejection:  # refreshing counts only: the refusal stands until the next try
@@ -253,7 +328,13 @@ class Controller:
                 return status, updates
 
             await self._events_for_transitions(isvc, previous, compute(previous)[1], observed)
+            if not rejected:
+                await self.drain_events(isvc, previous.get(drains.FIELD), surge)
             await self.update_status(isvc, compute)
+            if apply_children and not rejected and (canary is None or canary.canary_replicas is None):
+                # After the status that sets its weight to 0: the router stops sending it requests
+                # first; those it holds drain in its pods' preStop hooks.
+                await self._remove_canary(isvc, deployments)
             status = isvc.get("status") or {}
             self.metrics.desired_replicas.labels(ns, name).set(replicas)
             self.metrics.ready_replicas.labels(ns, name).set(status.get("readyReplicas", 0))
@@ -267,14 +348,54 @@ class Controller:
         finally:
             self.metrics.reconcile_seconds.observe(self._clock() - started)
 
+    async def _rollout_plan(self, isvc: dict, spec: t.InferenceServiceSpec, replicas: Mapping[Role, int],
+                            pods: list[dict]) -> tuple[steps.Plan | None, CanaryChildren | None]:
+        """The canary's plan (``rollout.steps.plan``) and what it changes in the children; (None, None)
+        for a service that never had spec.rollout Canary (today's rolling update, no extra reads)."""
+        meta = isvc["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        previous = (isvc.get("status") or {}).get("rollout")
+        canary_spec = spec.rollout is not None and spec.rollout.strategy == "Canary" and spec.disaggregation is None
+        if not canary_spec and not previous:
+            return None, None
+        if spec.disaggregation is not None:
+            return steps.Plan(False, None, False, {}), None
+        live_stable = await self.kube.get_or_none("apps/v1", "Deployment", names.deployment_name(name), ns)
+        live = steps.Live(revision.of_deployment(live_stable), revision.rolled_out(live_stable))
+        plan = steps.plan(spec.rollout, unified=True, new=spec_revision(isvc, spec), live=live, previous=previous,
+                          now=self._wall())
+        stable_running = None
+        if plan.stable_keeps_template:
+            cm = await self.kube.get_or_none("v1", "ConfigMap", names.configmap_name(name), ns)
+            stable_running = read_running(((cm or {}).get("data") or {}).get(names.guard_config_key()))
+        draining = any((p["metadata"].get("labels") or {}).get(names.LABEL_TRACK) == names.TRACK_CANARY
+                       for p in pods)
+        canary = CanaryChildren(
+            stable_template=(live_stable or {}).get("spec", {}).get("template") if plan.stable_keeps_template else None,
+            stable_running=stable_running,
+            canary_replicas=None if plan.canary_weight is None else
+            steps.canary_replicas(plan.canary_weight, replicas["unified"]),
+            canary_key=plan.canary_weight is not None or draining, promoting=plan.promoting)
+        return plan, canary
+
+    async def _remove_canary(self, isvc: dict, deployments: list[dict]) -> None:
+        """Delete ``<service>-canary`` when no canary is wanted (its guards drain in their preStop hook)."""
+        meta = isvc["metadata"]
+        name = names.canary_deployment_name(meta["name"])
+        if any(d["metadata"]["name"] == name for d in deployments):
+            if await self.kube.delete("apps/v1", "Deployment", name, meta["namespace"]):
+                log.info("%s/%s: deleted Deployment %s (no canary now)", meta["namespace"], meta["name"], name)
+
     async def _apply_children(self, isvc: dict, spec, replicas: Mapping[Role, int],
-                              draining: Iterable[Role] = ()) -> list[dict] | None:
+                              draining: Iterable[Role] = (), surge: drains.Surge | None = None,
+                              canary: CanaryChildren | None = None) -> list[dict] | None:
         """Apply every child; the conditions that report a refused one (None when all were taken)."""
         meta = isvc["metadata"]
         key, gen = (meta["namespace"], meta["name"]), meta.get("generation", 0)
         for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor(),
                                      podmonitor_labels=self.podmonitor_labels,
-                                     engine_ingress=self.engine_ingress, draining_roles=draining):
+                                     engine_ingress=self.engine_ingress, draining_roles=draining, surge=surge,
+                                     canary=canary):
             try:
                 await self.kube.apply(obj)
             except ApiError as e:

@@ -117,8 +117,16 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
         return
     status = body.get("status") or {}
     labels = body.get("metadata", {}).get("labels") or {}
+    _rt(memo).pod_placed(namespace, service, name, None if type == "DELETED" else body.get("spec", {}).get("nodeName"))
     _rt(memo).pod_changed(namespace, service, name, None if type == "DELETED" else {
         "ip": status.get("podIP"), "ready": is_ready(status),
         "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
         "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {}),
-        "role": labels.get(names.LABEL_ROLE, "unified")})
+        "role": labels.get(names.LABEL_ROLE, "unified"), "revision": labels.get(names.LABEL_REVISION),
+        "track": labels.get(names.LABEL_TRACK)})
+
+
+@kopf.on.event("", "v1", "nodes")
+async def node_changed(type, body, name, memo: kopf.Memo, **_) -> None:
+    """A cordon (kubectl drain) starts replacements for the engine pods on the node (docs/drains.md)."""
+    _rt(memo).node_changed(name, None if type == "DELETED" else bool(body.get("spec", {}).get("unschedulable")))

@@ -52,6 +52,13 @@ class OperatorMetrics:
                                           "failed), released (shut down).", ["transition"], registry=r)
         self.isolation_violations = Gauge("gpufleet_isolation_violations", "Foreign pods on reserved nodes.", SVC,
                                           registry=r)
+        self.api_requests = Counter("gpufleet_operator_api_requests_total",
+                                    "Requests this replica's client made to the API server (kopf's watches aside), "
+                                    "by verb, resource and answer code (0: no answer).", ["verb", "resource", "code"],
+                                    registry=r)
+
+    def api_request(self, verb: str, resource: str, code: int) -> None:
+        self.api_requests.labels(verb, resource, str(code)).inc()
 
     def set_spec_gauges(self, namespace: str, service: str, spec) -> None:
         lbl = (namespace, service)

@@ -71,7 +71,8 @@ class OperatorRuntime:
             self.elector = LeaderElector(config, election.namespace or namespace, election.name, election.identity,
                                          election.timing, self.metrics)
             self.elector.on_change = self._leadership_changed
-        self.kube = KubeClient(config, write_fence=None if self.elector is None else self.elector.acting_for)
+        self.kube = KubeClient(config, write_fence=None if self.elector is None else self.elector.acting_for,
+                               on_request=self.metrics.api_request)
         policies = settings.network_policies
         self.controller = Controller(self.kube, self.metrics, podmonitor_labels=settings.podmonitor_labels,
                                      engine_ingress=None if policies is None else policies.ingress(namespace))
@@ -160,6 +161,17 @@ class OperatorRuntime:
         self.trigger(namespace, service, apply=False)
         if self.fleet is not None:
             self.fleet.upsert_pod(namespace, service, pod, view)
+
+    def pod_placed(self, namespace: str, service: str, pod: str, node: str | None) -> None:
+        """Where an engine pod runs (None: gone or not scheduled): a cordon of that node reconciles its service."""
+        self.controller.cordons.pod_seen(namespace, service, pod, node)
+
+    def node_changed(self, node: str, unschedulable: bool | None) -> None:
+        """A node's spec.unschedulable (None: the node is gone). A cordon or an uncordon reconciles every
+        service with engine pods on it: their replacements start before kubectl drain evicts them."""
+        if self.controller.cordons.node_seen(node, unschedulable):
+            for namespace, service in self.controller.cordons.services_on(node):
+                self.trigger(namespace, service, apply=True)
 
     def adapter_changed(self, namespace: str, name: str, body: dict | None) -> None:
         """An InferenceAdapter was created or changed (``body``), or deleted (None): its service's

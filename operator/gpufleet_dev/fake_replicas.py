@@ -15,19 +15,24 @@ class FakeReplicaMetrics:
     def __init__(self, kv: float = 0.5):
         self.kv = kv
         self.runners: dict[str, list[web.AppRunner]] = {}
+        # More of the guard's /metrics text per pod IP (e.g. its SLI counters: ``sli_counters``).
+        self.guard_extra: dict[str, str] = {}
 
     async def _vllm(self, _req: web.Request) -> web.Response:
         return web.Response(text=f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {self.kv}\n"
                                  "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n")
 
-    async def _guard(self, _req: web.Request) -> web.Response:
-        return web.Response(text="# TYPE gpufleet_guard_in_flight gauge\ngpufleet_guard_in_flight 1\n")
+    def _guard(self, ip: str):
+        async def metrics(_req: web.Request) -> web.Response:
+            extra = self.guard_extra.get(ip, "")
+            return web.Response(text="# TYPE gpufleet_guard_in_flight gauge\ngpufleet_guard_in_flight 1\n" + extra)
+        return metrics
 
     async def serve(self, ip: str) -> None:
         if ip in self.runners:
             return
         app = web.Application()
-        app.router.add_get(GUARD_METRICS_PATH, self._guard)
+        app.router.add_get(GUARD_METRICS_PATH, self._guard(ip))
         app.router.add_get(ENGINE_METRICS_PATH, self._vllm)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -39,3 +44,13 @@ class FakeReplicaMetrics:
             for r in runners:
                 await r.cleanup()
         self.runners.clear()
+
+
+def sli_counters(counts: dict[str, tuple[int, int]], cls: str = "interactive") -> str:
+    """The guard's SLI counters as its /metrics shows them: sli -> (events, good events)."""
+    lines = ["# TYPE gpufleet_guard_sli_events counter"]
+    lines += [f'gpufleet_guard_sli_events_total{{sli="{sli}",class="{cls}"}} {e}' for sli, (e, _) in counts.items()]
+    lines.append("# TYPE gpufleet_guard_sli_good_events counter")
+    lines += [f'gpufleet_guard_sli_good_events_total{{sli="{sli}",class="{cls}"}} {g}'
+              for sli, (_, g) in counts.items()]
+    return "\n".join(lines) + "\n"

@@ -20,6 +20,9 @@ def test_the_router_runs_two_replicas_behind_its_own_service_and_a_pdb(helm):  #
     assert "--policy=kv_aware" in container["args"]
     assert "--policy=round_robin" in objects(helm, "--set", "router.policy=round_robin")[
         ("Deployment", "gpufleet-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--resume-streams" in container["args"] and "--max-resumptions=2" in container["args"]
+    assert "--no-resume-streams" in objects(helm, "--set", "router.resumeStreams=false")[
+        ("Deployment", "gpufleet-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
     labels = dep["spec"]["selector"]["matchLabels"]

@@ -14,8 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet_engine.contract import gpu_memory as gm
 from gpufleet_engine.contract import guard_metrics as m
+from gpufleet_engine.vllm import stats
 from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN
 from tests.engine.test_guard_vllm import token_ids, until
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -45,7 +47,7 @@ async def test_the_plugin_runs_inside_vllm_and_reports_no_cuda_device(engine):
     assert families[m.GPU_MEMORY_ALLOC_RETRIES].samples == []
 
 
-async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(extra_guard):
+async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(engine, extra_guard):
     """Four streams with prompts of 40 tokens (2 blocks of 32 each at first; 300 output tokens
     each, so the guard admits all four into 64 blocks): the pool holds
     their tokens in whole blocks, so at most one partly filled block per sequence is waste
@@ -58,6 +60,15 @@ async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(extra_gu
     streams = 4
     guard = await extra_guard(metricsPollSeconds=0.05)
     async with aiohttp.ClientSession() as s:
+        # The session's vLLM is shared: a request another test left running there holds blocks this test
+        # does not count, and one waiting makes the waste unknown. Start on an idle engine.
+        async def vllm_idle():
+            async with s.get(engine.vllm_url + "/metrics") as r:
+                values = {sample.name: sample.value for f in text_string_to_metric_families(await r.text())
+                          for sample in f.samples if sample.name in (stats.RUNNING, stats.WAITING)}
+            return values and not any(values.values())
+        await until(vllm_idle, timeout=60, interval=0.1, what="the session's vLLM idle (no request running or waiting)")
+
         async def start(seed: int) -> aiohttp.ClientResponse:
             body = {"model": "tiny", "prompt": token_ids(40, 900 + seed), "max_tokens": 300, "ignore_eos": True,
                     "stream": True}
@@ -67,14 +78,17 @@ async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(extra_gu
             return r
         responses = await asyncio.gather(*(start(seed) for seed in range(streams)))
         seen: list[dict] = []
+        last: list[dict] = []
         try:
             async def waste_known():
                 kv = (await get_json(s, guard.url + "/audit"))["kv"]
+                last[:] = [kv]
                 if kv["wasteRatio"] is not None and kv["inFlightRequests"] == streams:
                     seen.append(kv)
                 # Two polls of vLLM's metrics (the pool's use grows between them as the streams do).
                 return len({kv["usedBlocks"] for kv in seen}) >= 2
-            await until(waste_known, timeout=30, interval=0.02, what="readings of the KV waste from two polls")
+            await wait_for(waste_known, timeout=30, interval=0.02, what="readings of the KV waste from two polls",
+                           describe=lambda: f"readings kept {seen}; the last report {last}")
         finally:
             for r in responses:
                 r.close()

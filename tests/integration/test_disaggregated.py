@@ -30,6 +30,10 @@ async def test_pools_come_up_counted_and_a_change_of_shape_leaves_only_the_new_d
         assert dep["spec"]["template"]["metadata"]["labels"][names.LABEL_ROLE] == role
         assert dep["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
     assert await kube.get_or_none("apps/v1", "Deployment", "pd-engine", namespace) is None
+    # A budget per pool (docs/drains.md): selectors that never overlap, minAvailable the pool's replicas.
+    budgets = {b["metadata"]["name"]: b["spec"]["minAvailable"]
+               for b in await kube.list("policy/v1", "PodDisruptionBudget", namespace)}
+    assert budgets == {"pd-prefill": 1, "pd-decode": 2}
     wide = control_plane.kubectl("get", "inferenceservice", "pd", "-n", namespace, "-o", "wide").stdout
     header = wide.split("\n")[0].split()
     assert "PREFILL" in header and "DECODE" in header, wide
@@ -44,6 +48,12 @@ async def test_pools_come_up_counted_and_a_change_of_shape_leaves_only_the_new_d
     engine = await wait_for(unified, timeout=PODS_START_SECONDS, what="pd-engine alone",
                             describe=lambda: brief(kube, namespace, "pd"))
     assert names.LABEL_ROLE not in engine["spec"]["template"]["metadata"]["labels"]
+
+    async def one_budget():
+        got = {b["metadata"]["name"] for b in await kube.list("policy/v1", "PodDisruptionBudget", namespace)}
+        return got == {"pd-engine"}
+    await wait_for(one_budget, timeout=30, what="the pools' budgets replaced by pd-engine's",
+                   describe=lambda: kube.list("policy/v1", "PodDisruptionBudget", namespace))
     events = control_plane.kubectl("get", "events", "-n", namespace, "--field-selector",
                                    "involvedObject.name=pd", "-o", "jsonpath={.items[*].reason}").stdout
     assert "PoolRemoved" in events.split(), events

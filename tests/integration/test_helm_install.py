@@ -38,7 +38,10 @@ def test_install_prints_notes_and_creates_the_operator(control_plane, installed)
 
 
 @pytest.mark.parametrize("verb, resource, allowed", [
-    ("patch", "deployments.apps", "yes"), ("create", "pods/eviction", "yes"), ("list", "nodes", "yes"),
+    ("patch", "deployments.apps", "yes"), ("list", "nodes", "yes"), ("watch", "nodes", "yes"),
+    # delete pods: fragmentation remediation (an eviction would be refused: the pool's budget keeps every
+    # desired replica, docs/drains.md); delete budgets: those of a shape a service left.
+    ("delete", "pods", "yes"), ("create", "pods/eviction", "no"), ("delete", "poddisruptionbudgets.policy", "yes"),
     ("patch", "inferenceservices.serving.gpufleet.dev/status", "yes"),
     # delete deployments: the pools of a shape a service left (unified <-> prefill/decode; docs/disaggregation.md).
     ("delete", "deployments.apps", "yes"), ("delete", "configmaps", "no"), ("delete", "services", "no"),

@@ -56,9 +56,11 @@ def built_images(control_plane) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def install(control_plane, built_images):
+def install(control_plane, built_images, crds_installed):
     """The chart in a namespace that enforces the `restricted` Pod Security Standard, the
-    operator watching one workload namespace, scheduled on the real node."""
+    operator watching one workload namespace, scheduled on the real node. The tree's CRDs are applied
+    first (``crds_installed``): helm installs a chart's CRDs only where none exist, and a CRD of an older
+    tree would prune the fields it does not know from every spec the tests write."""
     suffix = uuid.uuid4().hex[:6]
     inst = Install(f"rn-operator-{suffix}", f"rn-work-{suffix}", str(ensure_helm(progress=print)))
     _delete_leftover_cluster_objects(control_plane)

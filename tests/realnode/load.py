@@ -58,21 +58,60 @@ async def answered_after(load: Load, what: str, clients: int = 2) -> None:
 
 @contextlib.asynccontextmanager
 async def streaming(client: openai.AsyncOpenAI, clients: int = 2, model: str = MODEL,
-                    prompt: Callable[[int], str] = same_prompt, max_tokens: int = 12):
+                    prompt: Callable[[int], str] = same_prompt, max_tokens: int = 12, send=None, pause: float = 0.2):
     """``clients`` streaming clients in a loop while the body runs (more starve a second engine's
-    start on a 2-core machine), the n-th request of all with ``prompt(n)``; what they saw."""
+    start on a 2-core machine), the n-th request of all with ``prompt(n)``; what they saw. ``send``:
+    how one stream is sent and judged (``_stream_one`` unless given)."""
     result, stop = Load(), asyncio.Event()
     sent = 0
+    one = send or _stream_one
 
     async def worker():
         nonlocal sent
         while not stop.is_set():
             sent += 1
-            await _stream_one(client, result, model, prompt(sent), max_tokens)
-            await asyncio.sleep(0.2)
+            await one(client, result, model, prompt(sent), max_tokens)
+            await asyncio.sleep(pause)
     tasks = [asyncio.create_task(worker()) for _ in range(clients)]
     try:
         yield result
     finally:
         stop.set()
         await asyncio.gather(*tasks)
+
+
+async def _checked_one(client: openai.AsyncOpenAI, load: Load, model: str, prompt: str, max_tokens: int) -> None:
+    """One stream of exactly ``max_tokens`` tokens (``ignore_eos``), checked whole: one id, text, a
+    finish_reason of "length" and a usage counting every token. A stream cut short or malformed is an
+    error as much as one that raised."""
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        ids, text, finish, usage = set(), "", None, None
+        async for chunk in stream:
+            ids.add(chunk.id)
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        if len(ids) != 1 or not text or finish != "length" or usage is None \
+                or usage.completion_tokens != max_tokens or usage.prompt_tokens <= 0:
+            load.errors.append(f"{time.strftime('%H:%M:%S')} malformed stream: ids {len(ids)}, finish {finish}, "
+                               f"usage {usage}, {len(text)} characters")
+            return
+        load.ok += 1
+    except openai.RateLimitError:
+        load.shed += 1
+        await asyncio.sleep(0.5)
+    except Exception as e:
+        load.errors.append(f"{time.strftime('%H:%M:%S')} {type(e).__name__}: {e}"[:300])
+        await asyncio.sleep(0.2)
+
+
+def checked_streaming(client: openai.AsyncOpenAI, clients: int = 2, model: str = MODEL,
+                      prompt: Callable[[int], str] = same_prompt, max_tokens: int = 48):
+    """As ``streaming``, with every stream checked whole (``_checked_one``): long enough answers that a
+    change lands in the middle of some."""
+    return streaming(client, clients, model, prompt, max_tokens, send=_checked_one, pause=0.1)

@@ -70,6 +70,26 @@ async def _service_ready(kube, ns: str, replicas: int, service: str = SERVICE) -
     return len(pods) == replicas and all(_ready(p) for p in pods)
 
 
+async def _service_settled(kube, ns: str, replicas: int, service: str = SERVICE) -> bool:
+    """``replicas`` Ready pods and none still terminating (a scaled-in pod drains for a while): how a test
+    leaves the session's service for the next one, which counts its pods."""
+    pods = await _pods(kube, ns, names.selector_string(service))
+    return len(pods) == replicas and all(_ready(p) and not p["metadata"].get("deletionTimestamp") for p in pods)
+
+
 async def _cluster_ip(kube, ns: str) -> str:
     svc = await kube.get("v1", "Service", names.service_name(SERVICE), ns)
     return svc["spec"]["clusterIP"]
+
+
+def exec_get(control_plane, ns: str, pod: str, container: str, url: str) -> str:
+    """GET ``url`` from inside a pod's container (its loopback): what the guard or router serves there."""
+    return control_plane.kubectl("-n", ns, "exec", pod, "-c", container, "--", "python3", "-c",
+                                 f"import urllib.request; print(urllib.request.urlopen({url!r}).read().decode())"
+                                 ).stdout
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

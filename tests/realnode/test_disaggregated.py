@@ -24,7 +24,7 @@ from gpufleet_dev.devcluster import node
 from gpufleet.manifests import names
 from gpufleet.manifests.children import RUN_AS_USER
 from tests.realnode.load import answered_after, model_listed, streaming
-from tests.realnode.product import ROOT, _pods, _ready
+from tests.realnode.product import ROOT, _pods, _ready, exec_get, metric_sum
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(900)
@@ -48,24 +48,11 @@ async def _pools(kube, ns: str) -> dict[str, dict]:
     return {p["metadata"]["labels"].get(names.LABEL_ROLE, "unified"): p for p in pods}
 
 
-def _exec_get(control_plane, ns: str, pod: str, container: str, url: str) -> str:
-    """GET ``url`` from inside a pod's container (its loopback): what the guard or router serves there."""
-    return control_plane.kubectl("-n", ns, "exec", pod, "-c", container, "--", "python3", "-c",
-                                 f"import urllib.request; print(urllib.request.urlopen({url!r}).read().decode())"
-                                 ).stdout
-
-
-def _sum(text: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
 def decode_loaded(control_plane, ns: str, decode: dict) -> float:
     """Prompt tokens the decode engine loaded from the connector (vLLM's own counter, through its guard)."""
-    text = _exec_get(control_plane, ns, decode["metadata"]["name"], "guard",
+    text = exec_get(control_plane, ns, decode["metadata"]["name"], "guard",
                      f"http://127.0.0.1:{names.GUARD_PORT}/metrics/engine")
-    return _sum(text, "vllm:external_prefix_cache_hits_total")
+    return metric_sum(text, "vllm:external_prefix_cache_hits_total")
 
 
 async def router_fallbacks(kube, control_plane, install) -> dict[str, float]:
@@ -73,10 +60,10 @@ async def router_fallbacks(kube, control_plane, install) -> dict[str, float]:
     out: dict[str, float] = {}
     for pod in await _pods(kube, install.operator_ns, "app.kubernetes.io/name=gpufleet-router"):
         port = pod["spec"]["containers"][0]["ports"][0]["containerPort"]
-        text = _exec_get(control_plane, install.operator_ns, pod["metadata"]["name"], pod["spec"]["containers"][0][
+        text = exec_get(control_plane, install.operator_ns, pod["metadata"]["name"], pod["spec"]["containers"][0][
             "name"], f"http://127.0.0.1:{port}/metrics")
         for reason in ("no_prefill_replica", "refused", "unreachable", "error", "timeout"):
-            out[reason] = out.get(reason, 0.0) + _sum(text, "gpufleet_router_prefill_fallbacks_total",
+            out[reason] = out.get(reason, 0.0) + metric_sum(text, "gpufleet_router_prefill_fallbacks_total",
                                                       model=MODEL, reason=reason)
     return out
 

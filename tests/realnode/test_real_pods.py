@@ -94,20 +94,6 @@ async def _set_spec(kube, ns: str, patch: dict) -> None:
     await kube.merge_patch(API, "InferenceService", SERVICE, {"spec": patch}, ns)
 
 
-async def test_scale_out_and_in_under_streaming_load(service, install, kube, load, control_plane):
-    await _set_spec(kube, install.work_ns, {"autoscaling": {"minReplicas": 2}})
-    # A second vLLM starting beside a loaded first one took 7-8 minutes on the shared 2-core machine.
-    await wait_for(lambda: _service_ready(kube, install.work_ns, 2), timeout=720, what="two Ready replicas",
-                   describe=lambda: control_plane.kubectl("-n", install.work_ns, "get", "pods", "-o", "wide",
-                                                          check=False).stdout)
-    before_in = load.ok
-    await _set_spec(kube, install.work_ns, {"autoscaling": {"minReplicas": 1}})
-    await wait_for(lambda: _service_ready(kube, install.work_ns, 1), timeout=300, what="back to one replica")
-    await answered_after(load, "the scale-in")
-    assert load.ok > before_in > 0
-    assert load.errors == [], f"{len(load.errors)} failed requests (ok {load.ok}, 429 {load.shed}): {load.errors[:5]}"
-
-
 async def test_spec_change_rolls_the_deployment_without_failed_requests(service, install, kube, load, control_plane):
     dep = await kube.get("apps/v1", "Deployment", names.deployment_name(SERVICE), install.work_ns)
     old = {p["metadata"]["name"] for p in await _pods(kube, install.work_ns, names.selector_string(SERVICE))}

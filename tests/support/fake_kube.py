@@ -1,6 +1,6 @@
 """An in-memory stand-in for ``KubeClient``: enough of the API server's
 behaviour (resourceVersion preconditions, the status subresource, JSON merge
-patch, server-side apply, label selectors, Events, evictions) for the
+patch, server-side apply, label selectors, Events) for the
 operator's control loops to run without a cluster.
 
 Tests steer it with ``reject`` (an object the server refuses), ``pause``
@@ -45,8 +45,6 @@ class FakeKube:
         self.reject: dict[tuple[str, str], ApiError] = {}  # (kind, name) -> refused with this error
         self.pause: dict[tuple[str, str], asyncio.Event] = {}  # (kind, name) -> apply waits for it
         self.paused: dict[tuple[str, str], asyncio.Event] = {}  # set when a paused apply is waiting
-        self.evictions: list[str] = []
-        self.eviction_error: ApiError | None = None
         self.on_write: Callable[[str, Key, dict], Awaitable[None]] | None = None
         self._rv = 0
 
@@ -77,6 +75,10 @@ class FakeKube:
         self.writes.append((verb, key, copy.deepcopy(body)))
         if self.on_write is not None:
             await self.on_write(verb, key, body)
+
+    def deleted(self, kind: str) -> list[str]:
+        """Names of the objects of ``kind`` deleted, in order."""
+        return [key[2] for verb, key, _ in self.writes if verb == "delete" and key[0] == kind]
 
     # --- the KubeClient surface the operator uses -------------------------------------
 
@@ -163,14 +165,5 @@ class FakeKube:
         self.events.append({"involvedObject": {"name": meta["name"], "namespace": meta.get("namespace")},
                             "reason": reason, "message": message, "type": type_})
 
-    async def evict(self, pod: str, namespace: str) -> None:
-        await self.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", body={
-            "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}})
-
     async def request(self, method: str, path: str, *, body=None, **_) -> dict:
-        if method == "POST" and path.endswith("/eviction"):
-            if self.eviction_error is not None:
-                raise self.eviction_error
-            self.evictions.append(body["metadata"]["name"])
-            return {}
         raise error_for(404, {}, f"{method} {path} is not faked")

@@ -51,7 +51,8 @@ def test_a_disaggregated_service_gets_a_prefill_and_a_decode_deployment_instead_
     objs = objects(pd(), {"prefill": 2, "decode": 3})
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
         ("ConfigMap", "chat-guard"), ("Deployment", "chat-prefill"), ("Deployment", "chat-decode"),
-        ("Service", "chat"), ("PodDisruptionBudget", "chat-engine"), ("PodMonitor", "chat-engine")]
+        ("Service", "chat"), ("PodDisruptionBudget", "chat-prefill"), ("PodDisruptionBudget", "chat-decode"),
+        ("PodMonitor", "chat-engine")]
     deps = by_name(objs, "Deployment")
     for role, replicas in (("prefill", 2), ("decode", 3)):
         d = deps[f"chat-{role}"]
@@ -61,11 +62,10 @@ def test_a_disaggregated_service_gets_a_prefill_and_a_decode_deployment_instead_
         assert labels[names.LABEL_ROLE] == role and labels[names.LABEL_SERVICE] == "chat"
 
 
-def test_the_service_the_budget_and_the_monitor_select_the_pods_of_both_pools():
+def test_the_service_and_the_monitor_select_the_pods_of_both_pools():
     objs = objects(pd(), engine_ingress=INGRESS)
     pod_labels = [d["spec"]["template"]["metadata"]["labels"] for d in by_name(objs, "Deployment").values()]
     selectors = [by_name(objs, "Service")["chat"]["spec"]["selector"],
-                 by_name(objs, "PodDisruptionBudget")["chat-engine"]["spec"]["selector"]["matchLabels"],
                  by_name(objs, "PodMonitor")["chat-engine"]["spec"]["selector"]["matchLabels"],
                  by_name(objs, "NetworkPolicy")["chat-engine"]["spec"]["podSelector"]["matchLabels"]]
     for selector in selectors:

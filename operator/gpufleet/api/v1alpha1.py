@@ -687,9 +687,9 @@ class FragmentationAuditSpec(Model, frozen=True, kw_only=True):
         ge=1, le=100)] = 25
     remediation: Annotated[Literal["None", "RestartReplica"], Meta(
         description="None only reports; RestartReplica restarts a replica above the threshold whose "
-                    "allocation retries or OOMs are rising, one at a time, when the "
-                    "PodDisruptionBudget allows and the other ready replicas have KV headroom for its "
-                    "load.")] = "None"
+                    "allocation retries or OOMs are rising (deletes its pod; the guard drains it first), "
+                    "one at a time, when every desired replica is ready, no node drain is under way and "
+                    "the other ready replicas have KV headroom for its load.")] = "None"
     restart_cooldown_seconds: Annotated[int, Meta(
         description="RestartReplica: at least this long between two restarts of the "
                     "service's replicas, and after the operator starts.",
@@ -821,6 +821,77 @@ class SLOSpec(Model, frozen=True, kw_only=True):
         pattern=r"^[1-9]?[0-9](\.[0-9]{1,3})?$")] = "99.9"
 
 
+
+class RolloutStep(Model, frozen=True, kw_only=True):
+    """One step of a canary: the share of new requests the router sends to the new revision, held
+    this long while its SLIs stay inside the SLO."""
+    weight_percent: Annotated[int, Meta(
+        description="Share of new requests sent to the canary revision, percent; the canary Deployment "
+                    "runs ceil(weightPercent x the stable replicas / 100) replicas (at least 1).",
+        ge=1, le=100)]
+    hold_seconds: Annotated[int, Meta(
+        description="How long the step holds, once every canary replica is ready, before the next one.",
+        ge=0, le=86400)] = 120
+
+
+DEFAULT_ROLLOUT_STEPS = [RolloutStep(weight_percent=10, hold_seconds=120),
+                         RolloutStep(weight_percent=50, hold_seconds=120),
+                         RolloutStep(weight_percent=100, hold_seconds=60)]
+STEPS_INCREASING_MESSAGE = ("spec.rollout.steps: weightPercent must increase from step to step (e.g. 10, 50, "
+                            "100); reorder or remove the steps that do not")
+STEPS_LAST_MESSAGE = ("spec.rollout.steps: the last step's weightPercent must be 100 (the canary carries all "
+                      "the traffic before the stable is promoted); add a step {weightPercent: 100}")
+ROLLOUT_DISAGGREGATION_MESSAGE = ("spec.rollout cannot be combined with spec.disaggregation: a disaggregated "
+                                  "service's pools keep rolling updates; remove spec.rollout")
+
+
+class RolloutAnalysis(Model, frozen=True, kw_only=True):
+    """How a canary step is judged: the canary replicas' SLI counters over the step (the same SLIs as the
+    burn-rate alerts: availability, ttft, itl, latency) against the error budget 1 - slo.availabilityPercent/100."""
+    min_requests: Annotated[int, Meta(
+        description="Events an SLI needs over a step before it is judged (fewer: not judged; the step still "
+                    "advances after its hold).",
+        ge=1, le=1000000)] = 20
+    max_burn_rate: Annotated[str, Meta(
+        description="Roll back when an SLI's error ratio over the step exceeds this many times the error "
+                    "budget (a decimal, e.g. \"14.4\", the fast-burn alert's rate).",
+        pattern=r"^[0-9]{1,6}(\.[0-9]{1,3})?$")] = "14.4"
+    progress_deadline_seconds: Annotated[int, Meta(
+        description="Roll back when the canary's replicas are not all ready this long after its step began.",
+        ge=30, le=86400)] = 600
+
+
+class RolloutSpec(Model, frozen=True, kw_only=True):
+    """How a change of what a replica serves (model, engine image or arguments, anything in the pod
+    template) reaches the replicas (docs/rollouts.md). Admission-only changes reload live in both cases."""
+    __schema__ = {"x_kubernetes_validations": [
+        # Indices spelled out (CEL has no range); steps has at most 10 items.
+        rule("[1, 2, 3, 4, 5, 6, 7, 8, 9].all(i, i >= self.steps.size() || "
+             "self.steps[i].weightPercent > self.steps[i - 1].weightPercent)",
+             STEPS_INCREASING_MESSAGE, field_path=".steps"),
+        rule("self.steps.size() == 0 || self.steps[self.steps.size() - 1].weightPercent == 100",
+             STEPS_LAST_MESSAGE, field_path=".steps"),
+    ]}
+    strategy: Annotated[Literal["Rolling", "Canary"], Meta(
+        description="Rolling: the Deployment's rolling update replaces every replica (one surge pod at a "
+                    "time). Canary: the new revision starts beside the old one as <service>-canary, the router "
+                    "shifts traffic to it in steps while its SLIs stay inside the SLO, and rolls back by itself "
+                    "when they do not.")] = "Rolling"
+    steps: Annotated[list[RolloutStep], Meta(
+        description="Canary steps, weightPercent increasing, the last 100.",
+        min_length=1, max_length=10)] = msgspec.field(default_factory=lambda: list(DEFAULT_ROLLOUT_STEPS))
+    paused: Annotated[bool, Meta(
+        description="Hold the canary at its current step (its SLIs are still judged).")] = False
+    promote: Annotated[bool, Meta(
+        description="Skip the remaining steps: the canary goes to 100% and, once its replicas are ready, the "
+                    "stable is promoted.")] = False
+    abort: Annotated[bool, Meta(
+        description="Roll the canary back and start none while true; setting it back to false tries the "
+                    "spec's revision again.")] = False
+    analysis: Annotated[RolloutAnalysis, Meta(
+        description="How each step is judged.")] = msgspec.field(default_factory=RolloutAnalysis)
+
+
 def _both_pools(condition: str) -> str:
     """A CEL condition on a pool (``{p}``) written out for each pool: the two pools are distinct CEL
     types, so they cannot share a list literal (the API server wants literals homogeneous)."""
@@ -881,6 +952,8 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
              "engine.lora cannot be combined with engine.kvTransfer: KV shared through a connector does not say "
              "which adapter computed it. Remove engine.kvTransfer (and engine.kvTier Shared) or engine.lora",
              field_path=".engine.lora"),
+        rule("!has(self.rollout) || !has(self.disaggregation)", ROLLOUT_DISAGGREGATION_MESSAGE,
+             field_path=".rollout"),
     ]}
     model: Annotated[ModelSpec, Meta(description="The model served.")]
     engine: Annotated[EngineSpec, Meta(
@@ -908,6 +981,9 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
         description="Run prefill and decode as separate pools with the KV cache handed over through "
                     "engine.kvTransfer. Unset: one unified pool (Deployment <service>-engine). The pools' bounds "
                     "replace autoscaling.minReplicas and maxReplicas.")]] = None
+    rollout: Optional[Annotated[RolloutSpec, Meta(
+        description="How a change of what a replica serves rolls out: Rolling (unset) or Canary steps with SLO "
+                    "analysis and automatic rollback (docs/rollouts.md). Unified services only.")]] = None
 
 
 # --- status ------------------------------------------------------------------------
@@ -1006,6 +1082,51 @@ class PrefillDecodeRatio(Model, frozen=True, kw_only=True):
     )]
 
 
+class DrainStatus(Model, frozen=True, kw_only=True):
+    """The replicas started to replace them before kubectl drain evicts them (docs/drains.md)."""
+    replicas: Annotated[int, Meta(
+        description="Replicas added to the pools' Deployments, one per engine pod on a cordoned node "
+                    "that is not terminating yet; not counted in desiredReplicas.")] = 0
+    nodes: Annotated[list[str], Meta(description="The cordoned nodes.")] = msgspec.field(default_factory=list)
+    pods: Annotated[list[str], Meta(
+        description="The engine pods on them, each evicted once a replacement is Ready.")] = \
+        msgspec.field(default_factory=list)
+    message: Annotated[str, Meta(description="What is happening, in words.")] = ""
+
+
+class RolloutSLI(Model, frozen=True, kw_only=True):
+    """One SLI of one revision over the current canary step: the deltas of the replicas' guard counters."""
+    revision: Annotated[str, Meta(description="The revision (gpufleet.dev/revision) whose replicas counted.")]
+    sli: Annotated[Literal["availability", "ttft", "itl", "latency"], Meta(description="The SLI.")]
+    events: Annotated[int, Meta(description="Events over the step.")] = 0
+    good_events: Annotated[int, Meta(description="Good events among them.")] = 0
+    burn_rate: Optional[Annotated[str, Meta(
+        description="Error ratio / error budget (a decimal; Inf with slo.availabilityPercent 100); absent with "
+                    "no event.")]] = None
+
+
+class RolloutStatus(Model, frozen=True, kw_only=True):
+    """Revisions and the traffic split (docs/rollouts.md). The router sends canaryWeightPercent of new
+    requests to the ready pods labelled gpufleet.dev/revision=canaryRevision, the rest to the others."""
+    stable_revision: Optional[Annotated[str, Meta(
+        description="The revision the stable Deployment (<service>-engine) runs or rolls to.")]] = None
+    canary_revision: Optional[Annotated[str, Meta(
+        description="The revision of <service>-canary; absent when there is no canary.")]] = None
+    canary_weight_percent: Annotated[int, Meta(
+        description="Share of new requests the router sends to the canary revision.", ge=0, le=100)] = 0
+    step: Optional[Annotated[int, Meta(description="Index of the current step in spec.rollout.steps.")]] = None
+    phase: Optional[Annotated[Literal["Progressing", "Paused", "Promoting", "Promoted", "RolledBack", "Aborted"],
+                              Meta(description="Where the rollout stands.")]] = None
+    message: Annotated[str, Meta(description="What is going on, for a human.")] = ""
+    step_started_at: Optional[Annotated[str, Meta(
+        description="When the current step began (RFC 3339).", extra_json_schema={"format": "date-time"})]] = None
+    rolled_back_revision: Optional[Annotated[str, Meta(
+        description="A revision rolled back: not tried again until the spec's revision changes or "
+                    "spec.rollout.abort is set true and then false.")]] = None
+    sli: Annotated[list[RolloutSLI], Meta(
+        description="The SLIs of each revision over the current step.")] = msgspec.field(default_factory=list)
+
+
 class InferenceServiceStatus(Model, frozen=True, kw_only=True):
     """Observed state, written by the operator."""
     observed_generation: Optional[Annotated[int, Meta(description="Generation of the spec last reconciled.")]] = None
@@ -1035,6 +1156,10 @@ class InferenceServiceStatus(Model, frozen=True, kw_only=True):
         description="With spec.disaggregation: the live prefill:decode ratio, which "
                     "spec.disaggregation.ratioPolicy Bound holds the pools to.")]] = None
     fragmentation: Optional[Annotated[FragmentationStatus, Meta(description="Last fragmentation audit.")]] = None
+    drain: Optional[Annotated[DrainStatus, Meta(
+        description="Present while engine pods sit on cordoned nodes.")]] = None
+    rollout: Optional[Annotated[RolloutStatus, Meta(
+        description="Revisions and the canary's traffic split (spec.rollout).")]] = None
     isolation_violations: Annotated[list[str], Meta(
         description="Foreign pods found on nodes reserved for this service.")] = msgspec.field(default_factory=list)
     conditions: Annotated[list[Condition], Meta(

@@ -102,7 +102,7 @@ class RestartContext:
     ready_replicas: int
     desired_replicas: int
     pods_terminating: int
-    pdb_disruptions_allowed: int
+    node_drain: bool                    # replacements for pods on cordoned nodes run (status.drain)
     scaling_in: bool                    # a scale-in decided in this pass, or marked and not finished
     kv_usage: Mapping[str, float]       # ready replicas' KV-cache usage, 0..1
     kv_high: float                      # the scale-out watermark, 0..1
@@ -124,8 +124,8 @@ def may_restart(pod: str, ctx: RestartContext) -> tuple[bool, str]:
                        f"one replica at a time")
     if ctx.ready_replicas < 2:
         return False, "it is the only ready replica; restarting it would drop all traffic"
-    if ctx.pdb_disruptions_allowed < 1:
-        return False, "the PodDisruptionBudget allows no disruption now"
+    if ctx.node_drain:
+        return False, "a node drain is under way; one disruption at a time"
     others = ctx.ready_replicas - 1
     if len(ctx.kv_usage) < ctx.ready_replicas:
         return False, "not every ready replica's KV usage could be read; its load cannot be placed"

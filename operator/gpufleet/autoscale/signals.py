@@ -67,6 +67,8 @@ class ReplicaSample:
     request_tokens: RequestTokens = RequestTokens()  # vLLM's finished requests' token counts
     # cumulative requests per LoRA adapter (every outcome), (adapter, count) sorted by adapter
     adapter_requests: tuple[tuple[str, float], ...] = ()
+    # cumulative SLI events and good events per sli (every class), (sli, events, good) sorted by sli
+    sli: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def load(self) -> float:
@@ -91,6 +93,8 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
     prompt: dict[float, float] = {}
     output: dict[float, float] = {}
     adapters: dict[str, float] = {}
+    sli_events: dict[str, float] = {}
+    sli_good: dict[str, float] = {}
     for name, labels, value in _samples(engine_text):
         if name in KV_USAGE:
             kv.setdefault(name, value)
@@ -123,6 +127,9 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
             _add(itl, labels, value)
         elif name == guard.ADAPTER_REQUESTS + "_total" and labels.get("adapter"):
             adapters[labels["adapter"]] = adapters.get(labels["adapter"], 0.0) + value
+        elif name in (guard.SLI_EVENTS + "_total", guard.SLI_GOOD_EVENTS + "_total") and _alerted(labels):
+            into = sli_events if name == guard.SLI_EVENTS + "_total" else sli_good
+            into[labels["sli"]] = into.get(labels["sli"], 0.0) + value
     usage = next((kv[n] for n in KV_USAGE if n in kv), None)
     finished = RequestTokens(tokens.get(PROMPT_TOKENS + "_count", 0.0), tokens.get(PROMPT_TOKENS + "_sum", 0.0),
                              tokens.get(OUTPUT_TOKENS + "_sum", 0.0), tuple(sorted(prompt.items())),
@@ -131,7 +138,15 @@ def parse_replica(pod: str, engine_text: str, guard_text: str) -> ReplicaSample:
                          guard_queued=queued, guard_in_flight=in_flight, shed_total=shed,
                          ttft_buckets=tuple(sorted(ttft.items())), queue_buckets=tuple(sorted(queue.items())),
                          itl_buckets=tuple(sorted(itl.items())), kv_waste=waste, requests_total=requests,
-                         request_tokens=finished, adapter_requests=tuple(sorted(adapters.items())))
+                         request_tokens=finished, adapter_requests=tuple(sorted(adapters.items())),
+                         sli=tuple((k, sli_events[k], sli_good.get(k, 0.0)) for k in sorted(sli_events)))
+
+
+def _alerted(labels: dict[str, str]) -> bool:
+    """An SLI series the burn-rate alerts count (rules/gpufleet.rules.yaml, group gpufleet-sli): every
+    class's availability, the latency SLIs of every class but background."""
+    sli = labels.get("sli")
+    return bool(sli) and (sli == guard.SLI.AVAILABILITY or labels.get("class") != "background")
 
 
 def _add(buckets: dict[float, float], labels: dict[str, str], value: float) -> None:

@@ -60,7 +60,7 @@ class ObjectApplier(Protocol):
 
 class ObjectApi(ObjectApplier, Protocol):
     """The verbs a service loop uses besides status: scale-in marks, the audit request's
-    annotation, the PodDisruptionBudget read and the eviction of remediation."""
+    annotation, reads, and the pod deletion of remediation."""
 
     async def merge_patch(self, api_version: str, kind: str, name: str, patch: dict,
                           namespace: str | None = None, subresource: str | None = None) -> dict: ...
@@ -68,7 +68,7 @@ class ObjectApi(ObjectApplier, Protocol):
     async def get_or_none(self, api_version: str, kind: str, name: str,
                           namespace: str | None = None) -> dict | None: ...
 
-    async def evict(self, pod: str, namespace: str) -> None: ...
+    async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool: ...
 
 
 class DemandSource(Protocol):

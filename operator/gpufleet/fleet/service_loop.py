@@ -40,9 +40,11 @@ from ..manifests import names
 from ..manifests.pools import POOL_ROLES
 from ..planning.live_ratio import live_ratio
 from ..reconcile import conditions as cond
+from ..reconcile import drains
 from ..reconcile import ratio as ratio_status
 from ..reconcile.replicas import desired_replicas
 from .adapter_sync import AdapterSync
+from .canary import CanaryLoop
 from .demand_share import DemandShare
 from .ports import ServicePorts
 
@@ -63,6 +65,14 @@ RATIO_UPDATE_S = 30.0
 def readable_replicas(pods: list[dict]) -> list[dict]:
     """Replica views ({name, ip, ready, deleting, role}) that serve traffic and can be read."""
     return [p for p in pods if p["ready"] and p.get("ip") and not p["deleting"]]
+
+
+def hold_scale_in(status: dict, decision: policy.Decision | None, current: int) -> policy.Decision | None:
+    """No scale-in while replacements for pods on cordoned nodes run (status.drain): the surge is not
+    capacity the autoscaler decided, and a scale-in then could remove the replacement a drain waits for."""
+    if decision is not None and decision.target < current and drains.surging(status):
+        return None
+    return decision
 
 
 def role_of(pod: dict) -> Role:
@@ -88,6 +98,7 @@ class ServiceLoop:
         self.scaled_in_this_pass = False
         self.demand_share = DemandShare(ports.objects, ports.replicas, namespace, name)
         self.adapters = AdapterSync(ports, namespace, name)
+        self.canary = CanaryLoop(ports, namespace, name)
 
     def spec_of(self, body: dict) -> InferenceServiceSpec | None:
         """The parsed spec, parsed once per generation; None when invalid."""
@@ -175,6 +186,8 @@ class ServiceLoop:
             conditions = await self.autoscale(body, spec, samples, now, fields, demand)
         if fields or conditions:
             await self.ports.status.write_status(body, fields, conditions)
+        if spec.rollout is not None and spec.rollout.strategy == "Canary" and spec.disaggregation is None:
+            await self.canary.tick(body, spec, pods, samples)
         await self.release_deletion_costs(body, pods)
         if spec.admission.reservation == "Predicted":
             # A disaggregated service's answer lengths are what its decode pods see (a prefill pod
@@ -195,6 +208,7 @@ class ServiceLoop:
         decision, self.state, obs = policy.decide(th, current=current, ready=ready, samples=samples,
                                                   state=self.state, now=now,
                                                   demand=demand)
+        decision = hold_scale_in(status, decision, current)
         if decision is not None and decision.target != current:
             await self.act(body, spec, decision, current, samples, fields)
             return []
@@ -269,6 +283,7 @@ class ServiceLoop:
             decision, self.pool_states[role], obs = policy.decide(
                 th, current=current[role], ready=ready.get(role, 0), samples=samples[role],
                 state=self.pool_states[role], now=now)
+            decision = hold_scale_in(status, decision, current[role])
             decisions[role] = decision if decision is not None and decision.target != current[role] else None
             views[role] = (role, obs, current[role], ready.get(role, 0), th)
         held = None
@@ -470,8 +485,7 @@ class ServiceLoop:
                 names.ANNOTATION_AUDIT_REQUEST: None}}}, self.ns)
 
     def restart_context(self, body: dict, spec: InferenceServiceSpec, samples: Sequence[ReplicaSample],
-                        pods: Sequence[dict], now: float, pdb_allowed: int,
-                        pod: str | None = None) -> frag.RestartContext:
+                        pods: Sequence[dict], now: float, pod: str | None = None) -> frag.RestartContext:
         """``pod``: the replica to restart; on a disaggregated service the context is its pool's (the
         other pool cannot carry its load)."""
         status = body.get("status") or {}
@@ -488,29 +502,28 @@ class ServiceLoop:
             cooldown_seconds=spec.audit.fragmentation.restart_cooldown_seconds,
             last_restart_ago=_seconds_since(last),
             ready_replicas=ready, desired_replicas=desired,
-            pods_terminating=sum(1 for p in pods if p["deleting"]), pdb_disruptions_allowed=pdb_allowed,
+            pods_terminating=sum(1 for p in pods if p["deleting"]), node_drain=drains.surging(status),
             scaling_in=self.scaled_in_this_pass or bool(self.removals),
             kv_usage={s.pod: s.kv_usage for s in samples if s.ok and s.kv_usage is not None},
             kv_high=policy.Thresholds.from_spec(spec.autoscaling).kv_high)
 
     async def remediate(self, body: dict, pod: str, spec: InferenceServiceSpec, samples: Sequence[ReplicaSample],
                         pods: Sequence[dict], now: float) -> None:
-        pdb = await self.ports.objects.get_or_none("policy/v1", "PodDisruptionBudget", names.pdb_name(self.name),
-                                                   self.ns)
-        allowed = (pdb or {}).get("status", {}).get("disruptionsAllowed", 0)
-        ok, why = frag.may_restart(pod, self.restart_context(body, spec, samples, pods, now, allowed, pod))
+        ok, why = frag.may_restart(pod, self.restart_context(body, spec, samples, pods, now, pod))
         if not ok:
             await self.ports.events.event(body, reason="RemediationDeferred", type_="Warning",
                                      message=f"not restarting {pod}: {why}")
             return
-        try:  # the Eviction API re-checks the budget atomically
-            await self.ports.objects.evict(pod, self.ns)
+        # Deleted, not evicted: the pool's budget keeps every desired replica (docs/drains.md), and the
+        # rules above are this restart's own budget (one at a time, every replica ready, headroom).
+        try:
+            await self.ports.objects.delete("v1", "Pod", pod, self.ns)
         except ApiError as e:
             await self.ports.events.event(body, reason="RemediationDeferred", type_="Warning",
-                                     message=f"eviction of {pod} refused: {e.message}")
+                                     message=f"deletion of {pod} failed: {e.message}")
             return
         await self.ports.events.event(body, reason="ReplicaRestarted",
-                                 message=f"evicted {pod}: GPU memory fragmented and allocation retries or OOMs "
+                                 message=f"deleted {pod}: GPU memory fragmented and allocation retries or OOMs "
                                          f"rising ({why})")
         fstatus = (body.get("status") or {}).get("fragmentation") or {}
         await self.ports.status.write_status(body, {"fragmentation": {

@@ -21,6 +21,7 @@ import aiohttp
 
 from .config import Credentials, KubeConfig
 from .errors import ApiError, NotFound, NotLeading, error_for
+from .request_kind import request_kind
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,12 @@ class KubeClient:
 
     def __init__(self, config: KubeConfig, *, timeout: float = 30.0,
                  session: aiohttp.ClientSession | None = None,
-                 write_fence: Callable[[], float] | None = None):
+                 write_fence: Callable[[], float] | None = None,
+                 on_request: Callable[[str, str, int], None] | None = None):
         self.config = config
+        # Told (verb, resource, status code) of every request answered: the operator's count of its own
+        # round trips (gpufleet_operator_api_requests_total); status 0 when no answer came.
+        self.on_request = on_request
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         # Seconds this client may still write for (a leader's remaining lease); writes past it are
         # refused before they are sent, and a write never waits for an answer beyond it.
@@ -122,9 +127,14 @@ class KubeClient:
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, ceil_threshold=ceil)
         for attempt in range(2):
-            async with self._send(creds, method, path, headers, params=params, data=data, **kwargs) as resp:
-                text = await resp.text()
-                status = resp.status
+            try:
+                async with self._send(creds, method, path, headers, params=params, data=data, **kwargs) as resp:
+                    text = await resp.text()
+                    status = resp.status
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                self._counted(method, path, params, 0)
+                raise
+            self._counted(method, path, params, status)
             if status == 401 and attempt == 0 and (fresh := await self._after_refusal(creds)) is not None:
                 creds = fresh  # once: reloaded credentials that are refused too are reported
                 continue
@@ -136,6 +146,11 @@ class KubeClient:
         if status >= 400:
             raise error_for(status, payload if isinstance(payload, dict) else {}, text)
         return payload
+
+    def _counted(self, method: str, path: str, params: dict | None, status: int) -> None:
+        if self.on_request is not None:
+            verb, resource = request_kind(method, path, params)
+            self.on_request(verb, resource, status)
 
     # --- discovery -----------------------------------------------------------------
 
@@ -238,12 +253,6 @@ class KubeClient:
             return True
         except NotFound:
             return False
-
-    async def evict(self, pod: str, namespace: str) -> None:
-        """Evict a pod through the Eviction API, which checks its PodDisruptionBudget atomically
-        (429 while the budget allows no disruption)."""
-        await self.request("POST", f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction", body={
-            "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}})
 
     async def watch(self, api_version: str, kind: str, namespace: str | None = None, *,
                     timeout_seconds: int = 60, label_selector: str | None = None,

@@ -12,10 +12,10 @@ from collections.abc import Iterable, Mapping
 from gpufleet_engine.contract import demand_prior, gpu_memory
 from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV
-from gpufleet_engine.contract.guard_config import Role
+from gpufleet_engine.contract.guard_config import GuardConfig, Role
 
 from ..api.v1alpha1 import InferenceServiceSpec, VolumeMount
-from . import guard_config, kv_transfer, lora, model_cache, names, placement, pools
+from . import guard_config, kv_transfer, lora, model_cache, names, placement, pools, revision
 
 CONFIG_DIR = "/etc/gpufleet"
 DRAIN_SLACK_SECONDS = 30
@@ -51,15 +51,21 @@ def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
             "ownerReferences": [names.owner_reference(isvc)]}
 
 
-def build_configmap(isvc: dict, spec: InferenceServiceSpec,
-                    draining: Iterable[Role] = ()) -> tuple[dict, dict[Role, str]]:
+def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[Role] = (), *,
+                    stable_running: GuardConfig | None = None,
+                    canary: bool = False) -> tuple[dict, dict[Role, str]]:
     """The guard ConfigMap and, per pool, the hash of its restart fields (rolls that pool's pods
     when it changes). One key per pool (``names.guard_config_key``: guard.json for the unified pool,
     guard-prefill.json and guard-decode.json for a disaggregated service's), each pod reading its
     own: the live fields reach every running guard through the one ConfigMap, and demand.json
     lies beside them all. ``draining``: roles of a shape the service left whose pods still run;
     their key stays (a running guard takes only its live fields from it, and its preStop hook
-    reads its drain timeout there) until they are gone."""
+    reads its drain timeout there) until they are gone.
+
+    A canary (spec.rollout Canary, a unified service): ``canary`` adds ``names.CANARY_CONFIG_KEY``
+    with the new revision's guard.json for the canary's pods, and ``stable_running`` (the guard.json
+    the stable's pods run, from the live ConfigMap) keeps the stable's restart fields in guard.json
+    while the spec's live fields still reach it. The hash is the spec's, whichever is written."""
     meta = isvc["metadata"]
     data, hashes = {}, {}
     for pool in pools.pools(spec):
@@ -67,6 +73,11 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec,
         data[names.guard_config_key(pool.role)] = guard_config.render(config)
         # Only what a restart applies is hashed: admission changes reach the running guards live.
         hashes[pool.role] = guard_config.config_hash(config)
+        if pool.role == "unified" and canary:
+            data[names.CANARY_CONFIG_KEY] = guard_config.render(config)
+        if pool.role == "unified" and stable_running is not None:
+            data[names.guard_config_key(pool.role)] = guard_config.render(
+                guard_config.keep_restart_fields(stable_running, config))
     for role in sorted(set(draining) - set(hashes)):
         data[names.guard_config_key(role)] = guard_config.render(
             guard_config.build_guard_config(meta["name"], meta["namespace"], spec, role))
@@ -124,8 +135,29 @@ def _allocator_env(spec: InferenceServiceSpec, role: Role) -> list[dict]:
 
 
 def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_hash: str,
-                     role: Role = "unified") -> dict:
-    """The Deployment of one pool (``pools.pools``: ``spec`` carries that pool's resources)."""
+                     role: Role = "unified", track: str | None = None) -> dict:
+    """The Deployment of one pool (``pools.pools``: ``spec`` carries that pool's resources).
+
+    Its pods carry ``names.LABEL_REVISION``: the hash of the template without that label
+    (``manifests.revision``). ``track`` "canary": the unified pool's canary (``<service>-canary``,
+    selector plus ``gpufleet.dev/track: canary``, reading ``names.CANARY_CONFIG_KEY``), labelled with
+    the revision the stable Deployment would have with the same spec, so the two compare equal once
+    the stable is promoted."""
+    dep = _deployment(isvc, spec, replicas, config_hash, role, names.guard_config_key(role))
+    rev = revision.of_template(dep["spec"]["template"])
+    if track == names.TRACK_CANARY:
+        service = isvc["metadata"]["name"]
+        dep = _deployment(isvc, spec, replicas, config_hash, role, names.CANARY_CONFIG_KEY)
+        dep["metadata"]["name"] = names.canary_deployment_name(service)
+        dep["metadata"]["labels"][names.LABEL_TRACK] = names.TRACK_CANARY
+        dep["spec"]["selector"] = {"matchLabels": names.canary_labels(service)}
+        dep["spec"]["template"]["metadata"]["labels"][names.LABEL_TRACK] = names.TRACK_CANARY
+    dep["spec"]["template"]["metadata"]["labels"][names.LABEL_REVISION] = rev
+    return dep
+
+
+def _deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_hash: str,
+                role: Role, config_key: str) -> dict:
     service = isvc["metadata"]["name"]
     model_label = names.model_label(spec.model.name)
     pod = spec.pod
@@ -135,7 +167,7 @@ def build_deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, conf
     res = spec.resources
     model_volumes, model_mounts, model_env = _model_volume(spec)
     config_mount = {"name": "guard-config", "mountPath": CONFIG_DIR, "readOnly": True}
-    config_arg = f"{CONFIG_DIR}/{names.guard_config_key(role)}"
+    config_arg = f"{CONFIG_DIR}/{config_key}"
     drain = {"exec": {"command": ["gpufleet-engine", "drain-wait", "--config", config_arg]}}
     engine = {
         "name": "vllm",
@@ -261,12 +293,30 @@ def build_service(isvc: dict) -> dict:
     }
 
 
-def build_pdb(isvc: dict) -> dict:
+def pdb_selector(service: str, role: Role = "unified") -> dict:
+    """The pods a pool's budget counts: its Deployment's. The unified pool's selector (the service's own
+    labels) would also match a disaggregated pool's pods and a canary's, and a pod under two budgets
+    cannot be evicted at all: it leaves out any pod with a role, and canary pods (their Deployment's
+    replicas are not this pool's, so they must not count toward its minAvailable)."""
+    selector: dict = {"matchLabels": names.pool_labels(service, role)}
+    if role == "unified":
+        selector["matchExpressions"] = [{"key": names.LABEL_ROLE, "operator": "DoesNotExist"},
+                                        {"key": names.LABEL_TRACK, "operator": "NotIn", "values": ["canary"]}]
+    return selector
+
+
+def build_pdb(isvc: dict, role: Role = "unified", replicas: int = 1) -> dict:
+    """A pool's PodDisruptionBudget (docs/drains.md). ``replicas``: the pool's desired replicas, without
+    the drain surge (``reconcile.drains``). minAvailable = those: an eviction (``kubectl drain``) is
+    allowed only while a surge replica is Ready, so the pool never serves on fewer replicas than it
+    wants. A replica that is not Ready is not protected (unhealthyPodEvictionPolicy AlwaysAllow): a
+    broken or still-loading replica never blocks a drain."""
     service = isvc["metadata"]["name"]
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": _meta(isvc, names.pdb_name(service)),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(service)}},
+        "metadata": _meta(isvc, names.pdb_name(service, role)),
+        "spec": {"minAvailable": replicas, "selector": pdb_selector(service, role),
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     }
 
 

@@ -11,6 +11,7 @@ import json
 
 from gpufleet_engine.contract.endpoints import ENGINE_HOST
 from gpufleet_engine.contract.guard_config import (
+    ConfigError,
     EngineConfig,
     GuardConfig,
     KVTransferConfig,
@@ -20,15 +21,17 @@ from gpufleet_engine.contract.guard_config import (
     SLOConfig,
     SpeculativeConfig,
     default_routes,
+    parse,
     render,
     restart_document,
+    with_live_fields,
 )
 
 from ..api.v1alpha1 import KV_CONNECTORS, KV_STORE_MOUNT, InferenceServiceSpec
 from . import names, pools
 
-__all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "kv_transfer", "lora", "model_location", "render",
-           "served_name"]
+__all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "keep_restart_fields", "kv_transfer", "lora",
+           "model_location", "read_running", "render", "served_name"]
 
 MODEL_MOUNT = "/models"
 
@@ -140,3 +143,24 @@ def config_hash(config: GuardConfig) -> str:
     limits) reach the running guards through the ConfigMap alone (docs/guard-config.md)."""
     rendered = json.dumps(restart_document(config), sort_keys=True)
     return hashlib.sha256(rendered.encode()).hexdigest()[:16]
+
+
+def read_running(document: str | None) -> GuardConfig | None:
+    """The guard.json a ConfigMap holds (what its pods were started with), None when absent or not
+    one this operator can read."""
+    if not document:
+        return None
+    try:
+        return parse(json.loads(document))
+    except (ConfigError, ValueError):
+        return None
+
+
+def keep_restart_fields(running: GuardConfig, new: GuardConfig) -> GuardConfig:
+    """``running``'s restart fields with ``new``'s live ones: what the stable's guards read while a
+    canary runs the new revision (an admission change still reaches them). ``running`` as it is
+    when the two do not fit together as one file."""
+    try:
+        return with_live_fields(running, new)
+    except ConfigError:
+        return running

@@ -18,6 +18,11 @@ LABEL_ISOLATION = "gpufleet.dev/isolation"
 LABEL_POOL = "gpufleet.dev/node-pool"
 # On the engine pods of a disaggregated service: prefill or decode (absent on a unified service's pods).
 LABEL_ROLE = "gpufleet.dev/role"
+# On every engine pod: a 10-hex hash of what the replica serves (its pod template without this label).
+LABEL_REVISION = "gpufleet.dev/revision"
+# On a canary's pods (spec.rollout Canary): canary; its Deployment's selector adds it.
+LABEL_TRACK = "gpufleet.dev/track"
+TRACK_CANARY = "canary"
 ANNOTATION_CONFIG_HASH = "gpufleet.dev/config-hash"
 ANNOTATION_AUDIT_REQUEST = "gpufleet.dev/audit-requested"
 ENGINE_APP = "gpufleet-engine"
@@ -38,6 +43,16 @@ def deployment_names(service: str) -> tuple[str, ...]:
     return tuple(deployment_name(service, role) for role in ROLES)
 
 
+def canary_deployment_name(service: str) -> str:
+    """The Deployment of a unified service's canary revision (spec.rollout Canary)."""
+    return f"{service}-canary"
+
+
+# The guard ConfigMap's key the canary's pods read: the new revision's whole guard.json, while
+# guard.json keeps the stable's restart fields (its pods were started with them).
+CANARY_CONFIG_KEY = "guard-canary.json"
+
+
 def guard_config_key(role: Role = "unified") -> str:
     """The guard ConfigMap's key (and the file in the pod) of a pool's ``guard.json``."""
     return "guard.json" if role == "unified" else f"guard-{role}.json"
@@ -51,8 +66,15 @@ def configmap_name(service: str) -> str:
     return f"{service}-guard"
 
 
-def pdb_name(service: str) -> str:
-    return f"{service}-engine"
+def pdb_name(service: str, role: Role = "unified") -> str:
+    """A pool's PodDisruptionBudget: named as its Deployment (the unified pool's is ``<service>-engine``,
+    as before budgets were per pool, so an upgrade replaces it in place)."""
+    return deployment_name(service, role)
+
+
+def pdb_names(service: str) -> tuple[str, ...]:
+    """Every PodDisruptionBudget name a service may have had, whatever its shape."""
+    return tuple(pdb_name(service, role) for role in ROLES)
 
 
 def podmonitor_name(service: str) -> str:
@@ -92,6 +114,11 @@ def pool_labels(service: str, role: Role = "unified") -> dict[str, str]:
 def common_labels(service: str) -> dict[str, str]:
     return {LABEL_NAME: ENGINE_APP, LABEL_INSTANCE: service, LABEL_MANAGED_BY: MANAGER,
             LABEL_SERVICE: service, "app.kubernetes.io/part-of": "gpufleet"}
+
+
+def canary_labels(service: str) -> dict[str, str]:
+    """The canary Deployment's selector: the service's engine pods of the canary track."""
+    return {**selector_labels(service), LABEL_TRACK: TRACK_CANARY}
 
 
 def selector_string(service: str) -> str:

@@ -10,6 +10,8 @@ from ..api.v1alpha1 import InferenceServiceSpec
 from ..manifests import names
 from ..manifests.model_cache import FETCH_CONTAINER
 from . import conditions as c
+from .drains import Surge
+from .drains import message as drains_message
 
 # Scaling=False that operators before per-pool autoscaling wrote on a disaggregated service in Auto
 # mode; replaced by True once read (``_scaling_condition``).
@@ -138,13 +140,15 @@ def _scaling_condition(spec: InferenceServiceSpec, generation: int, current: dic
 
 def derive_status(*, service: str, namespace: str, generation: int, spec: InferenceServiceSpec,
                   desired: int, observed: Observed, previous: dict,
-                  pool_desired: Mapping[Role, int] | None = None) -> dict:
+                  pool_desired: Mapping[Role, int] | None = None, surge: Surge | None = None) -> dict:
     """Status fields, and under ``conditions`` the conditions reconcile owns as
     updates by type (the writer merges them over the freshest copy).
 
     ``pool_desired``: a disaggregated service's replicas by pool (``desired`` is their sum); its
     counts are the sums over ``observed.pools``, and it is ready only while every pool has a ready
-    replica (a request needs a prefill and a decode pod)."""
+    replica (a request needs a prefill and a decode pod). ``surge``: pods on cordoned nodes, whose
+    replacements run beside them (Progressing=True, NodeDrain, until they are evicted)."""
+    extra = surge.total if surge is not None else 0
     if pool_desired:
         counts = [_deployment_counts(observed.deployment_of(role)) for role in pool_desired]
         replicas, ready, updated = (sum(n[i] for n in counts) for i in range(3))
@@ -192,7 +196,9 @@ def derive_status(*, service: str, namespace: str, generation: int, spec: Infere
         updates.append(c.condition(c.PROGRESSING, False, "InsufficientCapacity",
                                    f"{len(stuck)} replica(s) unschedulable: {stuck[0][1]}",
                                    generation=generation))
-    elif not rollout_seen or updated < desired or replicas > desired:
+    elif surge is not None and surge.total:
+        updates.append(c.condition(c.PROGRESSING, True, "NodeDrain", drains_message(surge), generation=generation))
+    elif not rollout_seen or updated < desired or replicas > desired + extra:
         updates.append(c.condition(c.PROGRESSING, True, "RollingOut",
                                    f"{updated}/{desired} replicas on the current revision",
                                    generation=generation))

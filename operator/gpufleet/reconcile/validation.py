@@ -5,7 +5,14 @@ import re
 
 from gpufleet_engine.contract.engine_flags import MANAGED_FLAGS, managed_flags_in
 
-from ..api.v1alpha1 import SERVED_NAME_FORBIDDEN, SERVED_NAME_MESSAGE, InferenceServiceSpec
+from ..api.v1alpha1 import (
+    ROLLOUT_DISAGGREGATION_MESSAGE,
+    SERVED_NAME_FORBIDDEN,
+    SERVED_NAME_MESSAGE,
+    STEPS_INCREASING_MESSAGE,
+    STEPS_LAST_MESSAGE,
+    InferenceServiceSpec,
+)
 from ..manifests.pools import replica_bounds
 
 
@@ -37,6 +44,26 @@ def validate(spec: InferenceServiceSpec) -> list[str]:
                         f"raise numBlocksOverride to at least {-(-length // block_size) + 1} or set "
                         f"spec.model.maxModelLen to at most {fits}")
     problems += _model_problems(spec)
+    problems += rollout_problems(spec)
+    return problems
+
+
+def rollout_problems(spec: InferenceServiceSpec) -> list[str]:
+    """spec.rollout (the CRD's CEL rules say the same at admission)."""
+    rollout = spec.rollout
+    if rollout is None:
+        return []
+    problems = []
+    if spec.disaggregation is not None:
+        problems.append(ROLLOUT_DISAGGREGATION_MESSAGE)
+    weights = [s.weight_percent for s in rollout.steps]
+    for i in range(1, len(weights)):
+        if weights[i] <= weights[i - 1]:
+            problems.append(f"spec.rollout.steps[{i}].weightPercent: {weights[i]} is not above the previous "
+                            f"step's {weights[i - 1]}; {STEPS_INCREASING_MESSAGE}")
+            break
+    if weights and weights[-1] != 100:
+        problems.append(f"spec.rollout.steps[{len(weights) - 1}].weightPercent: {weights[-1]}; {STEPS_LAST_MESSAGE}")
     return problems
 
 

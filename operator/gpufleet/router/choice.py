@@ -121,6 +121,7 @@ class Replica:
     pod: str
     address: str               # host:port of the guard
     serving: bool = True       # the pod is Ready, addressed and not terminating (its API object says so)
+    revision: str = ""         # its gpufleet.dev/revision label: what it serves ("" without one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +222,24 @@ class Learned:
             self.prefixes -= self._blocks.popitem(last=False)[1]
 
 
+class Split:
+    """The canary's share of a service's new requests (status.rollout.canaryWeightPercent), spread evenly
+    by smooth weighted round robin (nginx's): of every 100 requests, exactly ``percent`` go to the canary,
+    interleaved, not in runs."""
+
+    def __init__(self) -> None:
+        self._credit = {True: 0, False: 0}   # to the canary?
+
+    def canary_next(self, percent: int) -> bool:
+        percent = min(100, max(0, percent))
+        weights = {True: percent, False: 100 - percent}
+        for side in weights:
+            self._credit[side] += weights[side]
+        chosen = max((True, False), key=lambda side: (self._credit[side], side))
+        self._credit[chosen] -= 100
+        return chosen
+
+
 class Picker:
     """One service's replicas as this router sees them: readings, its own
     sends since each reading, its requests in flight and the prefixes it sent."""
@@ -240,6 +259,10 @@ class Picker:
         self._sent: dict[str, list[Sent]] = {}  # pod -> requests sent since its last reading, still running
         self._ring = Ring(())
         self._ring_pods: frozenset[str] = frozenset()
+        # A canary in progress: its revision and share of new requests (the rest go to the other replicas).
+        self.canary_revision = ""
+        self.canary_percent = 0
+        self.split = Split()
 
     # --- what the router learns --------------------------------------------
 
@@ -330,13 +353,26 @@ class Picker:
         return learned.match(prefix.chain) if learned else 0
 
     def pick(self, cost_blocks: int, prefix: Prefix | None, exclude: Iterable[str] = (),
-             adapter: str | None = None) -> Pick | None:
+             adapter: str | None = None, revision: str | None = None, strict: bool = False) -> Pick | None:
         """The replica for a request needing about ``cost_blocks`` KV blocks whose prompt begins with
         ``prefix``, through ``adapter`` when it names one; None when no replica is eligible (for an
-        adapter: none eligible holds it)."""
+        adapter: none eligible holds it).
+
+        The revision first: with ``revision`` (a retry or a resumption of a request already placed),
+        a replica of that revision when one is eligible (``strict``: only those); without, during a
+        canary, the canary's share of requests goes to its revision and the rest to the others (when one
+        side has no eligible replica, all go to the other); then the policy within the group."""
         excluded = set(exclude)
         candidates = [r for r in (self.eligible() if adapter is None else self.holders(adapter))
                       if r.pod not in excluded]
+        if revision is not None:
+            same = [r for r in candidates if r.revision == revision]
+            candidates = same if same or strict else candidates
+        elif self.canary_revision and 0 < self.canary_percent:
+            canary = [r for r in candidates if r.revision == self.canary_revision]
+            stable = [r for r in candidates if r.revision != self.canary_revision]
+            if canary and stable:
+                candidates = canary if self.split.canary_next(self.canary_percent) else stable
         if not candidates:
             return None
         if self.policy == Policy.ROUND_ROBIN:

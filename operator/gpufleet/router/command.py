@@ -45,10 +45,19 @@ from .server import RouterSettings
 @click.option("--policy", type=click.Choice(POLICIES), default=Policy.KV_AWARE, show_default=True,
               help="How a replica is chosen: kv_aware (prefix affinity, then free KV; docs/router.md) or "
                    "round_robin (each eligible replica in turn: a baseline for benchmarks).")
+@click.option("--resume-streams/--no-resume-streams", default=True, show_default=True,
+              help="A streamed completion whose replica breaks off mid-answer continues on another replica of "
+                   "its revision (docs/resumption.md); off: the client's stream breaks with the replica's.")
+@click.option("--max-resumptions", default=2, show_default=True, type=click.IntRange(0),
+              help="Most times one streamed answer is continued on another replica.")
+@click.option("--resume-timeout-seconds", default=30.0, show_default=True, type=click.FloatRange(0.0),
+              help="A continuation that every replica of its revision refuses (429/503) waits for their "
+                   "Retry-After, this long at most from the break; then the stream ends in an error event.")
 @click.option("-v", "--verbose", is_flag=True)
 def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, reading_interval_seconds,
            prefix_blocks, load_factor, tier_load_factor, max_body_bytes, drain_grace_seconds, hold_timeout_seconds,
-           hold_max_requests, prefill_timeout_seconds, policy, verbose) -> None:
+           hold_max_requests, prefill_timeout_seconds, policy, resume_streams, max_resumptions, resume_timeout_seconds,
+           verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
     from ..kube.client import KubeClient
     from ..kube.config import KubeConfig, KubeConfigError
@@ -66,7 +75,8 @@ def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, readi
                               max_body_bytes=max_body_bytes,
                               drain_grace=drain_grace_seconds, hold_timeout=hold_timeout_seconds,
                               hold_max_requests=hold_max_requests, prefill_timeout=prefill_timeout_seconds,
-                              policy=policy)
+                              policy=policy, resume_streams=resume_streams, max_resumptions=max_resumptions,
+                              resume_timeout=resume_timeout_seconds)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -45,6 +45,16 @@ class TransferParams:
 
 
 TRANSFER_PARAMS = (TransferParams.RETURNED, TransferParams.NONE)
+
+
+class Resumption:
+    """What became of a stream whose replica broke off mid-answer (the ``outcome`` label)."""
+    RESUMED = "resumed"   # another replica continued it: the client's stream completed
+    REFUSED = "refused"   # not resumable faithfully (n > 1, logprobs, tools, ...) or switched off: error event
+    FAILED = "failed"     # resumption tried and failed (no other replica, or --max-resumptions): error event
+
+
+RESUMPTION_OUTCOMES = (Resumption.RESUMED, Resumption.REFUSED, Resumption.FAILED)
 _COLD_START_SECONDS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -95,6 +105,15 @@ class RouterMetrics:
                                           registry=r)
         self.unknown_model_requests = Counter(PREFIX + "unknown_model_requests", "Requests naming a model that "
                                               "no service or adapter in scope serves, answered 404.", registry=r)
+        self.resumed_streams = Counter(PREFIX + "resumed_streams", "Streamed answers whose replica broke off "
+                                       "after the first byte went to the client, by what became of them "
+                                       "(docs/resumption.md).", ["service", "outcome"], registry=r)
+        self.resume_gap_seconds = Histogram(PREFIX + "resume_gap_seconds", "Resumed streams: from the break to "
+                                            "the first event of the replica that continued the answer.",
+                                            ["service"], buckets=_SECONDS, registry=r)
+        self.revision_requests = Counter(PREFIX + "revision_requests", "Requests by the revision "
+                                         "(gpufleet.dev/revision) of the replica first chosen for them; \"\" for "
+                                         "replicas without the label.", ["model", "revision"], registry=r)
         self.readings_failed = Counter(PREFIX + "readings_failed", "Guard /metrics reads that failed.",
                                        ["model"], registry=r)
 

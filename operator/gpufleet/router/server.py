@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -40,11 +41,11 @@ from ..kube.client import KubeClient
 from ..kube.errors import NotFound
 from ..kube.pods import is_serving
 from ..manifests import names
-from . import adapters, handoff, shedding
+from . import adapters, handoff, resume, shedding
 from . import requests as rq
 from .choice import Pick, Picker, Policy, Prefix, Reading, prefix_of
 from .cold_start import ColdStarts
-from .metrics import Fallback, Outcome, RouterMetrics, TransferParams
+from .metrics import Fallback, Outcome, Resumption, RouterMetrics, TransferParams
 from .signals import parse_guard
 from .table import ROLES, Role, Route, Table, build_table
 
@@ -60,6 +61,15 @@ RETRIED_STATUSES = (429, 503)
 # An adapter no ready replica holds loaded: the operator is placing or loading it (or it failed: its
 # InferenceAdapter's Ready condition says), so the client retries soon.
 ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS = 5
+# A guard's answer when its engine failed mid-request before answering (engine_error): nothing reached the
+# client, so the request goes to another replica as after a failed connection.
+ENGINE_FAILED_STATUS = 502
+# A request no replica answered goes out again after this pause, doubling up to the maximum
+# (RouterSettings.unreachable_retry_timeout bounds the whole).
+UNREACHABLE_PAUSE_SECONDS = 0.25
+UNREACHABLE_PAUSE_MAX_SECONDS = 2.0
+# A continuation refused everywhere waits at least this long before asking again (a Retry-After of 0).
+MIN_RESUME_WAIT_SECONDS = 0.05
 
 
 @dataclasses.dataclass
@@ -89,6 +99,17 @@ class RouterSettings:
     # the request goes to decode without it: never held on a stuck prefill replica.
     prefill_timeout: float = 30.0
     policy: str = Policy.KV_AWARE           # choice.POLICIES: round_robin is the benchmarks' baseline
+    # A streamed answer whose replica breaks off mid-stream continues on another replica of its revision
+    # (resume.py), at most this many times; off: the client's stream breaks as the replica's did.
+    resume_streams: bool = True
+    max_resumptions: int = 2
+    # A continuation every replica of the revision refuses (429/503) waits for their Retry-After, this long
+    # at most from the break.
+    resume_timeout: float = 30.0
+    # A request no replica answered (connect failed or timed out, nothing admitted it) is sent again,
+    # with a doubling pause, this long at most from its arrival: a replica starved of CPU or between
+    # an engine's death and its unready probe should not make a client's request fail outright.
+    unreachable_retry_timeout: float = 10.0
 
 
 class Fleet:
@@ -122,6 +143,7 @@ class Fleet:
                 factor = self.settings.tier_load_factor if route.kv_tier else self.settings.load_factor
                 picker = self.pickers.setdefault((model, role), Picker(factor, self.settings.policy))
                 picker.load_factor = factor
+                picker.canary_revision, picker.canary_percent = route.canary_revision, route.canary_weight
                 picker.set_replicas(route.pool(role))
         for model, role in [key for key in self.pickers if key[0] not in table.routes]:
             del self.pickers[(model, role)]
@@ -365,11 +387,25 @@ class Router:
         if prefix is not None:
             self.metrics.prefix_keyed.labels(target.model).inc()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        relay = self._relay(body, route, parsed)
+        if relay is not None and relay.stream.refusal is None:
+            # Counted from vLLM's usage in each chunk (what the client did not ask for is taken out again).
+            body = json.dumps(resume.upstream_body(relay.stream.doc)).encode()
         try:
             return await self._forward(_Call(request, route, body, headers, parsed, target, arrived, prefix,
-                                             adapter.name if adapter else None))
+                                             adapter.name if adapter else None, relay))
         finally:
             self.metrics.request_seconds.labels(target.model).observe(self.fleet.clock() - arrived)
+
+    def _relay(self, body: bytes, route: str, parsed: rq.Parsed) -> _Relay | None:
+        """A streamed completion's relay event by event (resume.py), with resumption on; else None."""
+        if not (self.settings.resume_streams and parsed.stream and route in resume.RESUMABLE_ROUTES):
+            return None
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None
+        return _Relay(resume.Stream(doc, route)) if isinstance(doc, dict) else None
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -456,10 +492,23 @@ class Router:
         # Refused everywhere below maxReplicas: held at most as long as a new replica takes (shedding.py).
         scale_out_deadline = call.arrived + min(self.settings.hold_timeout, self.fleet.cold(model).expected())
         attempt = 0
+        revision: str | None = None   # the first replica's: a retry stays with it when it can
+        broken: _Broken | None = None
+        unreachable_rounds = 0
         while True:
             if attempt >= 2:
                 if not refusals:
-                    break  # nothing answered: not a capacity question
+                    # Nothing answered: not a capacity question. Nothing was admitted either, so the
+                    # request goes out again after a pause while its arrival is recent enough.
+                    pause = min(UNREACHABLE_PAUSE_MAX_SECONDS, UNREACHABLE_PAUSE_SECONDS * 2 ** unreachable_rounds)
+                    if not failure or self.fleet.clock() + pause > \
+                            call.arrived + self.settings.unreachable_retry_timeout:
+                        break
+                    await asyncio.sleep(pause)
+                    unreachable_rounds += 1
+                    attempt, tried = 0, []
+                    self.metrics.retries.labels(model, role, "connect_failed").inc()
+                    continue
                 route_now = self.fleet.table.routes.get(model, target)
                 wait = shedding.wait_before_retrying(
                     len(route_now.pool(role)), route_now.max_of(role),
@@ -473,12 +522,15 @@ class Router:
             picker = self.fleet.picker(model, role)
             if picker is None:
                 return None   # the service left the table: held until it is back or the hold times out
-            pick = picker.pick(cost, prefix, exclude=tried, adapter=call.adapter)
+            pick = picker.pick(cost, prefix, exclude=tried, adapter=call.adapter, revision=revision)
             if pick is None:
                 if tried:
                     attempt = 2  # every replica there is was tried
                     continue
                 return None
+            if revision is None:
+                revision = pick.replica.revision
+                self.metrics.revision_requests.labels(model, revision).inc()
             attempt += 1
             pod = pick.replica.pod
             tried.append(pod)
@@ -491,8 +543,13 @@ class Router:
                 refusals.append(r)
             except _Unreachable as u:
                 failure = u.message
+            except _Broken as b:
+                broken = b
+                break
             finally:
                 picker.finished(pod, ticket)
+        if broken is not None:
+            return await self._resume(call, role, broken, cost)
         if refusals:
             # Every replica tried refused: the earliest any of them expects room is the hint.
             hints = [r.retry_after for r in refusals if r.retry_after is not None]
@@ -525,15 +582,29 @@ class Router:
                 refusal = await upstream.read()
                 done = True
                 raise _Refused(upstream.status, refusal, upstream.content_type, _retry_after(upstream))
+            if upstream.status == ENGINE_FAILED_STATUS:
+                # The guard's engine failed mid-request before answering (killed, crashed): nothing went
+                # to the client, so another replica may take the request.
+                answer = await upstream.read()
+                done = True
+                raise _Unreachable(f"{pick.replica.pod} ({pick.replica.address}) answered "
+                                   f"{upstream.status}: {answer[:300]!r}")
+            relay = call.relay if upstream.status == 200 and _is_sse(upstream) else None
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for k, v in upstream.headers.items():
-                if k.lower() not in HOP_BY_HOP:
+                if k.lower() not in HOP_BY_HOP and not (relay is not None and k.lower() == "content-length"):
                     response.headers.add(k, v)
-            if upstream.headers.get("Content-Length") is not None:
+            if upstream.headers.get("Content-Length") is not None and relay is None:
                 response.content_length = int(upstream.headers["Content-Length"])
             await response.prepare(call.request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
+            if relay is not None:
+                relay.response = relay.response or response
+                if not await self._pump(call, relay, upstream):
+                    relay.stream.broke()
+                    raise _Broken(pick.replica.pod, pick.replica.revision)
+            else:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
             done = True
             await response.write_eof()
             outcome = Outcome.OK if upstream.status < 400 else (
@@ -556,6 +627,143 @@ class Router:
                 upstream.release()
             else:
                 upstream.close()
+
+    # --- streams that survive their replica (resume.py) ------------------------------------
+
+    async def _pump(self, call: _Call, relay: _Relay, upstream: aiohttp.ClientResponse) -> bool:
+        """The replica's events to the client through the relay: True when its answer ended with [DONE]
+        (or an error event it answered), False when it broke off before. The client going away raises."""
+        stream, response = relay.stream, relay.response
+        assert response is not None
+        chunks = upstream.content.iter_any().__aiter__()
+        while True:
+            try:
+                data = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, ConnectionResetError, asyncio.IncompleteReadError) as e:
+                log.warning("%s: a stream broke off after %d events: %s", call.model, stream.events,
+                            f"{type(e).__name__}: {e}")
+                break
+            for event in stream.feed(data):
+                if relay.broke_at is not None:
+                    self.metrics.resume_gap_seconds.labels(call.target.service).observe(
+                        self.fleet.clock() - relay.broke_at)
+                    relay.broke_at = None
+                await response.write(event)
+        return stream.done
+
+    async def _resume(self, call: _Call, role: str, broken: _Broken, cost: int) -> web.StreamResponse:
+        """Continue a stream whose replica broke off mid-answer on other replicas of its revision, at most
+        --max-resumptions times; the client's stream ends well-formed either way."""
+        relay = call.relay
+        assert relay is not None and relay.response is not None
+        stream, response = relay.stream, relay.response
+        service, model = call.target.service, call.model
+        relay.broke_at = self.fleet.clock()
+        broke = [broken.pod]    # never sent a continuation again
+        tried = list(broke)     # this round of replicas
+        refusals: list[float | None] = []
+        deadline = self.fleet.clock() + self.settings.resume_timeout
+        failure = f"the replica {broken.pod} broke off mid-answer"
+        while True:
+            if stream.finished:
+                # It had said all it would: what is left is the ending (finish, usage, [DONE]).
+                await response.write(stream.ending())
+                return await self._ended(model, service, response, Resumption.RESUMED)
+            why = stream.why_not()
+            if why is not None:
+                return await self._end_in_error(model, service, response, Resumption.REFUSED, (
+                    f"The answer's replica broke off mid-stream and the request cannot be resumed faithfully on "
+                    f"another replica: {why}. Send it again."), resume.Code.NOT_RESUMABLE)
+            if len(broke) > self.settings.max_resumptions:
+                return await self._end_in_error(model, service, response, Resumption.FAILED, (
+                    f"The answer's replica broke off mid-stream ({failure}); resumed {len(broke) - 1} times "
+                    f"(--max-resumptions). Send it again."), resume.Code.BROKEN)
+            picker = self.fleet.picker(model, role)
+            pick = None if picker is None else picker.pick(cost, None, exclude=tried, adapter=call.adapter,
+                                                           revision=broken.revision, strict=True)
+            if pick is None and refusals:
+                # Every replica of the revision left refused (429/503: the load of the one that died came
+                # to them): wait for the earliest room they expect, within --resume-timeout-seconds.
+                hints = [h for h in refusals if h is not None]
+                wait = max(MIN_RESUME_WAIT_SECONDS, min(hints) if hints else self.settings.reading_interval)
+                if self.fleet.clock() + wait <= deadline:
+                    await asyncio.sleep(wait)
+                    tried, refusals = list(broke), []
+                    continue
+            if picker is None or pick is None:
+                return await self._end_in_error(model, service, response, Resumption.FAILED, (
+                    f"The answer's replica broke off mid-stream ({failure}) and no other ready replica of its "
+                    f"revision{' holding the adapter' if call.adapter else ''} could continue it. Send it again."),
+                    resume.Code.BROKEN)
+            pod = pick.replica.pod
+            tried.append(pod)
+            self.metrics.picks.labels(model, role, pick.reason).inc()
+            ticket = picker.sent(pod, cost, self.fleet.clock(), None)
+            try:
+                if await self._continue(call, relay, pick):
+                    # Counted before the end goes out: a client that reads the end and then the metric sees it.
+                    self._ended_now(model, service, Resumption.RESUMED)
+                    await response.write_eof()
+                    return response
+                failure = f"then {pod} broke off too"
+                broke.append(pod)
+                tried = list(broke)
+            except _Refused as r:
+                failure = f"{pod} refused the continuation ({r.status})"
+                refusals.append(r.retry_after)
+            except _Unreachable as u:
+                failure = u.message
+                broke.append(pod)
+            finally:
+                picker.finished(pod, ticket)
+
+    async def _continue(self, call: _Call, relay: _Relay, pick: Pick) -> bool:
+        """The continuation to one replica: True when its answer ended the stream."""
+        stream = relay.stream
+        body = json.dumps(stream.continuation()).encode()
+        url = f"http://{pick.replica.address}{call.route}"
+        headers = {k: v for k, v in call.headers.items() if k.lower() != "content-length"}
+        try:
+            upstream = await self.http.post(url, data=body, headers=headers)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise _Unreachable(f"{pick.replica.pod} ({pick.replica.address}): {type(e).__name__}: {e}") from None
+        done = False
+        try:
+            if upstream.status != 200 or not _is_sse(upstream):
+                answer = await upstream.read()
+                done = True
+                if upstream.status in RETRIED_STATUSES:
+                    raise _Refused(upstream.status, answer, upstream.content_type, _retry_after(upstream))
+                raise _Unreachable(f"{pick.replica.pod} answered the continuation {upstream.status}: "
+                                   f"{answer[:300]!r}")
+            ended = await self._pump(call, relay, upstream)
+            if not ended:
+                stream.broke()
+            done = ended
+            return ended
+        finally:
+            if done:
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def _end_in_error(self, model: str, service: str, response: web.StreamResponse, outcome: str,
+                            message: str, code: str) -> web.StreamResponse:
+        log.warning("%s: %s", model, message)
+        await response.write(resume.error_event(message, code))
+        return await self._ended(model, service, response, outcome)
+
+    async def _ended(self, model: str, service: str, response: web.StreamResponse,
+                     outcome: str) -> web.StreamResponse:
+        self._ended_now(model, service, outcome)
+        await response.write_eof()
+        return response
+
+    def _ended_now(self, model: str, service: str, outcome: str) -> None:
+        self.metrics.resumed_streams.labels(service, outcome).inc()
+        self.metrics.requests.labels(model, Outcome.OK if outcome == Resumption.RESUMED else Outcome.ERROR).inc()
 
     # --- the prefill step of a disaggregated request --------------------------------------
 
@@ -653,11 +861,33 @@ class _Call:
     arrived: float
     prefix: Prefix | None           # the prompt's leading blocks, for prefix affinity
     adapter: str | None = None      # the LoRA adapter the request names; None: the base model
+    relay: _Relay | None = None     # a streamed completion relayed event by event, to resume it on a break
 
     @property
     def model(self) -> str:
         """The service's served model name: its pickers and metrics (an adapter's request counts there)."""
         return self.target.model
+
+
+@dataclasses.dataclass
+class _Relay:
+    """A streamed completion's answer to the client, across the replicas that produce it."""
+    stream: resume.Stream
+    response: web.StreamResponse | None = None   # the client's, once prepared
+    broke_at: float | None = None                 # the last break, until the next replica's first event
+
+
+class _Broken(Exception):
+    """A relayed stream's replica broke off after the client's stream began."""
+
+    def __init__(self, pod: str, revision: str):
+        self.pod, self.revision = pod, revision
+
+
+def _is_sse(resp: aiohttp.ClientResponse) -> bool:
+    """An event stream the relay can read (not compressed: bytes pass through undecoded otherwise)."""
+    return resp.headers.get("Content-Type", "").startswith("text/event-stream") and \
+        resp.headers.get("Content-Encoding", "identity") == "identity"
 
 
 class _PrefillSkipped(Exception):

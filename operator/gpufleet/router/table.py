@@ -50,6 +50,9 @@ class Route:
     kv_tier: bool = False
     # The model the engines load (spec.model.name): /v1/models' ``root``, as vLLM's; "": the served name.
     model_root: str = ""
+    # A canary in progress (status.rollout): its pods' gpufleet.dev/revision and its share of new requests.
+    canary_revision: str = ""
+    canary_weight: int = 0
 
     @property
     def root(self) -> str:
@@ -94,7 +97,8 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
                             f"the pod gets no requests")
             continue
         by_pool.setdefault((ns, service, role), []).append(
-            Replica(pod=meta["name"], address=f"{ip}:{guard_port}", serving=serving(pod)))
+            Replica(pod=meta["name"], address=f"{ip}:{guard_port}", serving=serving(pod),
+                    revision=str(labels.get(names.LABEL_REVISION, ""))))
     routes: dict[str, Route] = {}
     # Oldest first: when two services claim one model name, the one that had it first keeps it.
     ordered = sorted(services, key=lambda s: (s["metadata"].get("creationTimestamp") or "",
@@ -115,6 +119,7 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
             problems.append(f"{ns}/{name}: serves model {model!r}, which {kept.namespace}/{kept.service} "
                             f"already serves; not routed (give one of them another spec.model.servedName)")
             continue
+        canary_revision, canary_weight = _canary(isvc)
         pools = {role: tuple(sorted(by_pool.get((ns, name, role), []), key=lambda r: r.pod)) for role in ROLES}
         routes[model] = Route(namespace=ns, service=name, model=model, block_size=spec.engine.kv_cache.block_size,
                               min_replicas=spec.autoscaling.min_replicas,
@@ -123,5 +128,18 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
                                         (Role.DECODE, spec.disaggregation.decode.max_replicas))
                               if spec.disaggregation else (),
                               kv_tier=spec.engine.kv_tier == "Shared" and spec.engine.kv_transfer is not None,
-                              prefill=pools[Role.PREFILL], decode=pools[Role.DECODE], model_root=spec.model.name)
+                              prefill=pools[Role.PREFILL], decode=pools[Role.DECODE], model_root=spec.model.name,
+                              canary_revision=canary_revision, canary_weight=canary_weight)
     return Table(routes, tuple(problems))
+
+
+def _canary(isvc: dict) -> tuple[str, int]:
+    """(status.rollout.canaryRevision, canaryWeightPercent clamped to 0..100); ("", 0) without a canary."""
+    rollout = (isvc.get("status") or {}).get("rollout") or {}
+    revision = rollout.get("canaryRevision")
+    weight = rollout.get("canaryWeightPercent")
+    if not isinstance(revision, str) or not revision:
+        return "", 0
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        weight = 0
+    return revision, int(min(100, max(0, weight)))

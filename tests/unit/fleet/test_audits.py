@@ -48,7 +48,7 @@ def test_cpu_replicas_report_unavailable_instead_of_numbers():
 
 def restart(**over):
     base = dict(now=10_000.0, watching_since=0.0, cooldown_seconds=3600.0, last_restart_ago=None,
-                ready_replicas=3, desired_replicas=3, pods_terminating=0, pdb_disruptions_allowed=1,
+                ready_replicas=3, desired_replicas=3, pods_terminating=0, node_drain=False,
                 scaling_in=False, kv_usage={"a": 0.4, "b": 0.4, "c": 0.4}, kv_high=0.8)
     return frag.may_restart("b", frag.RestartContext(**{**base, **over}))
 
@@ -66,7 +66,7 @@ def test_restart_rules_each_block_on_their_own():
         "one at a time (not ready)": (dict(ready_replicas=2), "one replica at a time"),
         "one at a time (terminating)": (dict(pods_terminating=1), "1 terminating"),
         "only replica": (dict(ready_replicas=1, desired_replicas=1, kv_usage={"b": 0.1}), "only ready replica"),
-        "budget": (dict(pdb_disruptions_allowed=0), "PodDisruptionBudget"),
+        "node drain": (dict(node_drain=True), "node drain"),
         "no headroom": (dict(kv_usage={"a": 0.6, "b": 0.5, "c": 0.6}), "85% KV usage"),
         "unread load": (dict(kv_usage={"a": 0.1, "c": 0.1}), "cannot be placed"),
     }

@@ -303,9 +303,9 @@ def test_a_replica_is_judged_against_the_other_replicas_of_its_pool():
     spec = loop.spec_of(body)
     pods = role_pods()
     samples = [ReplicaSample(pod=p["name"], ok=True, kv_usage=0.2) for p in pods]
-    prefill = loop.restart_context(body, spec, samples, pods, 10_000.0, 1, "p-0")
+    prefill = loop.restart_context(body, spec, samples, pods, 10_000.0, "p-0")
     assert (prefill.ready_replicas, prefill.desired_replicas, set(prefill.kv_usage)) == (1, 1, {"p-0"})
-    decode = loop.restart_context(body, spec, samples, pods, 10_000.0, 1, "d-1")
+    decode = loop.restart_context(body, spec, samples, pods, 10_000.0, "d-1")
     assert (decode.ready_replicas, decode.desired_replicas, set(decode.kv_usage)) == (2, 2, {"d-0", "d-1"})
 
 
@@ -324,14 +324,14 @@ def test_free_gpus_a_pool_of_a_disaggregated_service_can_use_are_not_stranded():
 
 def test_the_only_replica_of_a_pool_is_never_restarted_for_fragmentation_whatever_the_other_pool():
     """Remediation must not take a pool to zero ready replicas: its only prefill pod stays, though
-    the service has three ready pods and the budget allows a disruption."""
+    the service has three ready pods."""
     loop = make_loop(None)
     loop.watching_since = 0.0
     body = pd_isvc()
     spec = loop.spec_of(body)
     pods = role_pods()
     samples = [ReplicaSample(pod=p["name"], ok=True, kv_usage=0.1) for p in pods]
-    ok, why = may_restart("p-0", loop.restart_context(body, spec, samples, pods, 10_000.0, 1, "p-0"))
+    ok, why = may_restart("p-0", loop.restart_context(body, spec, samples, pods, 10_000.0, "p-0"))
     assert not ok and "only ready replica" in why
-    ok, _ = may_restart("d-1", loop.restart_context(body, spec, samples, pods, 10_000.0, 1, "d-1"))
+    ok, _ = may_restart("d-1", loop.restart_context(body, spec, samples, pods, 10_000.0, "d-1"))
     assert ok

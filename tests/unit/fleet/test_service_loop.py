@@ -291,9 +291,9 @@ async def test_the_condition_says_when_decisions_use_only_the_ready_replicas(kub
 # --- remediation --------------------------------------------------------------------------
 
 
-def pdb(allowed):
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": {"name": "chat-engine", "namespace": "ml"}, "status": {"disruptionsAllowed": allowed}}
+def put_pods(kube, pods):
+    for p in pods:
+        kube.put({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": p["name"], "namespace": "ml"}})
 
 
 def restart_isvc(desired=3, ready=3, **status):
@@ -323,6 +323,7 @@ PODS = [pod("a"), pod("b"), pod("c")]
 async def audit_twice(kube, body, *, kv=None, retries_after=40, pods=PODS, now=10_000.0):
     """Two audits of three replicas; b is 40% fragmented and its retries go 3 -> ``retries_after``."""
     kube.put(body)
+    put_pods(kube, pods)
     loop = make_loop(kube, reader=AuditingReader(kv or {"a": 0.3, "b": 0.3, "c": 0.3},
                                                  {"a": (0.05, 0, 0), "b": (0.40, 3, 0), "c": (0.10, 0, 0)}))
     loop.watching_since = 0.0
@@ -336,9 +337,8 @@ async def audit_twice(kube, body, *, kv=None, retries_after=40, pods=PODS, now=1
 
 
 async def test_a_fragmented_replica_losing_memory_is_restarted_and_the_restart_recorded(kube):
-    kube.put(pdb(1))
     await audit_twice(kube, restart_isvc())
-    assert kube.evictions == ["b"]
+    assert kube.deleted("Pod") == ["b"]
     assert kube.event_reasons() == ["FragmentationHigh", "FragmentationHigh", "ReplicaRestarted"]
     f = status(kube)["fragmentation"]
     assert f["lastRestartedReplica"] == "b" and f["lastRestartTime"] and f["percent"] == 40
@@ -346,14 +346,12 @@ async def test_a_fragmented_replica_losing_memory_is_restarted_and_the_restart_r
 
 
 async def test_fragmentation_without_rising_retries_restarts_nothing(kube):
-    kube.put(pdb(1))
     await audit_twice(kube, restart_isvc(), retries_after=3)
-    assert kube.evictions == [] and "RemediationDeferred" not in kube.event_reasons()
+    assert kube.deleted("Pod") == [] and "RemediationDeferred" not in kube.event_reasons()
     assert status(kube)["fragmentation"].get("losingMemoryReplica") is None
 
 
 async def test_no_restart_right_after_the_operator_starts(kube):
-    kube.put(pdb(1))
     body = restart_isvc()
     kube.put(body)
     loop = make_loop(kube, reader=AuditingReader({}, {"a": (0.9, 100, 5), "b": (0.9, 100, 5),
@@ -365,47 +363,42 @@ async def test_no_restart_right_after_the_operator_starts(kube):
         loop.ports.replicas.memory = {p: (0.9, 200 + i, 5) for p in "abc"}
         await loop.audit(kube.obj("InferenceService", "chat"), loop.spec_of(body), ready, now,
                          samples=samples, pods=ready)
-    assert kube.evictions == []
+    assert kube.deleted("Pod") == []
     deferred = [e["message"] for e in kube.events if e["reason"] == "RemediationDeferred"]
     assert deferred and all("no burst after a start" in m for m in deferred)
 
 
 async def test_a_restart_waits_out_the_cooldown_of_the_last_one(kube):
-    kube.put(pdb(1))
     recent = c.now_iso()
     await audit_twice(kube, restart_isvc(fragmentation={"lastRestartTime": recent, "lastRestartedReplica": "a"}))
-    assert kube.evictions == []
+    assert kube.deleted("Pod") == []
     assert any("cooldown" in e["message"] for e in kube.events if e["reason"] == "RemediationDeferred")
 
 
 async def test_one_replica_at_a_time(kube):
-    kube.put(pdb(1))
     await audit_twice(kube, restart_isvc(desired=3, ready=2),
                       pods=[pod("a"), pod("b"), pod("c", ready=False), pod("d", deleting=True)])
-    assert kube.evictions == []
+    assert kube.deleted("Pod") == []
     assert any("one replica at a time" in e["message"] for e in kube.events)
 
 
 async def test_no_restart_when_the_others_lack_kv_headroom_for_its_load(kube):
-    kube.put(pdb(1))
     await audit_twice(kube, restart_isvc(), kv={"a": 0.6, "b": 0.6, "c": 0.6})
-    assert kube.evictions == []
+    assert kube.deleted("Pod") == []
     assert any("90% KV usage" in e["message"] and "watermark" in e["message"] for e in kube.events)
 
 
-@pytest.mark.parametrize("pods, allowed, reason", [
-    ([pod("b")], 1, "only ready replica"),
-    (PODS, 0, "PodDisruptionBudget allows no disruption"),
-], ids=["no-spare-replica", "budget-spent"])
-async def test_remediation_is_deferred_without_spare_capacity(kube, pods, allowed, reason):
-    kube.put(pdb(allowed))
-    await audit_twice(kube, restart_isvc(desired=len(pods), ready=len(pods)), pods=pods)
-    assert kube.evictions == []
+@pytest.mark.parametrize("pods, drain, reason", [
+    ([pod("b")], None, "only ready replica"),
+    (PODS, {"replicas": 1, "nodes": ["n1"], "pods": ["a"]}, "a node drain is under way"),
+], ids=["no-spare-replica", "node-drain"])
+async def test_remediation_is_deferred_without_spare_capacity(kube, pods, drain, reason):
+    await audit_twice(kube, restart_isvc(desired=len(pods), ready=len(pods), drain=drain), pods=pods)
+    assert kube.deleted("Pod") == []
     assert any(reason in e["message"] for e in kube.events if e["reason"] == "RemediationDeferred")
 
 
 async def test_never_in_the_same_pass_as_a_scale_in(kube):
-    kube.put(pdb(1))
     body = restart_isvc()
     body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4, "scaleDownStabilizationSeconds": 0}
     body["metadata"]["annotations"] = {names.ANNOTATION_AUDIT_REQUEST: "now"}
@@ -417,15 +410,7 @@ async def test_never_in_the_same_pass_as_a_scale_in(kube):
     loop.audit_baseline = {"a": (0, 0), "b": (3, 0), "c": (0, 0)}
     await loop.tick(kube.obj("InferenceService", "chat"), PODS, now=10_000.0)
     assert scale_events(kube) == ["ScaledDown"]
-    assert kube.evictions == []
+    assert kube.deleted("Pod") == []
     assert any("scale-in" in e["message"] for e in kube.events if e["reason"] == "RemediationDeferred")
 
 
-async def test_an_eviction_the_budget_refuses_is_reported_not_raised(kube):
-    kube.put(pdb(1))
-    kube.eviction_error = ApiError(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's "
-                                                           "disruption budget.")
-    await audit_twice(kube, restart_isvc())
-    assert kube.event_reasons()[-1] == "RemediationDeferred"
-    assert "violate the pod's disruption budget" in kube.events[-1]["message"]
-    assert "lastRestartTime" not in status(kube)["fragmentation"]

@@ -109,7 +109,9 @@ async def test_a_request_is_prefilled_then_decoded_with_the_hand_off(pd):
     assert prefilled == {**{k: v for k, v in payload.items() if k != "stream_options"}, "max_tokens": 1,
                          "min_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
     [decoded] = pd.sent(pd.decode)
-    assert decoded == {**payload, "kv_transfer_params": HANDED}     # stream and its options as asked
+    # Streamed as asked, with vLLM's per-chunk usage (how resumption counts the tokens sent; resume.py).
+    assert decoded == {**payload, "kv_transfer_params": HANDED,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     prefill_guard = next(g for g in pd.prefill.values() if g.bodies)
     assert prefill_guard.headers[0]["Authorization"] == "Bearer t"
     assert prefill_guard.headers[0]["Accept-Encoding"] == "identity"

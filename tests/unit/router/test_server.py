@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import aiohttp
 import pytest
@@ -74,12 +75,12 @@ class FakeGuard:
         await resp.write_eof()
         return resp
 
-    async def start(self) -> FakeGuard:
+    async def start(self, port: int | None = None) -> FakeGuard:
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
         for route in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
             app.router.add_post(route, self.complete)
-        self.server = TestServer(app, host="127.0.0.1")
+        self.server = TestServer(app, host="127.0.0.1", port=port)
         await self.server.start_server()
         return self
 
@@ -215,6 +216,48 @@ async def test_an_unreachable_replica_is_passed_over(harness):
         await r.read()
     assert harness.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="connect_failed") == 1
     assert harness.count("gpufleet_router_readings_failed_total", model=MODEL) == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_request_no_replica_answered_goes_out_again_until_one_listens(harness):
+    """A replica that does not take connections for a moment (its pod starved of CPU, or between its
+    engine's death and its unready probe) while it is the only one: nothing was admitted, so the
+    request is sent again instead of failing."""
+    port = _free_port()
+    harness.publish([harness.route(Replica("late", f"127.0.0.1:{port}"))])
+    answer = asyncio.create_task(harness.client.post(harness.url + "/v1/completions",
+                                                     data=json.dumps(completion()).encode(),
+                                                     headers={"Content-Type": "application/json"}))
+    await wait_for(lambda: harness.count("gpufleet_router_retries_total", model=MODEL, role="unified",
+                                         reason="connect_failed") >= 1, timeout=10, what="a try sent again")
+    late = await FakeGuard("late").start(port)
+    try:
+        r = await answer
+        assert r.status == 200 and r.headers["X-Replica"] == "late"
+        await r.read()
+        r.release()
+    finally:
+        await late.server.close()
+
+
+async def test_a_request_no_replica_answers_fails_with_502_once_its_retry_time_is_spent():
+    h = Harness([], RouterSettings(unreachable_retry_timeout=0.6))
+    await h.server.start_server()
+    h.publish([h.route(Replica("dead", f"127.0.0.1:{_free_port()}"))])
+    try:
+        async with h.post(completion()) as r:
+            assert r.status == 502 and r.headers["Retry-After"]
+            assert (await r.json())["error"]["code"] == "replica_unreachable"
+        assert h.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="connect_failed") >= 1
+    finally:
+        await h.client.close()
+        await h.http.close()
+        await h.server.close()
 
 
 async def test_a_draining_replica_takes_nothing(harness):
