@@ -6,7 +6,11 @@ kopf only watches (its handlers feed memory and the trigger queue; it writes
 nothing to the objects), so a follower's watches are as warm as the
 leader's. Everything that acts goes through here and waits for leadership:
 the triggered reconciles, the resync, the fleet loops and the audits; the
-API client refuses writes once the leader's lease is no longer certain.
+API client refuses writes once the leader's lease is no longer certain. A
+follower's fleet loop reads the replicas (``--follower-interval-seconds``)
+and writes nothing. On taking the Lease over, the fleet loop's first pass
+runs at once while every service is reconciled again beside it, a few at a
+time, the most recently changed first (docs/high-availability.md).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, Iterable, Mapping
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,6 +39,10 @@ from .settings import OperatorSettings
 log = logging.getLogger(__name__)
 DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile
 TRIGGERED_CONCURRENCY = 16
+# A new leader's reconcile of every service runs beside its fleet loop's first pass: a few at a
+# time, so the scale-outs of that pass do not queue behind 1000 re-applies for the API server and
+# the CPU. Re-applying what the previous leader applied is a backstop, not urgent.
+TAKEOVER_RECONCILE_CONCURRENCY = 4
 RESYNC_CHECK_SECONDS = 30.0  # how often the resync looks for services due one
 TRANSIENT_RETRY_SECONDS = 5.0  # 409, 429, 5xx
 ERROR_BACKOFF_FIRST_S = 30.0  # other API errors: doubling up to ERROR_BACKOFF_MAX_S
@@ -54,6 +62,12 @@ def retry_delay(error: Exception, failures: int) -> float | None:
     # Refused children are reported in status by the controller; what is left (a kind that is
     # not served, credentials) is not fixed by asking again soon.
     return min(ERROR_BACKOFF_MAX_S, ERROR_BACKOFF_FIRST_S * 2 ** (failures - 1))
+
+
+def reconcile_order(keys: Iterable[Key], changed_at: Mapping[Key, float]) -> list[Key]:
+    """A new leader's reconcile of every service: the most recently changed first (where drift is
+    likeliest), those the watches never showed changing last, by name."""
+    return sorted(keys, key=lambda k: (-changed_at.get(k, float("-inf")), k))
 
 
 class OperatorRuntime:
@@ -83,6 +97,8 @@ class OperatorRuntime:
         self.known: set[Key] = set()  # every InferenceService the watch has shown, deleted ones aside
         self._failures: dict[Key, int] = {}
         self._retries: dict[Key, asyncio.TimerHandle] = {}
+        self.changed_at: dict[Key, float] = {}  # when the watches last showed a service or its children change
+        self._takeover: asyncio.Task[None] | None = None  # a new leader's reconcile of every service
         self.fleet: FleetLoop | None = None  # with the fleet loops (settings.fleet_loops)
         self.reader: ReplicaReader | None = None  # reads every replica's /metrics (fleet loops)
         self._loops: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}  # started with the runtime
@@ -96,9 +112,11 @@ class OperatorRuntime:
         self.reader = ReplicaReader()
         ports = ServicePorts(events=self.kube, status=self.controller, locks=self.controller, objects=self.kube,
                              replicas=self.reader, metrics=self.metrics)
-        self.fleet = FleetLoop(ports, interval=s.fleet_interval, leadership=self, on_gone=self.forget)
+        self.fleet = FleetLoop(ports, interval=s.fleet_interval, leadership=self, on_gone=self.forget,
+                               follow_interval=s.follower_interval)
         auditor = ClusterAuditor(objects=self.kube, events=self.kube, status=self.controller, metrics=self.metrics,
-                                 watched=self.known, leadership=self, interval=s.audit_interval)
+                                 watched=self.known, leadership=self, interval=s.audit_interval,
+                                 first_pass=self.fleet.first_pass_done)
         demand = RouterDemand(pods=self.kube, publish=self.fleet.set_demand, leadership=self,
                               interval=s.fleet_interval, addresses=s.router_addresses or None)
         self._loops = {"service_loops": self.fleet.run_forever, "cluster_audits": auditor.run_forever,
@@ -115,13 +133,20 @@ class OperatorRuntime:
             await self.elector.wait_leading()
 
     async def _leadership_changed(self, leading: bool) -> None:
+        # Runs before any other task sees this replica lead (the elector awaits it at once): the
+        # fleet loop's first pass and the takeover's reconciles are set up before anything acts.
         if leading:
+            if self.fleet is not None:
+                self.fleet.take_over()
             # Level-based: whatever changed while another replica led (or none did) is put right
-            # by one reconcile of every service, as after a restart.
-            for key in sorted(self.known):
-                self.trigger(*key, apply=True)
-            log.info("leading: reconciling all %d known InferenceService(s)", len(self.known))
+            # by one reconcile of every service, as after a restart. The reconciles the watches
+            # asked for meanwhile are among them.
+            keys = self.known | set(self.drain_triggered())
+            self._takeover = asyncio.create_task(self.reconcile_all(keys), name="gpufleet-takeover-reconcile")
         else:
+            if self._takeover is not None:
+                self._takeover.cancel()
+                self._takeover = None
             for handle in self._retries.values():
                 handle.cancel()
             self._retries.clear()
@@ -138,6 +163,7 @@ class OperatorRuntime:
         """Reconcile soon; ``apply=False`` when only status can have changed (a pod event)."""
         key = (namespace, name)
         self._pending[key] = self._pending.get(key, False) or apply
+        self.changed_at[key] = time.monotonic()
         self._wakeup.set()
 
     async def next_triggered(self) -> dict[Key, bool]:
@@ -185,6 +211,7 @@ class OperatorRuntime:
 
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
+        self.changed_at.pop((namespace, name), None)
         self._failures.pop((namespace, name), None)
         handle = self._retries.pop((namespace, name), None)
         if handle is not None:
@@ -200,6 +227,29 @@ class OperatorRuntime:
         last = self.controller.last_reconciled.setdefault((namespace, name), now)
         return now - last >= self.settings.resync_seconds
 
+    async def _reconcile(self, ns: str, name: str, apply: bool) -> None:
+        try:
+            await self.controller.reconcile_key(ns, name, apply_children=apply)
+            self._failures.pop((ns, name), None)
+        except Exception as e:
+            self._failed(ns, name, apply, e)
+
+    async def reconcile_all(self, keys: Iterable[Key]) -> None:
+        """A new leader's reconcile of ``keys``, TAKEOVER_RECONCILE_CONCURRENCY at a time, the most
+        recently changed first; one reconciled meanwhile for a watch event is not done again."""
+        started = time.monotonic()
+        order = reconcile_order(keys, self.changed_at)
+        log.info("leading: reconciling all %d known InferenceService(s), %d at a time, the most recently "
+                 "changed first", len(order), TAKEOVER_RECONCILE_CONCURRENCY)
+        sem = asyncio.Semaphore(TAKEOVER_RECONCILE_CONCURRENCY)
+
+        async def one(key: Key) -> None:
+            async with sem:
+                if key in self.known and self.controller.last_reconciled.get(key, float("-inf")) < started:
+                    await self._reconcile(*key, apply=True)
+        await asyncio.gather(*(one(key) for key in order))
+        log.info("leading: reconciled all %d InferenceService(s) in %.1fs", len(order), time.monotonic() - started)
+
     async def run_triggered(self) -> None:
         """Reconcile owners of changed children, each at most once per burst,
         up to TRIGGERED_CONCURRENCY at a time (a burst after 1000 creations must
@@ -208,11 +258,7 @@ class OperatorRuntime:
 
         async def one(ns: str, name: str, apply: bool) -> None:
             async with sem:
-                try:
-                    await self.controller.reconcile_key(ns, name, apply_children=apply)
-                    self._failures.pop((ns, name), None)
-                except Exception as e:
-                    self._failed(ns, name, apply, e)
+                await self._reconcile(ns, name, apply)
 
         while True:
             await self.wait_leading()
@@ -305,6 +351,10 @@ class OperatorRuntime:
             await self.elector.stop()
         for handle in self._retries.values():
             handle.cancel()
+        if self._takeover is not None:
+            self._takeover.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._takeover
         if self.fleet is not None:
             await self.fleet.stop()
         for task in self._tasks:

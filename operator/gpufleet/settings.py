@@ -80,6 +80,7 @@ class OperatorSettings:
     leader_election: LeaderElection | None = None
     fleet_loops: bool = True                   # autoscaler, audits and router demand besides reconciles
     fleet_interval: float = 1.0                # seconds between replica reads
+    follower_interval: float = 5.0             # a follower's reads of every replica (0: none, a cold takeover)
     resync_seconds: float = 300.0              # a service untouched this long is reconciled again
     audit_interval: float = 30.0               # stranded-GPU and isolation audits
     podmonitor_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -96,6 +97,12 @@ class OperatorSettings:
                                 f"e.g. --worker-limit 100")
         _positive("--fleet-interval-seconds", self.fleet_interval, "how often each service's replicas are read",
                   "1")
+        if not self.follower_interval >= 0:  # also NaN
+            raise SettingsError("--follower-interval-seconds", f"--follower-interval-seconds must be 0 or more "
+                                f"(got {self.follower_interval:g}): it is how often a replica that does not "
+                                f"lead reads every replica's metrics to keep the autoscaler's state warm for a "
+                                f"takeover; 0 turns that off (a cold takeover); e.g. "
+                                f"--follower-interval-seconds 5")
         _positive("--resync-seconds", self.resync_seconds,
                   "how long after its last reconcile a service is reconciled again", "300")
         _positive("--audit-interval-seconds", self.audit_interval, "how often the cluster-wide audits run", "30")

@@ -27,6 +27,9 @@ def kubeconfig(tmp_path):
 
 @pytest.mark.parametrize("args, flag, fix", [
     (["--fleet-interval-seconds", "0"], "--fleet-interval-seconds", "e.g. --fleet-interval-seconds 1"),
+    (["--follower-interval-seconds", "-1"], "--follower-interval-seconds",
+     "0 turns that off (a cold takeover); e.g. --follower-interval-seconds 5"),
+    (["--follower-interval-seconds", "nan"], "--follower-interval-seconds", "must be 0 or more (got nan)"),
     (["--resync-seconds", "-5"], "--resync-seconds", "e.g. --resync-seconds 300"),
     (["--audit-interval-seconds", "0"], "--audit-interval-seconds", "e.g. --audit-interval-seconds 30"),
     (["--metrics-port", "70000"], "--metrics-port", "0 turns the metrics server off"),
@@ -47,7 +50,8 @@ FLAGS = dict(namespaces=(), metrics_port=9090, metrics_host="0.0.0.0", liveness_
              leader_elect=False, leader_elect_resource_name="gpufleet-operator",
              leader_elect_resource_namespace=None, leader_elect_lease_duration=15.0,
              leader_elect_renew_deadline=10.0, leader_elect_retry_period=2.0, leader_elect_identity=None,
-             fleet_loops=True, fleet_interval_seconds=1.0, resync_seconds=300.0, audit_interval_seconds=30.0,
+             fleet_loops=True, fleet_interval_seconds=1.0, follower_interval_seconds=5.0, resync_seconds=300.0,
+             audit_interval_seconds=30.0,
              podmonitor_labels={}, network_policies=False, network_policy_operator_namespace=None,
              network_policy_operator_labels={}, network_policy_client_namespaces=(),
              network_policy_prometheus_namespaces=(), network_policy_same_namespace=True, router_addresses=())
@@ -71,6 +75,14 @@ def test_settings_are_frozen_and_their_labels_cannot_change_under_the_runtime():
     assert e.value.flag == "--fleet-interval-seconds"
 
 
+def test_a_follower_interval_of_0_is_a_cold_follower_and_below_0_is_refused():
+    assert OperatorSettings(follower_interval=0).follower_interval == 0
+    assert settings_from_flags(**{**FLAGS, "follower_interval_seconds": 2.5}).follower_interval == 2.5
+    with pytest.raises(SettingsError) as e:
+        OperatorSettings(follower_interval=-0.5)
+    assert e.value.flag == "--follower-interval-seconds" and "got -0.5" in str(e.value)
+
+
 def test_leader_election_gets_a_unique_identity_unless_one_is_given():
     a = settings_from_flags(**{**FLAGS, "leader_elect": True}).leader_election
     b = settings_from_flags(**{**FLAGS, "leader_elect": True}).leader_election
@@ -82,7 +94,7 @@ def test_leader_election_gets_a_unique_identity_unless_one_is_given():
 async def test_the_runtime_is_wired_from_the_settings_alone(kubeconfig):
     """Names left to the credentials (the Lease's, the operator's for its NetworkPolicy peer) come from them."""
     settings = OperatorSettings(
-        resync_seconds=60.0, fleet_interval=0.5, podmonitor_labels={"release": "prom"},
+        resync_seconds=60.0, fleet_interval=0.5, follower_interval=3.0, podmonitor_labels={"release": "prom"},
         leader_election=LeaderElection(identity="pod-0"),
         network_policies=NetworkPolicies(operator_labels={"app": "op"}, client_namespaces=("gw",)))
     rt = OperatorRuntime(KubeConfig.from_file(str(kubeconfig)), settings)
@@ -93,6 +105,7 @@ async def test_the_runtime_is_wired_from_the_settings_alone(kubeconfig):
         ingress = rt.controller.engine_ingress
         assert ingress is not None and ingress.operator_namespace == "ops" and ingress.client_namespaces == ("gw",)
         assert rt.fleet is not None and rt.fleet.interval == 0.5 and rt.fleet.leadership is rt
+        assert rt.fleet.follow_interval == 3.0
         ports = rt.fleet.ports
         assert ports.events is rt.kube and ports.objects is rt.kube and ports.replicas is rt.reader
         assert ports.status is rt.controller and ports.locks is rt.controller

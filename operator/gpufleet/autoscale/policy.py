@@ -180,6 +180,8 @@ def _idle_since(samples: list[ReplicaSample], state: PolicyState, now: float, de
 
 def _to_or_from_zero(th: Thresholds, current: int, samples: list[ReplicaSample], state: PolicyState,
                      now: float, demand: int) -> tuple[Decision | None, PolicyState]:
+    """The decision to or from zero, and the state watched up to ``now`` (an Idle decision's answer
+    is the caller's: ``Judgement.answered``)."""
     if current == 0:
         state = dataclasses.replace(state, idle_since=None, requests_seen=(), high_since=None, low_since=None)
         if demand > 0:
@@ -190,17 +192,28 @@ def _to_or_from_zero(th: Thresholds, current: int, samples: list[ReplicaSample],
                                 requests_seen=tuple((s.pod, s.requests_total) for s in samples if s.ok))
     assert th.scale_to_zero_s is not None
     if idle_since is not None and now - idle_since >= th.scale_to_zero_s:
-        return Decision(0, "Idle", f"no request for {now - idle_since:.0f}s"), \
-            dataclasses.replace(state, idle_since=None, high_since=None, low_since=None)
+        return Decision(0, "Idle", f"no request for {now - idle_since:.0f}s"), state
     return None, state
 
 
-def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSample], state: PolicyState,
-           now: float, demand: int = 0) -> tuple[Decision | None, PolicyState, Observation]:
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """What the policy makes of one read of the replicas.
+
+    ``watched``: the state as watching alone leaves it (counters, windows and every since-when
+    clock advanced; nothing answered). ``answered``: the state once ``decision`` is carried out
+    (the evidence it answers is spent: a scale-out clears the high clock and the latency windows,
+    a scale-in the low clock); ``watched`` when there is no decision."""
+    decision: Decision | None
+    watched: PolicyState
+    answered: PolicyState
+    obs: Observation
+
+
+def judge(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSample], state: PolicyState,
+          now: float, demand: int = 0) -> Judgement:
     """``demand``: requests routers hold for this service (they found no replica to take them)."""
     obs, state = observe(samples, state, now, th)
-    high_since, low_since = state.high_since, state.low_since
-    decision = None
 
     not_ready = max(0, current - ready)
     not_ready_since = (state.not_ready_since if state.not_ready_since is not None else now) if not_ready else None
@@ -214,43 +227,62 @@ def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSam
         target = max(th.min_replicas, min(th.max_replicas, current))
         decision = Decision(target, "OutOfBounds",
                             f"{current} replicas is outside {th.min_replicas}..{th.max_replicas}")
-        return decision, dataclasses.replace(state, high_since=None, low_since=None), obs
+        return Judgement(decision, state, dataclasses.replace(state, high_since=None, low_since=None), obs)
 
     if th.scale_to_zero_s is not None:
         zero, state = _to_or_from_zero(th, current, samples, state, now, demand)
+        if zero is not None and zero.target == 0:
+            return Judgement(zero, state, dataclasses.replace(state, idle_since=None, high_since=None,
+                                                              low_since=None), obs)
         if zero is not None or current == 0:
-            return zero, state, obs
+            return Judgement(zero, state, state, obs)
 
     # Past the grace the replicas that never became ready are not waited for: the
     # sizing and the "every replica readable" test count the ready ones.
     serving = ready if on_ready_only else current
     reasons = pressure(th, obs)
     if reasons:
-        low_since = None
-        high_since = high_since if high_since is not None else now
+        high_since = state.high_since if state.high_since is not None else now
+        watched = dataclasses.replace(state, high_since=high_since, low_since=None)
         starting = bool(not_ready) and not on_ready_only
         if current < th.max_replicas and not starting and now - high_since >= th.up_stabilization_s:
             want = max(current + 1, _kv_replicas(th, obs, serving))
             target = min(th.max_replicas, want, current + th.max_step)
             decision = Decision(target, reasons[0][0], "; ".join(m for _, m in reasons))
-            high_since = None
             # That evidence is answered.
-            state = dataclasses.replace(state, queue_window=(), ttft_window=(), itl_window=())
-    else:
-        high_since = None
-        calm = (obs.kv_usage is not None and obs.kv_usage < th.kv_low and obs.waiting_per_replica == 0
-                and not obs.unreadable and obs.readable == serving and _latency_calm(th, obs))
-        if calm:
-            low_since = low_since if low_since is not None else now
-            # Zero is for an idle service only (above), never a step of scaling in by KV usage.
-            if current > max(1, th.min_replicas) and now - low_since >= th.down_stabilization_s:
-                decision = Decision(current - 1, "KVLowWatermark",
-                                    f"KV usage {obs.kv_usage:.0%} < {th.kv_low:.0%} for "
-                                    f"{now - low_since:.0f}s with nothing waiting")
-                low_since = None
-        else:
-            low_since = None
-    return decision, dataclasses.replace(state, high_since=high_since, low_since=low_since), obs
+            return Judgement(decision, watched, dataclasses.replace(
+                watched, high_since=None, queue_window=(), ttft_window=(), itl_window=()), obs)
+        return Judgement(None, watched, watched, obs)
+    calm = (obs.kv_usage is not None and obs.kv_usage < th.kv_low and obs.waiting_per_replica == 0
+            and not obs.unreadable and obs.readable == serving and _latency_calm(th, obs))
+    if not calm:
+        watched = dataclasses.replace(state, high_since=None, low_since=None)
+        return Judgement(None, watched, watched, obs)
+    low_since = state.low_since if state.low_since is not None else now
+    watched = dataclasses.replace(state, high_since=None, low_since=low_since)
+    # Zero is for an idle service only (above), never a step of scaling in by KV usage.
+    if current > max(1, th.min_replicas) and now - low_since >= th.down_stabilization_s:
+        decision = Decision(current - 1, "KVLowWatermark",
+                            f"KV usage {obs.kv_usage:.0%} < {th.kv_low:.0%} for "
+                            f"{now - low_since:.0f}s with nothing waiting")
+        return Judgement(decision, watched, dataclasses.replace(watched, low_since=None), obs)
+    return Judgement(None, watched, watched, obs)
+
+
+def decide(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSample], state: PolicyState,
+           now: float, demand: int = 0) -> tuple[Decision | None, PolicyState, Observation]:
+    """The leader's step: the decision, and the state once it is carried out."""
+    j = judge(th, current=current, ready=ready, samples=samples, state=state, now=now, demand=demand)
+    return j.decision, j.answered, j.obs
+
+
+def follow(th: Thresholds, *, current: int, ready: int, samples: list[ReplicaSample], state: PolicyState,
+           now: float) -> Judgement:
+    """A follower's step (it acts on nothing): the state it keeps is ``watched``, as if the leader
+    watched without acting, so the evidence stays unanswered for the leader it may become; the
+    decision is what it would do if it led now (``fleet.takeover`` decides whether a new leader
+    carries it out before reading again). Routers' held requests are the leader's to read."""
+    return judge(th, current=current, ready=ready, samples=samples, state=state, now=now)
 
 
 def pressure(th: Thresholds, obs: Observation) -> list[tuple[str, str]]:

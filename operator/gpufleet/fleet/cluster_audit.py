@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Container
+from typing import Awaitable, Callable, Container
 
 from ..api import InferenceServiceSpec, SpecError, parse_spec
 from ..api import v1alpha1 as t
 from ..audit.stranded import StrandedNode, find_stranded, node_inventory
+from ..autoscale.takeover import AUDITS_WAIT_S
 from ..isolation.verify import Violation, violations_for
 from ..kube.errors import ApiError
 from ..manifests import names
@@ -52,11 +54,13 @@ def audit_report(nodes: list[dict], pods: list[dict], services: list[dict]) -> d
 
 class ClusterAuditor:
     """``watched``: the services this operator watches (its --namespace); only theirs get
-    isolation status. ``leadership``: only the leader audits (None: always, one operator)."""
+    isolation status. ``leadership``: only the leader audits (None: always, one operator).
+    ``first_pass``: what a new leader's first audit waits for, at most ``AUDITS_WAIT_S`` (the fleet
+    loop's first pass: listing every node, pod and service must not delay its scale-outs)."""
 
     def __init__(self, *, objects: ObjectLister, events: EventRecorder, status: StatusWriter,
                  metrics: OperatorMetrics, watched: Container[Key], leadership: Leadership | None = None,
-                 interval: float = 15.0):
+                 interval: float = 15.0, first_pass: Callable[[], Awaitable[None]] | None = None):
         self.objects = objects
         self.events = events
         self.status = status
@@ -64,6 +68,7 @@ class ClusterAuditor:
         self.watched = watched
         self.leadership = leadership
         self.interval = interval
+        self.first_pass = first_pass
         # node -> (free, why) last reported: an Event is recorded when a node becomes
         # stranded or the reason/amount changes, not on every audit pass.
         self._stranded_seen: dict[str, tuple[int, str]] = {}
@@ -72,6 +77,7 @@ class ClusterAuditor:
         while True:
             if self.leadership is not None and not self.leadership.acting():
                 await self.leadership.wait_leading()  # only the leader audits (and writes status and Events)
+                await self.after_first_pass()
             try:
                 await self.run_once()
             except ApiError as e:
@@ -79,6 +85,12 @@ class ClusterAuditor:
             except Exception:
                 log.exception("cluster audit crashed")
             await asyncio.sleep(self.interval)
+
+    async def after_first_pass(self) -> None:
+        """A new leader's first audit waits for its fleet loop's first pass, at most AUDITS_WAIT_S."""
+        if self.first_pass is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.first_pass(), AUDITS_WAIT_S)
 
     async def run_once(self) -> dict:
         nodes, pods, services = await collect(self.objects)

@@ -12,6 +12,14 @@ nothing to read; at 1000 services on 2 cores that starved reconciliation
   tasks, at most ``concurrency`` at once, one per service at a time;
 - a service with no ready replica is skipped (there is nothing to read, and
   the autoscaler holds without samples), unless an audit was requested.
+
+While another replica leads, every ``follow_interval`` seconds (0: never) each
+service's replicas are read into the same per-service state
+(``ServiceLoop.follow``), writing nothing. When this replica takes the Lease
+over (``take_over``), its first pass runs at once, the services under pressure
+first (``autoscale.takeover``), each carrying out a scale-out its warm state
+asks for before reading again; audits wait for that pass (at most
+``AUDITS_WAIT_S``). docs/high-availability.md tells the whole sequence.
 """
 from __future__ import annotations
 
@@ -19,10 +27,11 @@ import asyncio
 import copy
 import logging
 import time
-from typing import Callable
+from typing import Callable, Literal
 
 from ..adapters.index import AdapterIndex
 from ..api import v1alpha1 as t
+from ..autoscale.takeover import AUDITS_WAIT_S, WARM_READINGS, Warm, first_pass_order
 from ..kube.errors import ApiError, NotFound
 from ..manifests import names
 from .adapter_sync import SYNC_SECONDS, OrphanAdapters
@@ -33,19 +42,24 @@ log = logging.getLogger(__name__)
 
 MIN_PASS_S = 0.05
 
+TickKind = Literal["tick", "adapters", "follow", "take_over"]
+
 
 class FleetLoop:
     """``ports``: what each service's loop talks to. ``leadership``: only the leader ticks (None:
-    always, a single operator). ``on_gone``: forget a service the API says is gone (the runtime's
-    ``forget``, which calls ``remove_service`` here too; None: only this loop's copy is dropped)."""
+    always, a single operator). ``follow_interval``: seconds between a follower's reads of each
+    service (0: a follower reads nothing). ``on_gone``: forget a service the API says is gone (the
+    runtime's ``forget``, which calls ``remove_service`` here too; None: only this loop's copy is
+    dropped)."""
 
     def __init__(self, ports: ServicePorts, *, interval: float = 1.0, concurrency: int = 64,
                  clock: Callable[[], float] = time.monotonic, leadership: Leadership | None = None,
-                 on_gone: Callable[[str, str], None] | None = None):
+                 follow_interval: float = 0.0, on_gone: Callable[[str, str], None] | None = None):
         self.ports = ports
         self.leadership = leadership
         self.on_gone = on_gone
         self.interval = interval
+        self.follow_interval = follow_interval
         self._clock = clock
         self._sem = asyncio.Semaphore(concurrency)
         self.services: dict[Key, dict] = {}
@@ -65,6 +79,13 @@ class FleetLoop:
         self._started: float | None = None
         self._orphans_task: asyncio.Task[None] | None = None
         self._orphans_at = 0.0
+        # A new leader's first pass: set once every service's first tick of the term is done (set
+        # outside a takeover); the audits wait for it (``first_pass_done``).
+        self.first_pass = asyncio.Event()
+        self.first_pass.set()
+        self._taking_over = False
+        self._term_started = 0.0
+        self._first_pass_task: asyncio.Task[None] | None = None
 
     # --- fed by the watch handlers ------------------------------------------------
 
@@ -137,24 +158,33 @@ class FleetLoop:
         if held:
             self.wake()
 
+    def readable(self, key: Key) -> bool:
+        return bool(readable_replicas(list(self.pods.get(key, {}).values())))
+
     def wants_tick(self, key: Key) -> bool:
         body = self.services[key]
         if names.ANNOTATION_AUDIT_REQUEST in (body["metadata"].get("annotations") or {}):
             return True
         if self.demand.get(key):  # requests held for it: it may be at zero replicas
             return True
-        return bool(readable_replicas(list(self.pods.get(key, {}).values())))
+        return self.readable(key)
 
-    def due_now(self, now: float) -> list[Key]:
-        """Services whose turn it is and that are not mid-tick; advances their clocks."""
+    def due_now(self, now: float, *, following: bool = False) -> list[Key]:
+        """Services whose turn it is and that are not mid-tick; advances their clocks. A follower
+        (``following``) reads those with a ready replica every ``follow_interval``."""
         out = []
         for key in self.services:
             if key in self._running or self._due.get(key, 0.0) > now:
                 continue
-            self._due[key] = now + self.interval
-            if self.wants_tick(key):
+            self._due[key] = now + (self.follow_interval if following else self.interval)
+            if self.readable(key) if following else self.wants_tick(key):
                 out.append(key)
         return out
+
+    def warm(self, key: Key) -> Warm | None:
+        """The last reading of ``key`` as a follower (None: none, or it was acted on since)."""
+        loop = self._loops.get(key)
+        return loop.warm if loop is not None else None
 
     def adapters_only_now(self, now: float, ticking: list[Key]) -> list[Key]:
         """Services with adapters that no tick serves now (no ready replica), every
@@ -169,18 +199,50 @@ class FleetLoop:
             out.append(key)
         return out
 
+    def take_over(self) -> None:
+        """This replica now leads (the runtime calls this before the fleet loop can run): the next
+        pass is the term's first, every service due at once."""
+        self._taking_over = True
+        self._term_started = self._clock()
+        self._due.clear()
+        self._adapters_due.clear()
+        self.first_pass.clear()
+        self._wake.set()
+
+    async def first_pass_done(self) -> None:
+        """Wait for a new leader's first pass (at once outside a takeover)."""
+        await self.first_pass.wait()
+
+    def audits_allowed(self) -> bool:
+        return self.first_pass.is_set() or self._clock() - self._term_started >= AUDITS_WAIT_S
+
     async def run_forever(self) -> None:
         while True:
             if self.leadership is not None and not self.leadership.acting():
-                await self.leadership.wait_leading()  # a follower reads no replicas and decides nothing
+                await self._follow_pass()
+                continue
             now = self._clock()
             if self._started is None:
                 self._started = now
-            ticking = self.due_now(now)
+            kind: TickKind = "tick"
+            if self._taking_over:
+                self._taking_over = False
+                await self._end_follows()
+                ticking = first_pass_order(self.due_now(now), self.warm)
+                kind = "take_over"
+                log.info("fleet loop: leading; first pass over %d service(s), %d with a scale-out waiting",
+                         len(ticking), sum(1 for k in ticking if (w := self.warm(k)) is not None
+                                           and w.judgement.decision is not None
+                                           and w.judgement.decision.target > w.current))
+            else:
+                ticking = self.due_now(now)
             for key in ticking:
-                self._running[key] = asyncio.create_task(self._tick(key), name=f"fleet-{key[0]}/{key[1]}")
+                self._running[key] = asyncio.create_task(self._tick(key, kind), name=f"fleet-{key[0]}/{key[1]}")
+            if kind == "take_over":
+                self._first_pass_task = asyncio.create_task(
+                    self._close_first_pass([self._running[k] for k in ticking]), name="fleet-first-pass")
             for key in self.adapters_only_now(now, ticking):
-                self._running[key] = asyncio.create_task(self._tick(key, adapters_only=True),
+                self._running[key] = asyncio.create_task(self._tick(key, "adapters"),
                                                          name=f"fleet-adapters-{key[0]}/{key[1]}")
             self._check_orphans(now)
             nxt = min((d for k, d in self._due.items() if k in self.services and k not in self._running),
@@ -190,6 +252,47 @@ class FleetLoop:
                 await asyncio.wait_for(self._wake.wait(), max(MIN_PASS_S, min(self.interval, nxt - now)))
             except asyncio.TimeoutError:
                 pass
+
+    async def _follow_pass(self) -> None:
+        """One pass as a follower: each service with a ready replica due its read is read
+        (``ServiceLoop.follow``); returns when the next is due, when woken (a replica became
+        ready: read at once), or at once when this replica leads. With ``follow_interval`` 0 it
+        only waits to lead (a cold follower)."""
+        assert self.leadership is not None
+        if self.follow_interval <= 0:
+            await self.leadership.wait_leading()
+            return
+        now = self._clock()
+        for key in self.due_now(now, following=True):
+            self._running[key] = asyncio.create_task(self._tick(key, "follow"), name=f"follow-{key[0]}/{key[1]}")
+        nxt = min((d for k, d in self._due.items() if k in self.services and k not in self._running),
+                  default=now + self.follow_interval)
+        self._wake.clear()
+        waits = [asyncio.ensure_future(self.leadership.wait_leading()), asyncio.ensure_future(self._wake.wait())]
+        try:
+            await asyncio.wait(waits, timeout=max(MIN_PASS_S, min(self.follow_interval, nxt - now)),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _end_follows(self) -> None:
+        """A follower's reads still in flight as this replica takes over are dropped (they would
+        land after the leader's first decisions); the readings before them stay."""
+        follows = dict(self._running)
+        for task in follows.values():
+            task.cancel()
+        await asyncio.gather(*follows.values(), return_exceptions=True)
+        for key, task in follows.items():  # one cancelled before it started never reached its ``finally``
+            if self._running.get(key) is task:
+                del self._running[key]
+
+    async def _close_first_pass(self, ticks: list[asyncio.Task[None]]) -> None:
+        if ticks:
+            await asyncio.wait(ticks)
+        log.info("fleet loop: first pass as leader done in %.2fs", self._clock() - self._term_started)
+        self.first_pass.set()
 
     def _check_orphans(self, now: float) -> None:
         """Adapters naming a service that does not exist, every SYNC_SECONDS (one task at a time)."""
@@ -207,7 +310,7 @@ class FleetLoop:
                 log.exception("fleet loop: writing the status of adapters without a service failed; continuing")
         self._orphans_task = asyncio.create_task(run(), name="fleet-adapter-orphans")
 
-    async def _tick(self, key: Key, adapters_only: bool = False) -> None:
+    async def _tick(self, key: Key, kind: TickKind = "tick") -> None:
         body = None
         try:
             async with self._sem:
@@ -219,10 +322,18 @@ class FleetLoop:
                     loop = self._loops[key] = ServiceLoop(self.ports, *key)
                 pods = list(self.pods.get(key, {}).values())
                 adapters = self.adapters.of(*key)
-                if adapters_only:
-                    await loop.sync_adapters(body, pods, adapters)
+                now = self._clock()
+                if kind == "adapters":
+                    await loop.sync_adapters(body, pods, adapters, now)
+                elif kind == "follow":
+                    await loop.follow(body, pods, now)
+                elif kind == "take_over":
+                    await loop.take_over(body, pods, now, max_age=WARM_READINGS * self.follow_interval,
+                                         demand=self.demand.get(key, 0), adapters=adapters,
+                                         audits=self.audits_allowed())
                 else:
-                    await loop.tick(body, pods, demand=self.demand.get(key, 0), adapters=adapters)
+                    await loop.tick(body, pods, now, demand=self.demand.get(key, 0), adapters=adapters,
+                                    audits=self.audits_allowed())
         except ApiError as e:
             if not (isinstance(e, NotFound) and body is not None and self._gone(key, body, e)):
                 log.warning("fleet loop for %s/%s: %s", key[0], key[1], e)
@@ -256,10 +367,13 @@ class FleetLoop:
         self._due.clear()
         self._adapters_due.clear()
         self._started = None
+        self._taking_over = False
+        self.first_pass.set()
 
     async def stop(self) -> None:
-        tasks = [*self._running.values(), *([self._orphans_task] if self._orphans_task else [])]
+        tasks = [*self._running.values(), *(t for t in (self._orphans_task, self._first_pass_task) if t)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._orphans_task = None
+        self._running.clear()  # a tick cancelled before it started never reached its ``finally``
+        self._orphans_task = self._first_pass_task = None

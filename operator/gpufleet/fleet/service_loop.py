@@ -34,6 +34,7 @@ from ..audit import fragmentation as frag
 from ..autoscale import policy
 from ..autoscale import pools as pool_policy
 from ..autoscale.signals import ReplicaSample, bucket_delta, quantile_from_buckets
+from ..autoscale.takeover import Warm, warm_decision
 from ..autoscale.token_window import TokenWindow
 from ..kube.errors import ApiError
 from ..manifests import names
@@ -99,6 +100,7 @@ class ServiceLoop:
         self.demand_share = DemandShare(ports.objects, ports.replicas, namespace, name)
         self.adapters = AdapterSync(ports, namespace, name)
         self.canary = CanaryLoop(ports, namespace, name)
+        self.warm: Warm | None = None  # the last reading as a follower, until this loop leads (``take_over``)
 
     def spec_of(self, body: dict) -> InferenceServiceSpec | None:
         """The parsed spec, parsed once per generation; None when invalid."""
@@ -114,13 +116,24 @@ class ServiceLoop:
 
     # --- reading ---------------------------------------------------------------
 
-    async def read_replicas(self, pods: list[dict]) -> tuple[list[dict], list[ReplicaSample]]:
+    async def read_replicas(self, spec: InferenceServiceSpec, pods: list[dict], now: float, *,
+                            leading: bool = True) -> tuple[list[dict], list[ReplicaSample], float | None]:
+        """The reads of every tick, the leader's and a follower's alike, into this loop's state: the
+        ready replicas, their samples, and the TTFT p99 for status (its window advanced); the adapters'
+        request rates and the decode pool's token window advanced too. A follower (``leading``
+        False) counts no read errors: it exports no per-service series."""
         ready = readable_replicas(pods)
-        samples = await asyncio.gather(*(self.ports.replicas.sample(p["name"], p["ip"]) for p in ready))
-        for s in samples:
-            if not s.ok:
-                self.ports.metrics.read_errors.labels(self.ns, self.name).inc()
-        return ready, list(samples)
+        samples = list(await asyncio.gather(*(self.ports.replicas.sample(p["name"], p["ip"]) for p in ready)))
+        if leading:
+            for s in samples:
+                if not s.ok:
+                    self.ports.metrics.read_errors.labels(self.ns, self.name).inc()
+        if spec.engine.lora is not None:
+            self.adapters.observe(samples, now)
+        if spec.disaggregation is not None:
+            decode = {p["name"] for p in ready if role_of(p) == "decode"}
+            self.tokens = self.tokens.advance([s for s in samples if s.pod in decode], now)
+        return ready, samples, self.ttft_p99(samples, now)
 
     def ttft_p99(self, samples: Sequence[ReplicaSample], now: float) -> float | None:
         merged: dict[float, float] = {}
@@ -147,19 +160,19 @@ class ServiceLoop:
                                      time.monotonic() if now is None else now)
 
     async def tick(self, body: dict, pods: list[dict], now: float | None = None, demand: int = 0,
-                   adapters: Sequence[Adapter] = ()) -> None:
+                   adapters: Sequence[Adapter] = (), audits: bool = True) -> None:
         """``demand``: requests routers hold for the service (it may be at zero replicas);
-        ``adapters``: the InferenceAdapters naming it."""
+        ``adapters``: the InferenceAdapters naming it; ``audits``: False while a new leader's first
+        pass runs (the fragmentation audit, due or requested, waits for the next tick)."""
         now = time.monotonic() if now is None else now
         if self.watching_since is None:
             self.watching_since = now
         self.scaled_in_this_pass = False
+        self.warm = None  # the leader's own reads supersede a follower's
         spec = self.spec_of(body)
         if spec is None:
             return  # the reconciler reports InvalidSpec
-        ready, samples = await self.read_replicas(pods)
-        if spec.engine.lora is not None:
-            self.adapters.observe(samples, now)
+        ready, samples, p99 = await self.read_replicas(spec, pods, now)
         if spec.engine.lora is not None or adapters:
             # Before autoscaling: a replica that just became ready gets its adapters first.
             await self.adapters.tick(spec, ready, adapters, now)
@@ -172,14 +185,13 @@ class ServiceLoop:
         waste = [s.kv_waste for s in samples if s.ok and s.kv_waste is not None]
         if waste:
             fields["kvWastePercent"] = round(100 * sum(waste) / len(waste))
-        p99 = self.ttft_p99(samples, now)
         if p99 is not None:
             fields["ttftP99Milliseconds"] = round(p99 * 1000)
         conditions: list[dict] = []
         if spec.disaggregation is not None:
             roles = {p["name"]: role_of(p) for p in ready}
             by_role = {role: [s for s in samples if roles.get(s.pod) == role] for role in POOL_ROLES}
-            self.measure_ratio(body, spec, by_role["decode"], now, fields)
+            self.measure_ratio(body, spec, now, fields)
             if spec.autoscaling.mode == "Auto":
                 conditions = await self.autoscale_pools(body, spec, by_role, now, fields)
         elif spec.autoscaling.mode == "Auto":
@@ -194,8 +206,65 @@ class ServiceLoop:
             # answers one token), and its guards of both pools read the one demand.json.
             sharing = [p for p in ready if role_of(p) == "decode"] if spec.disaggregation else ready
             await self.demand_share.tick(body, sharing, pods, now)
-        if self.audit_due(body, spec, now):
+        if audits and self.audit_due(body, spec, now):
             await self.audit(body, spec, ready, now, samples=samples, pods=pods)
+
+    # --- following, and taking over -------------------------------------------------------
+
+    async def follow(self, body: dict, pods: list[dict], now: float | None = None) -> None:
+        """A follower's tick: ``tick``'s reads into the same state, and nothing written (no status,
+        no scaling, no Event, no metric, no call to a replica but the reads), so that this replica,
+        should it take the Lease over, decides on what the leader would have seen (``take_over``).
+        Only an autoscaled service has state worth keeping warm."""
+        now = time.monotonic() if now is None else now
+        spec = self.spec_of(body)
+        if spec is None or spec.autoscaling.mode != "Auto":
+            self.warm = None
+            return
+        ready, samples, _ = await self.read_replicas(spec, pods, now, leading=False)
+        status = body.get("status") or {}
+        if spec.disaggregation is not None:
+            roles = {p["name"]: role_of(p) for p in ready}
+            wanted = desired_replicas(spec, status)
+            pools_ready = {p.get("role"): p.get("readyReplicas", 0) for p in status.get("pools") or []}
+            for role in POOL_ROLES:
+                self.pool_states[role] = policy.follow(
+                    pool_policy.pool_thresholds(spec, role), current=wanted[role], ready=pools_ready.get(role, 0),
+                    samples=[s for s in samples if roles.get(s.pod) == role], state=self.pool_states[role],
+                    now=now).watched
+            # Its pools are sized together (ratioPolicy Bound): a new leader reads them before acting.
+            self.warm = None
+            return
+        current = self.current_replicas(spec, status, "unified")
+        judgement = policy.follow(policy.Thresholds.from_spec(spec.autoscaling), current=current,
+                                  ready=status.get("readyReplicas", 0), samples=samples, state=self.state, now=now)
+        self.state = judgement.watched
+        self.warm = Warm(now, current, body.get("metadata", {}).get("generation"), judgement)
+
+    async def take_over(self, body: dict, pods: list[dict], now: float | None = None, *, max_age: float,
+                        demand: int = 0, adapters: Sequence[Adapter] = (), audits: bool = True) -> None:
+        """This loop's first tick under a new leader. A scale-out its last reading as a follower
+        asked for is carried out at once, before the replicas are read again
+        (``takeover.warm_decision``: a reading at most ``max_age`` old, on the replica count and
+        generation that still stand); otherwise, or when the replicas changed meanwhile, an
+        ordinary tick."""
+        now = time.monotonic() if now is None else now
+        warm, self.warm = self.warm, None
+        spec = self.spec_of(body)
+        if warm is not None and spec is not None and spec.disaggregation is None \
+                and spec.autoscaling.mode == "Auto":
+            current = self.current_replicas(spec, body.get("status") or {}, "unified")
+            decision = warm_decision(warm, now=now, max_age=max_age, current=current,
+                                     generation=body.get("metadata", {}).get("generation"))
+            if decision is not None:
+                if self.watching_since is None:
+                    self.watching_since = now
+                if await self.act(body, spec, decision, current, [], {}):
+                    self.state = warm.judgement.answered
+                    return
+        await self.tick(body, pods, now, demand, adapters, audits=audits)
+
+    # --- autoscaling ------------------------------------------------------------------
 
     async def autoscale(self, body: dict, spec: InferenceServiceSpec, samples: list[ReplicaSample], now: float,
                         fields: dict, demand: int = 0) -> list[dict]:
@@ -255,11 +324,9 @@ class ServiceLoop:
 
     # --- disaggregated services --------------------------------------------------------
 
-    def measure_ratio(self, body: dict, spec: InferenceServiceSpec, decode: list[ReplicaSample], now: float,
-                      fields: dict) -> None:
-        """Add the decode pods' finished requests to the window; every RATIO_UPDATE_S, the live
-        prefill:decode ratio into ``fields`` when it says something new."""
-        self.tokens = self.tokens.advance(decode, now)
+    def measure_ratio(self, body: dict, spec: InferenceServiceSpec, now: float, fields: dict) -> None:
+        """Every RATIO_UPDATE_S, the live prefill:decode ratio of the token window (``read_replicas``
+        adds the decode pods' finished requests to it) into ``fields`` when it says something new."""
         if self.ratio_measured is not None and now - self.ratio_measured < RATIO_UPDATE_S:
             return
         self.ratio_measured = now

@@ -54,7 +54,7 @@ async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
         def __init__(self, rt, ns, name):
             self.name = name
 
-        async def tick(self, body, pods, demand=0, adapters=()):
+        async def tick(self, body, pods, now=None, demand=0, adapters=(), audits=True):
             ticks.append(self.name)
             if ticks.count("fast") == 5:
                 fifth_fast_tick.set()
@@ -107,7 +107,7 @@ async def test_a_service_deleted_unseen_is_forgotten_at_its_next_tick(monkeypatc
         def __init__(self, rt, ns, name):
             self.name = name
 
-        async def tick(self, body, pods, demand=0, adapters=()):
+        async def tick(self, body, pods, now=None, demand=0, adapters=(), audits=True):
             if self.name == "renamed":  # re-created under its name while the tick was reading
                 fl.upsert_service(svc("renamed", uid="u2"))
             raise raised[self.name]
