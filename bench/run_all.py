@@ -31,6 +31,8 @@ SUITE = [
     ("Streams that survive a dying replica: resumption on vs off", ["bench/stream_resumption.py"]),
     ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
+    ("Takeover at scale: Lease acquired → first scale-out, warm vs cold follower (1000 services)",
+     ["bench/takeover_scale.py"]),
 ]
 
 

@@ -14,13 +14,18 @@ class FakeReplicaMetrics:
 
     def __init__(self, kv: float = 0.5):
         self.kv = kv
+        # The KV usage of one pod IP where it is not ``kv`` (one service surging among calm ones).
+        self.kv_by_ip: dict[str, float] = {}
         self.runners: dict[str, list[web.AppRunner]] = {}
         # More of the guard's /metrics text per pod IP (e.g. its SLI counters: ``sli_counters``).
         self.guard_extra: dict[str, str] = {}
 
-    async def _vllm(self, _req: web.Request) -> web.Response:
-        return web.Response(text=f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {self.kv}\n"
-                                 "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n")
+    def _vllm(self, ip: str):
+        async def metrics(_req: web.Request) -> web.Response:
+            kv = self.kv_by_ip.get(ip, self.kv)
+            return web.Response(text=f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {kv}\n"
+                                     "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n")
+        return metrics
 
     def _guard(self, ip: str):
         async def metrics(_req: web.Request) -> web.Response:
@@ -33,7 +38,7 @@ class FakeReplicaMetrics:
             return
         app = web.Application()
         app.router.add_get(GUARD_METRICS_PATH, self._guard(ip))
-        app.router.add_get(ENGINE_METRICS_PATH, self._vllm)
+        app.router.add_get(ENGINE_METRICS_PATH, self._vllm(ip))
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, ip, 8080).start()
