@@ -51,6 +51,8 @@ def test_chart_copies_of_generated_assets_are_current():
 
 @pytest.mark.parametrize("args, message", [
     (["--set", "replicaCount=0"], "at '/replicaCount': minimum: got 0, want 1"),
+    (["--set", "operator.followerIntervalSeconds=-1"],
+     "at '/operator/followerIntervalSeconds': minimum: got -1, want 0"),
     (["--set", "operator.logLevel=loud"], "at '/operator/logLevel': value must be one of 'info', 'debug'"),
     (["--set", "monitoring.runbookBaseURL=docs"], "at '/monitoring/runbookBaseURL': 'docs' does not match pattern"),
     (["--set", "leaderElection.renewDeadlineSeconds=15"],
