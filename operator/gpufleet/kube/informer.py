@@ -62,8 +62,6 @@ class Informer:
         self.cache = WatchCache()
         self.synced = asyncio.Event()        # a LIST answered (a kind not served counts: none of it)
         self.tried = asyncio.Event()         # the first LIST answered or failed
-        self.lists = 0                       # LISTs sent, and WATCHes opened
-        self.watches = 0
 
     def __str__(self) -> str:
         where = f"in {self.namespace}" if self.namespace else "in every namespace"
@@ -102,7 +100,6 @@ class Informer:
                     await self._sleep(self.backoff.next())
 
     async def _list(self) -> None:
-        self.lists += 1
         items, version = await self.kube.list_versioned(self.api_version, self.kind, self.namespace,
                                                         label_selector=self.label_selector)
         self._changed(self.cache.replace(items, version))
@@ -112,7 +109,6 @@ class Informer:
     async def _watch(self) -> int:
         """Apply events until the server ends the watch; the number applied. An ERROR event is raised
         as the ApiError it reports (410: LIST again)."""
-        self.watches += 1
         delivered = 0
         stream = self.kube.watch(self.api_version, self.kind, self.namespace, timeout_seconds=self.watch_seconds,
                                  label_selector=self.label_selector,
