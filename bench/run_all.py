@@ -31,6 +31,7 @@ SUITE = [
     ("Streams that survive a dying replica: resumption on vs off", ["bench/stream_resumption.py"]),
     ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
+    ("Router discovery: watch vs listing every 2 s (1000 services, simulated pods)", ["bench/router_discovery.py"]),
 ]
 
 

@@ -41,7 +41,7 @@ from ..kube.client import KubeClient
 from ..kube.errors import NotFound
 from ..kube.pods import is_serving
 from ..manifests import names
-from . import adapters, handoff, resume, shedding
+from . import adapters, discovery, handoff, resume, shedding
 from . import requests as rq
 from .choice import Pick, Picker, Policy, Prefix, Reading, prefix_of
 from .cold_start import ColdStarts
@@ -77,7 +77,8 @@ MIN_RESUME_WAIT_SECONDS = 0.05
 @dataclasses.dataclass
 class RouterSettings:
     namespaces: tuple[str, ...] = ()        # empty: cluster-wide
-    discovery_interval: float = 2.0         # seconds between listings of services and pods
+    discovery: str = "watch"                # discovery.MODES: watch the API server, or list every interval
+    discovery_interval: float = 2.0         # seconds between listings of services and pods (discovery "list")
     reading_interval: float = 1.0           # seconds between reads of each replica's guard /metrics
     reading_timeout: float = 1.0
     prefix_blocks: int = 4                  # leading KV blocks hashed for prefix affinity
@@ -940,7 +941,7 @@ async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int
     fleet = Fleet(settings, metrics)
     http = client_session(settings)
     router = Router(fleet, http)
-    tasks = [asyncio.create_task(fleet.discover(kube), name="router-discovery"),
+    tasks = [asyncio.create_task(discovery.run(fleet, kube), name="router-discovery"),
              asyncio.create_task(fleet.read(http), name="router-readings")]
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=settings.drain_timeout)
