@@ -31,6 +31,7 @@ SUITE = [
     ("Streams that survive a dying replica: resumption on vs off", ["bench/stream_resumption.py"]),
     ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
+    ("Status writes of busy services: figures every change vs every 20 s", ["bench/status_writes.py", "--n", "100"]),
 ]
 
 
