@@ -2,7 +2,9 @@
 
 Ticked by the shared ``FleetLoop`` (one per operator). Decisions come
 from the pure policies; this class does the reading and the writing: status
-fields, one Event per action, metrics, the pod-deletion-cost mark before a
+fields (the fast-moving figures, KV usage and TTFT p99, at most every
+``figures_interval`` seconds, everything else at once: ``reconcile.figures``),
+one Event per action, metrics, the pod-deletion-cost mark before a
 scale-in (cleared from a replica that outlives it), and evictions for
 fragmentation remediation (only under every rule of
 ``audit.fragmentation.may_restart``). An action is applied under the
