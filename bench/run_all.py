@@ -32,6 +32,7 @@ SUITE = [
     ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
     ("Router discovery: watch vs listing every 2 s (1000 services, simulated pods)", ["bench/router_discovery.py"]),
+    ("Status writes of busy services: figures every change vs every 20 s", ["bench/status_writes.py", "--n", "100"]),
 ]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from .reconcile import figures
 from .settings import (
     LEASE_NAME,
     LeaderElection,
@@ -64,6 +65,13 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
               help="Run the autoscaler and audits besides reconciliation.")
 @click.option("--fleet-interval-seconds", default=1.0, show_default=True, type=float,
               help="How often each service's replicas are read for autoscaling.")
+@click.option("--status-figures-interval-seconds", default=figures.DEFAULT_INTERVAL_S, show_default=True,
+              type=float,
+              help="Write a busy service's fast-moving status figures (kvCacheUsagePercent, "
+                   "ttftP99Milliseconds, kvWastePercent; an adapter's requestsPerSecond) at most this often, "
+                   f"0 to {figures.MAX_INTERVAL_S:g}; 0 writes every change. Conditions, replica counts and "
+                   "scaling decisions are written at once, with the figures; Prometheus has every figure every "
+                   "second (docs/metrics.md).")
 @click.option("--resync-seconds", default=300.0, show_default=True, type=float,
               help="Reconcile a service this long after anything last reconciled it (watch events "
                    "of its children and pods reconcile it at once).")
@@ -131,7 +139,8 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
                         leader_elect_resource_name: str, leader_elect_resource_namespace: str | None,
                         leader_elect_lease_duration: float, leader_elect_renew_deadline: float,
                         leader_elect_retry_period: float, leader_elect_identity: str | None, fleet_loops: bool,
-                        fleet_interval_seconds: float, resync_seconds: float, audit_interval_seconds: float,
+                        fleet_interval_seconds: float, status_figures_interval_seconds: float,
+                        resync_seconds: float, audit_interval_seconds: float,
                         podmonitor_labels: dict[str, str], network_policies: bool,
                         network_policy_operator_namespace: str | None,
                         network_policy_operator_labels: dict[str, str],
@@ -153,7 +162,8 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
     return OperatorSettings(
         namespaces=tuple(namespaces), metrics_port=metrics_port or None, metrics_host=metrics_host,
         liveness_endpoint=liveness_endpoint, worker_limit=worker_limit, leader_election=election,
-        fleet_loops=fleet_loops, fleet_interval=fleet_interval_seconds, resync_seconds=resync_seconds,
+        fleet_loops=fleet_loops, fleet_interval=fleet_interval_seconds,
+        status_figures_interval=status_figures_interval_seconds, resync_seconds=resync_seconds,
         audit_interval=audit_interval_seconds, podmonitor_labels=podmonitor_labels,
         network_policies=policies, router_addresses=tuple(router_addresses))
 

@@ -96,7 +96,8 @@ class OperatorRuntime:
         self.reader = ReplicaReader()
         ports = ServicePorts(events=self.kube, status=self.controller, locks=self.controller, objects=self.kube,
                              replicas=self.reader, metrics=self.metrics)
-        self.fleet = FleetLoop(ports, interval=s.fleet_interval, leadership=self, on_gone=self.forget)
+        self.fleet = FleetLoop(ports, interval=s.fleet_interval, leadership=self, on_gone=self.forget,
+                               figures_interval=s.status_figures_interval)
         auditor = ClusterAuditor(objects=self.kube, events=self.kube, status=self.controller, metrics=self.metrics,
                                  watched=self.known, leadership=self, interval=s.audit_interval)
         demand = RouterDemand(pods=self.kube, publish=self.fleet.set_demand, leadership=self,

@@ -11,7 +11,10 @@ nothing to read; at 1000 services on 2 cores that starved reconciliation
   slow one (a replica timing out) delays only itself: ticks run as separate
   tasks, at most ``concurrency`` at once, one per service at a time;
 - a service with no ready replica is skipped (there is nothing to read, and
-  the autoscaler holds without samples), unless an audit was requested.
+  the autoscaler holds without samples), unless an audit was requested;
+- a service's fast-moving status figures (KV usage, TTFT p99) reach its status
+  at most every ``figures_interval`` seconds; conditions, replica counts and
+  decisions at once (``reconcile.figures``).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from ..adapters.index import AdapterIndex
 from ..api import v1alpha1 as t
 from ..kube.errors import ApiError, NotFound
 from ..manifests import names
+from ..reconcile import figures
 from .adapter_sync import SYNC_SECONDS, OrphanAdapters
 from .ports import Key, Leadership, ServicePorts
 from .service_loop import ServiceLoop, readable_replicas
@@ -37,15 +41,18 @@ MIN_PASS_S = 0.05
 class FleetLoop:
     """``ports``: what each service's loop talks to. ``leadership``: only the leader ticks (None:
     always, a single operator). ``on_gone``: forget a service the API says is gone (the runtime's
-    ``forget``, which calls ``remove_service`` here too; None: only this loop's copy is dropped)."""
+    ``forget``, which calls ``remove_service`` here too; None: only this loop's copy is dropped).
+    ``figures_interval``: seconds between status writes of a service's figures (0: every change)."""
 
     def __init__(self, ports: ServicePorts, *, interval: float = 1.0, concurrency: int = 64,
                  clock: Callable[[], float] = time.monotonic, leadership: Leadership | None = None,
-                 on_gone: Callable[[str, str], None] | None = None):
+                 on_gone: Callable[[str, str], None] | None = None,
+                 figures_interval: float = figures.DEFAULT_INTERVAL_S):
         self.ports = ports
         self.leadership = leadership
         self.on_gone = on_gone
         self.interval = interval
+        self.figures_interval = figures_interval
         self._clock = clock
         self._sem = asyncio.Semaphore(concurrency)
         self.services: dict[Key, dict] = {}
@@ -216,7 +223,7 @@ class FleetLoop:
                     return
                 loop = self._loops.get(key)
                 if loop is None:
-                    loop = self._loops[key] = ServiceLoop(self.ports, *key)
+                    loop = self._loops[key] = ServiceLoop(self.ports, *key, figures_interval=self.figures_interval)
                 pods = list(self.pods.get(key, {}).values())
                 adapters = self.adapters.of(*key)
                 if adapters_only:
