@@ -33,6 +33,8 @@ SUITE = [
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
     ("Takeover at scale: Lease acquired → first scale-out, warm vs cold follower (1000 services)",
      ["bench/takeover_scale.py"]),
+    ("Router discovery: watch vs listing every 2 s (1000 services, simulated pods)", ["bench/router_discovery.py"]),
+    ("Status writes of busy services: figures every change vs every 20 s", ["bench/status_writes.py", "--n", "100"]),
 ]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from .reconcile import figures
 from .settings import (
     LEASE_NAME,
     LeaderElection,
@@ -69,6 +70,13 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
                    "(writing nothing), so that when it takes the Lease over its first scaling decisions come at "
                    "once from warm state; 0: it reads nothing until it leads (a cold takeover). "
                    "docs/high-availability.md.")
+@click.option("--status-figures-interval-seconds", default=figures.DEFAULT_INTERVAL_S, show_default=True,
+              type=float,
+              help="Write a busy service's fast-moving status figures (kvCacheUsagePercent, "
+                   "ttftP99Milliseconds, kvWastePercent; an adapter's requestsPerSecond) at most this often, "
+                   f"0 to {figures.MAX_INTERVAL_S:g}; 0 writes every change. Conditions, replica counts and "
+                   "scaling decisions are written at once, with the figures; Prometheus has every figure every "
+                   "second (docs/metrics.md).")
 @click.option("--resync-seconds", default=300.0, show_default=True, type=float,
               help="Reconcile a service this long after anything last reconciled it (watch events "
                    "of its children and pods reconcile it at once).")
@@ -136,7 +144,8 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
                         leader_elect_resource_name: str, leader_elect_resource_namespace: str | None,
                         leader_elect_lease_duration: float, leader_elect_renew_deadline: float,
                         leader_elect_retry_period: float, leader_elect_identity: str | None, fleet_loops: bool,
-                        fleet_interval_seconds: float, follower_interval_seconds: float, resync_seconds: float,
+                        fleet_interval_seconds: float, follower_interval_seconds: float,
+                        status_figures_interval_seconds: float, resync_seconds: float,
                         audit_interval_seconds: float,
                         podmonitor_labels: dict[str, str], network_policies: bool,
                         network_policy_operator_namespace: str | None,
@@ -160,7 +169,8 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
         namespaces=tuple(namespaces), metrics_port=metrics_port or None, metrics_host=metrics_host,
         liveness_endpoint=liveness_endpoint, worker_limit=worker_limit, leader_election=election,
         fleet_loops=fleet_loops, fleet_interval=fleet_interval_seconds,
-        follower_interval=follower_interval_seconds, resync_seconds=resync_seconds,
+        follower_interval=follower_interval_seconds,
+        status_figures_interval=status_figures_interval_seconds, resync_seconds=resync_seconds,
         audit_interval=audit_interval_seconds, podmonitor_labels=podmonitor_labels,
         network_policies=policies, router_addresses=tuple(router_addresses))
 

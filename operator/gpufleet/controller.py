@@ -33,6 +33,7 @@ from .manifests.pools import POOL_ROLES, pools
 from .metrics import OperatorMetrics
 from .reconcile import conditions as cond
 from .reconcile import drains
+from .reconcile.child_events import AppliedChildren
 from .reconcile.desired import (
     CanaryChildren,
     desired_children,
@@ -101,6 +102,8 @@ class Controller:
         self._rejections: dict[tuple[str, str], _Rejection] = {}
         # Cordoned nodes and the services with pods on them, fed by the runtime's watches.
         self.cordons = drains.CordonIndex()
+        # What this operator last stored of each child: its own writes' watch events ask for nothing.
+        self.applied = AppliedChildren()
 
     async def has_podmonitor(self) -> bool:
         # The Prometheus Operator may be installed after us: re-discover now and then.
@@ -397,7 +400,7 @@ class Controller:
                                      engine_ingress=self.engine_ingress, draining_roles=draining, surge=surge,
                                      canary=canary):
             try:
-                await self.kube.apply(obj)
+                self.applied.applied(await self.kube.apply(obj))
             except ApiError as e:
                 if not refused(e):
                     raise

@@ -19,6 +19,7 @@ from .api import v1alpha1 as t
 from .fleet.service_loop import DELETION_COST
 from .kube.pods import is_ready
 from .manifests import names
+from .reconcile.child_events import Action
 from .runtime import OperatorRuntime
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,17 @@ def _owner_service(body) -> str | None:
 @kopf.on.event("", "v1", "services", labels=MANAGED)
 @kopf.on.event("", "v1", "configmaps", labels=MANAGED)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=MANAGED)
-async def child_changed(body, namespace, memo: kopf.Memo, **_) -> None:
+async def child_changed(type, body, namespace, memo: kopf.Memo, **_) -> None:
+    """A child was deleted or changed by someone else: its owner's children are applied again; its status
+    moved (a Deployment's rollout): the owner's status is refreshed; the operator's own write: nothing
+    (reconcile/child_events.py)."""
     owner = _owner_service(body)
-    if owner:
-        _rt(memo).trigger(namespace, owner)
+    if not owner:
+        return
+    rt = _rt(memo)
+    action = rt.controller.applied.event(type, body)
+    if action is not Action.NOTHING:
+        rt.trigger(namespace, owner, apply=action is Action.APPLY)
 
 
 @kopf.on.event("", "v1", "pods", labels={names.LABEL_NAME: names.ENGINE_APP})

@@ -113,7 +113,8 @@ class OperatorRuntime:
         ports = ServicePorts(events=self.kube, status=self.controller, locks=self.controller, objects=self.kube,
                              replicas=self.reader, metrics=self.metrics)
         self.fleet = FleetLoop(ports, interval=s.fleet_interval, leadership=self, on_gone=self.forget,
-                               follow_interval=s.follower_interval)
+                               follow_interval=s.follower_interval,
+                               figures_interval=s.status_figures_interval)
         auditor = ClusterAuditor(objects=self.kube, events=self.kube, status=self.controller, metrics=self.metrics,
                                  watched=self.known, leadership=self, interval=s.audit_interval,
                                  first_pass=self.fleet.first_pass_done)

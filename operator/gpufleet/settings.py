@@ -14,6 +14,7 @@ from typing import Mapping
 
 from .leadership import Timing, TimingError
 from .manifests.network_policy import EngineIngress
+from .reconcile import figures
 
 LEASE_NAME = "gpufleet-operator"
 
@@ -81,6 +82,7 @@ class OperatorSettings:
     fleet_loops: bool = True                   # autoscaler, audits and router demand besides reconciles
     fleet_interval: float = 1.0                # seconds between replica reads
     follower_interval: float = 5.0             # a follower's reads of every replica (0: none, a cold takeover)
+    status_figures_interval: float = figures.DEFAULT_INTERVAL_S  # seconds between a service's figure writes
     resync_seconds: float = 300.0              # a service untouched this long is reconciled again
     audit_interval: float = 30.0               # stranded-GPU and isolation audits
     podmonitor_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -103,6 +105,13 @@ class OperatorSettings:
                                 f"lead reads every replica's metrics to keep the autoscaler's state warm for a "
                                 f"takeover; 0 turns that off (a cold takeover); e.g. "
                                 f"--follower-interval-seconds 5")
+        interval = self.status_figures_interval
+        if not 0 <= interval <= figures.MAX_INTERVAL_S:
+            raise SettingsError("--status-figures-interval-seconds", (
+                f"--status-figures-interval-seconds must be 0 to {figures.MAX_INTERVAL_S:g} (got {interval:g}): "
+                f"it is how often at most a service's fast-moving status figures (KV cache usage, TTFT p99) are "
+                f"written, 0 for every change; e.g. --status-figures-interval-seconds "
+                f"{figures.DEFAULT_INTERVAL_S:g} (Prometheus has them every second)"))
         _positive("--resync-seconds", self.resync_seconds,
                   "how long after its last reconcile a service is reconciled again", "300")
         _positive("--audit-interval-seconds", self.audit_interval, "how often the cluster-wide audits run", "30")

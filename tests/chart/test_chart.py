@@ -58,6 +58,10 @@ def test_chart_copies_of_generated_assets_are_current():
     (["--set", "leaderElection.renewDeadlineSeconds=15"],
      "leaderElection.leaseDurationSeconds must be longer than renewDeadlineSeconds"),
     (["--set", "leaderElection.retryPeriodSeconds=9"], "renewDeadlineSeconds must be longer than 1.2 x"),
+    (["--set", "operator.statusFiguresIntervalSeconds=301"], "at '/operator/statusFiguresIntervalSeconds': "
+                                                              "maximum: got 301, want 300"),
+    (["--set", "operator.statusFiguresIntervalSeconds=-1"], "at '/operator/statusFiguresIntervalSeconds': "
+                                                             "minimum: got -1, want 0"),
     (["--set", "peering.enabled=true"], "additional properties 'peering' not allowed"),
     (["--set", "podAntiAffinity=soft"], "at '/podAntiAffinity': value must be one of"),
     (["--set", "watchNamespace=ml"], "additional properties 'watchNamespace' not allowed"),
@@ -68,6 +72,15 @@ def test_bad_values_are_rejected_with_a_clear_message(helm, args, message):
     out = template(helm, *args, check=False)
     assert out.returncode != 0
     assert message in out.stderr, out.stderr
+
+
+def test_the_status_figures_interval_reaches_the_operators_arguments(helm):
+    def args(*values):
+        docs = [d for d in yaml.safe_load_all(template(helm, *values).stdout) if d]
+        dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gpufleet-operator")
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--status-figures-interval-seconds=20" in args()
+    assert "--status-figures-interval-seconds=0" in args("--set", "operator.statusFiguresIntervalSeconds=0")
 
 
 def test_debug_loggers_reach_the_operators_arguments(helm):

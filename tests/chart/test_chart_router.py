@@ -1,6 +1,7 @@
 """The chart's router: a Deployment of two replicas with a PDB, its own Service,
-read-only RBAC on InferenceServices, InferenceAdapters and pods, the engines' NetworkPolicy
-admitting it, and an HTTPRoute only when asked for and pointed at a Gateway."""
+read-only RBAC (get, list, watch) on InferenceServices, InferenceAdapters and pods, discovery
+by watch unless told to list, the engines' NetworkPolicy admitting it, and an HTTPRoute only
+when asked for and pointed at a Gateway."""
 import yaml
 
 from tests.chart.test_chart import helm, template  # noqa: F401  (the helm fixture)
@@ -39,7 +40,8 @@ def test_the_router_may_only_read_inferenceservices_their_adapters_and_pods(helm
     rules = docs[("ClusterRole", "gpufleet-router")]["rules"]
     assert {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]} == {
         ("serving.gpufleet.dev", "inferenceservices"), ("serving.gpufleet.dev", "inferenceadapters"), ("", "pods")}
-    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in rules)
+    # list and watch: the default discovery watches each of them (router.discovery=watch)
+    assert all(set(rule["verbs"]) == {"get", "list", "watch"} for rule in rules)
     binding = docs[("ClusterRoleBinding", "gpufleet-router")]
     assert binding["subjects"][0]["name"] == "gpufleet-router"
     assert docs[("Deployment", "gpufleet-router")]["spec"]["template"]["spec"]["serviceAccountName"] == \
@@ -61,6 +63,17 @@ def test_the_router_routes_the_operators_namespaces_unless_told_otherwise(helm):
     assert namespaces() == []
     assert namespaces("--set", "watchNamespaces={ml,chat}") == ["--namespace=ml", "--namespace=chat"]
     assert namespaces("--set", "watchNamespaces={ml}", "--set", "router.namespaces={chat}") == ["--namespace=chat"]
+
+
+def test_the_router_watches_unless_told_to_list(helm):  # noqa: F811
+    def args(*values):
+        return objects(helm, *values)[("Deployment", "gpufleet-router")]["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+    assert "--discovery=watch" in args()
+    listing = args("--set", "router.discovery=list", "--set", "router.discoveryIntervalSeconds=5")
+    assert "--discovery=list" in listing and "--discovery-interval-seconds=5" in listing
+    out = template(helm, "--set", "router.discovery=poll", check=False)
+    assert out.returncode != 0 and "/router/discovery" in out.stderr and "watch" in out.stderr
 
 
 def test_an_httproute_needs_a_gateway_and_points_at_the_routers_service(helm):  # noqa: F811

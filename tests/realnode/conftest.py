@@ -77,10 +77,12 @@ def install(control_plane, built_images, crds_installed):
         # The API server's own port: the policies' egress names it, as on a cluster where it is 6443.
         "networkPolicy": {"apiServer": {"ports": [urlsplit(control_plane.server).port]}},
         "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
-        # The router's two pods on the real node too, small enough to leave room for two engines.
+        # The router's two pods on the real node too, small enough to leave room for two engines (2 x 750m,
+        # and the operator's 100m, of 2 cores). Not less: the CPU weight follows the request, and at 50m a
+        # router relaying four streams beside two busy engines answered its probes too late to stay up.
         "router": {"nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
                    "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
-                   "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}},
+                   "resources": {"requests": {"cpu": "150m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}},
     }
     env = control_plane.env()
     subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns], env=env, capture_output=True)

@@ -5,12 +5,16 @@ operator's control loops to run without a cluster.
 
 Tests steer it with ``reject`` (an object the server refuses), ``pause``
 (hold a write until released: interleavings) and read ``objects``/``events``.
+Watches see every change made through it (``watch``, from a ``list_versioned``
+version, with bookmarks on request); ``compact()`` forgets the history, so a
+watch from an older version gets 410 Gone; ``calls`` counts lists and watches.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
-from typing import Awaitable, Callable
+from typing import AsyncGenerator, Awaitable, Callable
 
 from gpufleet.kube.errors import ApiError, Conflict, NotFound, error_for
 
@@ -46,6 +50,10 @@ class FakeKube:
         self.pause: dict[tuple[str, str], asyncio.Event] = {}  # (kind, name) -> apply waits for it
         self.paused: dict[tuple[str, str], asyncio.Event] = {}  # set when a paused apply is waiting
         self.on_write: Callable[[str, Key, dict], Awaitable[None]] | None = None
+        self.calls: collections.Counter = collections.Counter()   # ("list" | "watch", kind) -> how many
+        self.history: list[tuple[int, str, dict]] = []   # (resourceVersion, event type, object) of each change
+        self.oldest_rv = 0              # watches from before this version are answered 410 Gone
+        self._wakers: set[asyncio.Event] = set()
         self._rv = 0
 
     # --- state -------------------------------------------------------------------
@@ -62,8 +70,22 @@ class FakeKube:
         meta.setdefault("uid", f"uid-{meta['name']}")
         meta.setdefault("generation", 1)
         meta["resourceVersion"] = self._next_rv()
-        self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
+        self._store((obj["kind"], meta["namespace"], meta["name"]), obj)
         return copy.deepcopy(obj)
+
+    def _store(self, key: Key, obj: dict) -> None:
+        self._changed("MODIFIED" if key in self.objects else "ADDED", obj)
+        self.objects[key] = obj
+
+    def _changed(self, kind: str, obj: dict) -> None:
+        self.history.append((int(obj["metadata"]["resourceVersion"]), kind, copy.deepcopy(obj)))
+        for wake in self._wakers:
+            wake.set()
+
+    def compact(self) -> None:
+        """Forget the changes so far, as etcd's compaction does: older versions are gone."""
+        self.history.clear()
+        self.oldest_rv = self._rv
 
     def obj(self, kind: str, name: str, namespace: str = "ml") -> dict | None:
         return self.objects.get((kind, namespace, name))
@@ -97,8 +119,52 @@ class FakeKube:
 
     async def list(self, api_version: str, kind: str, namespace: str | None = None, *,
                    label_selector: str | None = None, field_selector: str | None = None) -> list[dict]:
+        self.calls["list", kind] += 1
         return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
                 if k == kind and (namespace is None or ns == namespace) and _matches(o, label_selector)]
+
+    async def list_versioned(self, api_version: str, kind: str, namespace: str | None = None, *,
+                             label_selector: str | None = None,
+                             field_selector: str | None = None) -> tuple[list[dict], str]:
+        return await self.list(api_version, kind, namespace, label_selector=label_selector), str(self._rv)
+
+    async def watch(self, api_version: str, kind: str, namespace: str | None = None, *, timeout_seconds: int = 60,
+                    label_selector: str | None = None, field_selector: str | None = None,
+                    resource_version: str | None = None,
+                    allow_bookmarks: bool = False) -> AsyncGenerator[dict, None]:
+        """The changes after ``resource_version`` (without one: every object ADDED first), then each change
+        as it is made, until ``timeout_seconds`` pass without one; a BOOKMARK before that end when asked."""
+        self.calls["watch", kind] += 1
+        if resource_version is None:
+            seen = self._rv
+            for o in await self.list(api_version, kind, namespace, label_selector=label_selector):
+                yield {"type": "ADDED", "object": o}
+        else:
+            seen = int(resource_version)
+            if seen < self.oldest_rv:
+                yield {"type": "ERROR", "object": {"kind": "Status", "status": "Failure", "reason": "Expired",
+                                                   "message": f"too old resource version: {seen}", "code": 410}}
+                return
+        while True:
+            wake = asyncio.Event()
+            self._wakers.add(wake)
+            try:
+                fresh = [(rv, t, o) for rv, t, o in self.history if rv > seen]
+                for rv, t, o in fresh:
+                    seen = rv
+                    meta = o["metadata"]
+                    if o["kind"] == kind and namespace in (None, meta["namespace"]) and _matches(o, label_selector):
+                        yield {"type": t, "object": copy.deepcopy(o)}
+                if not fresh:
+                    try:
+                        await asyncio.wait_for(wake.wait(), timeout_seconds)
+                    except asyncio.TimeoutError:
+                        if allow_bookmarks:
+                            yield {"type": "BOOKMARK", "object": {"kind": kind, "metadata": {
+                                "resourceVersion": str(self._rv)}}}
+                        return
+            finally:
+                self._wakers.discard(wake)
 
     async def has_kind(self, api_version: str, kind: str) -> bool:
         return kind != "PodMonitor"
@@ -128,7 +194,7 @@ class FakeKube:
             new["metadata"].setdefault("uid", f"uid-{meta['name']}")
             new["metadata"]["generation"] = 1
         new["metadata"]["resourceVersion"] = self._next_rv()
-        self.objects[key] = new
+        self._store(key, new)
         return copy.deepcopy(new)
 
     async def merge_patch(self, api_version: str, kind: str, name: str, patch: dict,
@@ -149,7 +215,7 @@ class FakeKube:
             body.get("metadata", {}).pop("resourceVersion", None)
             new = merge_patch(obj, body)
         new["metadata"] = {**new["metadata"], "resourceVersion": self._next_rv()}
-        self.objects[key] = new
+        self._store(key, new)
         return copy.deepcopy(new)
 
     async def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None, **_) -> bool:
@@ -157,7 +223,8 @@ class FakeKube:
         if key not in self.objects:
             return False
         await self._record("delete", key, {})
-        del self.objects[key]
+        gone = self.objects.pop(key)
+        self._changed("DELETED", {**gone, "metadata": {**gone["metadata"], "resourceVersion": self._next_rv()}})
         return True
 
     async def event(self, involved: dict, *, reason: str, message: str, type_: str = "Normal", **_) -> None:

@@ -39,6 +39,10 @@ def kubeconfig(tmp_path):
      "must be longer than the renew deadline"),
     (["--leader-elect", "--leader-elect-identity", ""], "--leader-elect-identity", "leave it out"),
     (["--network-policies"], "--network-policy-operator-label", "KEY=VALUE"),
+    (["--status-figures-interval-seconds", "-1"], "--status-figures-interval-seconds",
+     "e.g. --status-figures-interval-seconds 20"),
+    (["--status-figures-interval-seconds", "301"], "--status-figures-interval-seconds", "must be 0 to 300"),
+    (["--status-figures-interval-seconds", "nan"], "--status-figures-interval-seconds", "0 for every change"),
 ])
 def test_a_bad_flag_is_a_usage_error_that_names_the_flag_and_the_fix(args, flag, fix, kubeconfig):
     result = CliRunner().invoke(main, ["run", "--kubeconfig", str(kubeconfig), *args])
@@ -50,8 +54,8 @@ FLAGS = dict(namespaces=(), metrics_port=9090, metrics_host="0.0.0.0", liveness_
              leader_elect=False, leader_elect_resource_name="gpufleet-operator",
              leader_elect_resource_namespace=None, leader_elect_lease_duration=15.0,
              leader_elect_renew_deadline=10.0, leader_elect_retry_period=2.0, leader_elect_identity=None,
-             fleet_loops=True, fleet_interval_seconds=1.0, follower_interval_seconds=5.0, resync_seconds=300.0,
-             audit_interval_seconds=30.0,
+             fleet_loops=True, fleet_interval_seconds=1.0, follower_interval_seconds=5.0,
+             status_figures_interval_seconds=20.0, resync_seconds=300.0, audit_interval_seconds=30.0,
              podmonitor_labels={}, network_policies=False, network_policy_operator_namespace=None,
              network_policy_operator_labels={}, network_policy_client_namespaces=(),
              network_policy_prometheus_namespaces=(), network_policy_same_namespace=True, router_addresses=())
@@ -59,6 +63,16 @@ FLAGS = dict(namespaces=(), metrics_port=9090, metrics_host="0.0.0.0", liveness_
 
 def test_the_defaults_of_the_flags_are_the_defaults_of_the_settings():
     assert settings_from_flags(**FLAGS) == OperatorSettings()
+
+
+@pytest.mark.parametrize("seconds", [0.0, 20.0, 300.0])
+def test_the_status_figures_interval_takes_0_to_300_seconds(seconds):
+    settings = settings_from_flags(**{**FLAGS, "status_figures_interval_seconds": seconds})
+    assert settings.status_figures_interval == seconds
+    for wrong in (-0.5, 300.5, float("inf")):
+        with pytest.raises(SettingsError) as e:
+            OperatorSettings(status_figures_interval=wrong)
+        assert e.value.flag == "--status-figures-interval-seconds"
 
 
 def test_settings_are_frozen_and_their_labels_cannot_change_under_the_runtime():
@@ -94,7 +108,8 @@ def test_leader_election_gets_a_unique_identity_unless_one_is_given():
 async def test_the_runtime_is_wired_from_the_settings_alone(kubeconfig):
     """Names left to the credentials (the Lease's, the operator's for its NetworkPolicy peer) come from them."""
     settings = OperatorSettings(
-        resync_seconds=60.0, fleet_interval=0.5, follower_interval=3.0, podmonitor_labels={"release": "prom"},
+        resync_seconds=60.0, fleet_interval=0.5, follower_interval=3.0, status_figures_interval=7.0,
+        podmonitor_labels={"release": "prom"},
         leader_election=LeaderElection(identity="pod-0"),
         network_policies=NetworkPolicies(operator_labels={"app": "op"}, client_namespaces=("gw",)))
     rt = OperatorRuntime(KubeConfig.from_file(str(kubeconfig)), settings)
@@ -106,6 +121,7 @@ async def test_the_runtime_is_wired_from_the_settings_alone(kubeconfig):
         assert ingress is not None and ingress.operator_namespace == "ops" and ingress.client_namespaces == ("gw",)
         assert rt.fleet is not None and rt.fleet.interval == 0.5 and rt.fleet.leadership is rt
         assert rt.fleet.follow_interval == 3.0
+        assert rt.fleet.figures_interval == 7.0
         ports = rt.fleet.ports
         assert ports.events is rt.kube and ports.objects is rt.kube and ports.replicas is rt.reader
         assert ports.status is rt.controller and ports.locks is rt.controller

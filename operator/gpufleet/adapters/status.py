@@ -20,6 +20,7 @@ from .desired import Refusal
 
 LOADED, PLACING, LOADING = "Loaded", "Placing", "Loading"
 SERVICE_NOT_FOUND, LORA_DISABLED, TOO_MANY = "ServiceNotFound", "LoraDisabled", "TooManyAdapters"
+RATE = "requestsPerSecond"  # the adapter's one figure: paced (reconcile.figures), the rest written at once
 # A rate change smaller than this share (or than MIN_RATE_CHANGE) is not worth a status write.
 RATE_CHANGE = 0.2
 MIN_RATE_CHANGE = 0.05
@@ -67,7 +68,7 @@ def adapter_status(name: str, service: str, generation: int | None, seen: Observ
     holders = list(seen.holders)
     fields = {"loadedReplicas": len(loaded), "desiredReplicas": len(holders), "replicas": loaded}
     if seen.rate is not None:
-        fields["requestsPerSecond"] = f"{seen.rate:.2f}"
+        fields[RATE] = f"{seen.rate:.2f}"
 
     def ready(ok: bool, reason: str, message: str) -> dict:
         return _status(generation, cond.condition(cond.READY, ok, reason, message, generation=generation), **fields)
@@ -105,20 +106,24 @@ def failure_reason(status: dict) -> str | None:
 
 
 def differs(old: dict, new: dict) -> bool:
-    """Whether ``new`` is worth a status write over ``old`` (the object's current status)."""
+    """Whether ``new`` says something other than ``old`` (the object's current status) besides its
+    request rate: written at once."""
     for key in ("observedGeneration", "loadedReplicas", "desiredReplicas"):
         if old.get(key) != new.get(key):
             return True
     if sorted(old.get("replicas") or []) != sorted(new.get("replicas") or []):
         return True
     o, n = _ready(old), _ready(new)
-    if any(o.get(k) != n.get(k) for k in ("status", "reason", "message", "observedGeneration")):
-        return True
-    if "requestsPerSecond" in new:
-        before, after = float(old.get("requestsPerSecond") or 0), float(new["requestsPerSecond"])
-        change = abs(after - before)
-        return change >= MIN_RATE_CHANGE and change >= RATE_CHANGE * max(before, after)
-    return False
+    return any(o.get(k) != n.get(k) for k in ("status", "reason", "message", "observedGeneration"))
+
+
+def rate_moved(old: dict, new: dict) -> bool:
+    """Whether the request rate moved enough to be worth a status write of its own (when one is due)."""
+    if RATE not in new:
+        return False
+    before, after = float(old.get(RATE) or 0), float(new[RATE])
+    change = abs(after - before)
+    return change >= MIN_RATE_CHANGE and change >= RATE_CHANGE * max(before, after)
 
 
 def merged(old: dict, new: dict, now: str) -> dict:

@@ -54,6 +54,9 @@ PRINTER_COLUMNS: list[dict] = [
      "priority": 1, "description": "Ready replicas of the decode pool (spec.disaggregation)"},
     {"name": "KVWaste%", "type": "integer", "jsonPath": ".status.kvWastePercent", "priority": 1,
      "description": "Share of the KV blocks in use holding no token"},
+    {"name": "Figures", "type": "date", "jsonPath": ".status.figuresUpdateTime", "priority": 1,
+     "description": "When KV%, P99-TTFT(ms) and KVWaste% last changed (written at most every "
+                    "--status-figures-interval-seconds)"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": 1},
     {"name": "Isolation", "type": "string", "jsonPath": ".spec.isolation.mode", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -69,6 +72,8 @@ ADAPTER_PRINTER_COLUMNS: list[dict] = [
      "description": "Replicas the operator placed the adapter on"},
     {"name": "RPS", "type": "string", "jsonPath": ".status.requestsPerSecond", "priority": 1,
      "description": "Requests per second for the adapter over the last minute"},
+    {"name": "Figures", "type": "date", "jsonPath": ".status.figuresUpdateTime", "priority": 1,
+     "description": "When RPS last changed (written at most every --status-figures-interval-seconds)"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

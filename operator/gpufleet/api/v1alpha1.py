@@ -1145,12 +1145,24 @@ class InferenceServiceStatus(Model, frozen=True, kw_only=True):
         description="Label selector of the engine pods (scale subresource).")]] = None
     endpoint: Optional[Annotated[str, Meta(description="In-cluster URL of the OpenAI-compatible API.")]] = None
     kv_cache_usage_percent: Optional[Annotated[int, Meta(
-        description="Mean KV-cache usage over ready replicas.")]] = None
+        description="Mean KV-cache usage over ready replicas; written at most every "
+                    "--status-figures-interval-seconds (figuresUpdateTime), at once when it rises above "
+                    "autoscaling.kvHighWatermarkPercent.")]] = None
     ttft_p99_milliseconds: Optional[Annotated[int, Meta(
-        description="Observed time-to-first-token p99 at the guard.")]] = None
+        description="Observed time-to-first-token p99 at the guard over the last 60 s; written at most every "
+                    "--status-figures-interval-seconds (figuresUpdateTime), at once when it rises above "
+                    "slo.ttftP99Milliseconds.")]] = None
     kv_waste_percent: Optional[Annotated[int, Meta(
         description="Share of the KV blocks in use holding no token of an in-flight "
-                    "request, mean over replicas that know it.")]] = None
+                    "request, mean over replicas that know it; written with kvCacheUsagePercent.")]] = None
+    figures_update_time: Optional[Annotated[str, Meta(
+        description="When kvCacheUsagePercent, ttftP99Milliseconds and kvWastePercent last changed in status "
+                    "(RFC 3339). They are written at most every --status-figures-interval-seconds (default 20) "
+                    "and with every other status change; Prometheus has them every second (docs/metrics.md).",
+        extra_json_schema={
+            "format": "date-time",
+        },
+    )]] = None
     last_scaling: Optional[Annotated[ScalingDecision, Meta(description="The autoscaler's last action.")]] = None
     prefill_decode_ratio: Optional[Annotated[PrefillDecodeRatio, Meta(
         description="With spec.disaggregation: the live prefill:decode ratio, which "
@@ -1265,8 +1277,15 @@ class InferenceAdapterStatus(Model, frozen=True, kw_only=True):
         extra_json_schema={"x-kubernetes-list-type": "set"})] = msgspec.field(default_factory=list)
     requests_per_second: Optional[Annotated[str, Meta(
         description="Requests for the adapter per second over the last minute, all replicas (a decimal, e.g. "
-                    "\"2.50\").",
+                    "\"2.50\"); a change of 20% or more is written at most every "
+                    "--status-figures-interval-seconds, and with every other status change.",
         pattern=r"^[0-9]+(\.[0-9]+)?$")]] = None
+    figures_update_time: Optional[Annotated[str, Meta(
+        description="When requestsPerSecond last changed in status (RFC 3339).",
+        extra_json_schema={
+            "format": "date-time",
+        },
+    )]] = None
     conditions: Annotated[list[Condition], Meta(
         description="Ready: True (reason Loaded) when loaded on a replica and on every replica placed; False "
                     "with Placing, Loading, ServiceNotFound, LoraDisabled or a load failure (SourceUnreachable, "

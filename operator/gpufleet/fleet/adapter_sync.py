@@ -11,7 +11,8 @@ the service's adapters or ready replicas change. One pass:
    nothing, so it is sent its set on the first pass that sees it ready; the router sends an
    adapter's requests only to replicas whose report says Loaded, so it takes them once loaded;
 4. each InferenceAdapter's status (``adapters.status``), written only when it changed, with
-   an Event when its failure reason changes.
+   an Event when its failure reason changes; a change of its request rate alone at most every
+   ``figures_interval`` seconds (``reconcile.figures``), a rate that moved also with any other change.
 
 A replica that cannot be read or refuses a PUT is left alone for a growing while (backoff, up
 to ``BACKOFF_MAX_S``), so one broken guard costs neither the others nor the API server.
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 from gpufleet_engine.contract.adapters import AdapterReport, AdapterSet
 
@@ -33,6 +35,7 @@ from ..api import v1alpha1 as t
 from ..autoscale.signals import ReplicaSample
 from ..kube.errors import ApiError, NotFound
 from ..reconcile import conditions as cond
+from ..reconcile import figures
 from .ports import ServicePorts
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,8 @@ class Backoff:
 
 
 class AdapterSync:
-    def __init__(self, ports: ServicePorts, namespace: str, name: str):
+    def __init__(self, ports: ServicePorts, namespace: str, name: str,
+                 figures_interval: float = figures.DEFAULT_INTERVAL_S):
         self.ports = ports
         self.ns, self.name = namespace, name
         self.rates = AdapterRates()
@@ -74,7 +78,7 @@ class AdapterSync:
         self.last_sync: float | None = None
         self.seen: tuple = ()
         self.sent: dict[str, AdapterSet] = {}     # replica → the set this process last PUT there
-        self.status = StatusWriter(ports)
+        self.status = StatusWriter(ports, figures_interval)
 
     def observe(self, samples: Sequence[ReplicaSample], now: float) -> None:
         """The adapters' request counters of this tick's reads (for their rates)."""
@@ -140,26 +144,41 @@ class AdapterSync:
 
 
 class StatusWriter:
-    """InferenceAdapters' status as this process last wrote it: a write only when it changed."""
+    """InferenceAdapters' status as this process last wrote it: a write only when it changed, and
+    when only the request rate moved, at most every ``figures_interval`` seconds (0: at once)."""
 
-    def __init__(self, ports: ServicePorts):
+    def __init__(self, ports: ServicePorts, figures_interval: float = figures.DEFAULT_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.ports = ports
+        self.figures_interval = figures_interval
+        self.clock = clock
         self.written: dict[tuple[str, str], dict] = {}   # (namespace, adapter) → the status last written
+        self.rate_written: dict[tuple[str, str], float] = {}  # (namespace, adapter) → when its rate was
 
     async def write(self, adapter: Adapter, new: dict) -> None:
         """Write an adapter's status when it changed; an Event when its failure reason did."""
         key = (adapter.namespace, adapter.name)
         old = self.written.get(key) or adapter.status
-        if adapter_status.differs(old, new):
-            await write_status(self.ports, adapter, old, new)
-            self.written[key] = new
+        now = self.clock()
+        if not adapter_status.differs(old, new) and not (
+                adapter_status.rate_moved(old, new)
+                and figures.due(self.rate_written.get(key), now, self.figures_interval)):
+            return
+        rate = new.get(adapter_status.RATE)
+        if rate is not None and rate != old.get(adapter_status.RATE):
+            new = {**new, figures.TIME_FIELD: cond.now_iso()}
+            self.rate_written[key] = now
+        await write_status(self.ports, adapter, old, new)
+        self.written[key] = new
 
     def forget(self, namespace: str, adapter: str) -> None:
         self.written.pop((namespace, adapter), None)
+        self.rate_written.pop((namespace, adapter), None)
 
     def keep_only(self, adapters: Sequence[Adapter]) -> None:
         live = {(a.namespace, a.name) for a in adapters}
         self.written = {k: v for k, v in self.written.items() if k in live}
+        self.rate_written = {k: v for k, v in self.rate_written.items() if k in live}
 
 
 async def write_status(ports: ServicePorts, adapter: Adapter, old: dict, new: dict) -> None:

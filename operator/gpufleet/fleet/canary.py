@@ -23,7 +23,9 @@ from .ports import ServicePorts
 
 log = logging.getLogger(__name__)
 
-SLI_WRITE_S = 10.0  # status.rollout.sli is refreshed at most this often between transitions
+# status.rollout.sli is refreshed at most this often between transitions (at most as often as the
+# service's figures: ``sli_write_seconds``, the longer of the two).
+SLI_WRITE_S = 10.0
 # The fields whose change the reconcile must apply.
 APPLIED = ("canaryRevision", "canaryWeightPercent", "phase")
 
@@ -34,8 +36,10 @@ def _counters(sample: ReplicaSample) -> dict[str, tuple[float, float]]:
 
 class CanaryLoop:
     def __init__(self, ports: ServicePorts, namespace: str, name: str,
-                 wall: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+                 wall: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+                 sli_write_seconds: float = SLI_WRITE_S):
         self.ports = ports
+        self.sli_write_seconds = sli_write_seconds
         self.ns, self.name = namespace, name
         self.wall = wall
         self._window: tuple | None = None  # (canary revision, step) the baselines belong to
@@ -87,7 +91,8 @@ class CanaryLoop:
         new, events = steps.advance(spec.rollout, rollout, canary_ready=sum(1 for p in canary if p.get("ready")),
                                     canary_desired=desired, breach=breach, now=self.wall())
         transition = any(new.get(k) != rollout.get(k) for k in (*APPLIED, "step"))
-        if not transition and new == rollout and (rows == rollout.get("sli") or now - self._sli_written < SLI_WRITE_S):
+        if not transition and new == rollout and (rows == rollout.get("sli")
+                                                  or now - self._sli_written < self.sli_write_seconds):
             return
         if new.get("phase") in steps.RUNNING or new.get("phase") == steps.ROLLED_BACK:
             new = {**new, "sli": rows if not transition or new.get("phase") == steps.ROLLED_BACK else []}

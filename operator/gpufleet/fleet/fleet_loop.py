@@ -11,15 +11,19 @@ nothing to read; at 1000 services on 2 cores that starved reconciliation
   slow one (a replica timing out) delays only itself: ticks run as separate
   tasks, at most ``concurrency`` at once, one per service at a time;
 - a service with no ready replica is skipped (there is nothing to read, and
-  the autoscaler holds without samples), unless an audit was requested.
+  the autoscaler holds without samples), unless an audit was requested;
+- a service's fast-moving status figures (KV usage, TTFT p99) reach its status
+  at most every ``figures_interval`` seconds; conditions, replica counts and
+  decisions at once (``reconcile.figures``).
 
 While another replica leads, every ``follow_interval`` seconds (0: never) each
 service's replicas are read into the same per-service state
-(``ServiceLoop.follow``), writing nothing. When this replica takes the Lease
-over (``take_over``), its first pass runs at once, the services under pressure
-first (``autoscale.takeover``), each carrying out a scale-out its warm state
-asks for before reading again; audits wait for that pass (at most
-``AUDITS_WAIT_S``). docs/high-availability.md tells the whole sequence.
+(``ServiceLoop.follow``), writing nothing (no status, figures included). When
+this replica takes the Lease over (``take_over``), its first pass runs at once,
+the services under pressure first (``autoscale.takeover``), each carrying out a
+scale-out its warm state asks for before reading again; audits wait for that
+pass (at most ``AUDITS_WAIT_S``). docs/high-availability.md tells the whole
+sequence.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from ..api import v1alpha1 as t
 from ..autoscale.takeover import AUDITS_WAIT_S, WARM_READINGS, Warm, first_pass_order
 from ..kube.errors import ApiError, NotFound
 from ..manifests import names
+from ..reconcile import figures
 from .adapter_sync import SYNC_SECONDS, OrphanAdapters
 from .ports import Key, Leadership, ServicePorts
 from .service_loop import ServiceLoop, readable_replicas
@@ -50,16 +55,19 @@ class FleetLoop:
     always, a single operator). ``follow_interval``: seconds between a follower's reads of each
     service (0: a follower reads nothing). ``on_gone``: forget a service the API says is gone (the
     runtime's ``forget``, which calls ``remove_service`` here too; None: only this loop's copy is
-    dropped)."""
+    dropped). ``figures_interval``: seconds between status writes of a service's figures (0: every
+    change)."""
 
     def __init__(self, ports: ServicePorts, *, interval: float = 1.0, concurrency: int = 64,
                  clock: Callable[[], float] = time.monotonic, leadership: Leadership | None = None,
-                 follow_interval: float = 0.0, on_gone: Callable[[str, str], None] | None = None):
+                 follow_interval: float = 0.0, on_gone: Callable[[str, str], None] | None = None,
+                 figures_interval: float = figures.DEFAULT_INTERVAL_S):
         self.ports = ports
         self.leadership = leadership
         self.on_gone = on_gone
         self.interval = interval
         self.follow_interval = follow_interval
+        self.figures_interval = figures_interval
         self._clock = clock
         self._sem = asyncio.Semaphore(concurrency)
         self.services: dict[Key, dict] = {}
@@ -319,7 +327,7 @@ class FleetLoop:
                     return
                 loop = self._loops.get(key)
                 if loop is None:
-                    loop = self._loops[key] = ServiceLoop(self.ports, *key)
+                    loop = self._loops[key] = ServiceLoop(self.ports, *key, figures_interval=self.figures_interval)
                 pods = list(self.pods.get(key, {}).values())
                 adapters = self.adapters.of(*key)
                 now = self._clock()

@@ -2,7 +2,9 @@
 
 Ticked by the shared ``FleetLoop`` (one per operator). Decisions come
 from the pure policies; this class does the reading and the writing: status
-fields, one Event per action, metrics, the pod-deletion-cost mark before a
+fields (the fast-moving figures, KV usage and TTFT p99, at most every
+``figures_interval`` seconds, everything else at once: ``reconcile.figures``),
+one Event per action, metrics, the pod-deletion-cost mark before a
 scale-in (cleared from a replica that outlives it), and evictions for
 fragmentation remediation (only under every rule of
 ``audit.fragmentation.may_restart``). An action is applied under the
@@ -41,11 +43,11 @@ from ..manifests import names
 from ..manifests.pools import POOL_ROLES
 from ..planning.live_ratio import live_ratio
 from ..reconcile import conditions as cond
-from ..reconcile import drains
+from ..reconcile import drains, figures
 from ..reconcile import ratio as ratio_status
 from ..reconcile.replicas import desired_replicas
 from .adapter_sync import AdapterSync
-from .canary import CanaryLoop
+from .canary import SLI_WRITE_S, CanaryLoop
 from .demand_share import DemandShare
 from .ports import ServicePorts
 
@@ -81,7 +83,11 @@ def role_of(pod: dict) -> Role:
 
 
 class ServiceLoop:
-    def __init__(self, ports: ServicePorts, namespace: str, name: str):
+    """``figures_interval``: seconds between writes of the fast-moving status figures
+    (``reconcile.figures``; 0: every change)."""
+
+    def __init__(self, ports: ServicePorts, namespace: str, name: str,
+                 figures_interval: float = figures.DEFAULT_INTERVAL_S):
         self.ports = ports
         self.ns, self.name = namespace, name
         self.state = policy.PolicyState()
@@ -97,9 +103,10 @@ class ServiceLoop:
         self.watching_since: float | None = None  # first tick of this operator process for the service
         self.audit_baseline: dict[str, tuple[int, int]] = {}  # pod -> (alloc retries, OOMs) at the last audit
         self.scaled_in_this_pass = False
+        self.figures = figures.FigurePacer(figures_interval)
         self.demand_share = DemandShare(ports.objects, ports.replicas, namespace, name)
-        self.adapters = AdapterSync(ports, namespace, name)
-        self.canary = CanaryLoop(ports, namespace, name)
+        self.adapters = AdapterSync(ports, namespace, name, figures_interval=figures_interval)
+        self.canary = CanaryLoop(ports, namespace, name, sli_write_seconds=max(SLI_WRITE_S, figures_interval))
         self.warm: Warm | None = None  # the last reading as a follower, until this loop leads (``take_over``)
 
     def spec_of(self, body: dict) -> InferenceServiceSpec | None:
@@ -196,8 +203,12 @@ class ServiceLoop:
                 conditions = await self.autoscale_pools(body, spec, by_role, now, fields)
         elif spec.autoscaling.mode == "Auto":
             conditions = await self.autoscale(body, spec, samples, now, fields, demand)
-        if fields or conditions:
-            await self.ports.status.write_status(body, fields, conditions)
+        # The figures at most every figures_interval; conditions and other fields at once, with the figures.
+        write = self.figures.plan(fields, body.get("status") or {}, now, urgent=bool(conditions),
+                                  limits=figures.limits(spec))
+        if write or conditions:
+            await self.ports.status.write_status(body, write, conditions)
+            self.figures.wrote(write, now)
         if spec.rollout is not None and spec.rollout.strategy == "Canary" and spec.disaggregation is None:
             await self.canary.tick(body, spec, pods, samples)
         await self.release_deletion_costs(body, pods)
@@ -259,7 +270,7 @@ class ServiceLoop:
             if decision is not None:
                 if self.watching_since is None:
                     self.watching_since = now
-                if await self.act(body, spec, decision, current, [], {}):
+                if await self.act(body, spec, decision, current, [], {}, now):
                     self.state = warm.judgement.answered
                     return
         await self.tick(body, pods, now, demand, adapters, audits=audits)
@@ -279,7 +290,7 @@ class ServiceLoop:
                                                   demand=demand)
         decision = hold_scale_in(status, decision, current)
         if decision is not None and decision.target != current:
-            await self.act(body, spec, decision, current, samples, fields)
+            await self.act(body, spec, decision, current, samples, fields, now)
             return []
         return self.signal_conditions(body, obs, current, ready, th)
 
@@ -362,7 +373,7 @@ class ServiceLoop:
             if decision is None or decision.target == current[role]:
                 continue
             acted = True
-            if not await self.act(body, spec, decision, current[role], samples[role], fields, role=role):
+            if not await self.act(body, spec, decision, current[role], samples[role], fields, now, role=role):
                 break  # the replicas changed meanwhile: the next tick decides again
         return [] if acted else self.pool_conditions(body, list(views.values()), held)
 
@@ -405,11 +416,12 @@ class ServiceLoop:
                 "pools": [{**rows.get(r, {"role": r}), "desiredReplicas": n} for r, n in wanted.items()]}
 
     async def act(self, body: dict, spec: InferenceServiceSpec, decision: policy.Decision, current: int,
-                  samples: list[ReplicaSample], fields: dict, role: Role = "unified") -> bool:
+                  samples: list[ReplicaSample], fields: dict, now: float, role: Role = "unified") -> bool:
         """Apply a decision for a pool (``role``; "unified" for a unified service) under the
         service's lock, on the freshest object: a reconcile holding an older copy cannot run in
         between, and a decision made on a replica count that changed meanwhile is dropped (the
-        next tick decides again). True when applied."""
+        next tick decides again). True when applied; the tick's ``fields`` (the figures too) go
+        with the decision's status write."""
         gen = body.get("metadata", {}).get("generation")
         pool = "" if role == "unified" else f"{role} "
         async with self.ports.locks.locked(self.ns, self.name) as fresh:
@@ -439,15 +451,17 @@ class ServiceLoop:
             await self.ports.events.event(fresh, reason=event_reason,
                                           message=f"{pool.replace(' ', ': ')}{current} -> {decision.target} "
                                                   f"replicas ({decision.reason}): {decision.message}")
+            ride = self.figures.plan(fields, fresh_status, now, urgent=True)
             try:
                 await self.ports.status.write_status(fresh, {
-                    **fields, **self.replicas_fields(spec, fresh_status, role, decision.target), "lastScaling": last,
+                    **ride, **self.replicas_fields(spec, fresh_status, role, decision.target), "lastScaling": last,
                 }, [cond.condition(cond.SCALING, True, decision.reason, f"{pool}{current} -> {decision.target}: "
                                    f"{decision.message}", generation=gen)])
             except ApiError:
                 if victim:  # no scale-in will follow: the mark must not outlive the decision
                     await self.unmark(victim)
                 raise
+            self.figures.wrote(ride, now)
             fields.clear()
             self.ports.metrics.decisions.labels(self.ns, self.name, direction).inc()
             log.info("%s/%s: %s%s %d -> %d (%s)", self.ns, self.name, pool, event_reason, current, decision.target,

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import ssl
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 import aiohttp
 
@@ -26,6 +26,9 @@ from .request_kind import request_kind
 log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "gpufleet"
+Listing = tuple[list[dict], str]   # a LIST's items and its resourceVersion
+# One watch event is one JSON line; an object is at most etcd's request limit (1.5 MiB by default).
+MAX_WATCH_EVENT_BYTES = 16 << 20
 
 
 class KubeClient:
@@ -35,7 +38,7 @@ class KubeClient:
     def __init__(self, config: KubeConfig, *, timeout: float = 30.0,
                  session: aiohttp.ClientSession | None = None,
                  write_fence: Callable[[], float] | None = None,
-                 on_request: Callable[[str, str, int], None] | None = None):
+                 on_request: Callable[[str, str, int], None] | None = None, connection_limit: int = 32):
         self.config = config
         # Told (verb, resource, status code) of every request answered: the operator's count of its own
         # round trips (gpufleet_operator_api_requests_total); status 0 when no answer came.
@@ -45,6 +48,8 @@ class KubeClient:
         # refused before they are sent, and a write never waits for an answer beyond it.
         self.write_fence = write_fence
         self._session = session
+        # Each open WATCH holds a connection for its whole life: a client that watches raises this.
+        self._connection_limit = connection_limit
         self._ssl: tuple[tuple, ssl.SSLContext | bool] | None = None  # (tls identity, context)
         self._resources: dict[tuple[str, str], tuple[str, bool]] = {}
         self._discovery_lock = asyncio.Lock()
@@ -58,7 +63,8 @@ class KubeClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32), timeout=self._timeout)
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._connection_limit),
+                                                  timeout=self._timeout)
         return self._session
 
     def _ssl_context(self, creds: Credentials) -> ssl.SSLContext | bool:
@@ -211,6 +217,14 @@ class KubeClient:
 
     async def list(self, api_version: str, kind: str, namespace: str | None = None, *,
                    label_selector: str | None = None, field_selector: str | None = None) -> list[dict]:
+        items, _ = await self.list_versioned(api_version, kind, namespace, label_selector=label_selector,
+                                             field_selector=field_selector)
+        return items
+
+    async def list_versioned(self, api_version: str, kind: str, namespace: str | None = None, *,
+                             label_selector: str | None = None,
+                             field_selector: str | None = None) -> Listing:
+        """The items and the list's resourceVersion: where a WATCH of the same objects resumes."""
         params = {}
         if label_selector:
             params["labelSelector"] = label_selector
@@ -221,7 +235,7 @@ class KubeClient:
         for item in items:  # LIST strips these; put them back so items are self-describing
             item.setdefault("apiVersion", api_version)
             item.setdefault("kind", kind)
-        return items
+        return items, str((doc.get("metadata") or {}).get("resourceVersion") or "")
 
     async def apply(self, obj: dict, *, field_manager: str = FIELD_MANAGER, force: bool = True,
                     subresource: str | None = None) -> dict:
@@ -256,27 +270,48 @@ class KubeClient:
 
     async def watch(self, api_version: str, kind: str, namespace: str | None = None, *,
                     timeout_seconds: int = 60, label_selector: str | None = None,
-                    field_selector: str | None = None) -> AsyncIterator[dict]:
+                    field_selector: str | None = None, resource_version: str | None = None,
+                    allow_bookmarks: bool = False) -> AsyncGenerator[dict, None]:
+        """The watch events (``{"type", "object"}``) until the server ends the watch after
+        ``timeout_seconds``. From ``resource_version`` (a LIST's), or, without one, every object as
+        ADDED first; ``allow_bookmarks``: BOOKMARK events carry newer versions to resume from.
+        A version the server no longer keeps is answered 410 (ApiError), or as an ERROR event."""
         params = {"watch": "true", "timeoutSeconds": str(timeout_seconds)}
         if label_selector:
             params["labelSelector"] = label_selector
         if field_selector:
             params["fieldSelector"] = field_selector
+        if resource_version:
+            params["resourceVersion"] = resource_version
+        if allow_bookmarks:
+            params["allowWatchBookmarks"] = "true"
         path = await self.path(api_version, kind, namespace)
         creds = await self.credentials()
         timeout = aiohttp.ClientTimeout(total=timeout_seconds + 10)
         for attempt in range(2):
-            async with self._send(creds, "GET", path, {}, params=params, timeout=timeout) as resp:
-                if resp.status == 401 and attempt == 0 and (fresh := await self._after_refusal(creds)) is not None:
-                    creds = fresh
-                    continue
-                if resp.status >= 400:
-                    text = await resp.text()
-                    raise error_for(resp.status, None, text)
-                async for line in resp.content:
-                    if line.strip():
-                        yield json.loads(line)
-                return
+            answered = False
+            try:
+                async with self._send(creds, "GET", path, {}, params=params, timeout=timeout) as resp:
+                    answered = True
+                    self._counted("GET", path, params, resp.status)
+                    if resp.status == 401 and attempt == 0 and (fresh := await self._after_refusal(creds)) is not None:
+                        creds = fresh
+                        continue
+                    if resp.status >= 400:
+                        text = await resp.text()
+                        try:
+                            body = json.loads(text)
+                        except ValueError:
+                            body = None
+                        raise error_for(resp.status, body if isinstance(body, dict) else None, text)
+                    while line := await resp.content.readuntil(b"\n", max_size=MAX_WATCH_EVENT_BYTES):
+                        if line.strip():
+                            yield json.loads(line)
+                    return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                if not answered:
+                    self._counted("GET", path, params, 0)
+                raise
 
     async def event(self, involved: dict, *, reason: str, message: str, type_: str = "Normal",
                     component: str = "gpufleet-operator") -> None:

@@ -8,6 +8,7 @@ import signal
 import click
 
 from .choice import POLICIES, Policy
+from .discovery import COALESCE_SECONDS, MODES, Discovery, connections_needed
 from .server import RouterSettings
 
 
@@ -18,8 +19,12 @@ from .server import RouterSettings
               help="Route to InferenceServices in these namespaces only (repeatable); default: every namespace.")
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int, help="The OpenAI API, /metrics and probes.")
+@click.option("--discovery", type=click.Choice(MODES), default=Discovery.WATCH, show_default=True,
+              help=f"How InferenceServices, engine pods and InferenceAdapters are found: watch (the API server's "
+                   f"watch streams; routes rebuilt within {COALESCE_SECONDS:g} s of a change) or list (every "
+                   f"--discovery-interval-seconds, for clusters where the router may not watch).")
 @click.option("--discovery-interval-seconds", default=2.0, show_default=True, type=click.FloatRange(0.1),
-              help="How often InferenceServices and engine pods are listed.")
+              help="With --discovery list: how often InferenceServices and engine pods are listed.")
 @click.option("--reading-interval-seconds", default=1.0, show_default=True, type=click.FloatRange(0.1),
               help="How often each replica's guard /metrics is read (free KV blocks, readiness).")
 @click.option("--prefix-blocks", default=4, show_default=True, type=click.IntRange(0),
@@ -54,7 +59,7 @@ from .server import RouterSettings
               help="A continuation that every replica of its revision refuses (429/503) waits for their "
                    "Retry-After, this long at most from the break; then the stream ends in an error event.")
 @click.option("-v", "--verbose", is_flag=True)
-def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, reading_interval_seconds,
+def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_seconds, reading_interval_seconds,
            prefix_blocks, load_factor, tier_load_factor, max_body_bytes, drain_grace_seconds, hold_timeout_seconds,
            hold_max_requests, prefill_timeout_seconds, policy, resume_streams, max_resumptions, resume_timeout_seconds,
            verbose) -> None:
@@ -69,7 +74,8 @@ def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, readi
         config = KubeConfig.auto(kubeconfig)
     except KubeConfigError as e:
         raise click.ClickException(str(e)) from None
-    settings = RouterSettings(namespaces=tuple(namespaces), discovery_interval=discovery_interval_seconds,
+    settings = RouterSettings(namespaces=tuple(namespaces), discovery=discovery,
+                              discovery_interval=discovery_interval_seconds,
                               reading_interval=reading_interval_seconds, prefix_blocks=prefix_blocks,
                               load_factor=load_factor, tier_load_factor=tier_load_factor,
                               max_body_bytes=max_body_bytes,
@@ -83,7 +89,7 @@ def router(kubeconfig, namespaces, host, port, discovery_interval_seconds, readi
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with KubeClient(config) as kube:
+        async with KubeClient(config, connection_limit=connections_needed(settings.namespaces)) as kube:
             await serve(kube, settings, host, port, stop)
 
     asyncio.run(main())

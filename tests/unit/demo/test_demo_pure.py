@@ -1,7 +1,11 @@
 """The demo's pure parts: Prometheus targets from pods, and the report."""
 from gpufleet_dev.demo.load import RequestResult
+from gpufleet_dev.demo.operator_gauges import kv_percent
 from gpufleet_dev.demo.prometheus import config, engine_targets
 from gpufleet_dev.demo.report import Tick, render_png, render_text, summarize
+from prometheus_client import generate_latest
+
+from gpufleet.metrics import OperatorMetrics
 
 
 def pod(name, ip, ready=True, deleting=False):
@@ -51,3 +55,15 @@ def test_report_tells_what_the_operator_did(tmp_path):
     assert "keeps 15% free" not in text and "admits a request only while 15% of the KV pool stays free" in text
     render_png(tmp_path / "r.png", ticks, results(), kv_high=70, kv_low=20)
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_live_kv_figure_is_the_operators_own_gauge():
+    """The demo's timeline reads KV usage every 2 s: status has it only every
+    --status-figures-interval-seconds, the operator's gauge on every read of the replicas."""
+    metrics = OperatorMetrics()
+    text = generate_latest(metrics.registry).decode()
+    assert kv_percent(text, "demo", "chat") is None
+    metrics.kv_usage.labels("demo", "chat").set(0.834)
+    metrics.kv_usage.labels("demo", "other").set(0.1)
+    text = generate_latest(metrics.registry).decode()
+    assert kv_percent(text, "demo", "chat") == 83 and kv_percent(text, "ml", "chat") is None

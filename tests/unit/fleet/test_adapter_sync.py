@@ -128,3 +128,35 @@ async def test_adapters_of_a_missing_service_get_service_not_found_after_the_gra
     await orphans.tick(index.of("ml", "chat"), watching_for=OrphanAdapters.GRACE_S)
     assert kube.obj("InferenceAdapter", "a0")["status"]["conditions"][0]["reason"] == "ServiceNotFound"
     assert kube.event_reasons("a0") == ["ServiceNotFound"]
+
+
+async def test_an_adapters_request_rate_alone_is_written_at_most_once_per_figures_interval():
+    from gpufleet.adapters import status as adapter_status
+    from gpufleet.fleet.adapter_sync import StatusWriter
+    from gpufleet.reconcile.figures import TIME_FIELD
+
+    kube, _, index, sync, _ = setup(n=1)
+    clock = [1000.0]
+    writer = StatusWriter(sync.ports, figures_interval=20, clock=lambda: clock[0])
+    seen = adapter_status.Observed(holders=["p1"], reports={"p1": AdapterReport(
+        adapters=(AdapterState(name="a0", state="Loaded"),), max_adapters=32)}, rate=1.0)
+
+    def writes():
+        return [b["status"] for verb, key, b in kube.writes if key[0] == "InferenceAdapter"]
+
+    async def observe(rate, generation=1, at=None):
+        clock[0] = at if at is not None else clock[0] + 1
+        refresh(kube, index)
+        new = adapter_status.adapter_status("a0", "chat", generation, adapter_status.Observed(
+            **{**seen.__dict__, "rate": rate}))
+        await writer.write(index.of("ml", "chat")[0], new)
+
+    await observe(1.0)
+    assert len(writes()) == 1 and TIME_FIELD in writes()[0]
+    for i in range(10):                   # the rate doubles and halves every pass: paced
+        await observe(2.0 if i % 2 == 0 else 1.0)
+    assert len(writes()) == 1
+    await observe(2.0, at=1021.0)
+    assert len(writes()) == 2 and writes()[-1]["requestsPerSecond"] == "2.00"
+    await observe(4.0, generation=2)      # another change: at once, the rate riding along
+    assert len(writes()) == 3 and writes()[-1]["requestsPerSecond"] == "4.00" and TIME_FIELD in writes()[-1]

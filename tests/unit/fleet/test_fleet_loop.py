@@ -51,7 +51,7 @@ async def test_a_slow_service_does_not_hold_back_the_others(monkeypatch):
     release, fifth_fast_tick = asyncio.Event(), asyncio.Event()
 
     class FakeLoop:
-        def __init__(self, rt, ns, name):
+        def __init__(self, rt, ns, name, figures_interval=None):
             self.name = name
 
         async def tick(self, body, pods, now=None, demand=0, adapters=(), audits=True):
@@ -104,7 +104,7 @@ async def test_a_service_deleted_unseen_is_forgotten_at_its_next_tick(monkeypatc
               "renamed": not_found("inferenceservices", "renamed")}
 
     class FakeLoop:
-        def __init__(self, rt, ns, name):
+        def __init__(self, rt, ns, name, figures_interval=None):
             self.name = name
 
         async def tick(self, body, pods, now=None, demand=0, adapters=(), audits=True):

@@ -63,7 +63,7 @@ async def guard():
 async def test_a_stopped_router_drains_and_its_twin_takes_the_rest(guard):
     # The grace is the product's timer: the test makes two requests inside it (a readiness probe and
     # one completion), which a loaded machine can stretch past half a second.
-    settings = RouterSettings(guard_port=guard.server.port, discovery_interval=0.1, drain_grace=2.0,
+    settings = RouterSettings(guard_port=guard.server.port, discovery="list", discovery_interval=0.1, drain_grace=2.0,
                               drain_timeout=5.0)
     stops = [asyncio.Event(), asyncio.Event()]
     ports = [free_port(), free_port()]

@@ -31,6 +31,7 @@ class FakeGuard:
         self.free = 50
         self.ready = 1
         self.refuse_with: tuple[int, float] | None = None   # (status, Retry-After)
+        self.refuse_code = "kv_watermark"                    # the error code of the refusal
         self.chunks = [b"data: {\"n\": 1}\n\n", b"data: {\"n\": 2}\n\n", b"data: [DONE]\n\n"]
         self.release = asyncio.Event()
         self.release.set()
@@ -60,7 +61,7 @@ class FakeGuard:
         if self.refuse_with:
             status, retry_after = self.refuse_with
             return web.json_response({"error": {"message": "full", "type": "rate_limit_error", "param": None,
-                                                "code": "kv_watermark"}}, status=status,
+                                                "code": self.refuse_code}}, status=status,
                                      headers={"Retry-After": str(retry_after)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Replica": self.name})
         await resp.prepare(request)
@@ -192,6 +193,33 @@ async def test_a_429_is_retried_once_on_the_other_replica(harness):
         await r.read()
     assert len(harness.guards["a"].bodies) == 1
     assert harness.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="rejected") == 1
+
+
+@pytest.mark.parametrize("code", ["engine_down", "draining"])
+async def test_a_replica_that_cannot_serve_is_not_the_answer_when_another_refused_for_capacity(harness, code):
+    """A guard whose engine was just killed (or that is shutting down) answers 503 before the router's
+    table knows: that says nothing about capacity, so the client gets the other replica's 429 (which it
+    honours), not the 503 (an error), whichever replica was tried last."""
+    harness.guards["a"].free, harness.guards["b"].free = 90, 10
+    harness.guards["a"].refuse_with = (429, 2)
+    harness.guards["b"].refuse_with = (503, 5)
+    harness.guards["b"].refuse_code = code
+    await harness.fleet.read_once(harness.http)
+    async with harness.post(completion()) as r:
+        assert r.status == 429 and r.headers["Retry-After"] == "2"
+        await r.read()
+    assert len(harness.guards["a"].bodies) >= 1 and len(harness.guards["b"].bodies) >= 1
+
+
+async def test_a_replica_whose_engine_is_down_passes_the_request_to_one_that_serves(harness):
+    harness.guards["a"].free, harness.guards["b"].free = 90, 10
+    harness.guards["a"].refuse_with = (503, 5)
+    harness.guards["a"].refuse_code = "engine_down"
+    await harness.fleet.read_once(harness.http)
+    async with harness.post(completion()) as r:
+        assert r.status == 200 and r.headers["X-Replica"] == "b"
+        await r.read()
+    assert harness.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="connect_failed") == 1
 
 
 async def test_refused_by_every_replica_the_client_gets_429_with_the_earliest_hint(harness):
