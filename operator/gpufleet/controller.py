@@ -273,6 +273,10 @@ class Controller:
         if previous.get("observedGeneration") != gen or (
                 rejected_for(previous, gen) and (rejection is None or started >= rejection.retry_at)):
             apply_children = True
+        if (previous.get("rollout") or {}).get("canaryRevision"):
+            # A canary's steps move on what its Deployments' status shows (a promotion ends when the
+            # stable Deployment has rolled out): while one runs, a status move runs the plan too.
+            apply_children = True
         try:
             try:
                 spec = parse_spec(isvc.get("spec"))
