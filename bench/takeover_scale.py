@@ -64,7 +64,11 @@ async def add_nodes(kube: KubeClient, n: int) -> list[str]:
     for i in range(math.ceil(n / GPUS_PER_NODE)):
         node = build_node(f"bench-takeover-{i}", gpus=GPUS_PER_NODE, product=PRODUCT, memory_mib=MEMORY_MIB,
                           pool="gpu")
-        node["status"]["capacity"]["pods"] = node["status"]["allocatable"]["pods"] = str(GPUS_PER_NODE + 10)
+        # Room for every replica's CPU, memory and ephemeral-storage requests too: with build_node's defaults
+        # (sized for 8 GPUs) 100 replicas a node stayed Pending on "Insufficient ephemeral-storage".
+        room = {"cpu": "1000", "memory": "8Ti", "ephemeral-storage": "20Ti", "pods": str(GPUS_PER_NODE + 10)}
+        node["status"]["capacity"].update(room)
+        node["status"]["allocatable"].update(room)
         if await kube.get_or_none("v1", "Node", node["metadata"]["name"]) is None:
             await kube.create(node)
         names.append(node["metadata"]["name"])
