@@ -210,8 +210,10 @@ async def test_an_engine_killed_mid_stream_is_resumed_and_a_scale_in_loses_no_st
     ns = install.work_ns
     try:
         await killed_and_scaled_in(install, kube, control_plane, router)
-    finally:  # the modules after this one change the spec: no canary for them, whatever became of this test
-        await _set_spec(kube, ns, {"rollout": None, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
+    finally:  # the modules after this one change the spec: no canary for them, whatever became of this test.
+        # maxReplicas stays 1: the load's TTFT is in the autoscaler's latency window for a while after it
+        # ends, and with room for two it rightly scales out, leaving two pods for the next module to count.
+        await _set_spec(kube, ns, {"rollout": None, "autoscaling": {"minReplicas": 1, "maxReplicas": 1}})
     # The next module counts the service's pods: the scaled-in one finishes draining first.
     await wait_for(lambda: _service_settled(kube, ns, 1), timeout=300, what="the scaled-in pod gone",
                    describe=_describe(control_plane, ns))

@@ -122,6 +122,7 @@ class Replica:
     address: str               # host:port of the guard
     serving: bool = True       # the pod is Ready, addressed and not terminating (its API object says so)
     revision: str = ""         # its gpufleet.dev/revision label: what it serves ("" without one)
+    terminating: bool = False  # deleted: it will not serve again (not serving for another reason: it may)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +268,14 @@ class Picker:
     # --- what the router learns --------------------------------------------
 
     def set_replicas(self, replicas: Sequence[Replica]) -> None:
+        before = self.replicas
         self.replicas = {r.pod: r for r in replicas}
+        for pod, r in self.replicas.items():
+            was = before.get(pod)
+            if r.serving and was is not None and not was.serving:
+                # Back to Ready (its engine restarted): the last reading was taken while it was down
+                # and says "not ready" until the next read; its pod's readiness is the newer word.
+                self.readings.pop(pod, None)
         for table in (self.readings, self._sent, self.learned):
             for pod in list(table):
                 if pod not in self.replicas:
@@ -330,6 +338,14 @@ class Picker:
             if r.serving and (reading is None or reading.ready):
                 out.append(r)
         return out
+
+    def recovering(self, revision: str, exclude: Iterable[str] = ()) -> bool:
+        """A replica of ``revision`` (outside ``exclude``) that is not eligible now but is not being
+        deleted either: its engine restarting, or its guard's last reading not ready. It may take
+        requests again in a moment."""
+        excluded, eligible = set(exclude), {r.pod for r in self.eligible()}
+        return any(r.revision == revision and r.pod not in excluded and r.pod not in eligible and not r.terminating
+                   for r in self.replicas.values())
 
     def holds(self, pod: str, adapter: str) -> bool:
         """The replica's last reading says it holds ``adapter`` loaded (unread: not known to)."""

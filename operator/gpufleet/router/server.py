@@ -698,6 +698,14 @@ class Router:
                     await asyncio.sleep(wait)
                     tried, refusals = list(broke), []
                     continue
+            if pick is None and picker is not None and picker.recovering(broken.revision, exclude=broke):
+                # Another replica of the revision is on its way back (its engine restarting after the same
+                # failure, or its pod Ready before this router's next reading says so): wait for it.
+                wait = max(MIN_RESUME_WAIT_SECONDS, self.settings.reading_interval / 4)
+                if self.fleet.clock() + wait <= deadline:
+                    await asyncio.sleep(wait)
+                    tried, refusals = list(broke), []
+                    continue
             if picker is None or pick is None:
                 return await self._end_in_error(model, service, response, Resumption.FAILED, (
                     f"The answer's replica broke off mid-stream ({failure}) and no other ready replica of its "

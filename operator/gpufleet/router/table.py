@@ -98,7 +98,8 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
             continue
         by_pool.setdefault((ns, service, role), []).append(
             Replica(pod=meta["name"], address=f"{ip}:{guard_port}", serving=serving(pod),
-                    revision=str(labels.get(names.LABEL_REVISION, ""))))
+                    revision=str(labels.get(names.LABEL_REVISION, "")),
+                    terminating=bool(meta.get("deletionTimestamp"))))
     routes: dict[str, Route] = {}
     # Oldest first: when two services claim one model name, the one that had it first keeps it.
     ordered = sorted(services, key=lambda s: (s["metadata"].get("creationTimestamp") or "",

@@ -375,3 +375,23 @@ def test_every_pick_reason_is_documented_in_the_metric_catalog():
     catalog = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
     line = next(x for x in catalog.read_text().splitlines() if x.startswith("| gpufleet_router_picks_total "))
     assert all(reason in line for reason in REASONS), (REASONS, line)
+
+
+def test_a_replica_back_to_ready_is_not_held_to_the_reading_taken_while_it_was_down():
+    p = Picker()
+    p.set_replicas([Replica("a", "a:1")])
+    p.observe("a", Reading(taken_at=0.0, ready=False, free_blocks=0, total_blocks=100))   # its engine died
+    assert p.eligible() == []
+    p.set_replicas([Replica("a", "a:1", serving=False)])        # the pod not Ready: no longer read
+    assert p.recovering("")
+    p.set_replicas([Replica("a", "a:1")])                       # Ready again before the next reading
+    assert [r.pod for r in p.eligible()] == ["a"] and not p.recovering("")
+
+
+def test_recovering_counts_replicas_of_the_revision_that_may_serve_again():
+    p = Picker()
+    p.set_replicas([Replica("a", "a:1", revision="r1"), Replica("b", "b:1", serving=False, revision="r1"),
+                    Replica("c", "c:1", serving=False, revision="r2"),
+                    Replica("d", "d:1", serving=False, revision="r1", terminating=True)])
+    assert p.recovering("r1") and not p.recovering("r1", exclude=["b"]) and p.recovering("r2")
+    assert not p.recovering("r3")

@@ -4,6 +4,7 @@ one role and usage counting the whole answer; what cannot be resumed ends in an 
 truncation; with --no-resume-streams the client's stream breaks as the replica's did."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -11,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gpufleet.router.choice import Replica
+from gpufleet.router.choice import Picker, Replica
 from gpufleet.router.metrics import RouterMetrics
 from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
 from gpufleet.router.table import Route, Table
@@ -114,15 +115,22 @@ class FakeEngine:
 
 
 class Rig:
-    def __init__(self, engines: list[FakeEngine], settings: RouterSettings, revisions: dict[str, str]):
+    def __init__(self, engines: list[FakeEngine], settings: RouterSettings, revisions: dict[str, str],
+                 down: dict[str, str]):
         self.engines = {e.name: e for e in engines}
         self.metrics = RouterMetrics()
         self.fleet = Fleet(settings, self.metrics)
         self.http = client_session(settings)
         self.server = TestServer(Router(self.fleet, self.http).app(), host="127.0.0.1")
         self.client = aiohttp.ClientSession()
-        self.route = Route("ml", "svc", MODEL, 16, 1, 4, tuple(
-            Replica(e.name, e.address, revision=revisions.get(e.name, "")) for e in engines))
+        self.revisions = revisions
+        self.route = self.route_of(down)
+
+    def route_of(self, down: dict[str, str]) -> Route:
+        """``down``: pod -> "restarting" (not serving, may come back) or "terminating"."""
+        return Route("ml", "svc", MODEL, 16, 1, 4, tuple(
+            Replica(e.name, e.address, serving=e.name not in down, revision=self.revisions.get(e.name, ""),
+                    terminating=down.get(e.name) == "terminating") for e in self.engines.values()))
 
     async def start(self) -> Rig:
         await self.server.start_server()
@@ -159,9 +167,9 @@ async def rig_of():
     rigs: list[Rig] = []
 
     async def make(*engines: FakeEngine, settings: RouterSettings | None = None,
-                   revisions: dict[str, str] | None = None) -> Rig:
+                   revisions: dict[str, str] | None = None, down: dict[str, str] | None = None) -> Rig:
         started = [await e.start() for e in engines]
-        rig = await Rig(started, settings or RouterSettings(prefix_blocks=0), revisions or {}).start()
+        rig = await Rig(started, settings or RouterSettings(prefix_blocks=0), revisions or {}, down or {}).start()
         rigs.append(rig)
         return rig
 
@@ -246,6 +254,46 @@ async def test_no_other_replica_of_the_revision_ends_the_stream_in_an_error_even
     events, _ = await rig.stream({"model": MODEL, "prompt": PROMPT, "stream": True})
     assert events[-2]["error"]["code"] == "stream_broken" and "revision" in events[-2]["error"]["message"]
     assert rig.engines["b"].bodies == []
+
+
+async def test_a_stream_waits_for_a_replica_of_its_revision_on_its_way_back(rig_of):
+    # The other replica's engine was restarting when this one died (both went down under the same load):
+    # the continuation waits for it to be Ready again, within --resume-timeout-seconds.
+    rig = await rig_of(FakeEngine("a", free=90, die_after=3), FakeEngine("b", free=10), down={"b": "restarting"})
+    picker = rig.fleet.picker(MODEL)
+    assert picker is not None
+    asked = []
+
+    def recovering(revision: str, exclude=()) -> bool:
+        # The router found no replica to continue on and asks whether one is on its way back: b is,
+        # and becomes Ready while the router waits.
+        out = Picker.recovering(picker, revision, exclude)
+        asked.append(out)
+        asyncio.get_running_loop().call_soon(lambda: rig.fleet.update(Table({MODEL: rig.route_of({})})))
+        return out
+    picker.recovering = recovering  # type: ignore[method-assign]
+    events, _ = await rig.stream({"model": MODEL, "prompt": PROMPT, "stream": True})
+    assert asked == [True]
+    assert text_of(events) == "".join(WORDS) and events[-1] == "[DONE]"
+    assert len(rig.engines["b"].bodies) == 1
+    assert rig.count("gpufleet_router_resumed_streams_total", service="svc", outcome="resumed") == 1
+
+
+async def test_a_replica_that_does_not_come_back_in_time_ends_the_stream_in_an_error_event(rig_of):
+    rig = await rig_of(FakeEngine("a", free=90, die_after=2), FakeEngine("b", free=10), down={"b": "restarting"},
+                       settings=RouterSettings(prefix_blocks=0, resume_timeout=0.3))
+    events, _ = await rig.stream({"model": MODEL, "prompt": PROMPT, "stream": True})
+    assert events[-2]["error"]["code"] == "stream_broken" and events[-1] == "[DONE]"
+    assert rig.engines["b"].bodies == []
+    assert rig.count("gpufleet_router_resumed_streams_total", service="svc", outcome="failed") == 1
+
+
+async def test_a_terminating_replica_is_not_waited_for(rig_of):
+    # Deleted pods do not come back: the stream ends at once, not at --resume-timeout-seconds.
+    rig = await rig_of(FakeEngine("a", free=90, die_after=2), FakeEngine("b", free=10), down={"b": "terminating"},
+                       settings=RouterSettings(prefix_blocks=0, resume_timeout=3600))
+    events, _ = await asyncio.wait_for(rig.stream({"model": MODEL, "prompt": PROMPT, "stream": True}), 60)
+    assert events[-2]["error"]["code"] == "stream_broken"
 
 
 async def test_with_resumption_off_the_clients_stream_breaks_as_the_replicas_did(rig_of):
