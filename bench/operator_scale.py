@@ -5,7 +5,10 @@ shows how per-service cost grows with N.
 Where the time went: the CPU seconds of the operator and of the control
 plane's processes over the run (on 2 cores they share the machine), and the
 operator's API requests per service by verb and resource (its own counter,
-gpufleet_operator_api_requests_total).
+gpufleet_operator_api_requests_total), and its reconciles with their mean
+duration (gpufleet_reconcile_duration_seconds): long ones wait on the API
+server, short ones in a slow run wait on the queue. The operator's own share
+without a cluster: bench/operator_inprocess.py.
 
     .venv/bin/python bench/operator_scale.py [--n 100]
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import client, ensure_cluster, fresh_namespace, peak_rss_mib  # noqa: E402
+from _services import API, service  # noqa: E402
 from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -47,22 +51,28 @@ def cpu_now(state: dict, operator_pid: int) -> dict[str, float]:
     return out
 
 
-def api_requests(op: OperatorProcess) -> collections.Counter:
+def api_requests(text: str) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
-    for family in text_string_to_metric_families(op.metrics_text()):
+    for family in text_string_to_metric_families(text):
         if family.name == "gpufleet_operator_api_requests":
             for sample in family.samples:
                 if sample.name.endswith("_total"):
                     counts[f"{sample.labels['verb']} {sample.labels['resource']}"] += int(sample.value)
     return counts
 
-API = "serving.gpufleet.dev/v1alpha1"
 
-
-def service(i: int) -> dict:
-    return {"apiVersion": API, "kind": "InferenceService", "metadata": {"name": f"svc-{i:04d}"},
-            "spec": {"model": {"name": f"org/model-{i % 50}"}, "isolation": {"mode": "Shared"},
-                     "autoscaling": {"minReplicas": 1, "maxReplicas": 2}}}
+def reconciles(text: str) -> tuple[int, float]:
+    """How many reconciles the operator ran and their mean duration in seconds (its histogram): a long
+    one waits on the API server, a short one with a slow run waits on the queue."""
+    count, total = 0, 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "gpufleet_reconcile_duration_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    count += int(sample.value)
+                elif sample.name.endswith("_sum"):
+                    total += sample.value
+    return count, total / count if count else 0.0
 
 
 async def reconcile_n(state: dict, n: int) -> dict:
@@ -93,12 +103,14 @@ async def reconcile_n(state: dict, n: int) -> dict:
             await asyncio.sleep(0.5)
         total = time.monotonic() - start
         cpu_after = cpu_now(state, op.proc.pid)
-        requests = api_requests(op)
+        text = op.metrics_text()
+        requests, (count, mean) = api_requests(text), reconciles(text)
         deployments = len(await kube.list("apps/v1", "Deployment", ns))
         rss = peak_rss_mib(op.proc.pid)
         return {"n": n, "seconds": total, "create_seconds": created, "per_service_ms": 1000 * total / n,
                 "deployments": deployments, "peak_rss_mib": rss,
-                "cpu": {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}, "requests": requests}
+                "cpu": {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}, "requests": requests,
+                "reconciles": count, "reconcile_mean_s": mean}
     finally:
         op.stop()
         await kube.delete("v1", "Namespace", ns)
@@ -127,6 +139,8 @@ async def main() -> None:
         total = sum(r["requests"].values())
         print(f"N={r['n']}: the operator's API requests: {total} ({total / r['n']:.1f} per service): " +
               ", ".join(f"{k} {v / r['n']:.2f}" for k, v in r["requests"].most_common()))
+        print(f"N={r['n']}: {r['reconciles']} reconciles ({r['reconciles'] / r['n']:.1f} per service), "
+              f"{1000 * r['reconcile_mean_s']:.0f} ms each on average")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ SUITE = [
     ("Streams that survive a dying replica: resumption on vs off", ["bench/stream_resumption.py"]),
     ("Autoscaler decision latency (watermark breach → Deployment change)", ["bench/autoscaler_latency.py"]),
     ("Operator scale (N InferenceServices on simulated nodes)", ["bench/operator_scale.py", "--n", "100"]),
+    ("The operator's own CPU, requests and memory at N=1000, no cluster",
+     ["bench/operator_inprocess.py", "--n", "1000", "--kopf"]),
     ("Takeover at scale: Lease acquired → first scale-out, warm vs cold follower (1000 services)",
      ["bench/takeover_scale.py"]),
     ("Router discovery: watch vs listing every 2 s (1000 services, simulated pods)", ["bench/router_discovery.py"]),

@@ -92,6 +92,7 @@ class Controller:
         self._clock = clock
         self._podmonitor_checked_at = -1e9
         self._has_podmonitor = False
+        self._podmonitor_lock = asyncio.Lock()
         # Labels every PodMonitor gets, so the cluster's Prometheus selects it (--podmonitor-label).
         self.podmonitor_labels: Mapping[str, str] = podmonitor_labels or {}
         # Who may reach the engines' guard port; None: no NetworkPolicy (--network-policies).
@@ -106,11 +107,13 @@ class Controller:
         self.applied = AppliedChildren()
 
     async def has_podmonitor(self) -> bool:
-        # The Prometheus Operator may be installed after us: re-discover now and then.
-        if self._clock() - self._podmonitor_checked_at > 300:
-            self.kube.forget_discovery()
-            self._has_podmonitor = await self.kube.has_kind(PODMONITOR_API, "PodMonitor")
-            self._podmonitor_checked_at = self._clock()
+        # The Prometheus Operator may be installed after us: re-discover now and then. One asks at a
+        # time: a burst of reconciles would each clear the discovery cache and ask again.
+        async with self._podmonitor_lock:
+            if self._clock() - self._podmonitor_checked_at > 300:
+                self.kube.forget_discovery()
+                self._has_podmonitor = await self.kube.has_kind(PODMONITOR_API, "PodMonitor")
+                self._podmonitor_checked_at = self._clock()
         return self._has_podmonitor
 
     async def get(self, namespace: str, name: str) -> dict | None:
@@ -438,7 +441,8 @@ class Controller:
         stuck = unschedulable_pods(observed.pods)
         old_prog = cond.get(previous.get("conditions"), cond.PROGRESSING) or {}
         new_prog = cond.get(updates, cond.PROGRESSING)
-        if stuck and old_prog.get("reason") != "InsufficientCapacity":
+        told_stuck = bool(stuck) and old_prog.get("reason") != "InsufficientCapacity"
+        if told_stuck:
             pod, msg = stuck[0]
             await self.kube.event(isvc, reason="Unschedulable", type_="Warning",
                                   message=f"replica {pod} cannot be placed without breaking "
@@ -449,6 +453,8 @@ class Controller:
         if new_ready["reason"] == CHILD_REJECTED:
             if old_ready.get("reason") != CHILD_REJECTED or old_ready.get("message") != new_ready["message"]:
                 await self.kube.event(isvc, reason=CHILD_REJECTED, message=new_ready["message"], type_="Warning")
+        elif told_stuck and new_ready["reason"] == "Unschedulable":
+            pass  # Ready=False for the replica just reported: one Event says it, not two
         elif new_ready["status"] != old_ready.get("status") or new_ready["reason"] != old_ready.get("reason"):
             kind = "Normal" if new_ready["status"] == "True" else "Warning"
             if old_ready or new_ready["status"] == "True":

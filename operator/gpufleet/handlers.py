@@ -27,6 +27,12 @@ MANAGED = {names.LABEL_MANAGED_BY: names.MANAGER}
 
 
 KOPF_IDLE_TIMEOUT_S = 0.5
+# The watches whose handlers below filter by label, and the labels: the API server filters them too
+# (``watch_selectors``), so foreign ConfigMaps, Services, Deployments, budgets and pods in the watched
+# namespaces (cluster-wide: the whole cluster's) never reach kopf, which decoded each one to drop it.
+CHILD_RESOURCES = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"),
+                   ("policy", "v1", "poddisruptionbudgets"))
+ENGINE_PODS = {names.LABEL_NAME: names.ENGINE_APP}
 
 
 def _rt(memo) -> OperatorRuntime:
@@ -37,6 +43,38 @@ def kopf_queueing(settings: kopf.OperatorSettings):
     """kopf's per-object worker settings: ``settings.queueing`` since kopf 1.45 renamed
     ``settings.batching`` (whose old name now warns)."""
     return settings.queueing if hasattr(settings, "queueing") else settings.batching
+
+
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No diff-base. kopf builds every event's "essence" for the diffs of change handlers (a deep copy
+    of the whole body, metadata.managedFields and status included, then another copy of the result):
+    with event handlers only, nothing reads it, and at 1000 services those copies were the largest
+    part of the operator's CPU. A change handler (on.create, on.update, on.field), daemon or timer
+    needs kopf's own storage back (tests/unit/test_kopf_settings.py checks there is none)."""
+
+    def build(self, *, body: kopf.Body, extra_fields=None) -> kopf.BodyEssence:
+        return {}
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
+def watch_selectors(settings: kopf.OperatorSettings) -> None:
+    """Server-side label selectors for the child and engine pod watches (kopf ≥ 1.45; before that the
+    handlers' own filters alone drop the foreign objects)."""
+    selectors = getattr(settings.watching, "label_selectors", None)
+    if selectors is None:
+        return
+    for resource in CHILD_RESOURCES:
+        selectors[resource] = _selector(MANAGED)
+    selectors["", "v1", "pods"] = _selector(ENGINE_PODS)
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 @kopf.on.startup()
@@ -58,6 +96,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     # object's next event comes (the handlers are quick event handlers).
     queueing.idle_timeout = KOPF_IDLE_TIMEOUT_S
     settings.execution.max_workers = 8
+    watch_selectors(settings)
+    settings.persistence.diffbase_storage = NoDiffBase()
     await rt.start()
 
 
@@ -135,7 +175,7 @@ async def child_changed(type, body, namespace, memo: kopf.Memo, **_) -> None:
         rt.trigger(namespace, owner, apply=action is Action.APPLY)
 
 
-@kopf.on.event("", "v1", "pods", labels={names.LABEL_NAME: names.ENGINE_APP})
+@kopf.on.event("", "v1", "pods", labels=ENGINE_PODS)
 async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) -> None:
     """Reconcile the owner (status follows its pods) and keep the fleet loop's pod view current."""
     service = body.get("metadata", {}).get("labels", {}).get(names.LABEL_SERVICE)

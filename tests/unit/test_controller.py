@@ -1,9 +1,12 @@
 """Controller against an in-memory API server: refused children, per-type
 condition writes under concurrent writers, and reading the freshest object."""
+import asyncio
+
 import pytest
 
 from gpufleet.controller import REJECTED_RETRY_FIRST_S, Controller
 from gpufleet.kube.errors import ApiError, Invalid
+from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
 from tests.support.fake_kube import FakeKube
@@ -142,3 +145,32 @@ async def test_nothing_is_written_when_nothing_changed(kube, controller):
     writes = len(kube.writes)
     await controller.reconcile_key("ml", "chat", apply_children=False)
     assert len(kube.writes) == writes
+
+
+async def test_a_burst_of_reconciles_asks_discovery_about_podmonitors_once(kube, controller):
+    asked = []
+
+    async def has_kind(api_version, kind):
+        asked.append(kind)
+        await asyncio.sleep(0)
+        return False
+    kube.has_kind = has_kind
+    assert await asyncio.gather(*(controller.has_podmonitor() for _ in range(16))) == [False] * 16
+    assert asked == ["PodMonitor"]
+
+
+async def test_a_replica_that_cannot_be_placed_is_one_warning_event_not_two(kube, controller):
+    kube.put(isvc())
+    await controller.reconcile_key("ml", "chat")
+    await controller.reconcile_key("ml", "chat", apply_children=False)
+    kube.put({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "chat-engine-0", "labels": names.selector_labels("chat")}, "status": {
+        "phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                            "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}})
+    await controller.reconcile_key("ml", "chat", apply_children=False)
+    await controller.reconcile_key("ml", "chat", apply_children=False)
+    assert ready(kube)["reason"] == "Unschedulable"
+    stuck = [e for e in kube.events if e["type"] == "Warning"]
+    assert [e["reason"] for e in stuck] == ["Unschedulable"]
+    message = stuck[0]["message"]
+    assert "chat-engine-0 cannot be placed" in message and "Insufficient nvidia.com/gpu" in message

@@ -1,10 +1,12 @@
 """Builders: spec → Deployment, Service, PDB, ConfigMap, PodMonitor."""
+import copy
 import json
 
+import msgspec
 import pytest
 
 from gpufleet.api import parse_spec
-from gpufleet.manifests import children, guard_config, names
+from gpufleet.manifests import children, guard_config, names, revision
 from gpufleet.reconcile.desired import desired_children
 from gpufleet.reconcile.validation import validate
 
@@ -221,3 +223,28 @@ def test_a_hub_mirror_reaches_the_download():
     d = deployment(spec(model={"name": "org/m", "source": {"huggingFace": {"endpoint": "http://hub.mirror:8080"}}}))
     fetch, = d["spec"]["template"]["spec"]["initContainers"]
     assert {"name": "HF_ENDPOINT", "value": "http://hub.mirror:8080"} in fetch["env"]
+
+
+def test_a_templates_revision_leaves_out_its_own_label_and_the_template_as_it_was(monkeypatch):
+    d = deployment(spec())
+    template = d["spec"]["template"]
+    before = json.dumps(template, sort_keys=True)
+
+    def deepcopy(_obj, _memo=None):
+        raise AssertionError("the template is deep-copied on every apply")
+    monkeypatch.setattr(copy, "deepcopy", deepcopy)
+    assert template["metadata"]["labels"][names.LABEL_REVISION] == revision.of_template(template) == "ca4e31b175"
+    assert json.dumps(template, sort_keys=True) == before
+    assert revision.of_template({"spec": {}}) == "53aa778a9b"  # no metadata: hashed as it is
+
+
+def test_building_the_children_does_not_read_the_guard_configs_field_list_each_time(monkeypatch):
+    """Every apply hashes each pool's restart fields: msgspec.structs.fields (about a millisecond,
+    it evaluates the annotations) is read once at import, not per hash."""
+    s = spec()
+    expected = desired_children(ISVC, s, {"unified": 1}, with_podmonitor=False)
+
+    def fields(_cls):
+        raise AssertionError("msgspec.structs.fields read while building children")
+    monkeypatch.setattr(msgspec.structs, "fields", fields)
+    assert desired_children(ISVC, s, {"unified": 1}, with_podmonitor=False) == expected

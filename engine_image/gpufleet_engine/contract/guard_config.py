@@ -233,6 +233,9 @@ _MARKERS = _markers()
 LIVE_FIELDS = tuple(name for name, marks in _MARKERS.items() if any(m is LIVE for m in marks))
 FROM_ENGINE = {name: m.field for name, marks in _MARKERS.items() for m in marks if isinstance(m, FromEngine)}
 _KEYS = {f.name: f.encode_name for f in msgspec.structs.fields(GuardConfig)}
+# Read once: msgspec.structs.fields evaluates the class's annotations on every call (about a
+# millisecond), and the operator hashes the restart fields of every pool on every apply.
+_LIVE_KEYS = frozenset(_KEYS[name] for name in LIVE_FIELDS)
 
 
 # --- writing ---------------------------------------------------------------------------
@@ -256,20 +259,19 @@ def restart_document(config: GuardConfig) -> dict:
     """The part of the document a running pod cannot take without a restart: vLLM's ``engine``
     section and the guard's layout (addresses, model, tokenizer). The operator hashes only this
     into the pod template; the ``live`` fields the guard re-reads from the mounted file."""
-    live = {key_of(f) for f in msgspec.structs.fields(GuardConfig) if f.name in LIVE_FIELDS}
-    return {k: v for k, v in to_document(config).items() if k not in live}
+    return {k: v for k, v in to_document(config).items() if k not in _LIVE_KEYS}
 
 
 def restart_changes(running: GuardConfig, new: GuardConfig) -> list[str]:
     """Keys of the fields that differ between ``running`` and ``new`` and need a restart."""
-    return sorted(key_of(f) for f in msgspec.structs.fields(GuardConfig)
-                  if f.name not in LIVE_FIELDS and getattr(running, f.name) != getattr(new, f.name))
+    return sorted(key for name, key in _KEYS.items()
+                  if key not in _LIVE_KEYS and getattr(running, name) != getattr(new, name))
 
 
 def live_changes(running: GuardConfig, new: GuardConfig) -> list[str]:
     """Keys of the live fields that differ between ``running`` and ``new``."""
-    return sorted(key_of(f) for f in msgspec.structs.fields(GuardConfig)
-                  if f.name in LIVE_FIELDS and getattr(running, f.name) != getattr(new, f.name))
+    return sorted(key for name, key in _KEYS.items()
+                  if key in _LIVE_KEYS and getattr(running, name) != getattr(new, name))
 
 
 def with_live_fields(running: GuardConfig, new: GuardConfig) -> GuardConfig:

@@ -38,3 +38,25 @@ def violations_for(service: str, namespace: str, mode: str, model_label: str, po
         elif pod_gpus(p) > 0:
             out.append(Violation(node, ref, "unmanaged GPU pod"))
     return sorted(out, key=lambda v: (v.node, v.pod))
+
+
+class PodsByNode:
+    """The pods on each node and the nodes of each service's pods, indexed once per audit pass: a
+    service's violations are looked for among the pods on its own nodes only (``near``), so a pass
+    over N services and their pods costs O(N), not O(N²)."""
+
+    def __init__(self, pods: list[dict]):
+        self._on: dict[str, list[dict]] = {}
+        self._nodes_of: dict[tuple[str | None, str], set[str]] = {}
+        for p in pods:
+            node = (p.get("spec") or {}).get("nodeName")
+            if not node:
+                continue
+            self._on.setdefault(node, []).append(p)
+            service = (p["metadata"].get("labels") or {}).get(names.LABEL_SERVICE)
+            if service:
+                self._nodes_of.setdefault((p["metadata"].get("namespace"), service), set()).add(node)
+
+    def near(self, namespace: str, service: str) -> list[dict]:
+        """Every pod on a node where a pod of ``service`` runs (its own included)."""
+        return [p for node in sorted(self._nodes_of.get((namespace, service), ())) for p in self._on[node]]

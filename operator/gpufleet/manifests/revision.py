@@ -7,7 +7,6 @@ fields of guard.json, in the ConfigMap only) does not.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 
@@ -17,9 +16,13 @@ LENGTH = 10
 
 
 def of_template(template: dict) -> str:
-    """The revision of a pod template (its own revision label left out)."""
-    clean = copy.deepcopy(template)
-    (clean.get("metadata") or {}).get("labels", {}).pop(names.LABEL_REVISION, None)
+    """The revision of a pod template (its own revision label left out). ``template`` is not copied
+    (only the labels are, when they hold the label): it is rendered on every apply."""
+    clean, meta = template, template.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if names.LABEL_REVISION in labels:
+        clean = {**template, "metadata": {**meta, "labels": {
+            k: v for k, v in labels.items() if k != names.LABEL_REVISION}}}
     rendered = json.dumps(clean, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(rendered.encode()).hexdigest()[:LENGTH]
 

@@ -200,3 +200,46 @@ async def test_stranded_event_is_recorded_when_a_node_strands_or_its_reason_chan
     await aud._publish_stranded([], nodes)             # cleared, then stranded again: a new Event
     await aud._publish_stranded([StrandedNode("n0", "p", "P", 2, "needs 6 GPUs, 2 free")], nodes)
     assert len(posted) == 3
+
+
+def test_a_pass_looks_for_each_services_violations_among_the_pods_on_its_nodes_only(monkeypatch):
+    """At N services the isolation audit was N passes over every pod (O(N²) each interval)."""
+    from gpufleet.fleet import cluster_audit
+
+    services, pods = [], []
+    for i in range(50):
+        services.append({"metadata": {"name": f"s{i}", "namespace": "ml"},
+                         "spec": {"model": {"name": f"org/m{i % 3}"}, "isolation": {"mode": "Dedicated"}}})
+        pods.append(pod(f"s{i}-0", f"n{i}", model=names.model_label(f"org/m{i % 3}"), service=f"s{i}"))
+    pods.append(pod("intruder", "n7", 1, ns="default"))
+    pods.append(pod("s9-1", "n7", model=names.model_label("org/m0"), service="s9"))   # another model on n7
+    pods.append(pod("pending", None, 1))
+    seen = []
+
+    def spy(service, namespace, mode, model_label, near):
+        seen.append(len(near))
+        return violations_for(service, namespace, mode, model_label, near)
+    monkeypatch.setattr(cluster_audit, "violations_for", spy)
+    report = cluster_audit.audit_report([], pods, services)
+    naive = {("ml", s["metadata"]["name"]): violations_for(
+        s["metadata"]["name"], "ml", "Dedicated", names.model_label(s["spec"]["model"]["name"]), pods)
+        for s in services}
+    assert report["isolation"] == naive
+    assert [(v.pod, v.why) for v in report["isolation"][("ml", "s7")]] == [
+        ("default/intruder", "unmanaged GPU pod"),
+        ("ml/s9-1", f"model {names.model_label('org/m0')} on a node Dedicated to {names.model_label('org/m1')}")]
+    assert max(seen) == 4   # s9 runs on n9 and n7: their 4 pods, not all 53
+
+
+async def test_the_audits_list_only_pods_placed_on_a_node_and_not_finished():
+    from gpufleet.fleet.cluster_audit import collect
+
+    asked = {}
+
+    class Lister:
+        async def list(self, api_version, kind, namespace=None, *, label_selector=None, field_selector=None):
+            asked[kind] = field_selector
+            return []
+    await collect(Lister())
+    assert asked["Pod"] == "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
+    assert asked["Node"] is None and asked["InferenceService"] is None

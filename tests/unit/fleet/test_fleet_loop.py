@@ -119,3 +119,16 @@ async def test_a_service_deleted_unseen_is_forgotten_at_its_next_tick(monkeypatc
         await fl._tick(("ml", n))
     assert set(fl.services) == {("ml", "pod"), ("ml", "renamed")}
     assert fl.services[("ml", "renamed")]["metadata"]["uid"] == "u2"
+
+
+def test_a_services_copy_is_kept_without_its_managed_fields_and_apart_from_the_watch_events():
+    fl = FleetLoop(ports=None, interval=1.0)
+    body = svc("a")
+    body["metadata"]["managedFields"] = [{"manager": "kubectl", "fieldsV1": {"f:spec": {"f:model": {}}}}]
+    body["status"] = {"readyReplicas": 1}
+    fl.upsert_service(body)
+    stored = fl.services[("ml", "a")]
+    assert "managedFields" not in stored["metadata"] and stored["status"] == {"readyReplicas": 1}
+    assert stored["metadata"]["uid"] == "u1" and "managedFields" in body["metadata"]
+    body["status"]["readyReplicas"] = 0        # the event's body is not the loop's copy
+    assert stored["status"] == {"readyReplicas": 1}
