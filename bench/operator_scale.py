@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import collections
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +50,31 @@ def cpu_now(state: dict, operator_pid: int) -> dict[str, float]:
             except (FileNotFoundError, ProcessLookupError):
                 pass
     return out
+
+
+def apiserver_figures(state: dict) -> dict[str, collections.Counter]:
+    """The API server's own counters, all clients together: requests and the sum of their latencies by
+    verb and resource (apiserver_request_total, apiserver_request_duration_seconds)."""
+    env = {**os.environ, "KUBECONFIG": state["kubeconfig"]}
+    return parse_apiserver(subprocess.run(["kubectl", "get", "--raw", "/metrics"], env=env, check=True,
+                                          capture_output=True, text=True).stdout)
+
+
+def parse_apiserver(text: str) -> dict[str, collections.Counter]:
+    count: collections.Counter = collections.Counter()
+    seconds: collections.Counter = collections.Counter()
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("apiserver_request", "apiserver_request_duration_seconds"):
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            key = f"{labels.get('verb', '?')} {labels.get('resource', '?')}" + (
+                f"/{labels['subresource']}" if labels.get("subresource") else "")
+            if sample.name == "apiserver_request_total":
+                count[key] += sample.value
+            elif sample.name == "apiserver_request_duration_seconds_sum" and labels.get("verb") != "WATCH":
+                seconds[key] += sample.value
+    return {"count": count, "seconds": seconds}
 
 
 def api_requests(text: str) -> collections.Counter:
@@ -83,6 +109,7 @@ async def reconcile_n(state: dict, n: int) -> dict:
     try:
         start = time.monotonic()
         cpu_before = cpu_now(state, op.proc.pid)
+        api_before = await asyncio.to_thread(apiserver_figures, state)
         sem = asyncio.Semaphore(20)
 
         async def create(i):
@@ -103,6 +130,8 @@ async def reconcile_n(state: dict, n: int) -> dict:
             await asyncio.sleep(0.5)
         total = time.monotonic() - start
         cpu_after = cpu_now(state, op.proc.pid)
+        api_after = await asyncio.to_thread(apiserver_figures, state)
+        apiserver = {k: api_after[k] - api_before[k] for k in api_after}
         text = op.metrics_text()
         requests, (count, mean) = api_requests(text), reconciles(text)
         deployments = len(await kube.list("apps/v1", "Deployment", ns))
@@ -110,7 +139,7 @@ async def reconcile_n(state: dict, n: int) -> dict:
         return {"n": n, "seconds": total, "create_seconds": created, "per_service_ms": 1000 * total / n,
                 "deployments": deployments, "peak_rss_mib": rss,
                 "cpu": {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}, "requests": requests,
-                "reconciles": count, "reconcile_mean_s": mean}
+                "reconciles": count, "reconcile_mean_s": mean, "apiserver": apiserver}
     finally:
         op.stop()
         await kube.delete("v1", "Namespace", ns)
@@ -139,6 +168,14 @@ async def main() -> None:
         total = sum(r["requests"].values())
         print(f"N={r['n']}: the operator's API requests: {total} ({total / r['n']:.1f} per service): " +
               ", ".join(f"{k} {v / r['n']:.2f}" for k, v in r["requests"].most_common()))
+        api = r["apiserver"]
+        served = sum(api["count"].values())
+        print(f"N={r['n']}: the API server answered {served:.0f} requests from all clients ({served / r['n']:.1f} per "
+              f"service; the operator's share {total / max(served, 1):.0%}): " +
+              ", ".join(f"{k} {v / r['n']:.2f}" for k, v in api["count"].most_common(12)))
+        print(f"N={r['n']}: the API server's request seconds (latency summed, not CPU; WATCH left out) "
+              f"{sum(api['seconds'].values()):.1f}: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in api["seconds"].most_common(10)))
         print(f"N={r['n']}: {r['reconciles']} reconciles ({r['reconciles'] / r['n']:.1f} per service), "
               f"{1000 * r['reconcile_mean_s']:.0f} ms each on average")
 
