@@ -31,6 +31,10 @@ from _services import API, service  # noqa: E402
 from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from gpufleet.api import parse_spec  # noqa: E402
+from gpufleet.reconcile.desired import desired_children  # noqa: E402
+from gpufleet.reconcile.replicas import desired_replicas  # noqa: E402
+
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -41,8 +45,8 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / TICK
 
 
-def cpu_now(state: dict, operator_pid: int) -> dict[str, float]:
-    out = {"operator": cpu_seconds(operator_pid)}
+def cpu_now(state: dict, operator_pid: int | None) -> dict[str, float]:
+    out = {} if operator_pid is None else {"operator": cpu_seconds(operator_pid)}
     for name, proc in state.get("processes", {}).items():
         if name in CONTROL_PLANE:
             try:
@@ -142,7 +146,58 @@ async def reconcile_n(state: dict, n: int) -> dict:
                 "reconciles": count, "reconcile_mean_s": mean, "apiserver": apiserver}
     finally:
         op.stop()
-        await kube.delete("v1", "Namespace", ns)
+        await delete_namespace(kube, ns)
+        await kube.close()
+
+
+async def delete_namespace(kube, ns: str, timeout: float = 900) -> None:
+    """Delete ``ns`` and wait until it is gone: the cluster removing 1000 services' objects would
+    otherwise take the CPU from the next measurement."""
+    await kube.delete("v1", "Namespace", ns)
+    deadline = time.monotonic() + timeout
+    while await kube.get_or_none("v1", "Namespace", ns) is not None:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"namespace {ns} still there {timeout:.0f}s after its deletion")
+        await asyncio.sleep(1.0)
+
+
+FLOOR_CONCURRENCY = 16  # the operator's reconciles at once (runtime.TRIGGERED_CONCURRENCY)
+
+
+async def floor_n(state: dict, n: int) -> dict:
+    """The cluster's floor for the same work: each service created, its children as the operator renders
+    them applied and its status written, by a bare client, FLOOR_CONCURRENCY services at a time, with
+    nothing read and nothing decided. The cluster's controllers react as they do to the operator's writes
+    (ReplicaSets, pods, scheduling, endpoints), so this is the least any operator could take here."""
+    kube = client(state)
+    ns = await fresh_namespace(kube, f"bench-floor-{n}")
+    try:
+        start = time.monotonic()
+        cpu_before = cpu_now(state, None)
+        api_before = await asyncio.to_thread(apiserver_figures, state)
+        sem = asyncio.Semaphore(FLOOR_CONCURRENCY)
+
+        async def one(i: int) -> None:
+            async with sem:
+                obj = service(i)
+                obj["metadata"]["namespace"] = ns
+                isvc = await kube.create(obj)
+                spec = parse_spec(isvc["spec"])
+                for child in desired_children(isvc, spec, desired_replicas(spec, {}), with_podmonitor=False):
+                    await kube.apply(child)
+                await kube.merge_patch(API, "InferenceService", isvc["metadata"]["name"], {"status": {
+                    "observedGeneration": 1, "conditions": [{
+                        "type": "Ready", "status": "False", "reason": "Floor", "message": "bench floor",
+                        "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": 1}]}}, ns,
+                    subresource="status")
+        await asyncio.gather(*(one(i) for i in range(n)))
+        total = time.monotonic() - start
+        cpu_after = cpu_now(state, None)
+        api_after = await asyncio.to_thread(apiserver_figures, state)
+        return {"n": n, "seconds": total, "cpu": {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after},
+                "apiserver": {k: api_after[k] - api_before[k] for k in api_after}}
+    finally:
+        await delete_namespace(kube, ns)
         await kube.close()
 
 
@@ -150,10 +205,13 @@ async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--baseline-n", type=int, default=10)
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip the cluster's floor (the same writes by a bare client, no operator)")
     args = p.parse_args()
     state = await asyncio.to_thread(ensure_cluster)  # `up` runs its own event loop
     base = await reconcile_n(state, args.baseline_n)
     big = await reconcile_n(state, args.n)
+    floor = await floor_n(state, args.n) if args.floor else None
     print("| N | time to all reconciled | per service | Deployments | operator peak RSS |")
     print("|---|---|---|---|---|")
     for r in (base, big):
@@ -161,6 +219,13 @@ async def main() -> None:
               f"{r['peak_rss_mib']:.0f} MiB |")
     print(f"\nper-service cost ratio N={args.n} vs N={args.baseline_n}: "
           f"{big['per_service_ms'] / base['per_service_ms']:.2f}x (1.0 = linear scaling)")
+    if floor is not None:
+        served = sum(floor["apiserver"]["count"].values())
+        print(f"\nthe cluster's floor at N={args.n} (the same writes by a bare client, {FLOOR_CONCURRENCY} services "
+              f"at a time, no operator): {floor['seconds']:.1f} s; the operator takes "
+              f"{big['seconds'] / floor['seconds']:.2f}x that. CPU seconds: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in sorted(floor["cpu"].items(), key=lambda kv: -kv[1])) +
+              f"; the API server answered {served / args.n:.1f} requests a service")
     for r in (base, big):
         print(f"\nN={r['n']}: CPU seconds over the run ({r['seconds']:.1f} s wall, 2 cores = "
               f"{2 * r['seconds']:.0f} CPU s): " + ", ".join(f"{k} {v:.1f}" for k, v in
