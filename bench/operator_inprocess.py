@@ -811,15 +811,19 @@ def import_operator() -> float:
     return rss_mib()
 
 
-def worker_time(n: int) -> dict:
+def _timed(n: int, run) -> dict:
+    """``run(n, url, pid)`` against the fake API server: its result, wall time and the process's RSS."""
     imported = import_operator()
     with api_server() as (url, pid):
         started = time.monotonic()
-        result = asyncio.run(scenario(n, url, pid))
+        result = asyncio.run(run(n, url, pid))
         wall = time.monotonic() - started
-    peak = process_peak_rss_mib()
-    return {**result, "op": None, "wall": wall, "imported_rss_mib": imported, "peak_rss_mib": peak,
-            "retained_mib": retained(result["op"])}
+    return {**result, "wall": wall, "imported_rss_mib": imported, "peak_rss_mib": process_peak_rss_mib()}
+
+
+def worker_time(n: int) -> dict:
+    result = _timed(n, scenario)
+    return {**result, "op": None, "retained_mib": retained(result["op"])}
 
 
 def _where(tb: tracemalloc.Traceback) -> str:
@@ -849,39 +853,30 @@ def worker_memory(n: int) -> dict:
     return {"n": n, "total": sum(by_line.values()), "by_line": dict(by_line)}
 
 
-def worker_profile(n: int) -> dict:
+def _profiled(n: int, run) -> dict:
+    """cProfile of ``run(n, url, pid, profile)`` against the fake API server: the top 30 both ways."""
     import_operator()
     profile = cProfile.Profile()
     with api_server() as (url, pid):
-        asyncio.run(scenario(n, url, pid, profile))
+        asyncio.run(run(n, url, pid, profile))
     out = {}
     for order in ("cumulative", "tottime"):
         text = io.StringIO()
         pstats.Stats(profile, stream=text).strip_dirs().sort_stats(order).print_stats(30)
         out[order] = text.getvalue()
     return {"n": n, "profile": out}
+
+
+def worker_profile(n: int) -> dict:
+    return _profiled(n, scenario)
 
 
 def worker_kopf(n: int) -> dict:
-    imported = import_operator()
-    with api_server() as (url, pid):
-        started = time.monotonic()
-        result = asyncio.run(kopf_scenario(n, url, pid))
-        wall = time.monotonic() - started
-    return {**result, "op": None, "wall": wall, "imported_rss_mib": imported, "peak_rss_mib": process_peak_rss_mib()}
+    return {**_timed(n, kopf_scenario), "op": None}
 
 
 def worker_kopf_profile(n: int) -> dict:
-    import_operator()
-    profile = cProfile.Profile()
-    with api_server() as (url, pid):
-        asyncio.run(kopf_scenario(n, url, pid, profile))
-    out = {}
-    for order in ("cumulative", "tottime"):
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).strip_dirs().sort_stats(order).print_stats(30)
-        out[order] = text.getvalue()
-    return {"n": n, "profile": out}
+    return _profiled(n, kopf_scenario)
 
 
 WORKERS = {"time": worker_time, "memory": worker_memory, "profile": worker_profile, "kopf": worker_kopf,
