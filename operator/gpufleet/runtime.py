@@ -98,6 +98,7 @@ class OperatorRuntime:
         self._failures: dict[Key, int] = {}
         self._retries: dict[Key, asyncio.TimerHandle] = {}
         self.changed_at: dict[Key, float] = {}  # when the watches last showed a service or its children change
+        self._resync_met: dict[Key, float] = {}  # when the resync first met a service not reconciled yet
         self._takeover: asyncio.Task[None] | None = None  # a new leader's reconcile of every service
         self.fleet: FleetLoop | None = None  # with the fleet loops (settings.fleet_loops)
         self.reader: ReplicaReader | None = None  # reads every replica's /metrics (fleet loops)
@@ -212,6 +213,7 @@ class OperatorRuntime:
 
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
+        self._resync_met.pop((namespace, name), None)
         self.changed_at.pop((namespace, name), None)
         self._failures.pop((namespace, name), None)
         handle = self._retries.pop((namespace, name), None)
@@ -224,8 +226,15 @@ class OperatorRuntime:
 
     def resync_due(self, namespace: str, name: str, now: float) -> bool:
         """The resync runs only for services nothing else reconciled recently. A service
-        the resync meets first is being handled by the reconcile its watch event asked for."""
-        last = self.controller.last_reconciled.setdefault((namespace, name), now)
+        the resync meets first is being handled by the reconcile its watch event asked for
+        (or the takeover's): it is due ``resync_seconds`` after that first meeting. The meeting
+        is kept apart from ``last_reconciled``, which the takeover reads to skip the services
+        reconciled meanwhile: a resync pass during a long takeover skipped every service the
+        takeover had not reached yet (at 1000 services, most of them)."""
+        key = (namespace, name)
+        last = self.controller.last_reconciled.get(key)
+        if last is None:
+            last = self._resync_met.setdefault(key, now)
         return now - last >= self.settings.resync_seconds
 
     async def _reconcile(self, ns: str, name: str, apply: bool) -> None:
