@@ -94,7 +94,7 @@ async def serve_replicas(kube: KubeClient, ns: str, fake: FakeReplicaMetrics) ->
 
 
 def writes_besides_status(op: OperatorProcess) -> int:
-    return sum(v for k, v in api_requests(op).items()
+    return sum(v for k, v in api_requests(op.metrics_text()).items()
                if k.split(" ", 1)[0] in ("create", "patch", "update", "delete") and not k.endswith("/status"))
 
 
@@ -134,7 +134,7 @@ def cpu(state: dict, op: OperatorProcess) -> dict[str, float]:
 
 
 def status_writes(op: OperatorProcess) -> int:
-    counts = api_requests(op)
+    counts = api_requests(op.metrics_text())
     return counts[f"patch {STATUS}"] + counts[f"update {STATUS}"]
 
 
