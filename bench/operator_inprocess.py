@@ -901,6 +901,11 @@ def phase_row(row: dict, n: int) -> str:
             f"{row['server_cpu']:.1f} s |")
 
 
+def table_head(*columns: str) -> None:
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
 def cpu_per_service(r: dict) -> float:
     return sum(p["cpu"] for p in r["phases"]) / r["n"]
 
@@ -910,9 +915,8 @@ def report(small: dict, big: dict, memory: tuple[dict, dict] | None) -> None:
         n = r["n"]
         print(f"\n## N={n}: {r['reconciled']}/{n} services Ready for generation 1, {r['failures']} failed "
               f"reconciles, {r['wall']:.1f} s wall\n")
-        print("| phase | operator CPU a service | reconciles | watch events | API requests a service "
-              "| RSS rise | fake server CPU |")
-        print("|---|---|---|---|---|---|---|")
+        table_head("phase", "operator CPU a service", "reconciles", "watch events", "API requests a service",
+                   "RSS rise", "fake server CPU")
         for row in r["phases"]:
             print(phase_row(row, n))
         to_ready: collections.Counter = collections.Counter()
@@ -949,9 +953,8 @@ def report_kopf(small: dict, big: dict) -> None:
         n = r["n"]
         print(f"\nN={n}: {r['wall']:.1f} s wall, peak RSS {r['peak_rss_mib']:.0f} MiB (after the imports "
               f"{r['imported_rss_mib']:.0f} MiB)\n")
-        print("| phase | wall | process CPU a service | operator's API requests a service | kopf's requests "
-              "| RSS rise | fake server CPU |")
-        print("|---|---|---|---|---|---|---|")
+        table_head("phase", "wall", "process CPU a service", "operator's API requests a service", "kopf's requests",
+                   "RSS rise", "fake server CPU")
         for row in r["phases"]:
             total = sum(row["requests"].values())
             kopf_requests = ", ".join(f"{k} {v}" for k, v in sorted(row["kopf_requests"].items())) or "none"

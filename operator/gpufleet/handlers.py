@@ -32,7 +32,7 @@ KOPF_IDLE_TIMEOUT_S = 0.5
 # namespaces (cluster-wide: the whole cluster's) never reach kopf, which decoded each one to drop it.
 CHILD_RESOURCES = (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"),
                    ("policy", "v1", "poddisruptionbudgets"))
-ENGINE_PODS = {names.LABEL_NAME: names.ENGINE_APP}
+ENGINE_PODS = names.ENGINE_POD_LABELS
 
 
 def _rt(memo) -> OperatorRuntime:
@@ -69,12 +69,8 @@ def watch_selectors(settings: kopf.OperatorSettings) -> None:
     if selectors is None:
         return
     for resource in CHILD_RESOURCES:
-        selectors[resource] = _selector(MANAGED)
-    selectors["", "v1", "pods"] = _selector(ENGINE_PODS)
-
-
-def _selector(labels: dict[str, str]) -> str:
-    return ",".join(f"{k}={v}" for k, v in labels.items())
+        selectors[resource] = names.label_selector(MANAGED)
+    selectors["", "v1", "pods"] = names.engine_pods_selector()
 
 
 @kopf.on.startup()

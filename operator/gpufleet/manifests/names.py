@@ -26,6 +26,7 @@ TRACK_CANARY = "canary"
 ANNOTATION_CONFIG_HASH = "gpufleet.dev/config-hash"
 ANNOTATION_AUDIT_REQUEST = "gpufleet.dev/audit-requested"
 ENGINE_APP = "gpufleet-engine"
+ENGINE_POD_LABELS = {LABEL_NAME: ENGINE_APP}  # every engine pod of every service
 MANAGER = "gpufleet"
 
 GUARD_PORT = 8080
@@ -121,8 +122,18 @@ def canary_labels(service: str) -> dict[str, str]:
     return {**selector_labels(service), LABEL_TRACK: TRACK_CANARY}
 
 
+def engine_pods_selector() -> str:
+    """Every engine pod of every service (the router's and the operator's pod watches)."""
+    return label_selector(ENGINE_POD_LABELS)
+
+
+def label_selector(labels: dict[str, str]) -> str:
+    """Labels as a label selector string (``k=v,k=v``): every one must match."""
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
 def selector_string(service: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(service).items())
+    return label_selector(selector_labels(service))
 
 
 def owner_reference(isvc: dict) -> dict:

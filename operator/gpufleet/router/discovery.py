@@ -37,7 +37,7 @@ class Discovery:
 MODES = (Discovery.WATCH, Discovery.LIST)
 # After a change, the routes are rebuilt at once, then at most this often while changes keep coming.
 COALESCE_SECONDS = 0.1
-ENGINE_PODS = f"{names.LABEL_NAME}={names.ENGINE_APP}"
+ENGINE_PODS = names.engine_pods_selector()
 # What the log says when the API server refuses the router a verb.
 REFUSED_HINT = ("the router needs get, list and watch on InferenceServices, InferenceAdapters and pods (the chart's "
                 "gpufleet-router ClusterRole grants them); where watch cannot be granted, run it with "

@@ -174,7 +174,7 @@ class Fleet:
     async def list_once(self, kube: KubeClient) -> None:
         services: list[dict] = []
         pods: list[dict] = []
-        selector = f"{names.LABEL_NAME}={names.ENGINE_APP}"
+        selector = names.engine_pods_selector()
         for ns in self.settings.namespaces or (None,):
             services += await kube.list(API_VERSION, KIND, ns)
             pods += await kube.list("v1", "Pod", ns, label_selector=selector)
@@ -689,23 +689,11 @@ class Router:
             picker = self.fleet.picker(model, role)
             pick = None if picker is None else picker.pick(cost, None, exclude=tried, adapter=call.adapter,
                                                            revision=broken.revision, strict=True)
-            if pick is None and refusals:
-                # Every replica of the revision left refused (429/503: the load of the one that died came
-                # to them): wait for the earliest room they expect, within --resume-timeout-seconds.
-                hints = [h for h in refusals if h is not None]
-                wait = max(MIN_RESUME_WAIT_SECONDS, min(hints) if hints else self.settings.reading_interval)
-                if self.fleet.clock() + wait <= deadline:
-                    await asyncio.sleep(wait)
-                    tried, refusals = list(broke), []
-                    continue
-            if pick is None and picker is not None and picker.recovering(broken.revision, exclude=broke):
-                # Another replica of the revision is on its way back (its engine restarting after the same
-                # failure, or its pod Ready before this router's next reading says so): wait for it.
-                wait = max(MIN_RESUME_WAIT_SECONDS, self.settings.reading_interval / 4)
-                if self.fleet.clock() + wait <= deadline:
-                    await asyncio.sleep(wait)
-                    tried, refusals = list(broke), []
-                    continue
+            wait = None if pick is not None else self._resume_wait(picker, broken.revision, broke, refusals, deadline)
+            if wait is not None:
+                await asyncio.sleep(wait)
+                tried, refusals = list(broke), []
+                continue
             if picker is None or pick is None:
                 return await self._end_in_error(model, service, response, Resumption.FAILED, (
                     f"The answer's replica broke off mid-stream ({failure}) and no other ready replica of its "
@@ -732,6 +720,21 @@ class Router:
                 broke.append(pod)
             finally:
                 picker.finished(pod, ticket)
+
+    def _resume_wait(self, picker: Picker | None, revision: str, broke: list[str], refusals: list[float | None],
+                     deadline: float) -> float | None:
+        """How long a continuation that found no replica waits before it looks again (None: it does not,
+        the stream ends): for the earliest room the replicas that refused it expect (429/503: the load of
+        the one that died came to them), else for a replica of its revision on its way back (its engine
+        restarting after the same failure, or its pod Ready before this router's next reading says so);
+        within --resume-timeout-seconds."""
+        waits = []
+        if refusals:
+            hints = [h for h in refusals if h is not None]
+            waits.append(max(MIN_RESUME_WAIT_SECONDS, min(hints) if hints else self.settings.reading_interval))
+        if picker is not None and picker.recovering(revision, exclude=broke):
+            waits.append(max(MIN_RESUME_WAIT_SECONDS, self.settings.reading_interval / 4))
+        return next((w for w in waits if self.fleet.clock() + w <= deadline), None)
 
     async def _continue(self, call: _Call, relay: _Relay, pick: Pick) -> bool:
         """The continuation to one replica: True when its answer ended the stream."""
