@@ -210,25 +210,31 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     chunks = [c async for c in stream]
     assert chunks and chunks[-1].choices[0].finish_reason == "length"
 
-    # A long request has 32 of the 63 usable blocks promised (100 + 900 tokens);
-    # another 32-block request cannot be promised too until it is done.
+    # A long request has 32 of the 63 usable blocks promised (100 + 900 tokens) while it runs.
     hog = asyncio.create_task(strict.completions.create(
         model="tiny", prompt=token_ids(100, 400), max_tokens=900, extra_body={"ignore_eos": True}))
     await until(lambda: guard.guard.admission.ledger.reserved_blocks, what="the long request admitted", requests=(hog,))
-    with pytest.raises(openai.RateLimitError) as e:
-        await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=300)
-    assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
-    assert 250 <= int(e.value.response.headers["retry-after-ms"]) <= 750
-    assert e.value.body["code"] == "kv_watermark" and "not promised to requests in flight" in e.value.message
+    assert guard.guard.admission.ledger.reserved_blocks == 32
     assert (await hog).usage.completion_tokens == 900
+    await until(lambda: guard.guard.admission.ledger.reserved_blocks == 0, what="the long request's blocks freed")
 
-    # The client's own retries (honouring retry-after-ms) get through once the blocks free. A grant
-    # the test holds stands for the long request now: a real one could finish before the client's
-    # first attempt on a fast machine, and the test would see no retry.
+    # Another 32-block request cannot be promised too while one is in flight. A grant the test
+    # holds stands for the long request: a real one can finish on a fast machine (or a quiet
+    # moment of a slow one) before the next request reaches the guard, and the test would race it.
     scheduler = guard.guard.admission.scheduler
     standard = next(c for c in guard.guard.config.queue_classes if c.name == "standard")
     held = await scheduler.acquire(32, standard)
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=300)
+    except BaseException:
+        scheduler.release(held)
+        raise
+    assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+    assert 250 <= int(e.value.response.headers["retry-after-ms"]) <= 750
+    assert e.value.body["code"] == "kv_watermark" and "not promised to requests in flight" in e.value.message
 
+    # The client's own retries (honouring retry-after-ms) get through once the blocks free.
     async def refused() -> float:
         async with aiohttp.ClientSession() as s:
             async with s.get(guard.url + "/metrics") as r:
