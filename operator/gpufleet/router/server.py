@@ -636,9 +636,12 @@ class Router:
 
     # --- streams that survive their replica (resume.py) ------------------------------------
 
-    async def _pump(self, call: _Call, relay: _Relay, upstream: aiohttp.ClientResponse) -> bool:
+    async def _pump(self, call: _Call, relay: _Relay, upstream: aiohttp.ClientResponse,
+                    before_end: Callable[[], None] | None = None) -> bool:
         """The replica's events to the client through the relay: True when its answer ended with [DONE]
-        (or an error event it answered), False when it broke off before. The client going away raises."""
+        (or an error event it answered), False when it broke off before. The client going away raises.
+        ``before_end`` runs once, before the events that end the stream go out: a client that reads the
+        end and then the router's metrics sees what it counted."""
         stream, response = relay.stream, relay.response
         assert response is not None
         chunks = upstream.content.iter_any().__aiter__()
@@ -651,7 +654,11 @@ class Router:
                 log.warning("%s: a stream broke off after %d events: %s", call.model, stream.events,
                             f"{type(e).__name__}: {e}")
                 break
-            for event in stream.feed(data):
+            events = stream.feed(data)
+            if stream.done and before_end is not None:
+                before_end()
+                before_end = None
+            for event in events:
                 if relay.broke_at is not None:
                     self.metrics.resume_gap_seconds.labels(call.target.service).observe(
                         self.fleet.clock() - relay.broke_at)
@@ -704,9 +711,8 @@ class Router:
             self.metrics.picks.labels(model, role, pick.reason).inc()
             ticket = picker.sent(pod, cost, self.fleet.clock(), None)
             try:
-                if await self._continue(call, relay, pick):
-                    # Counted before the end goes out: a client that reads the end and then the metric sees it.
-                    self._ended_now(model, service, Resumption.RESUMED)
+                if await self._continue(call, relay, pick,
+                                        lambda: self._ended_now(model, service, Resumption.RESUMED)):
                     await response.write_eof()
                     return response
                 failure = f"then {pod} broke off too"
@@ -736,8 +742,9 @@ class Router:
             waits.append(max(MIN_RESUME_WAIT_SECONDS, self.settings.reading_interval / 4))
         return next((w for w in waits if self.fleet.clock() + w <= deadline), None)
 
-    async def _continue(self, call: _Call, relay: _Relay, pick: Pick) -> bool:
-        """The continuation to one replica: True when its answer ended the stream."""
+    async def _continue(self, call: _Call, relay: _Relay, pick: Pick, before_end: Callable[[], None]) -> bool:
+        """The continuation to one replica: True when its answer ended the stream (``before_end`` ran
+        just before its end went out)."""
         stream = relay.stream
         body = json.dumps(stream.continuation()).encode()
         url = f"http://{pick.replica.address}{call.route}"
@@ -755,7 +762,7 @@ class Router:
                     raise _Refused(upstream.status, answer, upstream.content_type, _retry_after(upstream))
                 raise _Unreachable(f"{pick.replica.pod} answered the continuation {upstream.status}: "
                                    f"{answer[:300]!r}")
-            ended = await self._pump(call, relay, upstream)
+            ended = await self._pump(call, relay, upstream, before_end)
             if not ended:
                 stream.broke()
             done = ended

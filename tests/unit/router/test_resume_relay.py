@@ -32,6 +32,7 @@ class FakeEngine:
         self.bodies: list[dict] = []
         self.fail_with: int | None = None    # answer this status (non-streamed), e.g. 502 engine_error
         self.refuse = 0                      # refuse this many requests with 429 (Retry-After 0) first
+        self.hold_end: asyncio.Event | None = None  # after [DONE], keep the connection open until set
         self.server: TestServer | None = None
 
     @property
@@ -101,6 +102,8 @@ class FakeEngine:
         if usage:
             await resp.write(event([], len(words)))
         await resp.write(b"data: [DONE]\n\n")
+        if self.hold_end is not None:
+            await self.hold_end.wait()
         await resp.write_eof()
         return resp
 
@@ -202,6 +205,23 @@ async def test_a_completion_whose_replica_dies_goes_on_from_another(rig_of, how)
     assert continued["prompt"] == PROMPT + "".join(WORDS[:3]) and continued["max_tokens"] == 5
     assert rig.count("gpufleet_router_resumed_streams_total", service="svc", outcome="resumed") == 1
     assert rig.count("gpufleet_router_resume_gap_seconds_count", service="svc") == 1
+    assert rig.count("gpufleet_router_requests_total", model=MODEL, outcome="ok") == 1
+
+
+async def test_a_resumed_stream_is_counted_before_its_end_reaches_the_client(rig_of):
+    # The continuation's replica sends [DONE] but closes its connection only later: a client that has read the
+    # end and then looks at the router's metrics sees the stream counted as resumed.
+    rig = await rig_of(FakeEngine("a", free=90, die_after=3), FakeEngine("b", free=10))
+    rig.engines["b"].hold_end = release = asyncio.Event()
+    url = f"http://127.0.0.1:{rig.server.port}/v1/completions"
+    async with rig.client.post(url, json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "stream": True}) as r:
+        received = b""
+        while not received.endswith(b"data: [DONE]\n\n"):
+            received += await r.content.readuntil(b"\n\n")
+        try:
+            assert rig.count("gpufleet_router_resumed_streams_total", service="svc", outcome="resumed") == 1
+        finally:
+            release.set()
     assert rig.count("gpufleet_router_requests_total", model=MODEL, outcome="ok") == 1
 
 
