@@ -40,9 +40,10 @@ restarted has an empty cache). A replica not read yet counts as having no
 known room: it is chosen by placement or, when nothing has been read, by the
 fewest requests in flight from this router.
 
-A request for a LoRA adapter goes only to replicas whose last reading says
-they hold it loaded (``Reading.adapters``); the signals above choose among
-those. Its prefix is keyed with the adapter's name: vLLM caches an adapter's
+A request for a LoRA adapter goes only to replicas whose last successful
+reading says they hold it loaded (``Reading.adapters``; a read that fails
+since, as a guard too busy to answer in time does, does not unsay it); the
+signals above choose among those. Its prefix is keyed with the adapter's name: vLLM caches an adapter's
 blocks apart from the base model's and other adapters'.
 
 ``Policy.ROUND_ROBIN`` ignores all of the above but eligibility (and the
@@ -257,6 +258,10 @@ class Picker:
         self.readings: dict[str, Reading] = {}
         self.in_flight: dict[str, int] = {}
         self.learned: dict[str, Learned] = {}
+        # pod -> the LoRA adapters its last successful reading said it holds loaded. Kept through failed reads
+        # (a guard too busy to answer /metrics in time, on a node starting another engine, still holds them:
+        # an adapter goes only by an unload, which a reading shows, or with its engine, which its pod shows).
+        self.adapters: dict[str, frozenset[str]] = {}
         self._sent: dict[str, list[Sent]] = {}  # pod -> requests sent since its last reading, still running
         self._ring = Ring(())
         self._ring_pods: frozenset[str] = frozenset()
@@ -276,7 +281,8 @@ class Picker:
                 # Back to Ready (its engine restarted): the last reading was taken while it was down
                 # and says "not ready" until the next read; its pod's readiness is the newer word.
                 self.readings.pop(pod, None)
-        for table in (self.readings, self._sent, self.learned):
+                self.adapters.pop(pod, None)   # its engine restarted: adapters are loaded again, and read
+        for table in (self.readings, self._sent, self.learned, self.adapters):
             for pod in list(table):
                 if pod not in self.replicas:
                     del table[pod]
@@ -292,6 +298,7 @@ class Picker:
             self.readings.pop(pod, None)
             return
         self.readings[pod] = reading
+        self.adapters[pod] = reading.adapters
         # Sends before the read began are in its numbers; later ones are not.
         self._sent[pod] = [x for x in self._sent.get(pod, []) if x.at >= reading.taken_at]
         if not reading.ready:
@@ -348,9 +355,9 @@ class Picker:
                    for r in self.replicas.values())
 
     def holds(self, pod: str, adapter: str) -> bool:
-        """The replica's last reading says it holds ``adapter`` loaded (unread: not known to)."""
-        reading = self.readings.get(pod)
-        return reading is not None and adapter in reading.adapters
+        """The replica's last successful reading says it holds ``adapter`` loaded (never read: not known to;
+        a read failed since: still held)."""
+        return adapter in self.adapters.get(pod, frozenset())
 
     def holders(self, adapter: str) -> list[Replica]:
         """The eligible replicas holding ``adapter`` loaded."""

@@ -105,11 +105,31 @@ def test_an_adapter_request_goes_only_to_its_holders_and_the_policy_chooses_amon
     assert base is not None and base.replica.pod == "b"
 
 
-def test_a_replica_not_read_or_not_ready_holds_nothing_it_can_serve():
+def test_a_replica_never_read_or_not_ready_holds_nothing_it_can_serve():
     p = picker(a=("x",), b=("x",))
-    p.observe("a", None)
+    p.set_replicas([*p.replicas.values(), Replica("d", "d:8080")])         # new: not read yet
     p.observe("b", Reading(0.0, False, 90, 100, adapters=frozenset({"x"})))
+    p.observe("a", Reading(0.0, True, 90, 100, adapters=frozenset()))       # unloaded since
     assert p.holders("x") == [] and p.pick(1, None, adapter="x") is None
+
+
+def test_a_failed_read_does_not_unsay_the_adapters_a_replica_holds():
+    # A guard too busy to answer /metrics within the reading timeout (its node starting another engine)
+    # still holds its adapters: its adapter requests keep going to it, as its base-model requests do.
+    p = picker(a=("x",), b=())
+    p.observe("a", None)
+    assert [r.pod for r in p.holders("x")] == ["a"]
+    pick = p.pick(1, None, adapter="x")
+    assert pick is not None and pick.replica.pod == "a"
+    # Its engine restarted (its pod not serving, then serving again): its adapters are known again only
+    # from a reading after the restart.
+    p.set_replicas([Replica("a", "a:8080", serving=False), Replica("b", "b:8080"), Replica("c", "c:8080")])
+    p.set_replicas([Replica("a", "a:8080"), Replica("b", "b:8080"), Replica("c", "c:8080")])
+    assert p.holders("x") == []
+    # Gone from the table: forgotten.
+    p.observe("a", Reading(1.0, True, 90, 100, adapters=frozenset({"x"})))
+    p.set_replicas([Replica("b", "b:8080"), Replica("c", "c:8080")])
+    assert "a" not in p.adapters and p.holders("x") == []
 
 
 def test_prefix_affinity_among_holders_keys_the_prompt_by_adapter():
