@@ -223,18 +223,7 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
     # moment of a slow one) before the next request reaches the guard, and the test would race it.
     scheduler = guard.guard.admission.scheduler
     standard = next(c for c in guard.guard.config.queue_classes if c.name == "standard")
-    held = await scheduler.acquire(32, standard)
-    try:
-        with pytest.raises(openai.RateLimitError) as e:
-            await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=300)
-    except BaseException:
-        scheduler.release(held)
-        raise
-    assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
-    assert 250 <= int(e.value.response.headers["retry-after-ms"]) <= 750
-    assert e.value.body["code"] == "kv_watermark" and "not promised to requests in flight" in e.value.message
 
-    # The client's own retries (honouring retry-after-ms) get through once the blocks free.
     async def refused() -> float:
         async with aiohttp.ClientSession() as s:
             async with s.get(guard.url + "/metrics") as r:
@@ -242,10 +231,19 @@ async def test_the_official_openai_client_works_and_sees_429_with_retry_after(ex
                     'gpufleet_guard_rejections_total{class="standard",reason="kv_watermark"}')]
         return float(lines[0].split()[-1]) if lines else 0.0
 
-    before = await refused()
-    late = asyncio.create_task(patient.completions.create(model="tiny", prompt=token_ids(700, 402),
-                                                          max_tokens=300))
+    held = await scheduler.acquire(32, standard)
     try:
+        with pytest.raises(openai.RateLimitError) as e:
+            await strict.completions.create(model="tiny", prompt=token_ids(700, 401), max_tokens=300)
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+        assert 250 <= int(e.value.response.headers["retry-after-ms"]) <= 750
+        assert e.value.body["code"] == "kv_watermark" and "not promised to requests in flight" in e.value.message
+
+        # The client's own retries (honouring retry-after-ms) get through once the blocks free.
+        before = await refused()
+        late = asyncio.create_task(patient.completions.create(model="tiny", prompt=token_ids(700, 402),
+                                                              max_tokens=300))
+
         async def refused_again() -> bool:
             return await refused() > before
         await until(refused_again, what="the patient client refused", requests=(late,), interval=0.05)

@@ -32,44 +32,6 @@ def test_the_most_recently_changed_come_first_and_those_never_seen_changing_last
         ("ops", "a"), ("ml", "c"), ("ml", "a"), ("ml", "b")]
 
 
-async def test_a_new_leader_reconciles_every_service_a_few_at_a_time_the_most_recently_changed_first(
-        kubeconfig, monkeypatch):
-    rt = OperatorRuntime(KubeConfig.from_file(str(kubeconfig)),
-                         OperatorSettings(leader_election=LeaderElection(identity="pod-0")))
-    try:
-        keys = [("ml", f"s{i}") for i in range(12)]
-        rt.known.update(keys)
-        rt.changed_at.update({("ml", "s3"): 50.0, ("ml", "s7"): 60.0})
-        rt.trigger("ml", "s5", apply=False)  # a watch event while following: the most recent change
-        running, peak, order = 0, 0, []
-
-        async def reconcile_key(ns, name, apply_children=True):
-            nonlocal running, peak
-            assert apply_children
-            order.append(name)
-            running += 1
-            peak = max(peak, running)
-            if name == "s5":  # meanwhile a watch event's reconcile handles s9
-                rt.controller.last_reconciled[("ml", "s9")] = time.monotonic()
-            await asyncio.sleep(0.01)
-            running -= 1
-            rt.controller.last_reconciled[(ns, name)] = time.monotonic()
-        monkeypatch.setattr(rt.controller, "reconcile_key", reconcile_key)
-
-        await rt._leadership_changed(True)
-        assert rt.drain_triggered() == {}  # the reconciles asked for while following are the takeover's
-        assert rt.fleet is not None and not rt.fleet.first_pass.is_set()  # the fleet loop's first pass is due
-        assert rt._takeover is not None
-        await rt._takeover
-        assert order[:3] == ["s5", "s7", "s3"]
-        assert sorted(order) == sorted(k[1] for k in keys if k[1] != "s9")
-        assert peak == TAKEOVER_RECONCILE_CONCURRENCY == 4
-    finally:
-        await rt.kube.close()
-        assert rt.elector is not None
-        await rt.elector.kube.close()
-
-
 @pytest.fixture
 async def candidate(kubeconfig):
     """A replica under leader election that knows twelve services; its clients closed after."""
@@ -82,48 +44,52 @@ async def candidate(kubeconfig):
     await rt.elector.kube.close()
 
 
-async def test_a_resync_pass_during_the_takeover_does_not_make_it_skip_the_services_not_reached_yet(
+async def test_a_new_leader_reconciles_every_service_a_few_at_a_time_the_most_recently_changed_first(
         candidate, monkeypatch):
-    rt, done = candidate, []
+    rt = candidate
+    keys = sorted(rt.known)
+    rt.changed_at.update({("ml", "s3"): 50.0, ("ml", "s7"): 60.0})
+    rt.trigger("ml", "s5", apply=False)  # a watch event while following: the most recent change
+    running, peak, order = 0, 0, []
 
     async def reconcile_key(ns, name, apply_children=True):
-        if not done:  # the resync's pass comes while the takeover is at its first services
-            assert not any(rt.resync_due(*key, time.monotonic()) for key in sorted(rt.known))
-        await asyncio.sleep(0)
-        done.append(name)
+        nonlocal running, peak
+        assert apply_children
+        order.append(name)
+        running += 1
+        peak = max(peak, running)
+        if name == "s5":  # meanwhile a watch event's reconcile handles s9
+            rt.controller.last_reconciled[("ml", "s9")] = time.monotonic()
+        await asyncio.sleep(0.01)
+        running -= 1
         rt.controller.last_reconciled[(ns, name)] = time.monotonic()
     monkeypatch.setattr(rt.controller, "reconcile_key", reconcile_key)
 
     await rt._leadership_changed(True)
+    assert rt.drain_triggered() == {}  # the reconciles asked for while following are the takeover's
+    assert rt.fleet is not None and not rt.fleet.first_pass.is_set()  # the fleet loop's first pass is due
     assert rt._takeover is not None
     await rt._takeover
-    assert sorted(done) == sorted(name for _, name in rt.known)
-    # Met by the resync and reconciled since: due resync_seconds after the reconcile, as before.
-    now = time.monotonic()
-    assert not rt.resync_due("ml", "s0", now) and rt.resync_due("ml", "s0", now + rt.settings.resync_seconds)
+    assert order[:3] == ["s5", "s7", "s3"]
+    assert sorted(order) == sorted(k[1] for k in keys if k[1] != "s9")
+    assert peak == TAKEOVER_RECONCILE_CONCURRENCY == 4
 
 
-async def test_losing_the_lease_stops_the_takeovers_reconciles(kubeconfig, monkeypatch):
-    rt = OperatorRuntime(KubeConfig.from_file(str(kubeconfig)),
-                         OperatorSettings(leader_election=LeaderElection(identity="pod-0")))
-    try:
-        rt.known.update(("ml", f"s{i}") for i in range(20))
-        done: list[str] = []
+async def test_losing_the_lease_stops_the_takeovers_reconciles(candidate, monkeypatch):
+    rt = candidate
+    rt.known.update(("ml", f"s{i}") for i in range(20))
+    done: list[str] = []
 
-        async def reconcile_key(ns, name, apply_children=True):
-            await asyncio.sleep(0.05)
-            done.append(name)
-        monkeypatch.setattr(rt.controller, "reconcile_key", reconcile_key)
-        await rt._leadership_changed(True)
-        task = rt._takeover
-        await asyncio.sleep(0.02)
-        await rt._leadership_changed(False)
-        await asyncio.gather(task, return_exceptions=True)
-        assert task is not None and task.cancelled() and done == []
-    finally:
-        await rt.kube.close()
-        assert rt.elector is not None
-        await rt.elector.kube.close()
+    async def reconcile_key(ns, name, apply_children=True):
+        await asyncio.sleep(0.05)
+        done.append(name)
+    monkeypatch.setattr(rt.controller, "reconcile_key", reconcile_key)
+    await rt._leadership_changed(True)
+    task = rt._takeover
+    await asyncio.sleep(0.02)
+    await rt._leadership_changed(False)
+    await asyncio.gather(task, return_exceptions=True)
+    assert task is not None and task.cancelled() and done == []
 
 
 class Lead:

@@ -43,8 +43,9 @@ fewest requests in flight from this router.
 A request for a LoRA adapter goes only to replicas whose last successful
 reading says they hold it loaded (``Reading.adapters``; a read that fails
 since, as a guard too busy to answer in time does, does not unsay it); the
-signals above choose among those. Its prefix is keyed with the adapter's name: vLLM caches an adapter's
-blocks apart from the base model's and other adapters'.
+signals above choose among those. Its prefix is keyed with the adapter's
+name: vLLM caches an adapter's blocks apart from the base model's and other
+adapters'.
 
 ``Policy.ROUND_ROBIN`` ignores all of the above but eligibility (and the
 adapter's holders): each request goes to the next replica in name order. It
