@@ -75,6 +75,27 @@ async def test_a_new_leader_reconciles_every_service_a_few_at_a_time_the_most_re
     assert peak == TAKEOVER_RECONCILE_CONCURRENCY == 4
 
 
+async def test_a_resync_pass_during_the_takeover_does_not_make_it_skip_the_services_not_reached_yet(
+        candidate, monkeypatch):
+    rt, done = candidate, []
+
+    async def reconcile_key(ns, name, apply_children=True):
+        if not done:  # the resync's pass comes while the takeover is at its first services
+            assert not any(rt.resync_due(*key, time.monotonic()) for key in sorted(rt.known))
+        await asyncio.sleep(0)
+        done.append(name)
+        rt.controller.last_reconciled[(ns, name)] = time.monotonic()
+    monkeypatch.setattr(rt.controller, "reconcile_key", reconcile_key)
+
+    await rt._leadership_changed(True)
+    assert rt._takeover is not None
+    await rt._takeover
+    assert sorted(done) == sorted(name for _, name in rt.known)
+    # Met by the resync and reconciled since: due resync_seconds after the reconcile, as before.
+    now = time.monotonic()
+    assert not rt.resync_due("ml", "s0", now) and rt.resync_due("ml", "s0", now + rt.settings.resync_seconds)
+
+
 async def test_losing_the_lease_stops_the_takeovers_reconciles(candidate, monkeypatch):
     rt = candidate
     rt.known.update(("ml", f"s{i}") for i in range(20))
