@@ -24,7 +24,7 @@ from .kube.client import KubeClient
 from .kube.config import KubeConfig
 from .kube.errors import ApiError, Conflict
 from .kube.lease import LeaseStore
-from .leadership import Change, Leadership, Timing
+from .leadership import Change, Leadership, LeaseRecord, Timing
 from .metrics import OperatorMetrics
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,26 @@ class LeaderElector:
             await self._report("released")
         if record is not None:
             try:
-                await self.store.update(record, timeout=self.machine.timing.retry_period)
-                log.info("leader election: %s released Lease %s", self.identity, self.lease)
+                if await self._release(record):
+                    log.info("leader election: %s released Lease %s", self.identity, self.lease)
             except REQUEST_FAILURES as e:
                 log.warning("leader election: could not release Lease %s: %s", self.lease, e)
         await self.kube.close()
+
+    async def _release(self, record: LeaseRecord) -> bool:
+        """Write the released ``record``; False when the Lease turned out not to be ours any more."""
+        timeout = self.machine.timing.retry_period
+        try:
+            await self.store.update(record, timeout=timeout)
+            return True
+        except Conflict:
+            # A renewal that the stop cancelled in flight can have been stored all the same: the Lease is
+            # still ours, at a newer resourceVersion than the one held here. Release that version.
+            fresh = await self.store.read(timeout=timeout)
+            if fresh is None or fresh.holder != self.identity:
+                return False
+            self.machine.observe(fresh, self._clock())
+            again = self.machine.release(wall_now())
+            assert again is not None  # the record just read names this replica
+            await self.store.update(again, timeout=timeout)
+            return True
