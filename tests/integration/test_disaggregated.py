@@ -65,12 +65,12 @@ async def test_a_kv_store_claim_is_created_owned_and_mounted_by_both_pools(contr
         "connector": "SharedStorage", "sharedStorage": {"persistentVolumeClaim": {"size": "20Gi"}}}},
         disaggregation={}))
     claim = await wait_for(lambda: kube.get_or_none("v1", "PersistentVolumeClaim", "pdkv-kv-store", namespace),
-                           timeout=30, what="the KV store claim")
+                           timeout=60, what="the KV store claim", describe=lambda: brief(kube, namespace, "pdkv"))
     owner = await isvc(kube, namespace, "pdkv")
     assert claim["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     for role in ("prefill", "decode"):
         dep = await wait_for(lambda r=role: kube.get_or_none("apps/v1", "Deployment", f"pdkv-{r}", namespace),
-                             timeout=30, what=f"the {role} Deployment")
+                             timeout=60, what=f"the {role} Deployment")
         assert {"name": "kv-store", "persistentVolumeClaim": {"claimName": "pdkv-kv-store"}} in \
             dep["spec"]["template"]["spec"]["volumes"]

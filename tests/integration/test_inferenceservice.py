@@ -115,7 +115,8 @@ async def test_create_update_drift_delete(control_plane, operator, kube, namespa
         d = await kube.get("apps/v1", "Deployment", "chat-engine", namespace)
         s = await kube.get("v1", "Service", "chat", namespace)
         return d["spec"]["replicas"] == 2 and s["spec"]["ports"][0]["targetPort"] == "http"
-    await wait_for(repaired, timeout=20, what="the operator to undo the hand edits")
+    await wait_for(repaired, timeout=60, what="the operator to undo the hand edits",
+                   describe=lambda: brief(kube, namespace, "chat"))
 
     # Delete: the garbage collector takes every child with the owner.
     control_plane.kubectl("-n", namespace, "delete", "inferenceservice", "chat", "--wait=true")
@@ -143,7 +144,8 @@ async def test_operator_side_invalid_spec_is_reported_not_retried(control_plane,
     async def invalid():
         o = await isvc(kube, namespace, "bad")
         return o if cond(o, "Ready").get("reason") == "InvalidSpec" else None
-    obj = await wait_for(invalid, timeout=30, what="Ready=False InvalidSpec")
+    obj = await wait_for(invalid, timeout=60, what="Ready=False InvalidSpec",
+                         describe=lambda: brief(kube, namespace, "bad"))
     assert cond(obj, "Ready")["message"] == ("spec.engine.extraArgs[0]: --port is managed by gpufleet; remove it "
                                              "and leave it to the pod layout")
     assert await kube.get_or_none("apps/v1", "Deployment", "bad-engine", namespace) is None
@@ -240,13 +242,13 @@ async def test_a_model_cache_claim_is_created_owned_and_mounted(control_plane, o
         "name": "meta-llama/Llama-3.1-8B-Instruct",
         "cache": {"persistentVolumeClaim": {"size": "40Gi", "accessMode": "ReadWriteMany"}}}))
     claim = await wait_for(lambda: kube.get_or_none("v1", "PersistentVolumeClaim", "cached-model-cache", namespace),
-                           timeout=30, what="the model cache claim")
+                           timeout=60, what="the model cache claim", describe=lambda: brief(kube, namespace, "cached"))
     owner = await isvc(kube, namespace, "cached")
     assert claim["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert claim["spec"]["resources"]["requests"]["storage"] == "40Gi"
     dep = await wait_for(lambda: kube.get_or_none("apps/v1", "Deployment", "cached-engine", namespace),
-                         timeout=30, what="the engine Deployment")
+                         timeout=60, what="the engine Deployment")
     pod = dep["spec"]["template"]["spec"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "cached-model-cache"}} in pod["volumes"]
     assert "ephemeral-storage" not in pod["containers"][0]["resources"]["requests"]
