@@ -1,5 +1,5 @@
 # The two commands of the README (demo, test), and what they are made of.
-.PHONY: demo test test-realnode setup unit lint generate images images-cuda
+.PHONY: demo test test-realnode test-repeat setup unit lint generate images images-cuda
 
 setup:
 	scripts/setup.sh
@@ -33,6 +33,10 @@ test:
 
 test-realnode: setup images
 	.venv/bin/python -m pytest -q tests/realnode
+
+# The fault-injection tests 20 times in a row, then 20 more with one core kept busy (docs/dev-cluster.md).
+test-repeat: setup
+	scripts/repeat-fault-tests.sh --count 20
 
 unit:
 	.venv/bin/python -m pytest -q tests/unit

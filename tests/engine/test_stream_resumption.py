@@ -2,7 +2,12 @@
 router: the official openai client streams an answer, the replica serving it has its vLLM killed with
 SIGKILL mid-answer (its process group: the API server and the engine core, as an OOM kill or a node
 failure takes a container), and the client's stream goes on from the other replica to a well-formed end:
-no error, one id, a finish_reason, and usage counting the original prompt and every token of the answer."""
+no error, one id, a finish_reason, and usage counting the original prompt and every token of the answer.
+
+The kill lands mid-answer by construction, not by the machine's speed: each guard reaches its vLLM through a
+relay (tests/support/stream_hold.py) that lets the answer's first events through and keeps the rest back, and
+vLLM is killed only once the relay holds and the client has some of the text. Every run resumes exactly one
+stream; `scripts/repeat-fault-tests.sh` runs these tests many times in a row (docs/dev-cluster.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,11 +18,11 @@ import openai
 import pytest
 import pytest_asyncio
 
-from gpufleet.router import resume
 from gpufleet.router.choice import Replica
 from gpufleet.router.table import Route
-from gpufleet_engine.local.runner import LocalEngine
+from gpufleet_engine.local.runner import LocalEngine, free_port
 from tests.support.router import static_router
+from tests.support.stream_hold import Hold, HoldingRelay
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
@@ -25,125 +30,39 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 MODEL = "tiny"
 BLOCK_SIZE = 32
 ANSWER_TOKENS = 400
-# Killed when the router has relayed this many events of the first replica's answer: the client reads behind
-# the router (socket buffers hold a whole answer of the tiny model), so the client's count cannot time it; and
-# the router's own reads can hold many events each when it is behind, so the kill comes at the second event:
-# the first read is the first token alone (after the prompt's prefill), the next ones are few.
-KILL_AFTER_EVENTS = 2
+# vLLM's events let through to the first replica's guard before the rest is held back and its vLLM killed:
+# chat's role event and a few tokens, so the client has some of the answer and most of it is still to come.
+HOLD_AFTER_EVENTS = 4
+# What a loaded 2-core machine may take for the first replica's first events, a kill's effect and the
+# resumed rest of a 400-token answer: generous, since each wait is on the event itself.
+EVENT_TIMEOUT = 120.0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def replicas():
-    engines = [LocalEngine("tiny", host="127.0.0.1", kv_blocks=64, block_size=BLOCK_SIZE, max_model_len=1024,
-                           cpu_cores=str(i), guard={"ttftControl": "Off"}) for i in range(2)]
+    """Two replicas, each guard reaching its vLLM through a relay that can hold an answer (stream_hold.py)."""
+    ports = [free_port("127.0.0.1") for _ in range(2)]
+    relays = [await HoldingRelay(f"replica-{i}", "127.0.0.1", port).start() for i, port in enumerate(ports)]
+    engines = [LocalEngine("tiny", host="127.0.0.1", engine_port=port, kv_blocks=64, block_size=BLOCK_SIZE,
+                           max_model_len=1024, cpu_cores=str(i),
+                           guard={"ttftControl": "Off", "engineUrl": relay.url})
+               for i, (port, relay) in enumerate(zip(ports, relays))]
     try:
         await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
-        yield engines
+        yield engines, relays
     finally:
         await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
+        for relay in relays:
+            await relay.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def router(replicas):
+    engines, _ = replicas
     route = Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 2, tuple(
-        Replica(f"replica-{i}", e.guard_url.removeprefix("http://")) for i, e in enumerate(replicas)))
+        Replica(f"replica-{i}", e.guard_url.removeprefix("http://")) for i, e in enumerate(engines)))
     async with static_router(route) as served:
         yield served
-
-
-def kill_serving_replica(fleet, replicas: list[LocalEngine]) -> int | None:
-    """SIGKILL the process group of the vLLM behind the replica the router has the stream on; its index
-    (None: the router has the whole answer already)."""
-    picker = fleet.picker(MODEL)
-    pods = [pod for pod, n in picker.in_flight.items() if n]
-    if not pods:
-        return None
-    index = int(pods[0].removeprefix("replica-"))
-    pid = replicas[index].engine_proc.pid
-    assert pid is not None
-    os.killpg(pid, signal.SIGKILL)
-    return index
-
-
-async def restart(engine: LocalEngine) -> None:
-    await asyncio.to_thread(engine.stop, 5.0)
-    await asyncio.to_thread(engine.start)
-
-
-class Killer:
-    """Makes the router's relay kill the replica serving a stream once it relayed KILL_AFTER_EVENTS events
-    to the client: ``killed`` holds the killed replica's index, then the text sent by then (the relay sends
-    the events of the chunk it was fed at the kill too: those are in the text).
-
-    On a loaded machine vLLM can write the whole answer before the router's second read, and a kill then
-    comes too late to break anything: such a chunk (it holds the answer's finish) is left alone and
-    ``too_late`` counts it; the caller asks again (``attempt``), with both replicas still up."""
-
-    def __init__(self, monkeypatch, fleet, replicas: list[LocalEngine]):
-        self.killed: list = []
-        self.too_late = 0
-        self._armed = False
-        feed = resume.Stream.feed
-        killer = self
-
-        def feed_then_kill(stream, data: bytes) -> list[bytes]:
-            out = feed(stream, data)
-            if killer._armed and stream.attempt == 0 and stream.events >= KILL_AFTER_EVENTS:
-                killer._armed = False
-                if b'"finish_reason":"' in data or b"[DONE]" in data:
-                    killer.too_late += 1
-                else:
-                    index = kill_serving_replica(fleet, replicas)
-                    if index is not None:
-                        killer.killed.extend([index, stream.text])
-            return out
-
-        monkeypatch.setattr(resume.Stream, "feed", feed_then_kill)
-
-    async def attempt(self, ask, tries: int = 10):
-        """``ask()`` until one of its answers had its replica killed midway; that answer."""
-        for _ in range(tries):
-            self._armed = True
-            answer = await ask()
-            if self.killed:
-                return answer
-        raise AssertionError(f"in {tries} answers, the router never read an answer's start apart from its end "
-                             f"(too late to kill: {self.too_late})")
-
-
-async def answer(api, request: dict) -> tuple[str, list, object]:
-    return await collect(await api.create(**request))
-
-
-async def collect(stream, on_chunk=None) -> tuple[str, list, object]:
-    text, chunks, usage = "", [], None
-    async for chunk in stream:
-        chunks.append(chunk)
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            text += getattr(choice, "text", None) or (getattr(choice, "delta", None) and choice.delta.content) or ""
-        if on_chunk is not None:
-            on_chunk(len(chunks))
-    return text, chunks, usage
-
-
-async def test_a_completion_goes_on_when_its_replicas_vllm_is_killed(router, replicas, monkeypatch):
-    url, fleet = router
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    request = dict(model=MODEL, prompt="The history of the bicycle begins", max_tokens=ANSWER_TOKENS,
-                   temperature=0, stream=True, stream_options={"include_usage": True},
-                   extra_body={"ignore_eos": True})
-    reference, _, ref_usage = await collect(await client.completions.create(**request))
-    assert ref_usage is not None and ref_usage.completion_tokens == ANSWER_TOKENS
-
-    killer = Killer(monkeypatch, fleet, replicas)
-    resumed_before = resumed(fleet)
-    try:
-        await completion_resumed(client, fleet, request, reference, ref_usage, killer, resumed_before)
-    finally:
-        if killer.killed:  # the next test needs both replicas, whatever became of this one
-            await restart(replicas[killer.killed[0]])
 
 
 def resumed(fleet) -> float:
@@ -151,55 +70,179 @@ def resumed(fleet) -> float:
                                                    {"service": MODEL, "outcome": "resumed"}) or 0.0
 
 
-async def completion_resumed(client, fleet, request, reference, ref_usage, killer, resumed_before) -> None:
-    text, chunks, usage = await killer.attempt(lambda: answer(client.completions, request))
-    killed = killer.killed
-    assert len(killed[1]) < len(text), "the kill came after the last token"
-    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
-        ref_usage.prompt_tokens, ANSWER_TOKENS)
-    print(f"\nresumed text equals the uninterrupted answer: {text == reference} "
-          f"({len(text)} vs {len(reference)} characters)")
-    # Greedy on the same weights: the continuation from the text sent is the rest of the same answer
-    # (when re-tokenizing the text sent gives back the tokens that were sampled).
-    assert text == reference
-    assert resumed(fleet) == resumed_before + 1
+def router_counters(fleet) -> dict[str, float]:
+    """The router's resumption counters, by outcome, for a failure message."""
+    return {s.labels["outcome"]: s.value for metric in fleet.metrics.registry.collect()
+            if metric.name == "gpufleet_router_resumed_streams" for s in metric.samples
+            if s.name.endswith("_total") and s.labels.get("service") == MODEL}
 
 
-async def test_a_chat_goes_on_when_its_replicas_vllm_is_killed(router, replicas, monkeypatch):
-    url, fleet = router
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    # Both replicas serve again (the last test restarted the one it killed) once the router has read them.
+async def both_replicas_serving(fleet) -> None:
     picker = fleet.picker(MODEL)
     await wait_for(lambda: len(picker.readings) == 2 and all(r.ready for r in picker.readings.values()),
-                   timeout=120, interval=0.2, what="both replicas read ready by the router")
-    # A guard's first chat request renders the chat template for the first time, and the guard holds vLLM's
-    # answer until its parse admits the request (send_ahead.py): on the tiny model the whole answer would come
-    # out in one piece. Each guard takes one chat first.
-    for engine in replicas:
-        warm = openai.AsyncOpenAI(base_url=engine.guard_url + "/v1", api_key="unused", max_retries=0)
-        await warm.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-    request = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about bicycles."}],
-                   max_tokens=ANSWER_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
-                   extra_body={"ignore_eos": True})
-    reference, _, ref_usage = await collect(await client.chat.completions.create(**request))
-    killer = Killer(monkeypatch, fleet, replicas)
-    resumed_before = resumed(fleet)
+                   timeout=EVENT_TIMEOUT, interval=0.2, what="both replicas read ready by the router",
+                   describe=lambda: {pod: r.ready for pod, r in picker.readings.items()})
 
-    text, chunks, usage = await killer.attempt(lambda: answer(client.chat.completions, request))
-    killed = killer.killed
-    assert len({c.id for c in chunks}) == 1
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+class Interrupted:
+    """One streamed answer whose replica's vLLM is SIGKILLed (its process group: the API server and the engine
+    core, as an OOM kill or a lost node takes a container) while the answer is provably unfinished: the
+    replica's relay lets HOLD_AFTER_EVENTS of vLLM's events through and keeps the rest back, the client has
+    received some of its text, and then vLLM dies, so the rest can only come from another replica."""
+
+    def __init__(self, replicas, fleet):
+        self.engines, self.relays = replicas
+        self.fleet = fleet
+        self.hold = Hold(HOLD_AFTER_EVENTS)
+        self.chunks: list = []
+        self.text = ""
+        self.usage = None
+        self.client_has_text = asyncio.Event()
+        self.killed: int | None = None
+        self.text_at_kill = ""
+
+    def describe(self) -> str:
+        """What each layer held, for a failure message."""
+        last = [c.model_dump_json(exclude_none=True)[:300] for c in self.chunks[-2:]]
+        return (f"\n  relay: {self.hold.describe()}\n  killed replica: {self.killed}; client's text at the "
+                f"kill: {self.text_at_kill!r}\n  client: {len(self.chunks)} chunks, {len(self.text)} characters, "
+                f"last chunks: {last}\n  router's resumed streams by outcome: {router_counters(self.fleet)}")
+
+    async def run(self, create, request: dict) -> "Interrupted":
+        for relay in self.relays:
+            relay.arm(self.hold)
+        reader = asyncio.create_task(self._read(create, request))
+        try:
+            await self._until(asyncio.gather(self.hold.held.wait(), self.client_has_text.wait()), reader,
+                              "the relay holding the answer and the client having some of its text")
+            assert not self.hold.finished_within(), "the answer ended within the events let through" + \
+                self.describe()
+            self.killed = int(self.hold.relay.removeprefix("replica-"))
+            self.text_at_kill = self.text
+            pid = self.engines[self.killed].engine_proc.pid
+            assert pid is not None
+            os.killpg(pid, signal.SIGKILL)
+            await self._until(self.hold.upstream_closed.wait(), reader, "the killed vLLM's connection closing")
+            await self._until(asyncio.shield(reader), None, "the client's stream to end")
+        finally:
+            for relay in self.relays:
+                relay.arm(None)
+            if not reader.done():
+                reader.cancel()
+        return self
+
+    async def _read(self, create, request: dict) -> None:
+        async for chunk in await create(**request):
+            self.chunks.append(chunk)
+            if chunk.usage is not None:
+                self.usage = chunk.usage
+            for choice in chunk.choices:
+                self.text += getattr(choice, "text", None) or (
+                    getattr(choice, "delta", None) and choice.delta.content) or ""
+            if self.text:
+                self.client_has_text.set()
+
+    async def _until(self, awaitable, reader: asyncio.Task | None, what: str) -> None:
+        waiting = asyncio.ensure_future(awaitable)
+        done, _ = await asyncio.wait([waiting] + ([reader] if reader else []), timeout=EVENT_TIMEOUT,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if waiting not in done:
+            waiting.cancel()
+            why = f"the client's stream ended first ({reader.exception()!r})" if reader in done else \
+                f"timed out after {EVENT_TIMEOUT:.0f}s"
+            raise AssertionError(f"waiting for {what}: {why}" + self.describe())
+        waiting.result()
+
+
+async def restart(engine: LocalEngine) -> None:
+    await asyncio.to_thread(engine.stop, 5.0)
+    await asyncio.to_thread(engine.start)
+
+
+async def collect(stream) -> tuple[str, list, object]:
+    text, chunks, usage = "", [], None
+    async for chunk in stream:
+        chunks.append(chunk)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += getattr(choice, "text", None) or (getattr(choice, "delta", None) and choice.delta.content) or ""
+    return text, chunks, usage
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+COMPLETION = dict(model=MODEL, prompt="The history of the bicycle begins", max_tokens=ANSWER_TOKENS,
+                  temperature=0, stream=True, stream_options={"include_usage": True},
+                  extra_body={"ignore_eos": True})
+CHAT = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about bicycles."}],
+            max_tokens=ANSWER_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def references(router):
+    """The uninterrupted answers (text, usage) to COMPLETION and CHAT through the router."""
+    url, _ = router
+    api = client(url)
+    completion = await collect(await api.completions.create(**COMPLETION))
+    chat = await collect(await api.chat.completions.create(**CHAT))
+    for (_, _, usage) in (completion, chat):
+        assert usage is not None and usage.completion_tokens == ANSWER_TOKENS
+    return {"completion": (completion[0], completion[2]), "chat": (chat[0], chat[2])}
+
+
+async def interrupt(router, replicas, create, request: dict) -> tuple[Interrupted, float]:
+    """``request`` streamed through the router with its replica's vLLM killed midway (Interrupted); the
+    router's resumed-streams count before it. The killed replica is started again whatever happened."""
+    url, fleet = router
+    engines, _ = replicas
+    await both_replicas_serving(fleet)
+    before = resumed(fleet)
+    interrupted = Interrupted(replicas, fleet)
+    try:
+        await interrupted.run(create(client(url)), request)
+    except openai.APIError as e:
+        raise AssertionError(f"the client's stream failed: {e!r}" + interrupted.describe()) from e
+    finally:
+        if interrupted.killed is not None:  # the next test needs both replicas, whatever became of this one
+            await restart(engines[interrupted.killed])
+    return interrupted, before
+
+
+def check_one_whole_answer(interrupted: Interrupted, reference: tuple[str, object], resumed_before: float) -> str:
+    """The client's stream is one well-formed answer that went on from what the killed replica sent; that."""
+    why = interrupted.describe()
+    chunks, text, usage = interrupted.chunks, interrupted.text, interrupted.usage
+    sent = interrupted.hold.forwarded_text()
+    ref_text, ref_usage = reference
+    assert sent and text.startswith(sent) and len(sent) < len(text), \
+        f"the client's answer does not go on from the killed replica's part {sent!r}" + why
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1, \
+        f"ids {sorted({c.id for c in chunks})}, created {sorted({c.created for c in chunks})}" + why
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length", why
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
-        ref_usage.prompt_tokens, ANSWER_TOKENS)
+        ref_usage.prompt_tokens, ANSWER_TOKENS), f"usage {usage} against the reference's {ref_usage}" + why
+    assert ref_text.startswith(sent), "the killed replica's part is not the reference's start" + why
+    assert resumed(interrupted.fleet) == resumed_before + 1, "the router did not count one resumed stream" + why
+    return text
+
+
+async def test_a_completion_goes_on_when_its_replicas_vllm_is_killed(router, replicas, references):
+    interrupted, before = await interrupt(router, replicas, lambda api: api.completions.create, COMPLETION)
+    text = check_one_whole_answer(interrupted, references["completion"], before)
+    # Greedy on the same weights: the continuation from the text sent is the rest of the same answer
+    # (when re-tokenizing the text sent gives back the tokens that were sampled).
+    assert text == references["completion"][0], interrupted.describe()
+
+
+async def test_a_chat_goes_on_when_its_replicas_vllm_is_killed(router, replicas, references):
+    interrupted, before = await interrupt(router, replicas, lambda api: api.chat.completions.create, CHAT)
+    text = check_one_whole_answer(interrupted, references["chat"], before)
+    assert sum(1 for c in interrupted.chunks if c.choices and c.choices[0].delta.role) == 1, interrupted.describe()
     # Not asserted equal to the uninterrupted answer: the tiny model's greedy chat answer begins with a run of
     # "\n" tokens, which the continuation's prompt tokenizes as merged "\n\n" tokens, so its greedy path
     # differs from there on (docs/resumption.md). What the client got is still one whole answer.
-    print(f"\nresumed chat text equals the uninterrupted answer: {text == reference}")
-    # The first replica's part is the uninterrupted answer's start, and the client's answer goes on from it.
-    sent = killed[1]
-    assert reference.startswith(sent) and text.startswith(sent) and len(sent) < len(text), \
-        "the kill came after the last token"
-    assert resumed(fleet) == resumed_before + 1
+    print(f"\nresumed chat text equals the uninterrupted answer: {text == references['chat'][0]}")
