@@ -66,6 +66,7 @@ class _ClaimedAnswer:
         self.in_body = False
         self.head = b""
         self.passed_events = 0
+        self.last_newline = False  # the body passed so far ends in a "\n" that ends no event
 
     def split(self, data: bytes) -> tuple[bytes, bytes]:
         """(the bytes to pass on, the bytes to keep back) of ``data`` from vLLM."""
@@ -83,6 +84,9 @@ class _ClaimedAnswer:
             out += data[:len(data) - len(body)]
             data = body
         position = 0
+        if self.last_newline and data.startswith(b"\n") and self.passed_events < hold.events:
+            position = 1  # the event's end was split between two reads
+            self.passed_events += 1
         while self.passed_events < hold.events:
             end = data.find(_EVENT_END, position)
             if end < 0:
@@ -93,6 +97,7 @@ class _ClaimedAnswer:
             position = len(data)
         hold.forwarded += data[:position]
         out += data[:position]
+        self.last_newline = data[:position].endswith(b"\n") and not data[:position].endswith(_EVENT_END)
         if self.passed_events >= hold.events:
             hold.held.set()
         return bytes(out), data[position:]
