@@ -147,7 +147,6 @@ async def test_the_sdks_see_through_the_guard_what_they_see_from_vllm(engine):
 
     before = await _ok_requests(engine.guard_url)
     guarded, direct = await calls(clients["guard"]), await calls(clients["vllm"])
-    after = await _ok_requests(engine.guard_url)
     for name in direct:
         g, d = guarded[name], direct[name]
         assert g[0] == d[0], f"{name}: through the guard {g}, from vLLM {d}"
@@ -157,6 +156,7 @@ async def test_the_sdks_see_through_the_guard_what_they_see_from_vllm(engine):
     streamed = guarded["responses.stream"][1]
     assert streamed[-1].type == "response.completed" and streamed[-1].response.usage.output_tokens <= 8
     admitted_ok = ("completions", "completions.stream", "chat", "chat.stream", "responses", "responses.stream")
+    after = await _ok_requests_reach(engine.guard_url, before + len(admitted_ok), "the SDK calls")
     assert after - before == len(admitted_ok)
     for c in clients.values():
         await c.close()
@@ -172,12 +172,30 @@ async def test_the_sdks_see_through_the_guard_what_they_see_from_vllm(engine):
             final = await stream.get_final_message()
         assert final.usage.output_tokens <= 8, name
         await client.close()
-    assert await _ok_requests(engine.guard_url) - after == 2
+    assert await _ok_requests_reach(engine.guard_url, after + 2, "the anthropic calls") - after == 2
 
 
 async def _ok_requests(url: str) -> float:
     async with aiohttp.ClientSession() as s:
         return await guard_requests(s, url)
+
+
+async def _ok_requests_reach(url: str, count: float, what: str) -> float:
+    """The guard's ok count once it reaches ``count``: it counts a stream once its end is written, which
+    the client may read before the guard gets there."""
+    return await wait_for(lambda: _at_least(_ok_requests(url), count), timeout=30, interval=0.05,
+                          what=f"the guard to count {what} ({count:g} requests ok)",
+                          describe=lambda: _ok_requests(url))
+
+
+async def _at_least(value, count: float) -> float | None:
+    got = await value
+    return got if got >= count else None
+
+
+async def _at_least_sum(values, count: float) -> list[float] | None:
+    got = await values
+    return got if sum(got) >= count else None
 
 
 @pytest.fixture
@@ -232,10 +250,14 @@ async def test_vllm_router_in_front_of_two_guards_serves_every_request(guards, v
     await client.close()
     assert all(1 <= t <= 8 for t in tokens)
     async with aiohttp.ClientSession() as s:
-        served = [await guard_requests(s, g) - b for g, b in zip(guards, before)]
-    assert sum(served) == 12, served
+        async def served() -> list[float]:
+            return [await guard_requests(s, g) - b for g, b in zip(guards, before)]
+        # A guard counts a stream once its end is written, which the client may read first.
+        counted = await wait_for(lambda: _at_least_sum(served(), 12), timeout=30, interval=0.05,
+                                 what="the two guards to count the 12 requests", describe=served)
+    assert sum(counted) == 12, counted
     if policy == "round_robin":
-        assert served == [6, 6], served
+        assert counted == [6, 6], counted
 
 
 def test_vllm_bench_serve_through_the_guard_has_no_failed_request(engine, tmp_path):
