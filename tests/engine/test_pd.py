@@ -170,8 +170,14 @@ async def test_the_decode_pod_loads_the_prompt_the_prefill_pod_computed(pools):
         assert hits == prompt_tokens - computed_prompt_tokens("decode", prompt_tokens, BLOCK_SIZE) > 300
         assert await guard_sample(http, producer.guard_url, "gpufleet_guard_kv_handoffs_total",
                                   phase="prefill", outcome="ok") == 1
-        assert await guard_sample(http, consumer.guard_url, "gpufleet_guard_kv_handoffs_total",
-                                  phase="decode", outcome="ok") == 1
+        # The decode streamed: its guard counts it once the stream's end is written, which the client may
+        # read first (the prefill answered whole, counted before its answer went out).
+
+        async def decode_counted():
+            return await guard_sample(http, consumer.guard_url, "gpufleet_guard_kv_handoffs_total",
+                                      phase="decode", outcome="ok")
+        assert await wait_for(decode_counted, timeout=30, interval=0.05,
+                              what="the decode guard to count its hand-off", describe=decode_counted) == 1
         assert await guard_sample(http, consumer.guard_url, "gpufleet_guard_role_info", role="decode") == 1
         # The producer's guard measures the directory it bounds, every 10 s (nothing is old enough to remove).
         folder_bytes = sum(f.size_bytes for f in shared_storage.scan(kv))
