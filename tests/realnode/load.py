@@ -20,6 +20,10 @@ class Load:
     ok: int = 0
     shed: int = 0  # 429 with Retry-After: the guard's admission, not an error
     errors: list[str] = field(default_factory=list)
+    ended: list[int] = field(default_factory=list)  # streams each client ended (answered, refused or failed)
+
+    def describe(self) -> str:
+        return f"ok {self.ok}, 429 {self.shed}, streams ended per client {self.ended}, errors {self.errors[-3:]}"
 
 
 async def model_listed(client: openai.AsyncOpenAI, model: str = MODEL) -> bool:
@@ -48,6 +52,15 @@ async def _stream_one(client: openai.AsyncOpenAI, load: Load, model: str, prompt
         await asyncio.sleep(0.2)
 
 
+async def in_flight_ended(load: Load, what: str, timeout: float = 300) -> None:
+    """Every stream in flight now has ended since (each client ended one more): what became of each is in
+    the counts, and in the router's resumption counters, which count a stream before its end goes out."""
+    mark = list(load.ended)
+    await wait_for(lambda: all(now > then for now, then in zip(load.ended, mark)), timeout=timeout,
+                   what=f"the streams in flight at {what} to end",
+                   describe=lambda: f"{load.describe()} (at {what}: {mark})")
+
+
 async def answered_after(load: Load, what: str, clients: int = 2) -> None:
     """Streams that began after this moment were answered: past the ``clients`` in flight now, one
     more finished (or failed, which the test's error check then reports)."""
@@ -62,17 +75,18 @@ async def streaming(client: openai.AsyncOpenAI, clients: int = 2, model: str = M
     """``clients`` streaming clients in a loop while the body runs (more starve a second engine's
     start on a 2-core machine), the n-th request of all with ``prompt(n)``; what they saw. ``send``:
     how one stream is sent and judged (``_stream_one`` unless given)."""
-    result, stop = Load(), asyncio.Event()
+    result, stop = Load(ended=[0] * clients), asyncio.Event()
     sent = 0
     one = send or _stream_one
 
-    async def worker():
+    async def worker(index: int):
         nonlocal sent
         while not stop.is_set():
             sent += 1
             await one(client, result, model, prompt(sent), max_tokens)
+            result.ended[index] += 1
             await asyncio.sleep(pause)
-    tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+    tasks = [asyncio.create_task(worker(i)) for i in range(clients)]
     try:
         yield result
     finally:

@@ -1,7 +1,9 @@
 """Changes under streaming load through the chart's router, with the openai SDK (issue 33's bar): a
 canary revision promoted to every replica, a canary rolled back by its SLIs, the engine of a replica
 killed with SIGKILL in the middle of streams (the router resumes them on the other replica), and a
-scale-in. Every stream is checked whole (``load.checked_streaming``): one id, its full length of
+scale-in. The kill lands mid-answer by construction: vLLM is stopped (SIGSTOP) first, and killed only
+if its guard still has streams in flight that the stopped engine can no longer finish. Every stream is
+checked whole (``load.checked_streaming``): one id, its full length of
 tokens, finish_reason "length" and a usage that counts every token. A 429 with Retry-After that the
 client honours is served, not an error.
 
@@ -20,7 +22,7 @@ import pytest
 from gpufleet_dev.devcluster import node
 
 from gpufleet.manifests import names
-from tests.realnode.load import answered_after, checked_streaming, model_listed
+from tests.realnode.load import answered_after, checked_streaming, in_flight_ended, model_listed
 from tests.realnode.product import (
     API,
     SERVICE,
@@ -89,21 +91,23 @@ def _router_metric(kube_pods: list[dict], control_plane, ns: str, name: str, **l
     return total
 
 
-async def _busiest(kube, control_plane, ns: str, seen: list | None = None) -> dict | None:
-    """The engine pod whose guard has the most requests in flight now (None while none has any): the
-    one to kill, so that streams are cut (the router's choice, not the test's, decides where they go).
-    The guards are read off the event loop, together: the clients on the loop keep reading meanwhile (a
-    client that stops reading lets vLLM finish its answer into the buffers, and a kill then cuts nothing)."""
-    pods = await _engine_pods(kube, ns)
+async def _guard_in_flight(control_plane, ns: str, pods: list[dict]) -> list[float]:
+    """Each pod's guard's requests in flight to its vLLM, read off the event loop, together: the clients on
+    the loop keep reading meanwhile (a client that stops reading lets vLLM finish its answer into the
+    buffers)."""
     texts = await asyncio.gather(*(asyncio.to_thread(exec_get, control_plane, ns, pod["metadata"]["name"], "guard",
                                                      f"http://127.0.0.1:{names.GUARD_PORT}/metrics") for pod in pods))
+    return [metric_sum(text, "gpufleet_guard_in_flight") for text in texts]
+
+
+async def _busiest(kube, control_plane, ns: str) -> dict | None:
+    """The engine pod whose guard has the most requests in flight now (None while none has any): the
+    one to kill, so that streams are cut (the router's choice, not the test's, decides where they go)."""
+    pods = await _engine_pods(kube, ns)
     best, most = None, 0.0
-    for pod, text in zip(pods, texts):
-        in_flight = metric_sum(text, "gpufleet_guard_in_flight")
+    for pod, in_flight in zip(pods, await _guard_in_flight(control_plane, ns, pods)):
         if in_flight > most:
             best, most = pod, in_flight
-    if seen is not None and best is not None:
-        seen.append((best["metadata"]["name"], most))
     return best
 
 
@@ -184,15 +188,41 @@ async def test_a_canary_breaching_its_slo_is_rolled_back_under_streaming_load(se
                                "admission": {"ttftControl": "Objective"}})
 
 
-async def kill_busiest_engine(kube, control_plane, ns: str, load, kills: list) -> None:
-    """SIGKILL the vLLM of the replica with the most streams in flight (appended to ``kills`` with that
-    number); back when it restarted and is Ready."""
-    victim = await wait_for(lambda: _busiest(kube, control_plane, ns, kills), timeout=60,
-                            what="a replica with streams in flight")
-    vllm = next(c for c in victim["status"]["containerStatuses"] if c["name"] == "vllm")
-    restarts = vllm["restartCount"]
-    node.ctr("tasks", "kill", "-s", "SIGKILL", vllm["containerID"].split("://", 1)[1], check=True,
-             capture_output=True)
+def _signal(container_id: str, signal: str) -> None:
+    """Signal a container's main process (vLLM's API server, which writes the answers to the guard)."""
+    node.ctr("tasks", "kill", "-s", signal, container_id, check=True, capture_output=True)
+
+
+async def kill_mid_answer(kube, control_plane, ns: str, load, kills: list) -> None:
+    """SIGKILL the vLLM of a replica while its guard has streams in flight that vLLM can no longer finish,
+    whatever the machine's speed: the busiest replica's vLLM is stopped (SIGSTOP: it writes nothing more),
+    then its guard is read; an answer vLLM wrote whole before the stop drains meanwhile (the guard, the
+    router and the client keep reading), so the streams still in flight are unfinished, and the kill cuts
+    them. When none is (a quiet moment), vLLM goes on (SIGCONT) and another moment is tried. Back when
+    every stream in flight at the kill has ended (the router counts a resumed stream before its end goes
+    out) and the killed engine restarted and is Ready. ``kills``: (pod, streams in flight at the kill, stops
+    it took) added."""
+    stops = 0
+    while stops < 10:
+        stops += 1
+        victim = await wait_for(lambda: _busiest(kube, control_plane, ns), timeout=60,
+                                what="a replica with streams in flight", describe=load.describe)
+        vllm = next(c for c in victim["status"]["containerStatuses"] if c["name"] == "vllm")
+        restarts, container_id = vllm["restartCount"], vllm["containerID"].split("://", 1)[1]
+        _signal(container_id, "SIGSTOP")
+        try:
+            (held,) = await _guard_in_flight(control_plane, ns, [victim])
+        except BaseException:
+            _signal(container_id, "SIGCONT")
+            raise
+        if held:
+            break
+        _signal(container_id, "SIGCONT")
+    else:
+        raise AssertionError(f"no replica's guard held a stream while its vLLM was stopped, in 10 tries; "
+                             f"{load.describe()}")
+    kills.append((victim["metadata"]["name"], held, stops))
+    _signal(container_id, "SIGKILL")
 
     async def victim_back() -> bool:
         pod = await kube.get_or_none("v1", "Pod", victim["metadata"]["name"], ns)
@@ -200,6 +230,7 @@ async def kill_busiest_engine(kube, control_plane, ns: str, load, kills: list) -
             return False
         c = next(c for c in pod["status"]["containerStatuses"] if c["name"] == "vllm")
         return c["restartCount"] > restarts
+    await in_flight_ended(load, "the kill")
     await answered_after(load, "the engine was killed", clients=4)
     await wait_for(victim_back, timeout=420, what="the killed engine restarted and Ready",
                    describe=_describe(control_plane, ns))
@@ -231,16 +262,22 @@ async def killed_and_scaled_in(install, kube, control_plane, router) -> None:
     # Long answers (600 tokens of 1024): every stream is still running when its engine dies.
     async with checked_streaming(router, clients=4, max_tokens=600) as load:
         await wait_for(lambda: load.ok >= 2, timeout=180, what="streams answered on both replicas")
-        # A kill that found no stream left on its engine (they ended between the read and the kill) is
-        # made once more, after the engine is back: what is tested is a kill that cuts streams.
-        resumed, kills = 0.0, []
+        # The kill cuts the streams its stopped vLLM can no longer finish (kill_mid_answer), and every
+        # stream in flight at it has ended before the router's counters are read: they hold what became of
+        # each. The streams cut can all be ones vLLM had not begun to answer (sent to it between the read
+        # that chose it and the stop), which the router retries elsewhere and does not count as resumed:
+        # then the counters say so, and the kill is made once more.
+        kills: list = []
+        resumed = 0.0
         for _round in range(2):
-            await kill_busiest_engine(kube, control_plane, ns, load, kills)
+            await kill_mid_answer(kube, control_plane, ns, load, kills)
             resumed = await asyncio.to_thread(_router_metric, routers, control_plane, install.operator_ns,
                                               "gpufleet_router_resumed_streams_total", outcome="resumed")
             resumed -= resumed_before
+            kills[-1] += (resumed,)
             if resumed >= 1:
                 break
+        print(f"\nkills (pod, streams its guard held with vLLM stopped, stops it took, streams resumed): {kills}")
         before_in = load.ok
         # A scale-in the load does not ask for (four 600-token streams keep two replicas' KV over the
         # watermark, so the autoscaler rightly holds two with minReplicas 1): maxReplicas down to 1.
@@ -253,7 +290,8 @@ async def killed_and_scaled_in(install, kube, control_plane, router) -> None:
     # A router restarted meanwhile (its counters start again at 0) is a failure of its own: it dropped streams.
     restarts = {p["metadata"]["name"]: sum(c.get("restartCount", 0) for c in p["status"].get("containerStatuses", []))
                 for p in await _pods(kube, install.operator_ns, ROUTER_SELECTOR)}
-    assert resumed >= 1, (f"no stream was resumed: the killed engine held none? kills (pod, guard in flight) {kills}; "
+    assert resumed >= 1, (f"no stream was resumed: kills (pod, its guard's streams in flight with vLLM stopped, "
+                          f"stops it took, resumed streams after) {kills}; "
                           f"router resumption outcomes {outcomes} (before: {resumed_before} resumed) in "
                           f"{[p['metadata']['name'] for p in routers]}, router restarts {restarts}; load ok {load.ok}, "
                           f"429 {load.shed}, errors {load.errors[:5]}")
