@@ -191,9 +191,13 @@ async def test_a_rank_above_the_limit_gets_its_reason_and_disturbs_nothing(
         assert await _greedy(client, "rn-1") and await _greedy(client, MODEL)
     finally:
         await client.close()
-    events = control_plane.kubectl("-n", install.work_ns, "get", "events", "--field-selector",
-                                   "involvedObject.name=rn-wide", check=False).stdout
-    assert "RankTooHigh" in events, events
+
+    # The operator posts the Event after the status write (fleet/adapter_sync.py): waited for, not read once.
+    def events() -> str:
+        return control_plane.kubectl("-n", install.work_ns, "get", "events", "--field-selector",
+                                     "involvedObject.name=rn-wide", check=False).stdout
+    await wait_for(lambda: "RankTooHigh" in events(), timeout=60, what="a RankTooHigh Event on rn-wide",
+                   describe=events)
     control_plane.kubectl("-n", install.work_ns, "delete", "inferenceadapter", "rn-wide", "--wait=true")
 
 
