@@ -49,6 +49,16 @@ def connect(control_plane, ns: str, pod: str, host: str, port: int, timeout: flo
                                  str(timeout), check=False).stdout.strip()
 
 
+async def connects(control_plane, ns: str, pod: str, host: str, port: int, expected: str) -> None:
+    """``pod`` connects to ``host:port`` (the connect says ``expected``). A connection the policy admits is
+    answered at once by the kernel, but the node's policy agent judges its first packet in user space: on a
+    loaded node that can outlast a short connect timeout, which would read as a drop. So an admitted
+    connection is tried until it opens, with a longer timeout; a drop is what a single short try shows."""
+    await wait_for(lambda: connect(control_plane, ns, pod, host, port, timeout=10) == expected, timeout=60,
+                   what=f"{ns}/{pod} connecting to {host}:{port} ({expected})",
+                   describe=lambda: connect(control_plane, ns, pod, host, port, timeout=10))
+
+
 def _probe_pod(image: str) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe", "labels": {"app": "probe"}},
             "spec": {"nodeSelector": {"kubernetes.io/hostname": node.NODE_NAME},
@@ -102,8 +112,8 @@ async def test_a_pod_in_another_namespace_reaches_the_router_by_name_but_not_the
     outside = probes["outside"]
     router = f"{ROUTER}.{install.operator_ns}"
     # The router's policy admits every namespace by default: the probe has a network and DNS.
-    await wait_for(lambda: connect(control_plane, outside, "probe", router, 80).startswith("open"), timeout=60,
-                   what=f"the outside probe connecting to {router}:80")
+    await wait_for(lambda: connect(control_plane, outside, "probe", router, 80, timeout=10).startswith("open"),
+                   timeout=60, what=f"the outside probe connecting to {router}:80")
     models = control_plane.kubectl("-n", outside, "exec", "probe", "--", "python3", "-c", GET,
                                    f"http://{router}/v1/models").stdout
     assert "tiny-llama" in models
@@ -120,11 +130,11 @@ async def test_the_router_operator_and_services_namespace_reach_the_guard_and_no
     operator = (await _one_ready(kube, install.operator_ns, "app.kubernetes.io/name=gpufleet-operator"))[
         "metadata"]["name"]
     for ns, pod in ((install.operator_ns, router), (install.operator_ns, operator), (install.work_ns, "probe")):
-        assert connect(control_plane, ns, pod, engine, names.GUARD_PORT) == f"open {engine}", pod
+        await connects(control_plane, ns, pod, engine, names.GUARD_PORT, f"open {engine}")
         # vLLM's port: the policy drops it (without the policy the pod's kernel would refuse it).
         assert connect(control_plane, ns, pod, engine, names.ENGINE_PORT) == f"timeout {engine}", pod
     # Beside the service, by its short name.
-    assert connect(control_plane, install.work_ns, "probe", SERVICE, 80) == f"open {service}"
+    await connects(control_plane, install.work_ns, "probe", SERVICE, 80, f"open {service}")
 
 
 async def test_pods_resolve_services_by_name_through_kube_dns(service, install, probes, control_plane, kube):
