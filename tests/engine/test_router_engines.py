@@ -10,6 +10,7 @@ are printed for docs/benchmarks.md."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -22,6 +23,7 @@ from gpufleet.router.choice import Replica
 from gpufleet.router.table import Route
 from gpufleet_engine.local.runner import LocalEngine
 from tests.support.router import static_router
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
 
@@ -127,14 +129,37 @@ async def test_prefix_affinity_beats_round_robin_on_shared_system_prompts(replic
     assert routed["hit_rate"] >= 1.15 * baseline["hit_rate"], (routed, baseline)
 
 
-async def test_a_stream_through_the_router_arrives_in_several_chunks(router):
+async def test_a_stream_through_the_router_reaches_the_client_while_the_replica_still_generates(replicas, router):
     url, _fleet = router
+    guards = [e.guard_url for e in replicas]
     async with aiohttp.ClientSession() as http:
+        async def active() -> list[int]:
+            """Requests each replica's guard holds (accepted and not yet answered to their end)."""
+            out = []
+            for g in guards:
+                async with http.get(f"{g}/drain") as r:
+                    out.append((await r.json())["active"])
+            return out
+
         async with http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Once upon a time",
-                                                            "max_tokens": 16, "stream": True}) as r:
-            assert r.status == 200
-            chunks = [line async for line in r.content if line.startswith(b"data: ")]
-    assert len(chunks) >= 3 and chunks[-1].strip() == b"data: [DONE]"
+                                                            "max_tokens": 900, "ignore_eos": True,
+                                                            "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            first = await r.content.readuntil(b"\n\n")
+            # A router that read the answer whole before relaying it would give the client its first event
+            # only once the replica's guard had answered all 900 tokens. (Counting the events would say
+            # nothing: vLLM folds tokens into fewer events when its frontend falls behind, and a buffering
+            # relay passes on the same events.)
+            held = await active()
+            r.close()   # mid-answer
+        unfinished = first.startswith(b"data: {") and json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        assert unfinished and sum(held) == 1, f"first event {first[:200]!r}; requests the guards held then: {held}"
+
+        async def idle() -> bool:
+            return sum(await active()) == 0
+        # Closed mid-answer: the guard stops relaying and vLLM aborts, so the next test starts on idle replicas.
+        await wait_for(idle, timeout=60, interval=0.1, what="the replicas' guards to end the abandoned stream",
+                       describe=active)
 
 
 async def run_mixed(urls: list[str], clients: int, per_client: int, seed: int) -> dict:
