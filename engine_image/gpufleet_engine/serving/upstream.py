@@ -24,6 +24,17 @@ class EngineDown(Exception):
     """vLLM did not answer (connection refused or reset before a response)."""
 
 
+class EngineSlow(EngineDown):
+    """vLLM's /metrics did not answer within the read's timeout: a hung engine, or a working one on a host
+    too loaded to answer in time."""
+
+
+# Reads in a row that time out before the engine is marked down (a readiness probe's failureThreshold): one
+# slow read on a loaded host must not turn every request away with 503 engine_down while vLLM serves; a
+# refused or reset connection (a dead vLLM) still marks it down at once.
+SLOW_READS_BEFORE_DOWN = 3
+
+
 class Upstream:
     def __init__(self, base_url: str, max_connections: int):
         self.base_url = base_url.rstrip("/")
@@ -55,7 +66,9 @@ class Upstream:
                 if resp.status != 200:
                     raise EngineDown(f"vLLM /metrics answered {resp.status}")
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError as e:
+            raise EngineSlow(f"vLLM at {self.base_url} is not answering within {timeout:g}s") from e
+        except aiohttp.ClientError as e:
             raise EngineDown(f"vLLM at {self.base_url} is not answering: {e!r}") from e
         return vllm_metrics.parse(text)
 
@@ -77,16 +90,22 @@ class EngineMonitor:
 
     async def run(self) -> None:
         last_problem = None
+        slow_reads = 0
         while True:
             try:
                 stats = await self._upstream.read_stats(timeout=max(1.0, 4 * self.interval))
+            except EngineSlow as e:
+                slow_reads += 1
+                if slow_reads < SLOW_READS_BEFORE_DOWN:
+                    log.info("vLLM slow to answer (%d of %d reads before it counts as down): %s",
+                             slow_reads, SLOW_READS_BEFORE_DOWN, e)
+                else:
+                    last_problem = self._down(str(e), last_problem)
             except (EngineDown, MetricsFormatError) as e:
-                problem = str(e)
-                if problem != last_problem:
-                    log.warning("engine not usable: %s", problem)
-                last_problem = problem
-                self._on_down(problem)
+                slow_reads = 0
+                last_problem = self._down(str(e), last_problem)
             else:
+                slow_reads = 0
                 if last_problem is not None:
                     log.info("engine up: %d KV blocks", stats.num_gpu_blocks)
                 last_problem = None
@@ -96,3 +115,9 @@ class EngineMonitor:
                 await asyncio.wait_for(self._wake.wait(), self.interval)
             except asyncio.TimeoutError:
                 pass
+
+    def _down(self, problem: str, last_problem: str | None) -> str:
+        if problem != last_problem:
+            log.warning("engine not usable: %s", problem)
+        self._on_down(problem)
+        return problem
