@@ -136,9 +136,7 @@ class Interrupted:
             self.chunks.append(chunk)
             if chunk.usage is not None:
                 self.usage = chunk.usage
-            for choice in chunk.choices:
-                self.text += getattr(choice, "text", None) or (
-                    getattr(choice, "delta", None) and choice.delta.content) or ""
+            self.text += chunk_text(chunk)
             if self.text:
                 self.client_has_text.set()
 
@@ -159,14 +157,19 @@ async def restart(engine: LocalEngine) -> None:
     await asyncio.to_thread(engine.start)
 
 
+def chunk_text(chunk) -> str:
+    """The answer's text in one streamed chunk (completions' ``text``, chat's ``delta.content``)."""
+    return "".join(getattr(choice, "text", None) or (getattr(choice, "delta", None) and choice.delta.content) or ""
+                   for choice in chunk.choices)
+
+
 async def collect(stream) -> tuple[str, list, object]:
     text, chunks, usage = "", [], None
     async for chunk in stream:
         chunks.append(chunk)
         if chunk.usage is not None:
             usage = chunk.usage
-        for choice in chunk.choices:
-            text += getattr(choice, "text", None) or (getattr(choice, "delta", None) and choice.delta.content) or ""
+        text += chunk_text(chunk)
     return text, chunks, usage
 
 
