@@ -4,9 +4,11 @@ KV-pool waste on prompts of known length."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -17,6 +19,7 @@ from gpufleet_engine.contract import guard_metrics as m
 from gpufleet_engine.vllm import stats
 from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN
 from tests.engine.test_guard_vllm import token_ids, until
+from tests.support.stream_hold import Hold, HoldingRelay
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
@@ -113,28 +116,38 @@ async def test_kv_waste_of_paged_blocks_is_under_one_block_per_sequence(engine, 
     assert m.KV_WASTE_RATIO in text  # the gauge exists; its value moves with the streams
 
 
-async def test_kv_waste_is_unknown_while_a_non_streaming_request_runs(engine):
-    async with aiohttp.ClientSession() as s:
-        body = {"model": "tiny", "prompt": token_ids(40, 950), "max_tokens": 980, "ignore_eos": True}
-        task = asyncio.create_task(s.post(engine.guard_url + "/v1/completions", json=body))
+async def test_kv_waste_is_unknown_while_a_non_streaming_request_runs(engine, extra_guard):
+    """A non-streaming request's length is unknown to the guard until its answer ends, so no waste
+    figure may be given while one is in flight. The guard reaches vLLM through a relay that keeps the
+    answer's body back: the request is in flight at the guard across many reads of vLLM's metrics
+    (every 50 ms here), however fast vLLM generates it."""
+    vllm = urlsplit(engine.vllm_url)
+    relay = await HoldingRelay("vllm", vllm.hostname, vllm.port).start()
+    hold = Hold(0, streamed=False)
+    relay.arm(hold)
+    guard = await extra_guard(engineUrl=relay.url, metricsPollSeconds=0.05)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": token_ids(40, 950), "max_tokens": 200, "ignore_eos": True}
+            task = asyncio.create_task(s.post(guard.url + "/v1/completions", json=body))
+            # vLLM generated the whole answer and sent its headers; the guard waits for the body.
+            await asyncio.wait_for(hold.held.wait(), 120)
+            assert hold.path == "/v1/completions", hold.describe()
 
-        async def in_flight():
-            kv = (await get_json(s, engine.guard_url + "/audit"))["kv"]
-            return kv if kv["inFlightRequests"] == 1 and kv["usedBlocks"] > 0 else None
-        await until(in_flight, timeout=20, interval=0.02, what="the request in flight")
-
-        # The guard reads vLLM's metrics every 0.5 s: a read after the request started says the
-        # waste is unknown because of it. A read from before it may still show a number, or
-        # "no KV block in use", meanwhile; the request runs for many reads.
-        async def unknown():
-            kv = (await get_json(s, engine.guard_url + "/audit"))["kv"]
-            assert kv["inFlightRequests"] == 1, f"the request ended before a read of vLLM's metrics: {kv}"
-            return kv if kv["wasteRatio"] is None and "unknown length" in kv["wasteUnknownBecause"] else None
-        kv = await until(unknown, timeout=10, interval=0.02, what="a reading while the request runs")
-        assert "1 in-flight request(s) of unknown length" in kv["wasteUnknownBecause"]
-        async with s.get(engine.guard_url + "/metrics") as r:
-            text = await r.text()
-        if (await get_json(s, engine.guard_url + "/audit"))["kv"]["inFlightRequests"] == 1:
-            # Still running after the scrape: the gauge had no value to give.
+            async def unknown():
+                kv = (await get_json(s, guard.url + "/audit"))["kv"]
+                assert kv["inFlightRequests"] == 1, f"the held request is not in flight: {kv}; {hold.describe()}"
+                return kv if kv["wasteRatio"] is None and "unknown length" in kv["wasteUnknownBecause"] else None
+            kv = await until(unknown, timeout=10, interval=0.02, what="a read of vLLM's metrics with the request "
+                             "in flight")
+            assert "1 in-flight request(s) of unknown length" in kv["wasteUnknownBecause"]
+            async with s.get(guard.url + "/metrics") as r:
+                text = await r.text()
+            assert (await get_json(s, guard.url + "/audit"))["kv"]["inFlightRequests"] == 1
+            # The gauge has no value to give while the request is in flight.
             assert not [ln for ln in text.splitlines() if ln.startswith(m.KV_WASTE_RATIO + " ")]
-        (await task).close()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                (await task).close()
+    finally:
+        await relay.close()

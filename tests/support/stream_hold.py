@@ -4,10 +4,11 @@ injected next lands while the answer is provably unfinished (tests/engine/test_s
 The guard's ``engineUrl`` points at the relay, which passes every byte both ways unchanged. Armed with a
 ``Hold``, the first streamed ``POST`` to ``/v1/completions`` or ``/v1/chat/completions`` that any armed relay
 sees claims it: that answer's first ``Hold.events`` SSE events go through, the rest is kept back, and
-``Hold.held`` is set. What lies above the relay (the guard, the router, the client) can then hold at most
-those events, whatever the machine's speed; a kill of vLLM after that breaks the answer for certain. When
-vLLM's side of the held connection closes (the kill), the relay closes the guard's side, as the dead
-process's socket would have, and ``Hold.upstream_closed`` is set."""
+``Hold.held`` is set (``Hold(0, streamed=False)`` keeps a non-streaming answer's body back). What lies
+above the relay (the guard, the router, the client) can then hold at most those events, whatever the
+machine's speed; a kill of vLLM after that breaks the answer for certain. When vLLM's side
+of the held connection closes (the kill), the relay closes the guard's side, as the dead process's socket
+would have, and ``Hold.upstream_closed`` is set."""
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,13 @@ _EVENT_DATA = re.compile(rb"data: (\{[^\n]*\})\n\n")
 
 @dataclass
 class Hold:
-    """Let ``events`` SSE events of one streamed answer through, then keep the rest back."""
+    """Let ``events`` SSE events of one streamed answer through, then keep the rest back.
+
+    ``streamed=False`` claims the next completion ``POST`` whether streamed or not; with ``events=0`` a
+    non-streaming answer's headers go through and its body is kept back, so the guard has the request in
+    flight for as long as the test wants (tests/engine/test_memory_reports.py)."""
     events: int
+    streamed: bool = True
     held: asyncio.Event = field(default_factory=asyncio.Event)
     upstream_closed: asyncio.Event = field(default_factory=asyncio.Event)
     relay: str | None = None          # the name of the relay whose connection claimed the answer
@@ -170,7 +176,8 @@ class HoldingRelay:
             elif request:
                 request += data
             hold = self.hold
-            if request and hold is not None and hold.relay is None and _STREAMED.search(request):
+            claims = hold is not None and hold.relay is None and (not hold.streamed or _STREAMED.search(request))
+            if request and claims:
                 hold.relay, hold.path = self.name, _REQUEST_LINE.match(request).group(2).decode()
                 claimed.append(_ClaimedAnswer(hold))
                 request = b""

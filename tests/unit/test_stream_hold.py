@@ -43,3 +43,19 @@ def test_an_answer_shorter_than_the_hold_passes_whole_and_says_it_finished():
     hold = Hold(events=4)
     out, kept = _ClaimedAnswer(hold).split(data)
     assert out == data and kept == b"" and not hold.held.is_set() and hold.finished_within()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_hold_of_no_events_passes_the_headers_and_keeps_a_plain_body_back(seed):
+    rng = random.Random(seed)
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 27\r\n\r\n"
+    data = head + b'{"choices": [{"text": "x"}]}'
+    hold = Hold(events=0, streamed=False)
+    claimed = _ClaimedAnswer(hold)
+    passed = kept = b""
+    position = 0
+    while position < len(data):
+        size = rng.randint(1, 40)
+        out, back = claimed.split(data[position:position + size])
+        passed, kept, position = passed + out, kept + back, position + size
+    assert passed == head and kept == data[len(head):] and hold.held.is_set()
