@@ -42,7 +42,7 @@ unit:
 	.venv/bin/python -m pytest -q tests/unit
 
 # ruff (style, imports, bugbear, blocking calls in async code), mypy on the pure
-# packages, and import-linter's layer contracts (.importlinter).
+# packages, and import-linter's layer contracts (pyproject.toml's [tool.importlinter]).
 lint:
 	.venv/bin/ruff check .
 	.venv/bin/mypy
