@@ -7,10 +7,9 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from gpufleet_dev.devcluster import cluster
-
 from gpufleet.kube.client import KubeClient
 from gpufleet.kube.config import KubeConfig
+from gpufleet_dev.devcluster import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import client, ensure_cluster, fresh_namespace  # noqa: E402
+
 from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
 from gpufleet_dev.fake_replicas import FakeReplicaMetrics  # noqa: E402
 

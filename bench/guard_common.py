@@ -21,8 +21,8 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.guard_metrics import REJECTIONS
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.guard_metrics import REJECTIONS
 from gpufleet_engine.local.models import prepare
 from gpufleet_engine.local.runner import free_port
 from gpufleet_engine.runtime.flags import vllm_launch

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from guard_common import Stack, closed_loop, metrics_text, refusals, table, vllm_bench_serve  # noqa: E402
 
-from gpufleet_engine.contract.guard_metrics import KV_FREE_BLOCKS, KV_TOTAL_BLOCKS  # noqa: E402
+from gpufleet_api.guard.guard_metrics import KV_FREE_BLOCKS, KV_TOTAL_BLOCKS  # noqa: E402
 
 KV_BLOCKS = 64
 SURGE_CLIENTS, SURGE_PROMPT, SURGE_OUTPUT = 12, 256, 128   # 12 × 12 blocks: twice the pool

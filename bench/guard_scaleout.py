@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from guard_common import Run, Stack, refusals, table  # noqa: E402
 from guard_realistic import KV_BLOCKS, MAX_MODEL_LEN, closed_loop  # noqa: E402
 
-from gpufleet_engine.contract import demand_prior  # noqa: E402
+from gpufleet_api.guard import demand_prior  # noqa: E402
 
 
 def refused(run: Run) -> float:

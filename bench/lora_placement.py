@@ -44,8 +44,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufleet.adapters.placement import place
 from gpufleet.router.adapters import Adapter, Catalog
 from gpufleet.router.table import Route
-from gpufleet_engine.contract import guard_metrics as gm
-from gpufleet_engine.contract.adapters import ADAPTERS_PATH
+from gpufleet_api.guard import guard_metrics as gm
+from gpufleet_api.guard.adapters import ADAPTERS_PATH
 from gpufleet_engine.local.runner import LocalEngine
 
 ROOT = Path(__file__).resolve().parent

@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import client, ensure_cluster, fresh_namespace, peak_rss_mib  # noqa: E402
 from _services import API, service  # noqa: E402
-from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from gpufleet.api import parse_spec  # noqa: E402
 from gpufleet.reconcile.desired import desired_children  # noqa: E402
 from gpufleet.reconcile.replicas import desired_replicas  # noqa: E402
+from gpufleet_api import parse_spec  # noqa: E402
+from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
 
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 TICK = os.sysconf("SC_CLK_TCK")

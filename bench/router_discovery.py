@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import client, ensure_cluster, fresh_namespace  # noqa: E402
 
-from gpufleet.api import API_VERSION, KIND  # noqa: E402
 from gpufleet.kube.client import KubeClient  # noqa: E402
 from gpufleet.kube.config import KubeConfig  # noqa: E402
 from gpufleet.kube.errors import Invalid  # noqa: E402
@@ -48,6 +47,7 @@ from gpufleet.router import discovery  # noqa: E402
 from gpufleet.router.metrics import RouterMetrics  # noqa: E402
 from gpufleet.router.server import Fleet, RouterSettings  # noqa: E402
 from gpufleet.router.table import Table  # noqa: E402
+from gpufleet_api import API_VERSION, KIND  # noqa: E402
 
 MODES = (discovery.Discovery.WATCH, discovery.Discovery.LIST)
 UNSERVED_SCHEDULER = "gpufleet-bench-unscheduled"

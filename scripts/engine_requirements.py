@@ -90,7 +90,7 @@ def cuda_requirements(vllm_version: str) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--cuda"]:
-        from gpufleet.api.engine_release import VLLM_VERSION
+        from gpufleet_api.engine_release import VLLM_VERSION
         OUT_CUDA.write_text(cuda_requirements(VLLM_VERSION))
         print(f"wrote {OUT_CUDA}", file=sys.stderr)
         sys.exit(0)

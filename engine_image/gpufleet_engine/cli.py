@@ -15,7 +15,7 @@ import threading
 
 import click
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.local.models import MODEL_NAMES, ModelPreparationError
 
 

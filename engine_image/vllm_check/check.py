@@ -66,7 +66,7 @@ def check_flags(cases: dict[str, list[str]], rejected: dict[str, list[str]]) -> 
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
-    from gpufleet_engine.contract.engine_flags import MANAGED_FLAGS
+    from gpufleet_api.guard.engine_flags import MANAGED_FLAGS
     parser = _parser()
     problems = [f"managed flag {flag} is not one of vLLM's" for flag in MANAGED_FLAGS
                 if flag not in parser._option_string_actions]

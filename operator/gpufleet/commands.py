@@ -183,7 +183,7 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
               show_default=True, help="Which CRD to print (the field reference covers both).")
 def crd(output: str | None, markdown: bool, kind: str) -> None:
     """Print a CRD (InferenceService or InferenceAdapter) generated from the API types."""
-    from .api.crd import KINDS, render_markdown, render_yaml
+    from gpufleet_api.crd import KINDS, render_markdown, render_yaml
     text = render_markdown() if markdown else render_yaml(KINDS[kind])
     if output:
         with open(output, "w") as fh:

@@ -20,10 +20,10 @@ import time
 from datetime import datetime, timezone
 from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
 
-from gpufleet_engine.contract.guard_config import Role
+from gpufleet_api import SpecError, parse_spec
+from gpufleet_api import v1alpha1 as t
+from gpufleet_api.guard.guard_config import Role
 
-from .api import SpecError, parse_spec
-from .api import v1alpha1 as t
 from .kube.client import KubeClient
 from .kube.errors import ApiError, Conflict
 from .manifests import names, revision

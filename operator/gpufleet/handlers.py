@@ -15,7 +15,8 @@ import logging
 
 import kopf
 
-from .api import v1alpha1 as t
+from gpufleet_api import v1alpha1 as t
+
 from .fleet.service_loop import DELETION_COST
 from .kube.pods import is_ready
 from .manifests import names

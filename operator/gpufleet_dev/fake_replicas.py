@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 
 
 class FakeReplicaMetrics:

@@ -28,15 +28,15 @@ from typing import Any, get_args, get_type_hints
 
 import yaml
 
-from gpufleet.api import parse_spec
-from gpufleet.api.engine_release import VLLM_VERSION
-from gpufleet.api.v1alpha1 import KV_CONNECTORS, EngineSpec, KVCacheSpec
 from gpufleet.manifests import pools
 from gpufleet.manifests.guard_config import build_guard_config
 from gpufleet.planning.prometheus import build_queries
+from gpufleet_api import parse_spec
+from gpufleet_api.engine_release import VLLM_VERSION
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.guard_config import Role
+from gpufleet_api.v1alpha1 import KV_CONNECTORS, EngineSpec, KVCacheSpec
 from gpufleet_dev.devcluster.binaries import cache_root
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.guard_config import Role
 from gpufleet_engine.runtime.flags import VLLM_MODULE, vllm_launch
 from gpufleet_engine.vllm import stats
 
@@ -205,7 +205,7 @@ def _download(requirement: str, sha: str, into: Path) -> Path:
 
 def run_check(tree: Path, expected_file: Path = EXPECTED, timeout: float = 600) -> subprocess.CompletedProcess:
     """check.py in a process of its own, importing the CUDA tree's vLLM ahead of the installed one."""
-    path = os.pathsep.join([str(tree), str(REPO / "engine_image"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(tree), str(REPO / "engine_image"), str(REPO / "api"), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
     return subprocess.run([sys.executable, str(CHECK_DIR / "check.py"), str(expected_file)], env=env,
                           capture_output=True, text=True, timeout=timeout)

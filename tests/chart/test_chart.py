@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 
 ROOT = Path(__file__).resolve().parents[2]

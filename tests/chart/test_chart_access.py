@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 
 from gpufleet.commands import run
 from gpufleet.manifests import names
+from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "gpufleet"
 

@@ -13,11 +13,11 @@ import time
 
 import httpx
 import pytest
-from gpufleet_dev.devcluster.engines import BackedPod, pod_loopback
 
-from gpufleet.api import parse_spec
 from gpufleet.manifests import guard_config, names
-from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_api import parse_spec
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_dev.devcluster.engines import BackedPod, pod_loopback
 
 POD_IP = "127.64.250.7"  # kwok hands out addresses from the bottom of 127.64.0.0/16
 

@@ -13,11 +13,11 @@ import uuid
 
 import aiohttp
 import yaml
-from gpufleet_dev.devcluster.operator_process import OperatorProcess
 
 from gpufleet.manifests import names
-from gpufleet_engine.contract import demand_prior
-from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH
+from gpufleet_api.guard import demand_prior
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH
+from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from tests.support.waiting import wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"

@@ -24,11 +24,11 @@ import httpx
 import openai
 import pytest
 import yaml
-from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.kube.pods import is_ready
 from gpufleet.manifests import names
+from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from tests.integration.test_router import RouterProcess
 from tests.support.waiting import wait_for
 

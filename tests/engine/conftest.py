@@ -95,7 +95,7 @@ def tokenizer(engine):
 @pytest.fixture
 async def extra_guard(engine, tokenizer):
     """Start in-process guards with guard.json overrides in front of the session's vLLM."""
-    from gpufleet_engine.contract import guard_config
+    from gpufleet_api.guard import guard_config
     from gpufleet_engine.serving.server import GuardServer
 
     servers = []

@@ -23,7 +23,7 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.local.runner import LocalEngine, free_port
 from gpufleet_engine.serving.server import GuardServer
 from tests.engine.conftest import BLOCK_SIZE, KV_BLOCKS, MAX_MODEL_LEN

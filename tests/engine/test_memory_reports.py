@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet_engine.contract import gpu_memory as gm
-from gpufleet_engine.contract import guard_metrics as m
+from gpufleet_api.guard import gpu_memory as gm
+from gpufleet_api.guard import guard_metrics as m
 from gpufleet_engine.vllm import stats
 from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN
 from tests.engine.test_guard_vllm import token_ids, until

@@ -6,8 +6,8 @@ over the budget (fake replica metrics on the kwok pod IPs) is rolled back. The A
 spec.rollout with spec.disaggregation, naming the field."""
 import pytest
 import yaml
-from gpufleet_dev.fake_replicas import FakeReplicaMetrics, sli_counters
 
+from gpufleet_dev.fake_replicas import FakeReplicaMetrics, sli_counters
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"

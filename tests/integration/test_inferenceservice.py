@@ -264,8 +264,8 @@ def test_kubectl_explain_teaches_the_fields(control_plane, crds_installed):
 
 def test_pod_settings_pass_the_crd_and_the_deployment_they_build_passes_the_apiserver(
         control_plane, crds_installed, namespace):
-    from gpufleet.api import parse_spec
     from gpufleet.manifests import children
+    from gpufleet_api import parse_spec
     from tests.unit.test_manifests import POD_SETTINGS
     obj = manifest("podded", pod=POD_SETTINGS)
     apply(control_plane, namespace, obj)

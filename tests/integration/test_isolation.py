@@ -5,9 +5,9 @@ import uuid
 
 import pytest
 import yaml
-from gpufleet_dev.devcluster.fleet import build_node
 
 from gpufleet.reconcile import conditions as c
+from gpufleet_dev.devcluster.fleet import build_node
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"

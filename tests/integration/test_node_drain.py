@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 import yaml
-from gpufleet_dev.devcluster.fleet import build_node
 
 from gpufleet.kube.pods import is_ready
+from gpufleet_dev.devcluster.fleet import build_node
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"

@@ -14,11 +14,11 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
-from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.manifests import names
 from gpufleet.reconcile import conditions as c
+from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from tests.integration.test_router import RouterProcess
 from tests.support.waiting import wait_for
 

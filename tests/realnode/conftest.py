@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+
 from gpufleet_dev.devcluster import node
 from gpufleet_dev.devcluster.binaries import ensure_helm
-
 from tests.realnode.product import (
     ROOT,
     Install,

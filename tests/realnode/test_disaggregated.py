@@ -19,10 +19,10 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from gpufleet_dev.devcluster import node
 
 from gpufleet.manifests import names
 from gpufleet.manifests.children import RUN_AS_USER
+from gpufleet_dev.devcluster import node
 from tests.realnode.load import answered_after, model_listed, streaming
 from tests.realnode.product import ROOT, _pods, _ready, exec_get, metric_sum
 from tests.support.waiting import wait_for

@@ -18,10 +18,10 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from gpufleet_dev.devcluster import node
 
-from gpufleet.api import GROUP, VERSION
 from gpufleet.manifests import names
+from gpufleet_api import GROUP, VERSION
+from gpufleet_dev.devcluster import node
 from tests.realnode.load import model_listed, streaming
 from tests.realnode.product import _pods, _ready, _sample
 from tests.support.lora_adapters import make_adapter, make_adapters

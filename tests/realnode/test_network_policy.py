@@ -14,9 +14,9 @@ import uuid
 
 import pytest
 import yaml
-from gpufleet_dev.devcluster import dns, node
 
 from gpufleet.manifests import names
+from gpufleet_dev.devcluster import dns, node
 from tests.realnode.product import SERVICE, _pods, _ready
 from tests.support.waiting import wait_for
 

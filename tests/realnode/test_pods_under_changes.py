@@ -19,9 +19,9 @@ import asyncio
 
 import openai
 import pytest
-from gpufleet_dev.devcluster import node
 
 from gpufleet.manifests import names
+from gpufleet_dev.devcluster import node
 from tests.realnode.load import answered_after, checked_streaming, in_flight_ended, model_listed
 from tests.realnode.product import (
     API,

@@ -17,10 +17,10 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from gpufleet_dev.devcluster import node
 
 from gpufleet.manifests import names
 from gpufleet.manifests.children import RUN_AS_USER
+from gpufleet_dev.devcluster import node
 from gpufleet_engine.local.models import prepare
 from tests.realnode.load import answered_after, model_listed, streaming
 from tests.realnode.product import API, SERVICE, _pods, _ready, _sample, _service_ready, _wait_operator_ready

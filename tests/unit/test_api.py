@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.api import SpecError, parse_spec, to_api
-from gpufleet.api.crd import build_crd, render_markdown, render_yaml
+from gpufleet_api import SpecError, parse_spec, to_api
+from gpufleet_api.crd import build_crd, render_markdown, render_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,8 +31,8 @@ def test_short_manifest_gets_every_default():
 
 
 def test_every_sample_parses():
-    from gpufleet.api import parse
-    from gpufleet.api.v1alpha1 import InferenceAdapterSpec
+    from gpufleet_api import parse
+    from gpufleet_api.v1alpha1 import InferenceAdapterSpec
     for f in (ROOT / "samples").glob("*.yaml"):
         for doc in yaml.safe_load_all(f.read_text()):
             if doc.get("kind") == "InferenceService":
@@ -93,6 +93,6 @@ def test_the_field_reference_shows_list_defaults_and_every_status_field():
 
 
 def test_the_planning_guide_states_the_apis_default_watermark():
-    from gpufleet.api.v1alpha1 import AdmissionSpec
+    from gpufleet_api.v1alpha1 import AdmissionSpec
     planning = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
     assert f"| `--kv-watermark-percent` | {AdmissionSpec().kv_watermark_percent} |" in planning

@@ -6,7 +6,7 @@ import re
 import celpy
 import pytest
 
-from gpufleet.api.crd import build_crd
+from gpufleet_api.crd import build_crd
 
 SPEC = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
 

@@ -9,11 +9,11 @@ import msgspec
 import pytest
 import yaml
 
-from gpufleet.api import SpecError, parse_spec, to_api
-from gpufleet.api.crd import build_crd
-from gpufleet.api.v1alpha1 import InferenceServiceStatus
 from gpufleet.planning.live_ratio import LiveRatio
 from gpufleet.reconcile.ratio import ratio_status
+from gpufleet_api import SpecError, parse_spec, to_api
+from gpufleet_api.crd import build_crd
+from gpufleet_api.v1alpha1 import InferenceServiceStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]

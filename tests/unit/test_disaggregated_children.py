@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from gpufleet.api import parse_spec
-from gpufleet.api.v1alpha1 import KV_STORE_MOUNT
 from gpufleet.manifests import children, guard_config, names, pools
 from gpufleet.manifests.network_policy import EngineIngress
 from gpufleet.reconcile.desired import desired_children, stale_deployments
-from gpufleet_engine.contract import guard_config as contract
+from gpufleet_api import parse_spec
+from gpufleet_api.guard import guard_config as contract
+from gpufleet_api.v1alpha1 import KV_STORE_MOUNT
 from gpufleet_engine.runtime.flags import vllm_launch
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",

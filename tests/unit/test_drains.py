@@ -2,7 +2,6 @@
 reconciler applying it (docs/drains.md)."""
 import pytest
 
-from gpufleet.api import parse_spec
 from gpufleet.autoscale import policy
 from gpufleet.controller import Controller
 from gpufleet.fleet.service_loop import hold_scale_in
@@ -12,6 +11,7 @@ from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile import drains
 from gpufleet.reconcile.desired import desired_children, stale_budgets
+from gpufleet_api import parse_spec
 from tests.support.fake_kube import FakeKube
 
 API = "serving.gpufleet.dev/v1alpha1"

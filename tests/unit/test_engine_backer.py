@@ -1,10 +1,9 @@
 """The engine backer's pods are separate engines: each guard listens on its own pod IP."""
 import json
 
-from gpufleet_dev.devcluster.engines import guard_overrides
-
-from gpufleet.api import parse_spec
 from gpufleet.manifests import children
+from gpufleet_api import parse_spec
+from gpufleet_dev.devcluster.engines import guard_overrides
 
 
 def test_a_backed_guard_keeps_its_pod_ip_not_the_operators_wildcard():

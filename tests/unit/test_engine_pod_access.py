@@ -6,13 +6,13 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from gpufleet_dev.devcluster.engines import pod_loopback
 
-from gpufleet.api import parse_spec
 from gpufleet.cli import main
 from gpufleet.manifests import children, guard_config, names
 from gpufleet.manifests.network_policy import EngineIngress, build_network_policy
 from gpufleet.reconcile.desired import desired_children
+from gpufleet_api import parse_spec
+from gpufleet_dev.devcluster.engines import pod_loopback
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "generation": 3}}

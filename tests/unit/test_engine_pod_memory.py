@@ -3,10 +3,10 @@ hands its reports to the guard through a shared emptyDir (no port), and vLLM's
 allocator gets expandable segments unless the spec says otherwise."""
 import pytest
 
-from gpufleet.api import parse_spec
-from gpufleet.api.v1alpha1 import RESERVED_VOLUMES
 from gpufleet.manifests import children
-from gpufleet_engine.contract import gpu_memory
+from gpufleet_api import parse_spec
+from gpufleet_api.guard import gpu_memory
+from gpufleet_api.v1alpha1 import RESERVED_VOLUMES
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "generation": 3}}

@@ -5,10 +5,10 @@ import json
 import msgspec
 import pytest
 
-from gpufleet.api import parse_spec
 from gpufleet.manifests import children, guard_config, names, revision
 from gpufleet.reconcile.desired import desired_children
 from gpufleet.reconcile.validation import validate
+from gpufleet_api import parse_spec
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "generation": 3}}

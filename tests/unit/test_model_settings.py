@@ -6,12 +6,12 @@ import json
 import celpy
 import pytest
 
-from gpufleet.api import parse_spec
-from gpufleet.api import v1alpha1 as t
-from gpufleet.api.schema import openapi
 from gpufleet.manifests import children, guard_config, model_cache
 from gpufleet.reconcile.desired import desired_children
 from gpufleet.reconcile.validation import validate
+from gpufleet_api import parse_spec
+from gpufleet_api import v1alpha1 as t
+from gpufleet_api.schema import openapi
 from gpufleet_engine.runtime.flags import vllm_launch
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",

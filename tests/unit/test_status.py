@@ -1,8 +1,8 @@
 """Status derivation from observed children (no cluster)."""
-from gpufleet.api import parse_spec
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile.replicas import target_replicas
 from gpufleet.reconcile.status import Observed, child_rejected_conditions, derive_status, invalid_status, rejected_for
+from gpufleet_api import parse_spec
 
 SPEC = parse_spec({"model": {"name": "m"}, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}})
 

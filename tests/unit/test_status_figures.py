@@ -2,9 +2,9 @@
 everything an on-call acts on at once with the figures riding along (reconcile/figures.py)."""
 import pytest
 
-from gpufleet.api import parse_spec
 from gpufleet.reconcile import figures
 from gpufleet.reconcile.figures import TIME_FIELD, FigurePacer
+from gpufleet_api import parse_spec
 
 STAMP = "2027-01-01T00:00:00Z"
 SHOWN = {"kvCacheUsagePercent": 40, "ttftP99Milliseconds": 300, "desiredReplicas": 2}

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from gpufleet_api.guard.guard_config import GuardConfig, QueueClass
+from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.admission import kv_handoff, route_costs
 from gpufleet_engine.admission.context import Limits, Prepared
 from gpufleet_engine.admission.demand import Demand, OutputPredictor
@@ -26,8 +28,6 @@ from gpufleet_engine.admission.retry_hint import RetryAdvisor
 from gpufleet_engine.admission.scheduler import Scheduler
 from gpufleet_engine.admission.tokens import Tokenizer
 from gpufleet_engine.admission.ttft_limit import ttft_limit_for
-from gpufleet_engine.contract.guard_config import GuardConfig, QueueClass
-from gpufleet_engine.contract.guard_metrics import Reason
 
 # The body limit: a prompt of maxContextTokens tokens takes at most ~12 bytes
 # a token as JSON (escaped text or token ids); 64 leaves room for message

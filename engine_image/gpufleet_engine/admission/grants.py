@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpufleet_engine.contract.guard_config import QueueClass
+from gpufleet_api.guard.guard_config import QueueClass
 
 
 class Rejection(Exception):

@@ -8,12 +8,12 @@ import logging
 import math
 from typing import Callable
 
+from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.admission.grants import Grant, Rejection
 from gpufleet_engine.admission.kv_ledger import KvLedger
 from gpufleet_engine.admission.queues import MultiLevelQueue
 from gpufleet_engine.admission.ttft_limit import TtftLimit
-from gpufleet_engine.contract.guard_config import QueueClass
-from gpufleet_engine.contract.guard_metrics import Reason
 
 log = logging.getLogger("gpufleet_engine.admission.scheduler")
 

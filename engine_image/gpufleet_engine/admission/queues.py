@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Iterable, TypeVar
 
-from gpufleet_engine.contract.guard_config import QueueClass
+from gpufleet_api.guard.guard_config import QueueClass
 
 T = TypeVar("T")
 

@@ -42,13 +42,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.admission.grants import Grant, Rejection
 from gpufleet_engine.admission.kv_ledger import Decision, KvLedger
 from gpufleet_engine.admission.overload_gate import OVERLOAD_HOLD_SECONDS, OverloadGate
 from gpufleet_engine.admission.queues import Entry, MultiLevelQueue, QueueFull
 from gpufleet_engine.admission.ttft_limit import TtftLimit
-from gpufleet_engine.contract.guard_config import QueueClass
-from gpufleet_engine.contract.guard_metrics import Reason
 
 log = logging.getLogger("gpufleet_engine.admission.scheduler")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpufleet_engine.contract.guard_config import SLOConfig
-from gpufleet_engine.contract.guard_metrics import SLI, Reason
+from gpufleet_api.guard.guard_config import SLOConfig
+from gpufleet_api.guard.guard_metrics import SLI, Reason
 
 __all__ = ["Request", "judge", "judge_refusal"]
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from gpufleet_engine.contract.guard_config import GuardConfig
+from gpufleet_api.guard.guard_config import GuardConfig
 
 ENGINE_SHARE = 0.6    # of the TTFT objective, for the engine's time to first token (window p90)
 QUEUE_SHARE = 0.3     # of the TTFT objective, for the wait in the guard's queue

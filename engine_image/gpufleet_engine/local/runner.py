@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gpufleet_engine.contract import gpu_memory, guard_config
-from gpufleet_engine.contract.adapters import ADAPTER_DIR_ENV
+from gpufleet_api.guard import gpu_memory, guard_config
+from gpufleet_api.guard.adapters import ADAPTER_DIR_ENV
 from gpufleet_engine.local.models import prepare
 from gpufleet_engine.runtime.flags import vllm_launch
 from gpufleet_engine.runtime.processes import ManagedProcess, wait_until

@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV as REQUEST_ENV
+from gpufleet_api.guard.engine_flags import CPU_REQUEST_ENV as REQUEST_ENV
 
 CGROUP = Path("/sys/fs/cgroup")
 

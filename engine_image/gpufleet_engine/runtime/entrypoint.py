@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.runtime import cpu_budget
 from gpufleet_engine.runtime.flags import EngineLaunch, vllm_launch
 from gpufleet_engine.runtime.processes import ManagedProcess

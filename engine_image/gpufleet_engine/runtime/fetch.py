@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from gpufleet_engine.contract.guard_config import EngineConfig
+from gpufleet_api.guard.guard_config import EngineConfig
 
 log = logging.getLogger("gpufleet_engine.runtime.fetch")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gpufleet_engine.contract.engine_flags import RUNTIME_LORA_ENV
-from gpufleet_engine.contract.guard_config import EngineConfig, KVTransferConfig, LoraConfig
+from gpufleet_api.guard.engine_flags import RUNTIME_LORA_ENV
+from gpufleet_api.guard.guard_config import EngineConfig, KVTransferConfig, LoraConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from gpufleet_engine.contract.adapters import (
+from gpufleet_api.guard.adapters import (
     AdapterReport,
     AdapterSet,
     AdapterSource,

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from gpufleet_engine.contract.adapters import AdapterSpec
+from gpufleet_api.guard.adapters import AdapterSpec
 from gpufleet_engine.serving.adapter_check import CONFIG_FILE, AdapterProblem
 
 DOWNLOAD_TIMEOUT_SECONDS = 60.0

@@ -25,9 +25,9 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
-from gpufleet_engine.contract import typed
-from gpufleet_engine.contract.adapters import ADAPTER_DIR, ADAPTER_DIR_ENV, AdapterReport, AdapterSet
-from gpufleet_engine.contract.guard_config import LoraConfig
+from gpufleet_api import typed
+from gpufleet_api.guard.adapters import ADAPTER_DIR, ADAPTER_DIR_ENV, AdapterReport, AdapterSet
+from gpufleet_api.guard.guard_config import LoraConfig
 from gpufleet_engine.serving import adapter_check, adapter_fetch
 from gpufleet_engine.serving.adapter_book import AdapterBook, Step
 from gpufleet_engine.serving.adapter_check import AdapterProblem
@@ -226,7 +226,7 @@ def _problem(message: str, param: str | None) -> dict:
 
 def register(app: web.Application, agent: AdapterAgent | None) -> None:
     """``GET`` and ``PUT /adapters``; with LoRA off, PUT answers 409 and GET an empty report."""
-    from gpufleet_engine.contract.adapters import ADAPTERS_PATH
+    from gpufleet_api.guard.adapters import ADAPTERS_PATH
 
     async def put(request: web.Request) -> web.Response:
         if agent is None:

@@ -8,10 +8,10 @@ from typing import Callable
 
 from aiohttp import web
 
+from gpufleet_api.guard.guard_config import QueueClass
 from gpufleet_engine.admission import sli
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Rejection
-from gpufleet_engine.contract.guard_config import QueueClass
 from gpufleet_engine.serving.prometheus import GuardMetrics
 
 

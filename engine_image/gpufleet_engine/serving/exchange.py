@@ -20,12 +20,12 @@ from typing import AsyncIterator, Callable, Iterator
 import aiohttp
 from aiohttp import web
 
+from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.admission import context, kv_handoff, sli
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Grant, Rejection
 from gpufleet_engine.admission.reservations import Reservation
-from gpufleet_engine.contract.guard_config import QueueClass
-from gpufleet_engine.contract.guard_metrics import Reason
 from gpufleet_engine.serving.errors import Refusals, error_response
 from gpufleet_engine.serving.prometheus import GuardMetrics
 from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS, Upstream

@@ -16,13 +16,13 @@ from typing import Callable
 
 from aiohttp import web
 
+from gpufleet_api.guard.guard_config import GuardConfig, QueueClass
+from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.admission import context
 from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Grant, Rejection
 from gpufleet_engine.admission.tokens import Tokenizer
-from gpufleet_engine.contract.guard_config import GuardConfig, QueueClass
-from gpufleet_engine.contract.guard_metrics import Reason
 from gpufleet_engine.serving.audit import SequenceLength, kv_waste
 from gpufleet_engine.serving.drain import Drain
 from gpufleet_engine.serving.errors import Refusals

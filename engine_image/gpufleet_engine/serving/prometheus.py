@@ -16,10 +16,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gpufleet_engine.contract import guard_metrics as m
-from gpufleet_engine.contract.adapters import FAILURE_REASONS
-from gpufleet_engine.contract.guard_config import SLOConfig
-from gpufleet_engine.contract.guard_metrics import OUTCOMES, REASONS, SLIS
+from gpufleet_api.guard import guard_metrics as m
+from gpufleet_api.guard.adapters import FAILURE_REASONS
+from gpufleet_api.guard.guard_config import SLOConfig
+from gpufleet_api.guard.guard_metrics import OUTCOMES, REASONS, SLIS
 from gpufleet_engine.vllm.gpu_memory import GpuMemoryCollector, GpuMemoryReader
 from gpufleet_engine.vllm.lora_stats import LoraStatsCollector
 

@@ -25,8 +25,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.guard_config import ConfigError, GuardConfig
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.guard_config import ConfigError, GuardConfig
 
 if TYPE_CHECKING:
     from gpufleet_engine.serving.prometheus import GuardMetrics

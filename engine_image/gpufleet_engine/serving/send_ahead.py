@@ -18,11 +18,11 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from gpufleet_api.guard.guard_config import QueueClass
 from gpufleet_engine.admission import context
 from gpufleet_engine.admission.context import InvalidRequest
 from gpufleet_engine.admission.grants import Grant
 from gpufleet_engine.admission.reservations import Reservation
-from gpufleet_engine.contract.guard_config import QueueClass
 from gpufleet_engine.serving.exchange import Exchange, Services, abort, forward
 
 # Bodies with more text than this are tokenized on a worker thread so one long

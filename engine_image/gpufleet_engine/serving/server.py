@@ -12,11 +12,11 @@ import signal
 
 from aiohttp import web
 
+from gpufleet_api.guard import demand_prior
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_api.guard.guard_config import GuardConfig
 from gpufleet_engine.admission.core import max_body_bytes
 from gpufleet_engine.admission.tokens import HfTokenizer, Tokenizer, generation_default_max_tokens
-from gpufleet_engine.contract import demand_prior
-from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
-from gpufleet_engine.contract.guard_config import GuardConfig
 from gpufleet_engine.serving import adapters, audit, kv_storage, reload, served_context, shared_demand, vllm_endpoints
 from gpufleet_engine.serving import vllm_metrics_relay as engine_metrics
 from gpufleet_engine.serving.errors import error_response

@@ -11,10 +11,10 @@ import logging
 from pathlib import Path
 from typing import cast
 
+from gpufleet_api.guard import demand_prior
+from gpufleet_api.guard.demand_prior import DemandPrior, HeldPerRequest, PriorError
 from gpufleet_engine.admission.demand import OutputPredictor
 from gpufleet_engine.admission.kv_ledger import KvLedger
-from gpufleet_engine.contract import demand_prior
-from gpufleet_engine.contract.demand_prior import DemandPrior, HeldPerRequest, PriorError
 
 log = logging.getLogger("gpufleet_engine.serving.shared_demand")
 

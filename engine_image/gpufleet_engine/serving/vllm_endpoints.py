@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from gpufleet_engine.contract.guard_metrics import Reason
+from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.serving.errors import error_response
 from gpufleet_engine.serving.guard import Guard
 from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS

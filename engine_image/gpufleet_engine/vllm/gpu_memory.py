@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gpufleet_engine.contract import gpu_memory as gm
-from gpufleet_engine.contract import guard_metrics as m
+from gpufleet_api.guard import gpu_memory as gm
+from gpufleet_api.guard import guard_metrics as m
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gpufleet_engine.contract import guard_metrics as m
+from gpufleet_api.guard import guard_metrics as m
 
 log = logging.getLogger("gpufleet_engine.vllm.lora_stats")
 

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from gpufleet_engine.contract import gpu_memory as gm
-from gpufleet_engine.contract.engine_flags import RUNTIME_LORA_ENV
+from gpufleet_api.guard import gpu_memory as gm
+from gpufleet_api.guard.engine_flags import RUNTIME_LORA_ENV
 
 log = logging.getLogger("gpufleet_engine.vllm.plugin")
 

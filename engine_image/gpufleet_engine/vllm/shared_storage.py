@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet_engine.contract.guard_config import (
+from gpufleet_api.guard.guard_config import (
     SHARED_STORAGE_CONNECTOR,
     SHARED_STORAGE_PATH_KEY,
     EngineConfig,

@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from gpufleet_engine.contract.adapters import (
+from gpufleet_api.guard.adapters import (
     AdapterReport,
     AdapterSet,
     AdapterSource,
     AdapterSpec,
     HuggingFaceAdapterSource,
 )
+from gpufleet_api.v1alpha1 import InferenceAdapterSpec, LoraSpec
 
-from ..api.v1alpha1 import InferenceAdapterSpec, LoraSpec
 from ..manifests import lora as lora_layout
 from .index import Adapter
 from .placement import Placement, place

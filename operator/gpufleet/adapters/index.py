@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..api import SpecError, parse
-from ..api.v1alpha1 import InferenceAdapterSpec
+from gpufleet_api import SpecError, parse
+from gpufleet_api.v1alpha1 import InferenceAdapterSpec
 
 Key = tuple[str, str]  # (namespace, name)
 

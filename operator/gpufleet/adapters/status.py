@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from gpufleet_engine.contract.adapters import AdapterReport, AdapterState
+from gpufleet_api.guard.adapters import AdapterReport, AdapterState
 
 from ..reconcile import conditions as cond
 from .desired import Refusal

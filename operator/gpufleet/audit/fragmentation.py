@@ -3,7 +3,7 @@ and when a replica may be restarted for it.
 
 A replica's fragmentation is its worst device's ``inactive split bytes /
 reserved bytes`` in vLLM's own caching allocator, reported from inside vLLM
-by the engine's plugin (gpufleet_engine.contract.gpu_memory, docs/metrics.md).
+by the engine's plugin (gpufleet_api.guard.gpu_memory, docs/metrics.md).
 Fragmentation alone costs nothing; a replica is *losing memory* when its
 allocator's retries (cudaMalloc failed, cache flushed, retried) or OOMs rose
 since the previous audit. Only such a replica, above the threshold, is a

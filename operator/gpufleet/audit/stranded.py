@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..api.v1alpha1 import InferenceServiceSpec
+from gpufleet_api.v1alpha1 import InferenceServiceSpec
+
 from ..manifests import names, placement
 from ..manifests.placement import node_selector
 

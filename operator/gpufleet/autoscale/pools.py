@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from gpufleet_engine.contract.guard_config import Role
+from gpufleet_api.guard.guard_config import Role
+from gpufleet_api.v1alpha1 import InferenceServiceSpec
 
-from ..api.v1alpha1 import InferenceServiceSpec
 from .policy import Decision, Observation, Thresholds, pressure
 
 _EPS = 1e-9

@@ -6,8 +6,8 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet_engine.contract import guard_metrics as guard
-from gpufleet_engine.contract.guard_metrics import SHED_REASONS
+from gpufleet_api.guard import guard_metrics as guard
+from gpufleet_api.guard.guard_metrics import SHED_REASONS
 
 __all__ = ["SHED_REASONS", "ReplicaSample", "RequestTokens", "bucket_delta", "parse_replica",
            "quantile_from_buckets"]

@@ -24,14 +24,14 @@ import logging
 import time
 from typing import Callable, Sequence
 
-from gpufleet_engine.contract.adapters import AdapterReport, AdapterSet
+from gpufleet_api import InferenceServiceSpec
+from gpufleet_api import v1alpha1 as t
+from gpufleet_api.guard.adapters import AdapterReport, AdapterSet
 
 from ..adapters import desired
 from ..adapters import status as adapter_status
 from ..adapters.index import Adapter
 from ..adapters.rates import AdapterRates
-from ..api import InferenceServiceSpec
-from ..api import v1alpha1 as t
 from ..autoscale.signals import ReplicaSample
 from ..kube.errors import ApiError, NotFound
 from ..reconcile import conditions as cond

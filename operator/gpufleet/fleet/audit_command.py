@@ -10,7 +10,8 @@ from datetime import datetime, timezone
 
 import click
 
-from ..api import v1alpha1 as t
+from gpufleet_api import v1alpha1 as t
+
 from ..kube import lease as lease_api
 from ..kube.client import KubeClient
 from ..kube.config import KubeConfig, KubeConfigError

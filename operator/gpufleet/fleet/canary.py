@@ -15,7 +15,8 @@ import time
 from datetime import datetime, timezone
 from typing import Callable, Sequence
 
-from ..api import InferenceServiceSpec
+from gpufleet_api import InferenceServiceSpec
+
 from ..autoscale.signals import ReplicaSample
 from ..rollout import analysis, steps
 from ..rollout.status import rollout_patch

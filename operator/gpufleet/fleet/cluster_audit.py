@@ -6,8 +6,9 @@ import contextlib
 import logging
 from typing import Awaitable, Callable, Container
 
-from ..api import InferenceServiceSpec, SpecError, parse_spec
-from ..api import v1alpha1 as t
+from gpufleet_api import InferenceServiceSpec, SpecError, parse_spec
+from gpufleet_api import v1alpha1 as t
+
 from ..audit.stranded import StrandedNode, find_stranded, node_inventory
 from ..autoscale.takeover import AUDITS_WAIT_S
 from ..isolation.verify import PodsByNode, Violation, violations_for

@@ -10,7 +10,7 @@ pools them and, when the pooled distribution moved (a new key, or a mean by
 10% or more), applies it as ``demand.json`` in the service's guard
 ConfigMap. A new pod's guard reads it at start (and a starting guard picks
 up a later version while it has not learned a key itself):
-``gpufleet_engine/contract/demand_prior.py``.
+``gpufleet_api/guard/demand_prior.py``.
 
 Cost: one small GET per replica read per service every 30 s, and a
 ConfigMap write only when the answers' lengths really change.
@@ -21,8 +21,8 @@ import asyncio
 import logging
 import zlib
 
-from gpufleet_engine.contract import demand_prior
-from gpufleet_engine.contract.demand_prior import DemandPrior
+from gpufleet_api.guard import demand_prior
+from gpufleet_api.guard.demand_prior import DemandPrior
 
 from ..kube.errors import ApiError
 from ..manifests.children import DEMAND_FIELD_MANAGER, build_demand_prior

@@ -33,8 +33,9 @@ import logging
 import time
 from typing import Callable, Literal
 
+from gpufleet_api import v1alpha1 as t
+
 from ..adapters.index import AdapterIndex
-from ..api import v1alpha1 as t
 from ..autoscale.takeover import AUDITS_WAIT_S, WARM_READINGS, Warm, first_pass_order
 from ..kube.errors import ApiError, NotFound
 from ..manifests import names

@@ -23,8 +23,8 @@ import dataclasses
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, Sequence
 
-from gpufleet_engine.contract.adapters import AdapterReport, AdapterSet
-from gpufleet_engine.contract.demand_prior import DemandPrior
+from gpufleet_api.guard.adapters import AdapterReport, AdapterSet
+from gpufleet_api.guard.demand_prior import DemandPrior
 
 from ..autoscale.signals import ReplicaSample
 from ..metrics import OperatorMetrics

@@ -13,10 +13,11 @@ import logging
 
 import aiohttp
 
-from gpufleet_engine.contract import demand_prior, typed
-from gpufleet_engine.contract.adapters import ADAPTERS_PATH, AdapterReport, AdapterSet
-from gpufleet_engine.contract.demand_prior import DemandPrior, PriorError
-from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_api import typed
+from gpufleet_api.guard import demand_prior
+from gpufleet_api.guard.adapters import ADAPTERS_PATH, AdapterReport, AdapterSet
+from gpufleet_api.guard.demand_prior import DemandPrior, PriorError
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 
 from ..autoscale.signals import ReplicaSample, parse_replica
 from ..manifests import names

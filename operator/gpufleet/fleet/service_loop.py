@@ -27,11 +27,11 @@ import time
 from datetime import datetime, timezone
 from typing import Sequence
 
-from gpufleet_engine.contract.guard_config import Role
+from gpufleet_api import InferenceServiceSpec, SpecError, parse_spec
+from gpufleet_api import v1alpha1 as t
+from gpufleet_api.guard.guard_config import Role
 
 from ..adapters.index import Adapter
-from ..api import InferenceServiceSpec, SpecError, parse_spec
-from ..api import v1alpha1 as t
 from ..audit import fragmentation as frag
 from ..autoscale import policy
 from ..autoscale import pools as pool_policy

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 
-from gpufleet_engine.contract import demand_prior, gpu_memory
-from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
-from gpufleet_engine.contract.engine_flags import CPU_REQUEST_ENV
-from gpufleet_engine.contract.guard_config import GuardConfig, Role
+from gpufleet_api.guard import demand_prior, gpu_memory
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_api.guard.engine_flags import CPU_REQUEST_ENV
+from gpufleet_api.guard.guard_config import GuardConfig, Role
+from gpufleet_api.v1alpha1 import InferenceServiceSpec, VolumeMount
 
-from ..api.v1alpha1 import InferenceServiceSpec, VolumeMount
 from . import guard_config, kv_transfer, lora, model_cache, names, placement, pools, revision
 
 CONFIG_DIR = "/etc/gpufleet"

@@ -1,7 +1,7 @@
 """spec → the guard's guard.json. Pure.
 
 The document's shape, keys and defaults are the contract's
-(``gpufleet_engine.contract.guard_config``, documented in docs/guard-config.md);
+(``gpufleet_api.guard.guard_config``, documented in docs/guard-config.md);
 this module only says which spec field fills which contract field.
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from gpufleet_engine.contract.endpoints import ENGINE_HOST
-from gpufleet_engine.contract.guard_config import (
+from gpufleet_api.guard.endpoints import ENGINE_HOST
+from gpufleet_api.guard.guard_config import (
     ConfigError,
     EngineConfig,
     GuardConfig,
@@ -26,8 +26,8 @@ from gpufleet_engine.contract.guard_config import (
     restart_document,
     with_live_fields,
 )
+from gpufleet_api.v1alpha1 import KV_CONNECTORS, KV_STORE_MOUNT, InferenceServiceSpec
 
-from ..api.v1alpha1 import KV_CONNECTORS, KV_STORE_MOUNT, InferenceServiceSpec
 from . import names, pools
 
 __all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "keep_restart_fields", "kv_transfer", "lora",

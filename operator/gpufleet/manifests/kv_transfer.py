@@ -14,9 +14,9 @@ needs, besides:
 """
 from __future__ import annotations
 
-from gpufleet_engine.contract.guard_config import Role
+from gpufleet_api.guard.guard_config import Role
+from gpufleet_api.v1alpha1 import KV_STORE_MOUNT, InferenceServiceSpec
 
-from ..api.v1alpha1 import KV_STORE_MOUNT, InferenceServiceSpec
 from . import claims, names, pools
 
 VOLUME = "kv-store"

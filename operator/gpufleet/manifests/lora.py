@@ -9,9 +9,8 @@ containers at ``ADAPTER_CLAIMS_MOUNT/<claim>``: an InferenceAdapter with
 """
 from __future__ import annotations
 
-from gpufleet_engine.contract.adapters import ADAPTER_DIR, ADAPTER_DIR_ENV, ADAPTER_VOLUME
-
-from ..api.v1alpha1 import (
+from gpufleet_api.guard.adapters import ADAPTER_DIR, ADAPTER_DIR_ENV, ADAPTER_VOLUME
+from gpufleet_api.v1alpha1 import (
     ADAPTER_CLAIM_VOLUME_PREFIX,
     ADAPTER_CLAIMS_MOUNT,
     ADAPTER_STORAGE_MIB,

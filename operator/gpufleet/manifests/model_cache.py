@@ -13,7 +13,8 @@ cache read-only and run with ``HF_HUB_OFFLINE=1``.
 """
 from __future__ import annotations
 
-from ..api.v1alpha1 import InferenceServiceSpec
+from gpufleet_api.v1alpha1 import InferenceServiceSpec
+
 from . import claims, names
 
 HF_HOME = "/cache/huggingface"

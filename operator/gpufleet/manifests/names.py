@@ -4,9 +4,8 @@ from __future__ import annotations
 import hashlib
 import re
 
-from gpufleet_engine.contract.guard_config import ROLES, Role
-
-from ..api import v1alpha1 as t
+from gpufleet_api import v1alpha1 as t
+from gpufleet_api.guard.guard_config import ROLES, Role
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"

@@ -9,7 +9,8 @@ without also blocking node daemons; the isolation verifier reports them.
 """
 from __future__ import annotations
 
-from ..api.v1alpha1 import InferenceServiceSpec
+from gpufleet_api.v1alpha1 import InferenceServiceSpec
+
 from . import names
 
 HOSTNAME = "kubernetes.io/hostname"

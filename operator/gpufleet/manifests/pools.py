@@ -11,9 +11,8 @@ import dataclasses
 
 import msgspec
 
-from gpufleet_engine.contract.guard_config import KVRole, Role
-
-from ..api.v1alpha1 import InferenceServiceSpec, PoolSpec
+from gpufleet_api.guard.guard_config import KVRole, Role
+from gpufleet_api.v1alpha1 import InferenceServiceSpec, PoolSpec
 
 POOL_ROLES: tuple[Role, ...] = ("prefill", "decode")
 # What each role's vLLM does with the KV connector (--kv-transfer-config kv_role).

@@ -10,7 +10,8 @@ import sys
 import click
 from click.core import ParameterSource
 
-from ..api.v1alpha1 import AdmissionSpec, EngineSpec, SLOSpec
+from gpufleet_api.v1alpha1 import AdmissionSpec, EngineSpec, SLOSpec
+
 from .errors import PlanningError
 from .planner import plan_from_log, plan_from_prometheus
 from .profiles import ProfileSet, load_profile_file

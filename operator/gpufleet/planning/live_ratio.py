@@ -18,7 +18,8 @@ import dataclasses
 import math
 from typing import Literal
 
-from ..api.v1alpha1 import InferenceServiceSpec, ResourceSpec
+from gpufleet_api.v1alpha1 import InferenceServiceSpec, ResourceSpec
+
 from .distribution import TokenStats
 from .errors import ProfileError
 from .profiles import GpuProfile, ModelProfile, ProfileSet

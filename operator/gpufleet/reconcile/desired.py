@@ -4,9 +4,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from gpufleet_engine.contract.guard_config import ROLES, GuardConfig, Role
+from gpufleet_api.guard.guard_config import ROLES, GuardConfig, Role
+from gpufleet_api.v1alpha1 import InferenceServiceSpec
 
-from ..api.v1alpha1 import InferenceServiceSpec
 from ..manifests import children, kv_transfer, model_cache, names, pools
 from ..manifests.network_policy import EngineIngress, build_network_policy
 from . import drains

@@ -18,7 +18,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from gpufleet_engine.contract.guard_config import Role
+from gpufleet_api.guard.guard_config import Role
 
 from ..manifests import names
 

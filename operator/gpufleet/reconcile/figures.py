@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..api.v1alpha1 import InferenceServiceSpec
+from gpufleet_api.v1alpha1 import InferenceServiceSpec
+
 from . import conditions as cond
 
 FIGURES = ("kvCacheUsagePercent", "kvWastePercent", "ttftP99Milliseconds")

@@ -1,9 +1,9 @@
 """How many replicas each pool's Deployment should have right now."""
 from __future__ import annotations
 
-from gpufleet_engine.contract.guard_config import Role
+from gpufleet_api.guard.guard_config import Role
+from gpufleet_api.v1alpha1 import InferenceServiceSpec
 
-from ..api.v1alpha1 import InferenceServiceSpec
 from ..manifests import pools
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from gpufleet_engine.contract.guard_config import Role
+from gpufleet_api.guard.guard_config import Role
+from gpufleet_api.v1alpha1 import InferenceServiceSpec
 
-from ..api.v1alpha1 import InferenceServiceSpec
 from ..manifests import names
 from ..manifests.model_cache import FETCH_CONTAINER
 from . import conditions as c

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import re
 
-from gpufleet_engine.contract.engine_flags import MANAGED_FLAGS, managed_flags_in
-
-from ..api.v1alpha1 import (
+from gpufleet_api.guard.engine_flags import MANAGED_FLAGS, managed_flags_in
+from gpufleet_api.v1alpha1 import (
     ROLLOUT_DISAGGREGATION_MESSAGE,
     SERVED_NAME_FORBIDDEN,
     SERVED_NAME_MESSAGE,
@@ -13,6 +12,7 @@ from ..api.v1alpha1 import (
     STEPS_LAST_MESSAGE,
     InferenceServiceSpec,
 )
+
 from ..manifests.pools import replica_bounds
 
 

@@ -24,7 +24,7 @@ import math
 from decimal import Decimal
 from typing import Iterable, Mapping
 
-from gpufleet_engine.contract.guard_metrics import SLIS
+from gpufleet_api.guard.guard_metrics import SLIS
 
 # The normal quantile of the two-sided 95% interval.
 WILSON_Z = 1.96

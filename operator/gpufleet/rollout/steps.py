@@ -18,7 +18,7 @@ import dataclasses
 import math
 from datetime import datetime, timezone
 
-from ..api.v1alpha1 import RolloutSpec
+from gpufleet_api.v1alpha1 import RolloutSpec
 
 PROGRESSING, PAUSED, PROMOTING = "Progressing", "Paused", "Promoting"
 PROMOTED, ROLLED_BACK, ABORTED = "Promoted", "RolledBack", "Aborted"

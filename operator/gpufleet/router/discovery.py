@@ -17,9 +17,9 @@ import logging
 import time
 from typing import Callable, Protocol
 
-from gpufleet_engine.contract.adapters import ADAPTER_KIND
+from gpufleet_api import API_VERSION, KIND
+from gpufleet_api.guard.adapters import ADAPTER_KIND
 
-from ..api import API_VERSION, KIND
 from ..kube.informer import Informer, Watchable
 from ..kube.pods import is_serving
 from ..manifests import names

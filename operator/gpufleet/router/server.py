@@ -33,10 +33,10 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from gpufleet_engine.contract.adapters import ADAPTER_KIND
-from gpufleet_engine.contract.endpoints import GUARD_METRICS_PATH
+from gpufleet_api import API_VERSION, KIND
+from gpufleet_api.guard.adapters import ADAPTER_KIND
+from gpufleet_api.guard.endpoints import GUARD_METRICS_PATH
 
-from ..api import API_VERSION, KIND
 from ..kube.client import KubeClient
 from ..kube.errors import NotFound
 from ..kube.pods import is_serving

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet_engine.contract import guard_metrics as guard
-from gpufleet_engine.contract.adapters import AdapterStateName
+from gpufleet_api.guard import guard_metrics as guard
+from gpufleet_api.guard.adapters import AdapterStateName
 
 from .choice import Reading
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable
 
-from ..api import SpecError, parse_spec
+from gpufleet_api import SpecError, parse_spec
+
 from ..manifests import names
 from ..manifests.guard_config import served_name
 from .choice import Replica

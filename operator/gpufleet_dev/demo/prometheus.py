@@ -15,7 +15,7 @@ import yaml
 
 from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names
-from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 
 from ..devcluster.cluster import free_port
 

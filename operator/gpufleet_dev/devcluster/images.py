@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from gpufleet.api.engine_release import VLLM_VERSION
+from gpufleet_api.engine_release import VLLM_VERSION
 
 from . import prune
 from .binaries import cache_root
@@ -86,19 +86,22 @@ class Image:
         return f"{REPOSITORY_PREFIX}/{self.name}"
 
 
+# Every image builds from the repository root (its .dockerignore sends only what some Dockerfile copies);
+# the API the components share (api/) goes into each of them.
+SHARED = ("api/gpufleet_api",)
 OPERATOR = Image("operator", "operator/Dockerfile", ".",
-                 ("operator/Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "operator/gpufleet",
-                  "engine_image/gpufleet_engine/__init__.py", "engine_image/gpufleet_engine/contract"), "operator")
-ENGINE_CPU = Image("engine-cpu", "engine_image/Dockerfile.cpu", "engine_image",
-                   ("engine_image/Dockerfile.cpu", "engine_image/.dockerignore", "engine_image/requirements-cpu.txt",
-                    "engine_image/gpufleet_engine", "engine_image/bin", "engine_image/dist-info"), "engine")
+                 ("operator/Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "operator/gpufleet", *SHARED),
+                 "operator")
+ENGINE_CPU = Image("engine-cpu", "engine_image/Dockerfile.cpu", ".",
+                   ("engine_image/Dockerfile.cpu", ".dockerignore", "engine_image/requirements-cpu.txt",
+                    "engine_image/gpufleet_engine", "engine_image/bin", "engine_image/dist-info", *SHARED), "engine")
 IMAGES = (OPERATOR, ENGINE_CPU)
 # The production image (PyPI's CUDA vLLM): built only when asked (`make images-cuda`); no node here
 # has a GPU to run it, and CI checks its vLLM without it (gpufleet_dev.vllm_build_check).
-ENGINE_CUDA = Image("engine-cuda", "engine_image/Dockerfile.cuda", "engine_image",
-                    ("engine_image/Dockerfile.cuda", "engine_image/.dockerignore", "engine_image/requirements-cuda.txt",
+ENGINE_CUDA = Image("engine-cuda", "engine_image/Dockerfile.cuda", ".",
+                    ("engine_image/Dockerfile.cuda", ".dockerignore", "engine_image/requirements-cuda.txt",
                      "engine_image/gpufleet_engine", "engine_image/bin", "engine_image/dist-info",
-                     "engine_image/vllm_check"), "engine-cuda", archived=False,
+                     "engine_image/vllm_check", *SHARED), "engine-cuda", archived=False,
                     base_packages=CUDA_BASE_PACKAGES, build_args=(("VLLM_VERSION", VLLM_VERSION),))
 ON_REQUEST = (ENGINE_CUDA,)
 

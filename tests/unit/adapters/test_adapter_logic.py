@@ -3,8 +3,8 @@ from gpufleet.adapters import desired
 from gpufleet.adapters import status as st
 from gpufleet.adapters.index import AdapterIndex
 from gpufleet.adapters.rates import AdapterRates
-from gpufleet.api import parse_spec
-from gpufleet_engine.contract.adapters import AdapterReport, AdapterSet, AdapterState
+from gpufleet_api import parse_spec
+from gpufleet_api.guard.adapters import AdapterReport, AdapterSet, AdapterState
 
 
 def body(name, service="chat", generation=1, ns="ml", **spec):

@@ -4,12 +4,12 @@ import celpy
 import pytest
 import yaml
 
-from gpufleet.api import SpecError, parse, parse_spec, to_api
-from gpufleet.api.crd import ADAPTER, build_crd, crd_file_name, render_yaml
-from gpufleet.api.v1alpha1 import InferenceAdapterSpec
 from gpufleet.manifests import children
-from gpufleet_engine.contract import guard_config as contract
-from gpufleet_engine.contract.adapters import ADAPTER_DIR, ADAPTER_DIR_ENV, ADAPTER_VOLUME
+from gpufleet_api import SpecError, parse, parse_spec, to_api
+from gpufleet_api.crd import ADAPTER, build_crd, crd_file_name, render_yaml
+from gpufleet_api.guard import guard_config as contract
+from gpufleet_api.guard.adapters import ADAPTER_DIR, ADAPTER_DIR_ENV, ADAPTER_VOLUME
+from gpufleet_api.v1alpha1 import InferenceAdapterSpec
 from tests.unit.test_api_disaggregation import ROOT, checked, refusals
 
 ADAPTER_ROOT = build_crd(ADAPTER)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]

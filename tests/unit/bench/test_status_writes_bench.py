@@ -9,8 +9,8 @@ from pathlib import Path
 
 from kubernetes.utils import parse_quantity
 
-from gpufleet.api import parse_spec
 from gpufleet.manifests.children import build_deployment
+from gpufleet_api import parse_spec
 
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "status_writes.py"
 

@@ -1,11 +1,11 @@
 """The demo's pure parts: Prometheus targets from pods, and the report."""
+from prometheus_client import generate_latest
+
+from gpufleet.metrics import OperatorMetrics
 from gpufleet_dev.demo.load import RequestResult
 from gpufleet_dev.demo.operator_gauges import kv_percent
 from gpufleet_dev.demo.prometheus import config, engine_targets
 from gpufleet_dev.demo.report import Tick, render_png, render_text, summarize
-from prometheus_client import generate_latest
-
-from gpufleet.metrics import OperatorMetrics
 
 
 def pod(name, ip, ready=True, deleting=False):

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from gpufleet_dev.devcluster import images, prune
 from gpufleet_dev.devcluster.wheelhouses import wheelhouse_requirements
 

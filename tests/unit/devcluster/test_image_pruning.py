@@ -78,6 +78,7 @@ def test_the_wheel_server_keeps_its_address_so_install_layers_stay_cached(tmp_pa
     import socket
 
     import httpx
+
     from gpufleet_dev.devcluster import wheelhouses
 
     monkeypatch.setenv("GPUFLEET_CACHE", str(tmp_path))

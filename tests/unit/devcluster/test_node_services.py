@@ -5,6 +5,7 @@ import ipaddress
 from pathlib import Path
 
 import yaml
+
 from gpufleet_dev.devcluster import accounts, binaries, dns, netpol, node
 from gpufleet_dev.devcluster.cluster import SERVICE_CIDR
 

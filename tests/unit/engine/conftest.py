@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.serving.server import GuardServer
 
 

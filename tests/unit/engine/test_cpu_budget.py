@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet_engine.contract.guard_config import EngineConfig
+from gpufleet_api.guard.guard_config import EngineConfig
 from gpufleet_engine.runtime import cpu_budget
 from gpufleet_engine.runtime.cpu_budget import CpuBudget, plan, quota_cores
 from gpufleet_engine.runtime.flags import vllm_launch

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from gpufleet_api.guard import demand_prior
+from gpufleet_api.guard.demand_prior import DemandPrior, KeyPrior, PriorError
 from gpufleet_engine.admission.demand import MIN_SAMPLES, OutputPredictor
-from gpufleet_engine.contract import demand_prior
-from gpufleet_engine.contract.demand_prior import DemandPrior, KeyPrior, PriorError
 
 KEY = ("/v1/chat/completions", "interactive")
 
@@ -95,8 +95,8 @@ def test_every_wrong_field_is_named():
 
 
 def test_the_blocks_a_request_holds_pool_by_the_reads_behind_them_and_seed_a_new_ledger():
+    from gpufleet_api.guard.demand_prior import HeldPerRequest
     from gpufleet_engine.admission.kv_ledger import KvLedger, KvSnapshot
-    from gpufleet_engine.contract.demand_prior import HeldPerRequest
 
     pooled = demand_prior.merge([DemandPrior((), HeldPerRequest(4.0, 300.0)),
                                  DemandPrior((), HeldPerRequest(8.0, 100.0)), DemandPrior()])

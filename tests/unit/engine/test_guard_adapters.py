@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.adapters import AdapterSet, AdapterSource, AdapterSpec, HuggingFaceAdapterSource
+from gpufleet_api.guard.guard_config import LoraConfig
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Rejection
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.adapters import AdapterSet, AdapterSource, AdapterSpec, HuggingFaceAdapterSource
-from gpufleet_engine.contract.guard_config import LoraConfig
 from gpufleet_engine.serving import adapter_check, adapter_fetch
 from gpufleet_engine.serving.adapter_book import AdapterBook, backoff
 from gpufleet_engine.serving.adapter_check import AdapterProblem, same_model

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.guard_config import ConfigError
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.guard_config import ConfigError
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "guard.json"
 DOC = Path(__file__).resolve().parents[3] / "docs" / "guard-config.md"

@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gpufleet.api import SpecError, parse_spec
-from gpufleet.api.crd import build_crd
 from gpufleet.manifests import guard_config as builder
 from gpufleet.reconcile.validation import validate
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.engine_flags import MANAGED_FLAGS, flag_name
+from gpufleet_api import SpecError, parse_spec
+from gpufleet_api.crd import build_crd
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.engine_flags import MANAGED_FLAGS, flag_name
 from gpufleet_engine.runtime.flags import vllm_launch
 
 SPEC_SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]

@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from gpufleet_engine.contract import demand_prior, guard_config
+from gpufleet_api.guard import demand_prior, guard_config
 from gpufleet_engine.serving.server import GuardServer
 from tests.unit.engine.test_guard_demand_proxy import teach
 from tests.unit.engine.test_guard_proxy import until

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.endpoints import ENGINE_METRICS_PATH
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH
 from gpufleet_engine.serving.server import GuardServer
 from tests.unit.engine.conftest import METRICS_TEMPLATE
 

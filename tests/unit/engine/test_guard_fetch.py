@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet_engine.contract.guard_config import EngineConfig
+from gpufleet_api.guard.guard_config import EngineConfig
 from gpufleet_engine.runtime.fetch import fetch, is_hub_model, patterns
 from tests.support.fake_hub import FakeHub
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.runtime.cpu_budget import CpuBudget
 from gpufleet_engine.runtime.entrypoint import plan
 from gpufleet_engine.runtime.flags import vllm_launch

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from gpufleet_api.guard.guard_config import QueueClass
 from gpufleet_engine.admission.queues import MultiLevelQueue, QueueFull
-from gpufleet_engine.contract.guard_config import QueueClass
 
 CLASSES = [QueueClass("interactive", 1, 2), QueueClass("standard", 2, 10), QueueClass("background", 3, 60)]
 

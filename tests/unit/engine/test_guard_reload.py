@@ -8,7 +8,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.serving import reload
 from gpufleet_engine.serving.server import GuardServer
 from tests.support.waiting import wait_for

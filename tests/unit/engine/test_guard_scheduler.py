@@ -6,10 +6,10 @@ from typing import Callable
 
 import pytest
 
+from gpufleet_api.guard.guard_config import QueueClass
 from gpufleet_engine.admission.kv_ledger import KvLedger, KvSnapshot
 from gpufleet_engine.admission.queues import MultiLevelQueue
 from gpufleet_engine.admission.scheduler import Rejection, Scheduler
-from gpufleet_engine.contract.guard_config import QueueClass
 from tests.support.waiting import wait_for
 
 L1 = QueueClass("interactive", 1, 2.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.serving.served_context import NoContextLength, NoMaxModelLen, served_max_model_len
 from gpufleet_engine.serving.server import GuardServer
 from tests.support.waiting import wait_for

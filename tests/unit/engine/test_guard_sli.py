@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import aiohttp
 
+from gpufleet_api.guard.guard_config import SLOConfig, parse
+from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.admission.sli import Request, judge, judge_refusal
-from gpufleet_engine.contract.guard_config import SLOConfig, parse
-from gpufleet_engine.contract.guard_metrics import Reason
 from gpufleet_engine.serving.prometheus import GuardMetrics
 from tests.unit.engine.test_guard_proxy import metrics, sample, until
 

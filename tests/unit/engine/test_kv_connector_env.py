@@ -9,9 +9,9 @@ import os
 import subprocess
 import sys
 
-from gpufleet.api import parse_spec
 from gpufleet.manifests import children, names, pools
-from gpufleet_engine.contract import guard_config
+from gpufleet_api import parse_spec
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.runtime.flags import vllm_launch
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.guard_metrics import KV_HANDOFF_PHASES
 from gpufleet_engine.admission import kv_handoff
 from gpufleet_engine.admission.context import InvalidRequest
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.kv_ledger import KvSnapshot
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.guard_metrics import KV_HANDOFF_PHASES
 
 # What vllm-router sends a prefill worker (docs/pd-disaggregation-findings.md).
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.vllm import shared_storage
 from gpufleet_engine.vllm.shared_storage import PromptFolder, bound, scan, to_remove
 

@@ -8,6 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from gpufleet_dev import vllm_build_check as vbc
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet_engine.contract import guard_config
+from gpufleet_api.guard import guard_config
 from gpufleet_engine.serving.guard import Guard
 from gpufleet_engine.serving.server import build_app
 from gpufleet_engine.serving.upstream import Upstream

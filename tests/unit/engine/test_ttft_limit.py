@@ -6,6 +6,9 @@ import math
 
 import pytest
 
+from gpufleet_api.guard import guard_config
+from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_api.guard.guard_metrics import SHED_REASONS, Reason
 from gpufleet_engine.admission.kv_ledger import KvLedger, KvSnapshot
 from gpufleet_engine.admission.queues import MultiLevelQueue
 from gpufleet_engine.admission.scheduler import OVERLOAD_HOLD_SECONDS, Rejection, Scheduler
@@ -19,9 +22,6 @@ from gpufleet_engine.admission.ttft_limit import (
     quantile,
     ttft_limit_for,
 )
-from gpufleet_engine.contract import guard_config
-from gpufleet_engine.contract.guard_config import QueueClass
-from gpufleet_engine.contract.guard_metrics import SHED_REASONS, Reason
 from tests.support.waiting import wait_for
 
 OBJECTIVE = 0.5  # seconds: the engine's share is 0.3 s

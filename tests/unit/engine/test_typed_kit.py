@@ -1,4 +1,4 @@
-"""The typed-model kit (gpufleet_engine.contract.typed): msgspec converts, the kit names every
+"""The typed-model kit (gpufleet_api.typed): msgspec converts, the kit names every
 problem by its camelCase path and keeps what is left usable."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from msgspec import Meta
 
-from gpufleet_engine.contract import typed
+from gpufleet_api import typed
 
 
 class Item(typed.Model, frozen=True, forbid_unknown_fields=True):

@@ -1,4 +1,4 @@
-"""One vLLM release (gpufleet.api.engine_release.VLLM_VERSION) everywhere an image, a test or a
+"""One vLLM release (gpufleet_api.engine_release.VLLM_VERSION) everywhere an image, a test or a
 document names one: a drift in any of them fails here."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 
-from gpufleet.api.engine_release import DEFAULT_ENGINE_IMAGE, VLLM_VERSION
-from gpufleet.api.v1alpha1 import EngineSpec
+from gpufleet_api.engine_release import DEFAULT_ENGINE_IMAGE, VLLM_VERSION
+from gpufleet_api.v1alpha1 import EngineSpec
 from gpufleet_engine.vllm import routes
 
 REPO = Path(__file__).resolve().parents[3]

@@ -2,11 +2,11 @@
 only where they differ (a restarted replica gets its set back), status written on change only,
 Events on a new failure reason, backoff for a broken guard, ServiceNotFound for an orphan."""
 from gpufleet.adapters.index import AdapterIndex
-from gpufleet.api import parse_spec
 from gpufleet.fleet.adapter_sync import BACKOFF_MIN_S, SYNC_SECONDS, AdapterSync, OrphanAdapters
 from gpufleet.fleet.ports import ServicePorts
 from gpufleet.metrics import OperatorMetrics
-from gpufleet_engine.contract.adapters import AdapterReport, AdapterState
+from gpufleet_api import parse_spec
+from gpufleet_api.guard.adapters import AdapterReport, AdapterState
 from tests.support.fake_kube import FakeKube
 
 API = "serving.gpufleet.dev/v1alpha1"

@@ -1,11 +1,10 @@
 """Fragmentation, stranded GPUs and isolation verification, on synthetic clusters."""
-from gpufleet_dev.devcluster.fleet import build_node
-
-from gpufleet.api import parse_spec
 from gpufleet.audit import fragmentation as frag
 from gpufleet.audit.stranded import find_stranded, node_inventory, tolerates
 from gpufleet.isolation.verify import violations_for
 from gpufleet.manifests import names
+from gpufleet_api import parse_spec
+from gpufleet_dev.devcluster.fleet import build_node
 
 
 def report(ratio, retries=0, ooms=0):

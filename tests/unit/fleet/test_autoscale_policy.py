@@ -114,7 +114,7 @@ def test_queue_time_is_measured_over_recent_requests_only():
 
 
 def test_queue_threshold_comes_from_the_spec():
-    from gpufleet.api import parse_spec
+    from gpufleet_api import parse_spec
     spec = parse_spec({"model": {"name": "m"}, "autoscaling": {"queueTimeThresholdMilliseconds": 250}})
     assert Thresholds.from_spec(spec.autoscaling).queue_time_s == 0.25
 

@@ -9,8 +9,8 @@ import types
 from gpufleet.fleet import demand_share
 from gpufleet.fleet.demand_share import SHARE_SECONDS, STARTING_SECONDS, DemandShare
 from gpufleet.manifests.children import DEMAND_FIELD_MANAGER
-from gpufleet_engine.contract import demand_prior
-from gpufleet_engine.contract.demand_prior import DemandPrior, KeyPrior
+from gpufleet_api.guard import demand_prior
+from gpufleet_api.guard.demand_prior import DemandPrior, KeyPrior
 from tests.unit.fleet.test_service_loop import isvc, pod
 
 KEY = ("/v1/chat/completions", "interactive")

@@ -2,7 +2,6 @@
 own signals into its own Deployment, the live prefill:decode ratio and its bound, the answer
 lengths shared with new guards read from decode pods, a fragmented replica judged against its own
 pool, and stranded GPUs judged against each pool's shape."""
-from gpufleet.api import parse_spec
 from gpufleet.audit.fragmentation import may_restart
 from gpufleet.autoscale.signals import ReplicaSample, RequestTokens
 from gpufleet.fleet.cluster_audit import audit_report
@@ -10,6 +9,7 @@ from gpufleet.fleet.service_loop import DELETION_COST, HELD_BY_RATIO, RATIO_UPDA
 from gpufleet.manifests import names
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile.status import POOLS_NOT_AUTOSCALED
+from gpufleet_api import parse_spec
 from tests.support.fake_kube import FakeKube
 from tests.unit.fleet.test_audits import node
 from tests.unit.fleet.test_audits import pod as node_pod

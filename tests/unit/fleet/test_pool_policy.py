@@ -3,10 +3,10 @@ TTFT; decode on KV, shedding, its queue and ITL; each inside its own bounds, nev
 band the measured prefill:decode ratio holds the decode pool to."""
 import pytest
 
-from gpufleet.api import SpecError, parse_spec
 from gpufleet.autoscale.policy import Decision, Observation, PolicyState, decide
 from gpufleet.autoscale.pools import RatioBand, bound_decode, pool_thresholds, ratio_band
 from gpufleet.autoscale.signals import ReplicaSample
+from gpufleet_api import SpecError, parse_spec
 
 INF = float("inf")
 

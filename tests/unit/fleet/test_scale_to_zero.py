@@ -2,9 +2,9 @@
 and scaling in by KV usage never takes the last replica."""
 import dataclasses
 
-from gpufleet.api import parse_spec
 from gpufleet.autoscale.policy import PolicyState, Thresholds, decide
 from gpufleet.autoscale.signals import ReplicaSample
+from gpufleet_api import parse_spec
 
 TH = Thresholds(min_replicas=0, max_replicas=3, kv_high=0.8, kv_low=0.4, queue_depth=8,
                 up_stabilization_s=0, down_stabilization_s=30, max_step=2, scale_to_zero_s=60)

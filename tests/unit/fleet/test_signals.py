@@ -2,7 +2,7 @@
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gpufleet.autoscale.signals import bucket_delta, parse_replica, quantile_from_buckets
-from gpufleet_engine.contract.guard_metrics import ITL_SECONDS
+from gpufleet_api.guard.guard_metrics import ITL_SECONDS
 from gpufleet_engine.serving.prometheus import CountedHistogram
 
 VLLM = """# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
@@ -67,7 +67,7 @@ def test_bucket_delta_handles_counter_reset():
 
 
 def test_only_capacity_refusals_are_shedding():
-    from gpufleet_engine.contract.guard_metrics import REASONS, SHED_REASONS, Reason
+    from gpufleet_api.guard.guard_metrics import REASONS, SHED_REASONS, Reason
 
     assert SHED_REASONS == {Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL, Reason.TTFT_LIMIT}
     assert Reason.EXCEEDS_KV_POOL in REASONS and Reason.EXCEEDS_KV_POOL not in SHED_REASONS

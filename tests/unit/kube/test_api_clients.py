@@ -6,9 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import gpufleet_dev
-
 import gpufleet
+import gpufleet_dev
 from gpufleet.kube.config import KubeConfig
 
 PACKAGES = [Path(gpufleet.__file__).parent, Path(gpufleet_dev.__file__).parent]

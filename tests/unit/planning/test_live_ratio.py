@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from gpufleet.api import parse_spec
 from gpufleet.autoscale.signals import ReplicaSample, RequestTokens
 from gpufleet.autoscale.token_window import RATIO_WINDOW_S, TokenWindow
 from gpufleet.planning.distribution import Concurrency, TokenStats, Traffic
@@ -15,6 +14,7 @@ from gpufleet.planning.live_ratio import MIN_REQUESTS, LiveRatio, MeasuredDemand
 from gpufleet.planning.profiles import ProfileSet
 from gpufleet.planning.sizing import size_fleet, size_replica
 from gpufleet.reconcile.ratio import measured_ratio, ratio_status
+from gpufleet_api import parse_spec
 
 INF = float("inf")
 STAMP = "2026-01-01T00:00:00Z"

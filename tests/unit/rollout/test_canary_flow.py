@@ -8,7 +8,6 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from gpufleet.api import parse_spec
 from gpufleet.autoscale.signals import ReplicaSample
 from gpufleet.controller import Controller
 from gpufleet.fleet.canary import CanaryLoop
@@ -16,6 +15,7 @@ from gpufleet.fleet.ports import ServicePorts
 from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
+from gpufleet_api import parse_spec
 from tests.support.fake_kube import FakeKube
 
 API = "serving.gpufleet.dev/v1alpha1"

@@ -5,12 +5,12 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from gpufleet.api import parse_spec
 from gpufleet.autoscale.signals import parse_replica
 from gpufleet.manifests import children, guard_config, names, revision
 from gpufleet.reconcile.desired import CanaryChildren, desired_children, spec_revision
 from gpufleet.reconcile.validation import validate
 from gpufleet.rollout import analysis, steps
+from gpufleet_api import parse_spec
 
 ISVC = {"metadata": {"name": "chat", "namespace": "ml", "uid": "u-chat"}}
 T0 = datetime(2026, 12, 4, 12, 0, 0, tzinfo=timezone.utc)

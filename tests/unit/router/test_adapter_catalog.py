@@ -77,7 +77,7 @@ def test_a_reading_lists_the_adapters_the_guard_holds_loaded_and_no_other():
 def test_the_guards_own_adapter_gauge_is_the_one_parsed():
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-    from gpufleet_engine.contract import guard_metrics as guard
+    from gpufleet_api.guard import guard_metrics as guard
     registry = CollectorRegistry()
     Gauge(guard.ADAPTER_STATE, "", ["adapter", "state"], registry=registry).labels("a", "Loaded").set(1)
     assert parse_guard(GUARD_METRICS + generate_latest(registry).decode(), 0.0).adapters == {"a"}

@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from gpufleet.api import API_VERSION, KIND
 from gpufleet.kube.errors import Forbidden, NotFound
 from gpufleet.router.adapters import Adapter, Catalog
 from gpufleet.router.choice import Replica
 from gpufleet.router.server import RouterSettings
-from gpufleet_engine.contract.adapters import ADAPTER_KIND
+from gpufleet_api import API_VERSION, KIND
+from gpufleet_api.guard.adapters import ADAPTER_KIND
 from tests.support.waiting import wait_for
 from tests.unit.router.test_server import MODEL, FakeGuard, Harness
 

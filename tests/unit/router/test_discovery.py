@@ -10,12 +10,12 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 
-from gpufleet.api import API_VERSION, KIND
 from gpufleet.manifests import names
 from gpufleet.router import discovery
 from gpufleet.router.command import router as router_command
 from gpufleet.router.metrics import RouterMetrics
 from gpufleet.router.server import Fleet, RouterSettings, serve
+from gpufleet_api import API_VERSION, KIND
 from tests.support.fake_kube import FakeKube
 from tests.support.kubeconfigs import write_kubeconfig
 from tests.support.waiting import wait_for

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from gpufleet_engine.contract import typed
+from gpufleet_api import typed
 
 from .v1alpha1 import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 

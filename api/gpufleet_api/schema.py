@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from msgspec import inspect as mi
 
-from gpufleet_engine.contract import typed
+from gpufleet_api import typed
 
 
 def rule(expr: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict:

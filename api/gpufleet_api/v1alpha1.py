@@ -5,7 +5,7 @@ where one makes sense, so a ten-line manifest is a working service.
 Cross-field constraints are CEL rules evaluated by the API server; what CEL
 cannot see (other objects, engine flags) is checked by ``reconcile.validation``.
 
-The types are msgspec Structs (``gpufleet_engine.contract.typed.Model``, the kit the guard's
+The types are msgspec Structs (``gpufleet_api.typed.Model``, the kit the guard's
 ``guard.json`` uses too): ``Meta`` holds each field's description, bounds, lengths and pattern,
 and ``extra_json_schema`` what only the API server checks (CEL rules, list types, formats);
 ``schema.openapi`` turns them into the CRD's structural schema. A class's own CEL rules are
@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal, Optional
 import msgspec
 from msgspec import Meta
 
-from gpufleet_engine.contract import adapters as adapter_contract
-from gpufleet_engine.contract.typed import Model
+from gpufleet_api.guard import adapters as adapter_contract
+from gpufleet_api.typed import Model
 
 from .engine_release import DEFAULT_ENGINE_IMAGE
 from .schema import rule

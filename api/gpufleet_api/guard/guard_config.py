@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 import msgspec
 from msgspec import Meta
 
-from . import typed
+from .. import typed
 from .engine_flags import MANAGED_FLAGS, managed_flags_in
 
 OverLengthPolicy = Literal["Reject", "TruncateLeft"]
