@@ -7,9 +7,9 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
 from gpufleet_dev.devcluster import cluster
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "engine_image"))
+sys.path[:0] = [str(ROOT / "engine_image"), str(ROOT / "api"), str(ROOT / "kit")]
 
 MODES = {"default": None, "expandable": "expandable_segments:True"}
 PHASES = ("sampling", "swiss-cheese", "engine")

@@ -28,6 +28,7 @@ from gpufleet_engine.local.runner import free_port
 from gpufleet_engine.runtime.flags import vllm_launch
 from gpufleet_engine.runtime.processes import ManagedProcess, wait_until
 from gpufleet_engine.vllm.stats import parse as parse_vllm_metrics
+from gpufleet_kit.stats import nearest_rank
 
 HERE = Path(__file__).resolve().parent
 WORK = Path(tempfile.mkdtemp(prefix="gpufleet-bench-"))
@@ -218,12 +219,9 @@ class Run:
 
 
 def percentile(values: list[float], q: float) -> float:
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return float("nan")
-    # Nearest-rank: p99 of 50 samples is the largest, not an interpolation below it.
-    rank = max(1, min(len(vals), int(-(-q * len(vals) // 1))))
-    return vals[rank - 1]
+    vals = [v for v in values if v is not None]
+    # Nearest-rank (gpufleet_kit.stats): p99 of 50 samples is the largest, not an interpolation below it.
+    return nearest_rank(vals, q) if vals else float("nan")
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:

@@ -42,11 +42,11 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.adapters.placement import place
-from gpufleet.router.adapters import Adapter, Catalog
-from gpufleet.router.table import Route
 from gpufleet_api.guard import guard_metrics as gm
 from gpufleet_api.guard.adapters import ADAPTERS_PATH
 from gpufleet_engine.local.runner import LocalEngine
+from gpufleet_router.adapters import Adapter, Catalog
+from gpufleet_router.table import Route
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))

@@ -334,7 +334,7 @@ def kind_of(api_version: str, plural: str) -> str:
 
 async def api(kube, request) -> tuple[int, dict]:
     """One API request, answered from ``kube`` as the API server would."""
-    from gpufleet.kube.errors import ApiError
+    from gpufleet_kit.kube.errors import ApiError
 
     method, parts = request.method, [p for p in request.path.split("/") if p]
     if parts == ["version"]:
@@ -508,9 +508,9 @@ class Operator:
         import aiohttp
         import kopf
 
-        from gpufleet.kube.config import KubeConfig
         from gpufleet.runtime import OperatorRuntime
         from gpufleet.settings import OperatorSettings
+        from gpufleet_kit.kube.config import KubeConfig
 
         kubeconfig.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "bench",

@@ -39,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _cluster import client, ensure_cluster, fresh_namespace  # noqa: E402
 
-from gpufleet.kube.client import KubeClient  # noqa: E402
-from gpufleet.kube.config import KubeConfig  # noqa: E402
-from gpufleet.kube.errors import Invalid  # noqa: E402
 from gpufleet.manifests import names  # noqa: E402
-from gpufleet.router import discovery  # noqa: E402
-from gpufleet.router.metrics import RouterMetrics  # noqa: E402
-from gpufleet.router.server import Fleet, RouterSettings  # noqa: E402
-from gpufleet.router.table import Table  # noqa: E402
 from gpufleet_api import API_VERSION, KIND  # noqa: E402
+from gpufleet_kit.kube.client import KubeClient  # noqa: E402
+from gpufleet_kit.kube.config import KubeConfig  # noqa: E402
+from gpufleet_kit.kube.errors import Invalid  # noqa: E402
+from gpufleet_router import discovery  # noqa: E402
+from gpufleet_router.metrics import RouterMetrics  # noqa: E402
+from gpufleet_router.server import Fleet, RouterSettings  # noqa: E402
+from gpufleet_router.table import Table  # noqa: E402
 
 MODES = (discovery.Discovery.WATCH, discovery.Discovery.LIST)
 UNSERVED_SCHEDULER = "gpufleet-bench-unscheduled"

@@ -6,7 +6,7 @@ separate process so none shares an event loop with the client:
 
 - ``direct``: the client to the upstream;
 - ``proxy``: through bench/guard_passthrough_proxy.py (aiohttp, nothing else);
-- ``router``: through the router (gpufleet.router.server: body parsed, model
+- ``router``: through the router (gpufleet_router.server: body parsed, model
   looked up, replica chosen, guard readings every second), with a fixed route
   table instead of an API server.
 
@@ -67,10 +67,10 @@ def serve_upstream(port: int) -> None:
 
 
 def serve_router(port: int, upstream: str) -> None:
-    from gpufleet.router.choice import Replica
-    from gpufleet.router.metrics import RouterMetrics
-    from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
-    from gpufleet.router.table import Route, Table
+    from gpufleet_router.choice import Replica
+    from gpufleet_router.metrics import RouterMetrics
+    from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
+    from gpufleet_router.table import Route, Table
 
     async def main() -> None:
         settings = RouterSettings()

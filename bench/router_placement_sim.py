@@ -14,7 +14,7 @@ import argparse
 import collections
 import random
 
-from gpufleet.router.choice import Picker, Reading, Replica, prefix_of
+from gpufleet_router.choice import Picker, Reading, Replica, prefix_of
 
 BLOCK_CHARS = 128     # 32-token blocks at the router's 4 characters a token
 

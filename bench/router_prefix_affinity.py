@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from router_vs_vllm_router import run_trace  # noqa: E402
 
-from gpufleet.router.choice import Replica  # noqa: E402
-from gpufleet.router.metrics import RouterMetrics  # noqa: E402
-from gpufleet.router.server import Fleet, Router, RouterSettings, client_session  # noqa: E402
-from gpufleet.router.table import Route, Table  # noqa: E402
 from gpufleet_engine.local.runner import LocalEngine  # noqa: E402
+from gpufleet_router.choice import Replica  # noqa: E402
+from gpufleet_router.metrics import RouterMetrics  # noqa: E402
+from gpufleet_router.server import Fleet, Router, RouterSettings, client_session  # noqa: E402
+from gpufleet_router.table import Route, Table  # noqa: E402
 
 MODEL = "tiny"
 BLOCK_SIZE = 32

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cluster import client, ensure_cluster, fresh_namespace  # noqa: E402
 from operator_scale import api_requests, cpu_seconds  # noqa: E402
 
-from gpufleet.kube.client import KubeClient  # noqa: E402
 from gpufleet_dev.devcluster.fleet import build_node  # noqa: E402
 from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
 from gpufleet_dev.fake_replicas import FakeReplicaMetrics  # noqa: E402
+from gpufleet_kit.kube.client import KubeClient  # noqa: E402
 
 API = "serving.gpufleet.dev/v1alpha1"
 POOL = "bench-status"

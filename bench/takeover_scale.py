@@ -37,11 +37,11 @@ from _cluster import client, ensure_cluster, fresh_namespace  # noqa: E402
 from operator_scale import cpu_seconds  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from gpufleet.kube.client import KubeClient  # noqa: E402
 from gpufleet.manifests import names  # noqa: E402
 from gpufleet_dev.devcluster.fleet import build_node  # noqa: E402
 from gpufleet_dev.devcluster.operator_process import OperatorProcess  # noqa: E402
 from gpufleet_dev.fake_replicas import FakeReplicaMetrics  # noqa: E402
+from gpufleet_kit.kube.client import KubeClient  # noqa: E402
 
 API = "serving.gpufleet.dev/v1alpha1"
 LEASE = "gpufleet-operator"

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import click
 
+from gpufleet_router.command import router
+
 from .commands import crd, run
 from .fleet.audit_command import audit
 from .planning.commands import plan
-from .router.command import router
 
 
 @click.group()

@@ -113,8 +113,9 @@ def run(kubeconfig: str | None, verbose: bool, debug_loggers: tuple[str, ...], w
     """Run the operator."""
     import kopf
 
+    from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
+
     from . import handlers  # noqa: F401  (registers the handlers)
-    from .kube.config import KubeConfig, KubeConfigError
     from .runtime import OperatorRuntime
 
     try:

@@ -23,9 +23,10 @@ from typing import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from gpufleet_api import SpecError, parse_spec
 from gpufleet_api import v1alpha1 as t
 from gpufleet_api.guard.guard_config import Role
+from gpufleet_kit.backoff import delay
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.errors import ApiError, Conflict
 
-from .kube.client import KubeClient
-from .kube.errors import ApiError, Conflict
 from .manifests import names, revision
 from .manifests.guard_config import read_running
 from .manifests.network_policy import EngineIngress
@@ -79,7 +80,7 @@ def refused(e: ApiError) -> bool:
 class _Rejection:
     generation: int
     retry_at: float
-    backoff: float
+    failures: int   # in a row, of this generation
 
 
 class Controller:
@@ -414,9 +415,9 @@ class Controller:
                 log.warning("%s/%s: %s %s refused: %s", key[0], key[1], obj["kind"], obj["metadata"]["name"], e)
                 self.metrics.reconcile_errors.labels(*key).inc()
                 previous = self._rejections.get(key)
-                backoff = REJECTED_RETRY_FIRST_S if previous is None or previous.generation != gen else \
-                    min(REJECTED_RETRY_MAX_S, previous.backoff * 2)
-                self._rejections[key] = _Rejection(gen, self._clock() + backoff, backoff)
+                failures = 1 if previous is None or previous.generation != gen else previous.failures + 1
+                pause = delay(failures, REJECTED_RETRY_FIRST_S, REJECTED_RETRY_MAX_S)
+                self._rejections[key] = _Rejection(gen, self._clock() + pause, failures)
                 return child_rejected_conditions(kind=obj["kind"], name=obj["metadata"]["name"],
                                                  message=e.message, generation=gen)
         self._rejections.pop(key, None)

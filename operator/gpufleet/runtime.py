@@ -23,16 +23,18 @@ from typing import Any, Callable, Coroutine, Iterable, Mapping
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gpufleet_kit.backoff import delay
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
+from gpufleet_kit.kube.errors import ApiError, NotLeading
+
 from .controller import Controller
 from .fleet.cluster_audit import ClusterAuditor
 from .fleet.fleet_loop import FleetLoop
 from .fleet.ports import ServicePorts
 from .fleet.router_demand import RouterDemand
 from .fleet.scrape import ReplicaReader
-from .kube.client import KubeClient
-from .kube.config import KubeConfig
-from .kube.errors import ApiError, NotLeading
-from .leader_elector import LeaderElector
+from .leader_election.elector import LeaderElector
 from .metrics import OperatorMetrics
 from .settings import OperatorSettings
 
@@ -61,7 +63,7 @@ def retry_delay(error: Exception, failures: int) -> float | None:
         return TRANSIENT_RETRY_SECONDS
     # Refused children are reported in status by the controller; what is left (a kind that is
     # not served, credentials) is not fixed by asking again soon.
-    return min(ERROR_BACKOFF_MAX_S, ERROR_BACKOFF_FIRST_S * 2 ** (failures - 1))
+    return delay(failures, ERROR_BACKOFF_FIRST_S, ERROR_BACKOFF_MAX_S)
 
 
 def reconcile_order(keys: Iterable[Key], changed_at: Mapping[Key, float]) -> list[Key]:

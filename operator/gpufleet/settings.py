@@ -12,7 +12,7 @@ import dataclasses
 from types import MappingProxyType
 from typing import Mapping
 
-from .leadership import Timing, TimingError
+from .leader_election.records import Timing, TimingError
 from .manifests.network_policy import EngineIngress
 from .reconcile import figures
 

@@ -205,7 +205,8 @@ def _download(requirement: str, sha: str, into: Path) -> Path:
 
 def run_check(tree: Path, expected_file: Path = EXPECTED, timeout: float = 600) -> subprocess.CompletedProcess:
     """check.py in a process of its own, importing the CUDA tree's vLLM ahead of the installed one."""
-    path = os.pathsep.join([str(tree), str(REPO / "engine_image"), str(REPO / "api"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(tree), str(REPO / "engine_image"), str(REPO / "api"), str(REPO / "kit"),
+                          os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
     return subprocess.run([sys.executable, str(CHECK_DIR / "check.py"), str(expected_file)], env=env,
                           capture_output=True, text=True, timeout=timeout)

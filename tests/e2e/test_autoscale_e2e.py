@@ -21,13 +21,13 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names
 from gpufleet.reconcile import conditions as c
 from gpufleet_dev.demo.load import EndpointLoad, RequestResult
 from gpufleet_dev.demo.prometheus import LocalPrometheus
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.pods import is_serving
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.stages]

@@ -26,9 +26,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet.kube.pods import is_ready
 from gpufleet.manifests import names
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
+from gpufleet_kit.kube.pods import is_ready
 from tests.integration.test_router import RouterProcess
 from tests.support.waiting import wait_for
 

@@ -1,6 +1,6 @@
 """The local control plane is a real Kubernetes: schema validation, scheduling
 onto simulated GPU nodes, and RBAC are the API server's and scheduler's own."""
-from gpufleet.kube.config import KubeConfig
+from gpufleet_kit.kube.config import KubeConfig
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 CRD = """

@@ -8,10 +8,10 @@ network (loopback pod IPs, and the real node's CNI bridge) enforces no
 NetworkPolicy; docs/security.md says what is and is not tested."""
 import pytest
 
-from gpufleet.kube.errors import ApiError
 from gpufleet.manifests import children
 from gpufleet.manifests.network_policy import EngineIngress, build_network_policy
 from gpufleet_api import parse_spec
+from gpufleet_kit.kube.errors import ApiError
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 OPERATOR_LABELS = {"app.kubernetes.io/name": "gpufleet-operator", "app.kubernetes.io/instance": "gpufleet"}

@@ -12,8 +12,8 @@ import sys
 import pytest
 import yaml
 
-from gpufleet.kube.config import KubeConfig
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
+from gpufleet_kit.kube.config import KubeConfig
 from tests.support.kubeconfigs import exec_plugin, exec_user, plugin_runs, write_kubeconfig
 from tests.support.waiting import wait_for
 

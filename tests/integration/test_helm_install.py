@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.kube.config import KubeConfig
 from gpufleet_dev.devcluster.binaries import ensure_helm
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
+from gpufleet_kit.kube.config import KubeConfig
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,9 +28,9 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gpufleet.kube.config import KubeConfig
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from gpufleet_dev.fake_replicas import FakeReplicaMetrics
+from gpufleet_kit.kube.config import KubeConfig
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"

@@ -10,8 +10,8 @@ import uuid
 import pytest
 import yaml
 
-from gpufleet.kube.pods import is_ready
 from gpufleet_dev.devcluster.fleet import build_node
+from gpufleet_kit.kube.pods import is_ready
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 API = "serving.gpufleet.dev/v1alpha1"

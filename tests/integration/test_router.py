@@ -23,8 +23,8 @@ import pytest_asyncio
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names
+from gpufleet_kit.kube.pods import is_serving
 from tests.support.waiting import wait_for
 
 # The first test's budget includes the module fixture's wait (up to 600 s) for three real engines.

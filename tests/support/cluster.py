@@ -7,8 +7,8 @@ import subprocess
 import time
 from typing import Callable, Iterator
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import collections
 import copy
 from typing import AsyncGenerator, Awaitable, Callable
 
-from gpufleet.kube.errors import ApiError, Conflict, NotFound, error_for
+from gpufleet_kit.kube.errors import ApiError, Conflict, NotFound, error_for
 
 Key = tuple[str, str, str]  # kind, namespace, name
 

@@ -9,10 +9,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from gpufleet.handlers import spec_unhandled
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
-from gpufleet.kube.errors import ApiError, NotLeading
 from gpufleet.runtime import retry_delay
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
+from gpufleet_kit.kube.errors import ApiError, NotLeading
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ import asyncio
 import pytest
 
 from gpufleet.controller import REJECTED_RETRY_FIRST_S, Controller
-from gpufleet.kube.errors import ApiError, Invalid
 from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
+from gpufleet_kit.kube.errors import ApiError, Invalid
 from tests.support.fake_kube import FakeKube
 
 API = "serving.gpufleet.dev/v1alpha1"

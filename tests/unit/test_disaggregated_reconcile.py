@@ -5,12 +5,12 @@ in-memory API server."""
 import pytest
 
 from gpufleet.controller import Controller
-from gpufleet.kube.errors import Invalid
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile.replicas import desired_replicas
 from gpufleet.reconcile.status import POOLS_NOT_AUTOSCALED, Observed, derive_status
 from gpufleet_api import parse_spec
+from gpufleet_kit.kube.errors import Invalid
 from tests.support.fake_kube import FakeKube
 
 API = "serving.gpufleet.dev/v1alpha1"

@@ -9,10 +9,10 @@ import json
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gpufleet.kube.config import KubeConfig
-from gpufleet.leader_elector import LeaderElector
-from gpufleet.leadership import Timing
+from gpufleet.leader_election.elector import LeaderElector
+from gpufleet.leader_election.records import Timing
 from gpufleet.metrics import OperatorMetrics
+from gpufleet_kit.kube.config import KubeConfig
 from tests.support.waiting import wait_for
 
 NS, NAME = "ops", "gpufleet-operator"

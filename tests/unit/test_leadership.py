@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gpufleet.leadership import Leadership, LeaseRecord, Timing, TimingError
+from gpufleet.leader_election.records import Leadership, LeaseRecord, Timing, TimingError
 
 T = Timing()  # 15 s / 10 s / 2 s
 

@@ -1,8 +1,8 @@
 """The metric catalog (docs/metrics.md) is exactly what the code exports, so
 dashboards and alerts (which may only use catalogued names) use real names."""
 from gpufleet.metrics import OperatorMetrics
-from gpufleet.router.metrics import RouterMetrics
 from gpufleet_engine.serving.prometheus import GuardMetrics
+from gpufleet_router.metrics import RouterMetrics
 from tests.unit.observability.assets import catalog
 
 

@@ -42,7 +42,7 @@ def test_development_commands_say_which_extra_they_need():
 
 def test_the_guard_runs_without_the_operator_or_development_code():
     # The engine image copies gpufleet_engine alone (engine_image/Dockerfile).
-    done = run_without(("gpufleet", "gpufleet_dev", *DEV_ONLY), (
+    done = run_without(("gpufleet", "gpufleet_router", "gpufleet_dev", *DEV_ONLY), (
         "import gpufleet_engine.serving.server, gpufleet_engine.runtime.entrypoint\n"
         "from gpufleet_engine.cli import engine\n"
         "engine(['serve', '--help'], standalone_mode=False)\n"))
@@ -72,24 +72,27 @@ def _copy_as_the_dockerfile_does(dockerfile: Path, dest: Path) -> None:
                 shutil.copy(ROOT / src, out)
 
 
-def test_the_operator_image_carries_only_the_guards_contract_and_runs_with_it(tmp_path):
-    # What operator/Dockerfile copies is all the operator may use: the guard's contract, not its serving or
-    # runtime code, and no development tools (gpufleet_dev stays out through .dockerignore).
+def test_the_operator_image_carries_the_api_kit_router_and_operator_and_runs_with_them(tmp_path):
+    # What operator/Dockerfile copies is all the operator and the router may use: the API, the kit, the
+    # router and the operator; none of the guard's code, no development tools (gpufleet_dev stays out
+    # through .dockerignore).
     _copy_as_the_dockerfile_does(ROOT / "operator" / "Dockerfile", tmp_path)
-    guard = tmp_path / "engine_image" / "gpufleet_engine"
-    assert sorted(p.name for p in guard.iterdir()) == ["__init__.py", "contract"]
+    assert not (tmp_path / "engine_image").exists()
     assert not (tmp_path / "operator" / "gpufleet_dev").exists()
+    roots = [str(tmp_path / d) for d in ("api", "kit", "router", "operator")]
     code = (
         "import sys\n"
         # Only the copied tree: not the checkout's editable install.
         "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
-        f"sys.path[:0] = [{str(tmp_path / 'operator')!r}, {str(tmp_path / 'engine_image')!r}]\n"
+        f"sys.path[:0] = {roots!r}\n"
         "sys.modules['gpufleet_dev'] = None\n"
+        "sys.modules['gpufleet_engine'] = None\n"
         "import gpufleet.handlers, gpufleet.runtime, gpufleet.fleet, gpufleet.fleet.audit_command\n"
-        "import gpufleet_engine\n"
-        f"assert gpufleet_engine.__file__.startswith({str(tmp_path)!r}), gpufleet_engine.__file__\n"
+        "import gpufleet_api, gpufleet_router.server\n"
+        f"assert gpufleet_api.__file__.startswith({str(tmp_path)!r}), gpufleet_api.__file__\n"
         "from gpufleet.cli import main\n"
-        "main(['run', '--help'], standalone_mode=False)\n")
+        "main(['run', '--help'], standalone_mode=False)\n"
+        "main(['router', '--help'], standalone_mode=False)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "Run the operator." in done.stdout

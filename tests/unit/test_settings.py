@@ -8,10 +8,10 @@ from click.testing import CliRunner
 
 from gpufleet.cli import main
 from gpufleet.commands import settings_from_flags
-from gpufleet.kube.config import KubeConfig
-from gpufleet.leadership import Timing
+from gpufleet.leader_election.records import Timing
 from gpufleet.runtime import OperatorRuntime
 from gpufleet.settings import LeaderElection, NetworkPolicies, OperatorSettings, SettingsError
+from gpufleet_kit.kube.config import KubeConfig
 
 KUBECONFIG = ("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
               "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u, "

@@ -131,7 +131,7 @@ def test_target_replicas_manual_and_auto():
 
 
 def test_namespace_terminating_is_recognised_from_the_status_cause():
-    from gpufleet.kube.errors import error_for
+    from gpufleet_kit.kube.errors import error_for
     body = {"reason": "Forbidden", "message": 'configmaps "a" is forbidden: unable to create new content in '
             'namespace t because it is being terminated',
             "details": {"causes": [{"reason": "NamespaceTerminating", "field": "metadata.namespace"}]}}

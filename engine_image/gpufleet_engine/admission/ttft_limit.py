@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass, field
 
 from gpufleet_api.guard.guard_config import GuardConfig
+from gpufleet_kit.stats import nearest_rank
 
 ENGINE_SHARE = 0.6    # of the TTFT objective, for the engine's time to first token (window p90)
 QUEUE_SHARE = 0.3     # of the TTFT objective, for the wait in the guard's queue
@@ -67,12 +68,6 @@ START_SAMPLE_SHARE = 0.25  # of the start budget, starting at once, for a first 
 STALE_SECONDS = 5.0        # a window's samples older than this say nothing about now: dropped
 RECOVERY_HALF_LIFE_SECONDS = 5.0  # a cut limit's gap to the ceiling halves this often, from
 #                            STALE_SECONDS after the last window over the target
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The nearest-rank quantile (values not empty)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 @dataclass
@@ -189,7 +184,7 @@ class TtftLimit:
         self._samples.append((engine_ttft, max(1, running), now if now is not None else 0.0))
         if len(self._samples) < self.window:
             return
-        high = quantile([s[0] for s in self._samples], QUANTILE)
+        high = nearest_rank([s[0] for s in self._samples], QUANTILE)
         mean_running = sum(s[1] for s in self._samples) / len(self._samples)
         self._samples.clear()
         if high > self.engine_target:

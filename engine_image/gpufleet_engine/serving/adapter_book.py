@@ -23,6 +23,7 @@ from gpufleet_api.guard.adapters import (
     AdapterState,
     AdapterStateName,
 )
+from gpufleet_kit.backoff import delay
 
 RETRIED_REASON = "SourceUnreachable"
 BACKOFF_FIRST_SECONDS = 2.0
@@ -58,7 +59,7 @@ class Step:
 
 def backoff(attempts: int) -> float:
     """Seconds before fetching again after ``attempts`` SourceUnreachable failures in a row."""
-    return min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** max(0, attempts - 1))
+    return delay(max(1, attempts), BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS)
 
 
 class AdapterBook:

@@ -22,6 +22,7 @@ import dataclasses
 import math
 
 from gpufleet_api.guard.guard_config import Role
+from gpufleet_api.route import max_replicas
 from gpufleet_api.v1alpha1 import InferenceServiceSpec
 
 from .policy import Decision, Observation, Thresholds, pressure
@@ -40,7 +41,9 @@ def pool_thresholds(spec: InferenceServiceSpec, role: Role) -> Thresholds:
     prefill = role == "prefill"
     return dataclasses.replace(
         Thresholds.from_spec(spec.autoscaling), min_replicas=bounds.min_replicas,
-        max_replicas=bounds.max_replicas, scale_to_zero_s=None, scale_on_kv=not prefill,
+        # The router reads the same bound (gpufleet_api.route) to decide whether a refused request may
+        # wait for a scale-out.
+        max_replicas=max_replicas(spec, role), scale_to_zero_s=None, scale_on_kv=not prefill,
         ttft_p99_s=spec.slo.ttft_p99_milliseconds / 1000 if prefill else None,
         itl_p99_s=None if prefill else spec.slo.itl_p99_milliseconds / 1000)
 

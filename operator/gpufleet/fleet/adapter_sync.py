@@ -27,13 +27,14 @@ from typing import Callable, Sequence
 from gpufleet_api import InferenceServiceSpec
 from gpufleet_api import v1alpha1 as t
 from gpufleet_api.guard.adapters import AdapterReport, AdapterSet
+from gpufleet_kit.backoff import KeyedBackoff
+from gpufleet_kit.kube.errors import ApiError, NotFound
 
 from ..adapters import desired
 from ..adapters import status as adapter_status
 from ..adapters.index import Adapter
 from ..adapters.rates import AdapterRates
 from ..autoscale.signals import ReplicaSample
-from ..kube.errors import ApiError, NotFound
 from ..reconcile import conditions as cond
 from ..reconcile import figures
 from .ports import ServicePorts
@@ -45,36 +46,13 @@ BACKOFF_MIN_S = 2.0
 BACKOFF_MAX_S = 60.0
 
 
-class Backoff:
-    """Per replica: when it may be tried again after failures."""
-
-    def __init__(self) -> None:
-        self._until: dict[str, tuple[float, float]] = {}  # replica → (retry at, last delay)
-
-    def waiting(self, replica: str, now: float) -> bool:
-        until = self._until.get(replica)
-        return until is not None and now < until[0]
-
-    def failed(self, replica: str, now: float) -> float:
-        delay = min(BACKOFF_MAX_S, 2 * self._until[replica][1]) if replica in self._until else BACKOFF_MIN_S
-        self._until[replica] = (now + delay, delay)
-        return delay
-
-    def succeeded(self, replica: str) -> None:
-        self._until.pop(replica, None)
-
-    def forget_except(self, replicas: set[str]) -> None:
-        for r in [r for r in self._until if r not in replicas]:
-            del self._until[r]
-
-
 class AdapterSync:
     def __init__(self, ports: ServicePorts, namespace: str, name: str,
                  figures_interval: float = figures.DEFAULT_INTERVAL_S):
         self.ports = ports
         self.ns, self.name = namespace, name
         self.rates = AdapterRates()
-        self.backoff = Backoff()
+        self.backoff = KeyedBackoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
         self.last_sync: float | None = None
         self.seen: tuple = ()
         self.sent: dict[str, AdapterSet] = {}     # replica → the set this process last PUT there

@@ -10,12 +10,12 @@ from datetime import datetime, timezone
 
 import click
 
+from gpufleet.leader_election import lease_store as lease_api
 from gpufleet_api import v1alpha1 as t
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
+from gpufleet_kit.kube.errors import ApiError, Forbidden, NotFound, Refusal
 
-from ..kube import lease as lease_api
-from ..kube.client import KubeClient
-from ..kube.config import KubeConfig, KubeConfigError
-from ..kube.errors import ApiError, Forbidden, NotFound, Refusal
 from ..manifests import names
 from .cluster_audit import audit_report
 

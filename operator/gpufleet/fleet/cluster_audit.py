@@ -8,11 +8,11 @@ from typing import Awaitable, Callable, Container
 
 from gpufleet_api import InferenceServiceSpec, SpecError, parse_spec
 from gpufleet_api import v1alpha1 as t
+from gpufleet_kit.kube.errors import ApiError
 
 from ..audit.stranded import StrandedNode, find_stranded, node_inventory
 from ..autoscale.takeover import AUDITS_WAIT_S
 from ..isolation.verify import PodsByNode, Violation, violations_for
-from ..kube.errors import ApiError
 from ..manifests import names
 from ..manifests.pools import pools
 from ..metrics import OperatorMetrics

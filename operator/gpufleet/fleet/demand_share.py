@@ -23,8 +23,8 @@ import zlib
 
 from gpufleet_api.guard import demand_prior
 from gpufleet_api.guard.demand_prior import DemandPrior
+from gpufleet_kit.kube.errors import ApiError
 
-from ..kube.errors import ApiError
 from ..manifests.children import DEMAND_FIELD_MANAGER, build_demand_prior
 from .ports import DemandSource, ObjectApplier
 

@@ -34,10 +34,10 @@ import time
 from typing import Callable, Literal
 
 from gpufleet_api import v1alpha1 as t
+from gpufleet_kit.kube.errors import ApiError, NotFound
 
 from ..adapters.index import AdapterIndex
 from ..autoscale.takeover import AUDITS_WAIT_S, WARM_READINGS, Warm, first_pass_order
-from ..kube.errors import ApiError, NotFound
 from ..manifests import names
 from ..reconcile import figures
 from .adapter_sync import SYNC_SECONDS, OrphanAdapters

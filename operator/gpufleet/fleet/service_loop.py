@@ -30,6 +30,7 @@ from typing import Sequence
 from gpufleet_api import InferenceServiceSpec, SpecError, parse_spec
 from gpufleet_api import v1alpha1 as t
 from gpufleet_api.guard.guard_config import Role
+from gpufleet_kit.kube.errors import ApiError
 
 from ..adapters.index import Adapter
 from ..audit import fragmentation as frag
@@ -38,7 +39,6 @@ from ..autoscale import pools as pool_policy
 from ..autoscale.signals import ReplicaSample, bucket_delta, quantile_from_buckets
 from ..autoscale.takeover import Warm, warm_decision
 from ..autoscale.token_window import TokenWindow
-from ..kube.errors import ApiError
 from ..manifests import names
 from ..manifests.pools import POOL_ROLES
 from ..planning.live_ratio import live_ratio

@@ -26,6 +26,7 @@ from gpufleet_api.guard.guard_config import (
     restart_document,
     with_live_fields,
 )
+from gpufleet_api.route import served_name
 from gpufleet_api.v1alpha1 import KV_CONNECTORS, KV_STORE_MOUNT, InferenceServiceSpec
 
 from . import names, pools
@@ -44,10 +45,6 @@ def model_location(spec: InferenceServiceSpec) -> str:
     if src.uri:
         return src.uri
     return spec.model.name
-
-
-def served_name(spec: InferenceServiceSpec) -> str:
-    return spec.model.served_name or spec.model.name
 
 
 def kv_transfer(spec: InferenceServiceSpec, role: Role) -> KVTransferConfig | None:

@@ -5,31 +5,36 @@ import hashlib
 import re
 
 from gpufleet_api import v1alpha1 as t
-from gpufleet_api.guard.guard_config import ROLES, Role
+from gpufleet_api.engine_pods import (
+    ENGINE_APP,
+    ENGINE_POD_LABELS,
+    ENGINE_PORT,
+    GUARD_PORT,
+    LABEL_NAME,
+    LABEL_REVISION,
+    LABEL_ROLE,
+    LABEL_SERVICE,
+    ROLES,
+    Role,
+    engine_pods_selector,
+    label_selector,
+)
 
-LABEL_NAME = "app.kubernetes.io/name"
+__all__ = ["ENGINE_APP", "ENGINE_POD_LABELS", "ENGINE_PORT", "GUARD_PORT", "LABEL_NAME", "LABEL_REVISION", "LABEL_ROLE",
+           "LABEL_SERVICE", "engine_pods_selector", "label_selector"]  # the API's, for the manifests' one import
+
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_SERVICE = "gpufleet.dev/service"
 LABEL_MODEL = "gpufleet.dev/model"
 LABEL_ISOLATION = "gpufleet.dev/isolation"
 LABEL_POOL = "gpufleet.dev/node-pool"
-# On the engine pods of a disaggregated service: prefill or decode (absent on a unified service's pods).
-LABEL_ROLE = "gpufleet.dev/role"
-# On every engine pod: a 10-hex hash of what the replica serves (its pod template without this label).
-LABEL_REVISION = "gpufleet.dev/revision"
 # On a canary's pods (spec.rollout Canary): canary; its Deployment's selector adds it.
 LABEL_TRACK = "gpufleet.dev/track"
 TRACK_CANARY = "canary"
 ANNOTATION_CONFIG_HASH = "gpufleet.dev/config-hash"
 ANNOTATION_AUDIT_REQUEST = "gpufleet.dev/audit-requested"
-ENGINE_APP = "gpufleet-engine"
-ENGINE_POD_LABELS = {LABEL_NAME: ENGINE_APP}  # every engine pod of every service
 MANAGER = "gpufleet"
-
-GUARD_PORT = 8080
-ENGINE_PORT = 8000
 
 
 def deployment_name(service: str, role: Role = "unified") -> str:
@@ -119,16 +124,6 @@ def common_labels(service: str) -> dict[str, str]:
 def canary_labels(service: str) -> dict[str, str]:
     """The canary Deployment's selector: the service's engine pods of the canary track."""
     return {**selector_labels(service), LABEL_TRACK: TRACK_CANARY}
-
-
-def engine_pods_selector() -> str:
-    """Every engine pod of every service (the router's and the operator's pod watches)."""
-    return label_selector(ENGINE_POD_LABELS)
-
-
-def label_selector(labels: dict[str, str]) -> str:
-    """Labels as a label selector string (``k=v,k=v``): every one must match."""
-    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 def selector_string(service: str) -> str:

@@ -7,8 +7,9 @@ another arrives is never counted twice through floating-point rounding.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable, Sequence
+
+from gpufleet_kit.stats import nearest_rank
 
 PERCENTILES = (50, 95, 99)
 
@@ -45,12 +46,9 @@ class Concurrency:
 def percentile(values: Sequence[float], p: float) -> float:
     """Nearest-rank percentile: the smallest observed value with at least p% of
     values at or below it. Always a value that occurred (a real token count)."""
-    if not values:
-        raise ValueError("percentile of an empty sequence")
     if not 0 < p <= 100:
         raise ValueError(f"percentile must be in (0, 100], got {p}")
-    ordered = sorted(values)
-    return ordered[math.ceil(p / 100 * len(ordered)) - 1]
+    return nearest_rank(values, p / 100)
 
 
 def token_stats(values: Sequence[int]) -> TokenStats:

@@ -11,9 +11,9 @@ import time
 
 import httpx
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.pods import is_serving
 
 WORDS = ("fleet", "token", "cache", "block", "queue", "model", "batch", "graph", "shard", "layer")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gpufleet.kube.pods import is_serving
 from gpufleet.manifests import names
 from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_kit.kube.pods import is_serving
 
 from ..devcluster.cluster import free_port
 

@@ -3,8 +3,9 @@ apart from writing the files."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
+
+from gpufleet_kit.stats import nearest_rank
 
 from .load import RequestResult
 
@@ -19,10 +20,7 @@ class Tick:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+    return nearest_rank(values, q) if values else None
 
 
 def summarize(results: list[RequestResult]) -> dict:

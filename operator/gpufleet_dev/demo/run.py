@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
 from gpufleet.manifests import names
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
 
 from ..devcluster import binaries, cluster
 from . import report as rep

@@ -36,8 +36,8 @@ def issue(kubeconfig: str, name: str, rules: list[dict], dest: Path, ca: Path) -
     import asyncio
     import shutil
 
-    from gpufleet.kube.client import KubeClient
-    from gpufleet.kube.config import KubeConfig
+    from gpufleet_kit.kube.client import KubeClient
+    from gpufleet_kit.kube.config import KubeConfig
 
     async def go() -> str:
         async with KubeClient(KubeConfig.from_file(kubeconfig)) as kube:

@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
 
 from . import cluster
 

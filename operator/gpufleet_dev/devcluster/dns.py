@@ -93,8 +93,8 @@ def _http_ok(url: str) -> bool:
 def _apply(kubeconfig_file: str, objects: list[dict]) -> None:
     import asyncio
 
-    from gpufleet.kube.client import KubeClient
-    from gpufleet.kube.config import KubeConfig
+    from gpufleet_kit.kube.client import KubeClient
+    from gpufleet_kit.kube.config import KubeConfig
 
     async def go() -> None:
         async with KubeClient(KubeConfig.from_file(kubeconfig_file)) as kube:

@@ -30,10 +30,10 @@ from datetime import datetime, timezone
 
 import httpx
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
-from gpufleet.kube.errors import ApiError
 from gpufleet.manifests import names
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
+from gpufleet_kit.kube.errors import ApiError
 
 from .kwok_stages import ENGINE_NODE_PREFIX, TERMINATED_ANNOTATION
 

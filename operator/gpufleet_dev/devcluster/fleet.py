@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
-from gpufleet.kube.errors import NotFound
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
+from gpufleet_kit.kube.errors import NotFound
 
 POOL_LABEL = "gpufleet.dev/node-pool"
 LOCAL_ENGINE_POOL = "local"

@@ -87,11 +87,11 @@ class Image:
 
 
 # Every image builds from the repository root (its .dockerignore sends only what some Dockerfile copies);
-# the API the components share (api/) goes into each of them.
-SHARED = ("api/gpufleet_api",)
+# the API and the kit the components share (api/, kit/) go into each of them.
+SHARED = ("api", "kit")
 OPERATOR = Image("operator", "operator/Dockerfile", ".",
-                 ("operator/Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "operator/gpufleet", *SHARED),
-                 "operator")
+                 ("operator/Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "operator/gpufleet", "router",
+                  *SHARED), "operator")
 ENGINE_CPU = Image("engine-cpu", "engine_image/Dockerfile.cpu", ".",
                    ("engine_image/Dockerfile.cpu", ".dockerignore", "engine_image/requirements-cpu.txt",
                     "engine_image/gpufleet_engine", "engine_image/bin", "engine_image/dist-info", *SHARED), "engine")

@@ -407,8 +407,8 @@ def _http_ok(url: str) -> bool:
 def _node_ready(kubeconfig: str) -> bool:
     import asyncio
 
-    from gpufleet.kube.client import KubeClient
-    from gpufleet.kube.config import KubeConfig
+    from gpufleet_kit.kube.client import KubeClient
+    from gpufleet_kit.kube.config import KubeConfig
 
     async def go() -> bool:
         async with KubeClient(KubeConfig.from_file(kubeconfig)) as kube:
@@ -422,8 +422,8 @@ def _advertise_gpus(kubeconfig: str, gpus: int) -> None:
     """nvidia.com/gpu as an extended resource: what the device plugin would report (the kubelet keeps it)."""
     import asyncio
 
-    from gpufleet.kube.client import KubeClient
-    from gpufleet.kube.config import KubeConfig
+    from gpufleet_kit.kube.client import KubeClient
+    from gpufleet_kit.kube.config import KubeConfig
 
     async def go() -> None:
         async with KubeClient(KubeConfig.from_file(kubeconfig)) as kube:

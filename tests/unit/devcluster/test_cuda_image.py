@@ -2,6 +2,7 @@
 a fully pinned hash-checked set, and a build that happens only when asked for."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 from gpufleet_dev.devcluster import images, prune
 from gpufleet_dev.devcluster.wheelhouses import wheelhouse_requirements
 
-IMAGE_DIR = Path(__file__).resolve().parents[3] / "engine_image"
+REPO = Path(__file__).resolve().parents[3]
+IMAGE_DIR = REPO / "engine_image"
 
 
 def _lines(dockerfile: str, instruction: str) -> list[str]:
@@ -26,13 +28,20 @@ def test_the_cuda_image_lays_out_the_guard_as_the_official_image_does():
     assert "gpufleet:x:65532:65532" in text and "vllm_check/check.py" in text
 
 
-@pytest.mark.parametrize("image", [images.ENGINE_CUDA, images.ENGINE_CPU], ids=lambda i: i.name)
-def test_everything_an_engine_image_copies_is_an_input_of_its_content_hash(image):
+@pytest.mark.parametrize("image", [images.ENGINE_CUDA, images.ENGINE_CPU, images.OPERATOR], ids=lambda i: i.name)
+def test_everything_an_image_copies_is_an_input_of_its_content_hash(image):
     """A file the build copies but the hash leaves out: editing it would not rebuild the image."""
     inputs = [Path(i) for i in image.inputs]
-    dockerfile = Path(image.dockerfile).name
-    for source in (Path("engine_image") / line.split()[0] for line in _lines(dockerfile, "COPY")):
-        assert any(source == i or i in source.parents for i in inputs), source
+    dockerfile = REPO / image.dockerfile
+    copies = re.findall(r"^COPY (.+)$", dockerfile.read_text(), re.M)
+    assert copies
+    for line in copies:
+        for source in line.split()[:-1]:
+            path = Path(os.path.normpath(Path(image.context) / source))
+            # A folder copied whole may be an input only in the part .dockerignore sends (operator/gpufleet).
+            assert any(path == i or i in path.parents or path in i.parents for i in inputs), \
+                f"{image.dockerfile} copies {source}, which no input of the image's hash covers"
+            assert (REPO / path).exists(), f"{image.dockerfile} copies {source}, which does not exist"
 
 
 def test_every_package_of_the_cuda_set_is_pinned_with_its_hash():

@@ -156,5 +156,6 @@ def test_vllm_finds_the_plugin_where_the_images_put_the_package(tmp_path):
     project = tomllib.loads((image.parent / "pyproject.toml").read_text())["project"]
     assert {e.name: e.value for e in eps} == project["entry-points"]["vllm.general_plugins"]
     for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
-        assert "COPY dist-info /opt/gpufleet/gpufleet_engine-0.1.0.dist-info" in (image / dockerfile).read_text()
+        assert "COPY engine_image/dist-info /opt/gpufleet/gpufleet_engine-0.1.0.dist-info" in \
+            (image / dockerfile).read_text()
     assert os.path.exists(image / "gpufleet_engine" / "vllm" / "plugin.py")

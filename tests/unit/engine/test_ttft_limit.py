@@ -19,7 +19,6 @@ from gpufleet_engine.admission.ttft_limit import (
     STALE_SECONDS,
     WINDOW,
     TtftLimit,
-    quantile,
     ttft_limit_for,
 )
 from tests.support.waiting import wait_for
@@ -30,12 +29,6 @@ OBJECTIVE = 0.5  # seconds: the engine's share is 0.3 s
 def window(limit: TtftLimit, seconds: float, running: int, prompt: int = 100, acting: bool = True) -> None:
     for _ in range(WINDOW):
         limit.observe(seconds, prompt, running, acting=acting)
-
-
-def test_quantile_is_nearest_rank():
-    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert quantile([float(i) for i in range(1, 11)], 0.9) == 9.0
-    assert quantile([4.0], 0.99) == 4.0
 
 
 def test_starts_at_the_ceiling_and_cuts_to_a_share_of_what_ran_when_first_tokens_are_late():

@@ -35,7 +35,7 @@ def test_a_cluster_without_the_crd_gets_a_message_not_a_traceback(monkeypatch):
     from click.testing import CliRunner
 
     from gpufleet.fleet import audit_command
-    from gpufleet.kube.errors import NotFound
+    from gpufleet_kit.kube.errors import NotFound
 
     @contextlib.asynccontextmanager
     async def client(_config):

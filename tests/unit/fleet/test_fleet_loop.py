@@ -94,7 +94,7 @@ def test_service_loop_parses_the_spec_once_per_generation(monkeypatch):
 async def test_a_service_deleted_unseen_is_forgotten_at_its_next_tick(monkeypatch):
     """Its DELETED event was lost (a watch stream broke as it went): the API's 404 naming it
     ends its ticks; a 404 about anything else, or about an older copy under that name, does not."""
-    from gpufleet.kube.errors import error_for
+    from gpufleet_kit.kube.errors import error_for
 
     def not_found(kind, name):
         return error_for(404, {"reason": "NotFound", "message": f'{kind} "{name}" not found',

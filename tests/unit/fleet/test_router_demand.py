@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestServer
 
 from gpufleet.fleet.fleet_loop import FleetLoop
 from gpufleet.fleet.router_demand import RouterDemand, parse_held, router_address
-from gpufleet.router.metrics import RouterMetrics
+from gpufleet_router.metrics import RouterMetrics
 
 
 def router_metrics(**held: int) -> str:

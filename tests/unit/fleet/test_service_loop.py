@@ -9,10 +9,10 @@ from gpufleet.autoscale.signals import ReplicaSample
 from gpufleet.controller import Controller
 from gpufleet.fleet.ports import ServicePorts
 from gpufleet.fleet.service_loop import DELETION_COST, ServiceLoop
-from gpufleet.kube.errors import ApiError
 from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
+from gpufleet_kit.kube.errors import ApiError
 from tests.support.fake_kube import FakeKube
 
 API = "serving.gpufleet.dev/v1alpha1"

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import gpufleet
 import gpufleet_dev
-from gpufleet.kube.config import KubeConfig
+import gpufleet_kit
+import gpufleet_router
+from gpufleet_kit.kube.config import KubeConfig
 
-PACKAGES = [Path(gpufleet.__file__).parent, Path(gpufleet_dev.__file__).parent]
+PACKAGES = [Path(m.__file__).parent for m in (gpufleet, gpufleet_kit, gpufleet_router, gpufleet_dev)]
 LOADERS = {"kubernetes.client": {"Configuration"}, "kubernetes.config.config_exception": {"ConfigException"},
            "kubernetes.config.kube_config": {"KubeConfigLoader", "KubeConfigMerger"},
            "kubernetes.config.incluster_config": {"InClusterConfigLoader"}}
@@ -33,7 +35,7 @@ def imports(top: str) -> list[tuple[str, str, set[str]]]:
 
 def test_the_kubernetes_package_is_used_for_its_credential_loaders_alone():
     used = imports("kubernetes")
-    assert used and {file for file, _, _ in used} == {"gpufleet/kube/config.py"}
+    assert used and {file for file, _, _ in used} == {"gpufleet_kit/kube/config.py"}
     for _, module, names in used:
         assert module in LOADERS and names <= LOADERS[module], (module, names)
 

@@ -10,9 +10,9 @@ import logging
 import aiohttp
 import pytest
 
-from gpufleet.kube.errors import ApiError, Forbidden, NotFound
-from gpufleet.kube.informer import Informer
-from gpufleet.kube.watch_cache import Backoff
+from gpufleet_kit.backoff import Backoff
+from gpufleet_kit.kube.errors import ApiError, Forbidden, NotFound
+from gpufleet_kit.kube.informer import Informer
 from tests.support.waiting import wait_for
 
 
@@ -73,7 +73,7 @@ class Run:
             self.changes += 1
 
         self.informer = Informer(kube, "v1", "Pod", "ml", on_change=changed, sleep=sleep,
-                                 backoff=Backoff(first=0.5, cap=4.0, rand=lambda: 0.5), **options)
+                                 backoff=Backoff(first=0.5, cap=4.0, jitter=0.2, rand=lambda: 0.5), **options)
 
     async def __aenter__(self) -> "Run":
         self.task = asyncio.create_task(self.informer.run())
@@ -186,7 +186,7 @@ async def test_a_refused_watch_lists_again_at_the_backoffs_pace_and_says_what_to
                                           'gpufleet-router" cannot watch resource "pods" in API group ""')
     kube = ScriptedKube(lists=[([pod("a", "3")], "10"), ([pod("a", "5", ready=True)], "12"), ([], "13")],
                         watches=[refused, refused])
-    with caplog.at_level(logging.ERROR, logger="gpufleet.kube.informer"):
+    with caplog.at_level(logging.ERROR, logger="gpufleet_kit.kube.informer"):
         async with Run(kube, refused_hint="grant watch, or run with --discovery list") as run:
             await until(lambda: len(kube.watch_calls) == 3, "the third watch")
             assert run.names() == []

@@ -12,10 +12,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from gpufleet import handlers
-from gpufleet.kube import config as kc
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
-from gpufleet.kube.errors import ApiError
+from gpufleet_kit.kube import config as kc
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
+from gpufleet_kit.kube.errors import ApiError
 from tests.support.kubeconfigs import exec_plugin, exec_user, plugin_runs, write_kubeconfig
 
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "default"}}

@@ -10,9 +10,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gpufleet.kube.client import KubeClient
-from gpufleet.kube.config import KubeConfig
-from gpufleet.kube.errors import ApiError
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
+from gpufleet_kit.kube.errors import ApiError
 from tests.support.kubeconfigs import write_kubeconfig
 
 BIG = "x" * (1 << 20)   # an event past aiohttp's default line limit (512 KiB); etcd keeps objects to 1.5 MiB

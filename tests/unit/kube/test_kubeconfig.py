@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.kube import config as kc
-from gpufleet.kube.config import KubeConfig, KubeConfigError
+from gpufleet_kit.kube import config as kc
+from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
 from tests.support.kubeconfigs import exec_plugin, exec_user, plugin_runs, write_kubeconfig
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from gpufleet.kube.request_kind import request_kind
+from gpufleet_kit.kube.request_kind import request_kind
 
 
 @pytest.mark.parametrize("method, path, params, expected", [

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.kube.watch_cache import Applied, Backoff, Step, WatchCache, key_of, recovery
+from gpufleet_kit.backoff import Backoff
+from gpufleet_kit.kube.watch_cache import Applied, Step, WatchCache, key_of, recovery
 
 
 def pod(name: str, rv: str, ready: bool = False, namespace: str = "ml") -> dict:
@@ -80,9 +81,9 @@ def test_what_follows_a_failure(status, listing, relist, clear, pause):
 
 
 def test_the_backoff_doubles_to_its_cap_within_jitter_and_resets():
-    backoff = Backoff(first=0.5, cap=4.0, rand=lambda: 0.5)   # the middle of the ±20%
+    backoff = Backoff(first=0.5, cap=4.0, jitter=0.2, rand=lambda: 0.5)   # the middle of the ±20%
     assert [backoff.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
     backoff.reset()
     assert backoff.next() == 0.5
-    low, high = Backoff(first=1.0, rand=lambda: 0.0), Backoff(first=1.0, rand=lambda: 1.0)
+    low, high = Backoff(first=1.0, jitter=0.2, rand=lambda: 0.0), Backoff(first=1.0, jitter=0.2, rand=lambda: 1.0)
     assert low.next() == pytest.approx(0.8) and high.next() == pytest.approx(1.2)

@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from gpufleet.kube.errors import Forbidden, NotFound
-from gpufleet.router.adapters import Adapter, Catalog
-from gpufleet.router.choice import Replica
-from gpufleet.router.server import RouterSettings
 from gpufleet_api import API_VERSION, KIND
 from gpufleet_api.guard.adapters import ADAPTER_KIND
+from gpufleet_kit.kube.errors import Forbidden, NotFound
+from gpufleet_router.adapters import Adapter, Catalog
+from gpufleet_router.choice import Replica
+from gpufleet_router.server import RouterSettings
 from tests.support.waiting import wait_for
 from tests.unit.router.test_server import MODEL, FakeGuard, Harness
 
@@ -158,8 +158,8 @@ class FakeKube:
 
 
 async def test_the_adapters_are_listed_with_the_services_and_a_missing_crd_or_an_error_never_stops_routing():
-    from gpufleet.router.metrics import RouterMetrics
-    from gpufleet.router.server import Fleet
+    from gpufleet_router.metrics import RouterMetrics
+    from gpufleet_router.server import Fleet
     fleet = Fleet(RouterSettings(), RouterMetrics())
     item = {"metadata": {"name": LORA, "namespace": "ml"},
             "spec": {"service": "tiny", "source": {"pvc": {"claimName": "loras", "path": "support"}}}}

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.manifests import names
-from gpufleet.router import discovery
-from gpufleet.router.command import router as router_command
-from gpufleet.router.metrics import RouterMetrics
-from gpufleet.router.server import Fleet, RouterSettings, serve
 from gpufleet_api import API_VERSION, KIND
+from gpufleet_router import discovery
+from gpufleet_router.command import router as router_command
+from gpufleet_router.metrics import RouterMetrics
+from gpufleet_router.server import Fleet, RouterSettings, serve
 from tests.support.fake_kube import FakeKube
 from tests.support.kubeconfigs import write_kubeconfig
 from tests.support.waiting import wait_for
@@ -166,7 +166,7 @@ async def test_a_watching_router_serves_a_service_created_after_it_started(kube)
 
 
 def test_the_command_takes_watch_or_list_and_refuses_anything_else(tmp_path, monkeypatch):
-    from gpufleet.router import server
+    from gpufleet_router import server
     seen: list[RouterSettings] = []
 
     async def fake_serve(kube, settings, host, port, stop):

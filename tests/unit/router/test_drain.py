@@ -9,8 +9,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from gpufleet.router.server import RouterSettings, serve
 from gpufleet_api import API_VERSION, KIND
+from gpufleet_router.server import RouterSettings, serve
 from tests.support.waiting import wait_for
 from tests.unit.router.test_server import FakeGuard
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gpufleet.router import resume
-from gpufleet.router.requests import CHAT, COMPLETIONS, EMBEDDINGS
+from gpufleet_router import resume
+from gpufleet_router.requests import CHAT, COMPLETIONS, EMBEDDINGS
 
 ID, CREATED, MODEL = "cmpl-1", 111, "tiny"
 

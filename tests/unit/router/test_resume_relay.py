@@ -12,10 +12,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gpufleet.router.choice import Picker, Replica
-from gpufleet.router.metrics import RouterMetrics
-from gpufleet.router.server import Fleet, Router, RouterSettings, client_session
-from gpufleet.router.table import Route, Table
+from gpufleet_router.choice import Picker, Replica
+from gpufleet_router.metrics import RouterMetrics
+from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
+from gpufleet_router.table import Route, Table
 
 MODEL = "tiny"
 WORDS = [f" w{i}" for i in range(10)]

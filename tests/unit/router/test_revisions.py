@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.manifests import names
-from gpufleet.router.choice import Picker, Policy, Replica, Split
-from gpufleet.router.table import build_table
+from gpufleet_router.choice import Picker, Policy, Replica, Split
+from gpufleet_router.table import build_table
 from tests.unit.router.test_requests_and_table import isvc, serving
 
 
@@ -93,9 +93,9 @@ def test_pods_without_a_revision_are_one_group_and_no_canary_means_no_split():
 
 
 def test_the_fleet_gives_each_pool_its_services_split():
-    from gpufleet.router.metrics import RouterMetrics
-    from gpufleet.router.server import Fleet, RouterSettings
-    from gpufleet.router.table import Route, Table
+    from gpufleet_router.metrics import RouterMetrics
+    from gpufleet_router.server import Fleet, RouterSettings
+    from gpufleet_router.table import Route, Table
 
     fleet = Fleet(RouterSettings(), RouterMetrics())
     replicas = (Replica("a", "x:1", revision="old"), Replica("b", "x:2", revision="new"))

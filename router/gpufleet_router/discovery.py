@@ -18,15 +18,15 @@ import time
 from typing import Callable, Protocol
 
 from gpufleet_api import API_VERSION, KIND
+from gpufleet_api import engine_pods as names
 from gpufleet_api.guard.adapters import ADAPTER_KIND
+from gpufleet_kit.kube.informer import Informer, Watchable
+from gpufleet_kit.kube.pods import is_serving
 
-from ..kube.informer import Informer, Watchable
-from ..kube.pods import is_serving
-from ..manifests import names
 from . import adapters
 from .table import Table, build_table
 
-log = logging.getLogger("gpufleet.router")
+log = logging.getLogger("gpufleet_router")
 
 
 class Discovery:

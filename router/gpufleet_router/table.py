@@ -15,22 +15,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable
 
-from gpufleet_api import SpecError, parse_spec
+from gpufleet_api import engine_pods as pods_api
+from gpufleet_api.engine_pods import DECODE, PREFILL, ROLES, UNIFIED
+from gpufleet_api.route import SpecError, route_view
 
-from ..manifests import names
-from ..manifests.guard_config import served_name
 from .choice import Replica
 
-
-class Role:
-    """An engine pod's pool: the ``role`` label of the router's per-role metrics."""
-    UNIFIED = "unified"   # no role label: prefill and decode in one engine
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-ROLES = (Role.UNIFIED, Role.PREFILL, Role.DECODE)
-_LABELLED = {Role.PREFILL, Role.DECODE}   # the values of gpufleet.dev/role
+_LABELLED = {PREFILL, DECODE}   # the values of gpufleet.dev/role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +55,8 @@ class Route:
         return dict(self.pool_max).get(role, self.max_replicas)
 
     def pool(self, role: str) -> tuple[Replica, ...]:
-        return {Role.UNIFIED: self.replicas, Role.PREFILL: self.prefill, Role.DECODE: self.decode}[role]
+        pools: dict[str, tuple[Replica, ...]] = {UNIFIED: self.replicas, PREFILL: self.prefill, DECODE: self.decode}
+        return pools[role]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,70 +70,53 @@ class Table:
 
 
 def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callable[[dict], bool],
-                guard_port: int = names.GUARD_PORT) -> Table:
-    """``serving(pod)``: whether the pod takes new requests (Ready, addressed, not terminating)."""
+                guard_port: int = pods_api.GUARD_PORT) -> Table:
+    """``serving(pod)``: whether the pod takes new requests (Ready, addressed, not terminating).
+    Each service is read through the API's route view (gpufleet_api.route), the one place that
+    says what of an InferenceService the router routes by."""
     by_pool: dict[tuple[str, str, str], list[Replica]] = {}
     problems = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
-        service = labels.get(names.LABEL_SERVICE)
+        service = labels.get(pods_api.LABEL_SERVICE)
         ip = (pod.get("status") or {}).get("podIP")
         if not service or not ip:
             continue
         ns = meta.get("namespace", "")
-        role = labels.get(names.LABEL_ROLE, Role.UNIFIED)
-        if role != Role.UNIFIED and role not in _LABELLED:
+        role = labels.get(pods_api.LABEL_ROLE, UNIFIED)
+        if role != UNIFIED and role not in _LABELLED:
             # A pool the router does not know how to use (a newer operator's): sending it requests
             # as if it were unified could answer them wrongly, so it gets none.
-            problems.append(f"{ns}/{meta['name']}: {names.LABEL_ROLE}={role!r} is not prefill or decode; "
+            problems.append(f"{ns}/{meta['name']}: {pods_api.LABEL_ROLE}={role!r} is not prefill or decode; "
                             f"the pod gets no requests")
             continue
         by_pool.setdefault((ns, service, role), []).append(
             Replica(pod=meta["name"], address=f"{ip}:{guard_port}", serving=serving(pod),
-                    revision=str(labels.get(names.LABEL_REVISION, "")),
+                    revision=str(labels.get(pods_api.LABEL_REVISION, "")),
                     terminating=bool(meta.get("deletionTimestamp"))))
     routes: dict[str, Route] = {}
-    # Oldest first: when two services claim one model name, the one that had it first keeps it.
-    ordered = sorted(services, key=lambda s: (s["metadata"].get("creationTimestamp") or "",
-                                              s["metadata"].get("namespace", ""), s["metadata"]["name"]))
-    for isvc in ordered:
+    views = []
+    for isvc in services:
         meta = isvc["metadata"]
-        ns, name = meta.get("namespace", ""), meta["name"]
-        if meta.get("deletionTimestamp"):
-            continue
         try:
-            spec = parse_spec(isvc.get("spec"))
+            views.append(route_view(isvc))
         except SpecError as e:
-            problems.append(f"{ns}/{name}: invalid spec ({e}); not routed")
+            problems.append(f"{meta.get('namespace', '')}/{meta['name']}: invalid spec ({e}); not routed")
+    # Oldest first: when two services claim one model name, the one that had it first keeps it.
+    for view in sorted(views, key=lambda v: (v.created, v.namespace, v.service)):
+        ns, name = view.namespace, view.service
+        if view.deleting:
             continue
-        model = served_name(spec)
-        if model in routes:
-            kept = routes[model]
-            problems.append(f"{ns}/{name}: serves model {model!r}, which {kept.namespace}/{kept.service} "
+        if view.model in routes:
+            kept = routes[view.model]
+            problems.append(f"{ns}/{name}: serves model {view.model!r}, which {kept.namespace}/{kept.service} "
                             f"already serves; not routed (give one of them another spec.model.servedName)")
             continue
-        canary_revision, canary_weight = _canary(isvc)
         pools = {role: tuple(sorted(by_pool.get((ns, name, role), []), key=lambda r: r.pod)) for role in ROLES}
-        routes[model] = Route(namespace=ns, service=name, model=model, block_size=spec.engine.kv_cache.block_size,
-                              min_replicas=spec.autoscaling.min_replicas,
-                              max_replicas=spec.autoscaling.max_replicas, replicas=pools[Role.UNIFIED],
-                              pool_max=((Role.PREFILL, spec.disaggregation.prefill.max_replicas),
-                                        (Role.DECODE, spec.disaggregation.decode.max_replicas))
-                              if spec.disaggregation else (),
-                              kv_tier=spec.engine.kv_tier == "Shared" and spec.engine.kv_transfer is not None,
-                              prefill=pools[Role.PREFILL], decode=pools[Role.DECODE], model_root=spec.model.name,
-                              canary_revision=canary_revision, canary_weight=canary_weight)
+        routes[view.model] = Route(namespace=ns, service=name, model=view.model, block_size=view.block_size,
+                                   min_replicas=view.min_replicas, max_replicas=view.max_replicas,
+                                   replicas=pools[UNIFIED], pool_max=view.pool_max, kv_tier=view.kv_tier,
+                                   prefill=pools[PREFILL], decode=pools[DECODE], model_root=view.model_root,
+                                   canary_revision=view.canary_revision, canary_weight=view.canary_weight)
     return Table(routes, tuple(problems))
-
-
-def _canary(isvc: dict) -> tuple[str, int]:
-    """(status.rollout.canaryRevision, canaryWeightPercent clamped to 0..100); ("", 0) without a canary."""
-    rollout = (isvc.get("status") or {}).get("rollout") or {}
-    revision = rollout.get("canaryRevision")
-    weight = rollout.get("canaryWeightPercent")
-    if not isinstance(revision, str) or not revision:
-        return "", 0
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        weight = 0
-    return revision, int(min(100, max(0, weight)))

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from ..leadership import LeaseRecord
-from .client import KubeClient
-from .errors import NotFound
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.errors import NotFound
+
+from .records import LeaseRecord
 
 API_VERSION = "coordination.k8s.io/v1"
 KIND = "Lease"

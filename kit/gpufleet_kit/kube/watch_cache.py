@@ -2,7 +2,7 @@
 
 ``informer.py`` does the I/O; this module decides what each answer means:
 ``WatchCache.replace`` takes a LIST, ``WatchCache.apply`` one watch event,
-``recovery`` says what follows a failed LIST or WATCH, and ``Backoff`` how long
+``recovery`` says what follows a failed LIST or WATCH, and ``gpufleet_kit.backoff`` how long
 to wait before trying again. The API server's side of the protocol is in its
 API concepts page ("Efficient detection of changes"): a WATCH resumes from a
 resourceVersion; BOOKMARK events move that version on without a change; a
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import random
-from typing import Callable, Iterable
+from typing import Iterable
 
 GONE = 410   # the resourceVersion is older than the server keeps: LIST again
 
@@ -120,20 +119,3 @@ def recovery(status: int | None, *, listing: bool) -> Recovery:
         # fresh enough to route by while someone grants the verb.
         return Recovery(relist=True, clear=False, pause=True)
     return Recovery(relist=listing, clear=False, pause=True)
-
-
-class Backoff:
-    """Pauses between tries: ``first`` seconds, doubling to ``cap``, each within ±20% (``rand``) so
-    that routers cut off together do not come back together."""
-
-    def __init__(self, first: float = 0.5, cap: float = 30.0, rand: Callable[[], float] = random.random):
-        self.first, self.cap, self.rand = first, cap, rand
-        self._next = first
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.cap, self._next * 2)
-        return delay * (0.8 + 0.4 * self.rand())
-
-    def reset(self) -> None:
-        self._next = self.first

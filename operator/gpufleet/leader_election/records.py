@@ -15,7 +15,7 @@ The rules are client-go's (kube-controller-manager, controller-runtime):
   means someone else wrote first, and this replica is not the leader.
 
 ``Leadership`` is the state machine; ``kube.lease`` reads and writes the
-Lease, and ``leader_elector`` runs the loop, times the requests and reports.
+Lease, and ``elector`` runs the loop, times the requests and reports.
 """
 from __future__ import annotations
 

@@ -64,8 +64,9 @@ def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_sec
            hold_max_requests, prefill_timeout_seconds, policy, resume_streams, max_resumptions, resume_timeout_seconds,
            verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
-    from ..kube.client import KubeClient
-    from ..kube.config import KubeConfig, KubeConfigError
+    from gpufleet_kit.kube.client import KubeClient
+    from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
+
     from .server import serve
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,

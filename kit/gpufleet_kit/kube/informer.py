@@ -24,8 +24,9 @@ import contextlib
 import logging
 from typing import AsyncGenerator, Awaitable, Callable, Protocol
 
+from ..backoff import Backoff
 from .errors import ApiError
-from .watch_cache import GONE, Backoff, Step, WatchCache, recovery
+from .watch_cache import GONE, Step, WatchCache, recovery
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class Informer:
         self.label_selector = label_selector
         self.on_change = on_change
         self.watch_seconds = watch_seconds
-        self.backoff = backoff or Backoff()
+        # ±20% so that routers cut off together do not come back together.
+        self.backoff = backoff or Backoff(first=0.5, cap=30.0, jitter=0.2)
         self._sleep = sleep
         self.refused_hint = refused_hint     # what to do when a verb is refused, for the log
         self.cache = WatchCache()

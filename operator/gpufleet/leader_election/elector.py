@@ -20,12 +20,13 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from .kube.client import KubeClient
-from .kube.config import KubeConfig
-from .kube.errors import ApiError, Conflict
-from .kube.lease import LeaseStore
-from .leadership import Change, Leadership, LeaseRecord, Timing
-from .metrics import OperatorMetrics
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.config import KubeConfig
+from gpufleet_kit.kube.errors import ApiError, Conflict
+
+from ..metrics import OperatorMetrics
+from .lease_store import LeaseStore
+from .records import Change, Leadership, LeaseRecord, Timing
 
 log = logging.getLogger(__name__)
 COMPONENT = "gpufleet-operator"

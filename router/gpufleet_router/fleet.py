@@ -1,0 +1,201 @@
+"""The router's view of the fleet, kept current by two loops: the route table and adapters from the API
+server (discovery.py watches, or ``discover`` lists), each replica's reading from its guard (``read``);
+and the requests held through a cold start until a replica can answer them."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Callable
+
+import aiohttp
+
+from gpufleet_api import API_VERSION, KIND
+from gpufleet_api import engine_pods as names
+from gpufleet_api.engine_pods import DECODE, ROLES, UNIFIED
+from gpufleet_api.guard.adapters import ADAPTER_KIND
+from gpufleet_api.guard.endpoints import GUARD_METRICS_PATH
+from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.kube.errors import NotFound
+from gpufleet_kit.kube.pods import is_serving
+
+from . import adapters
+from .choice import Picker, Reading
+from .cold_start import ColdStarts
+from .metrics import RouterMetrics
+from .settings import RouterSettings
+from .signals import parse_guard
+from .table import Table, build_table
+
+log = logging.getLogger("gpufleet_router")
+
+
+class Fleet:
+    """The route table and a picker per service and pool, kept current by two loops."""
+
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.table = Table({})
+        self.catalog = adapters.EMPTY       # the LoRA adapters in scope
+        self.pickers: dict[tuple[str, str], Picker] = {}   # (model, role) -> that pool's picker
+        self.listed = asyncio.Event()       # the first listing succeeded: the router can route
+        self.draining = False
+        self._problems: tuple[str, ...] = ()
+        self._adapter_items: list[dict] = []   # the last InferenceAdapters listed
+        self.held: dict[str, collections.deque[asyncio.Future]] = {}
+        self.cold_since: dict[str, float] = {}   # model -> when its first request found no replica
+        self.cold_starts: dict[str, ColdStarts] = {}
+
+    def update(self, table: Table, catalog: adapters.Catalog = adapters.EMPTY) -> None:
+        problems = table.problems + catalog.problems
+        for problem in set(problems) - set(self._problems):
+            log.warning("%s", problem)
+        self._problems = problems
+        self.table = table
+        self.catalog = catalog
+        for model, route in table.routes.items():
+            for role in ROLES:
+                factor = self.settings.tier_load_factor if route.kv_tier else self.settings.load_factor
+                picker = self.pickers.setdefault((model, role), Picker(factor, self.settings.policy))
+                picker.load_factor = factor
+                picker.canary_revision, picker.canary_percent = route.canary_revision, route.canary_weight
+                picker.set_replicas(route.pool(role))
+        for model, role in [key for key in self.pickers if key[0] not in table.routes]:
+            del self.pickers[(model, role)]
+            self.metrics.replicas.remove(model, role)
+        self._count_replicas()
+        self.release_held()
+
+    def picker(self, model: str, role: str = UNIFIED) -> Picker | None:
+        return self.pickers.get((model, role))
+
+    def serving_pool(self, model: str) -> str | None:
+        """The pool that answers the service's requests now: decode (after a prefill) when a decode
+        replica can take them, else unified, else None (held). Decode first: while a rollout turns a
+        unified service into pools, the new pools take over as soon as a decode replica is ready."""
+        for role in (DECODE, UNIFIED):
+            picker = self.picker(model, role)
+            if picker is not None and picker.eligible():
+                return role
+        return None
+
+    def _count_replicas(self) -> None:
+        for (model, role), picker in self.pickers.items():
+            self.metrics.replicas.labels(model, role).set(len(picker.eligible()))
+
+    async def list_once(self, kube: KubeClient) -> None:
+        services: list[dict] = []
+        pods: list[dict] = []
+        selector = names.engine_pods_selector()
+        for ns in self.settings.namespaces or (None,):
+            services += await kube.list(API_VERSION, KIND, ns)
+            pods += await kube.list("v1", "Pod", ns, label_selector=selector)
+        table = build_table(services, pods, is_serving, self.settings.guard_port)
+        self.update(table, await self._list_adapters(kube, table))
+        self.listed.set()
+
+    async def _list_adapters(self, kube: KubeClient, table: Table) -> adapters.Catalog:
+        """The InferenceAdapters in scope. Without their CRD (a chart older than adapters) there are none;
+        when they cannot be listed, the last catalog is kept so that base models are still routed."""
+        items: list[dict] = []
+        try:
+            for ns in self.settings.namespaces or (None,):
+                items += await kube.list(API_VERSION, ADAPTER_KIND, ns)
+        except NotFound:
+            return adapters.EMPTY
+        except Exception as e:
+            log.warning("cannot list InferenceAdapters (adapters served as last listed): %s", e)
+            return adapters.build_catalog(self._adapter_items, table)
+        self._adapter_items = items
+        return adapters.build_catalog(items, table)
+
+    async def discover(self, kube: KubeClient) -> None:
+        while True:
+            try:
+                await self.list_once(kube)
+            except Exception as e:  # keep routing on the last table; say why it is not refreshed
+                log.warning("cannot list InferenceServices and engine pods: %s", e)
+            await asyncio.sleep(self.settings.discovery_interval)
+
+    async def read_once(self, http: aiohttp.ClientSession) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.reading_timeout)
+
+        async def read(model: str, picker: Picker, pod: str, address: str) -> None:
+            taken_at = self.clock()
+            reading: Reading | None
+            try:
+                async with http.get(f"http://{address}{GUARD_METRICS_PATH}", timeout=timeout) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"answered {r.status}")
+                    reading = parse_guard(await r.text(), taken_at)
+            except Exception as e:  # unreadable: its room is unknown until the next read
+                log.debug("cannot read %s (%s): %s", pod, address, e)
+                self.metrics.readings_failed.labels(model).inc()
+                reading = None
+            picker.observe(pod, reading)
+
+        await asyncio.gather(*(read(model, picker, r.pod, r.address)
+                               for (model, _role), picker in list(self.pickers.items())
+                               for r in picker.replicas.values() if r.serving))
+        self._count_replicas()
+        self.release_held()
+
+    # --- requests held through a cold start ------------------------------------------
+
+    def cold(self, model: str) -> ColdStarts:
+        return self.cold_starts.setdefault(model, ColdStarts())
+
+    async def hold(self, model: str, deadline: float) -> bool:
+        """Wait, in arrival order, until the service has a replica to answer (serving_pool); False
+        at the deadline."""
+        queue = self.held.setdefault(model, collections.deque())
+        self.cold_since.setdefault(model, self.clock())
+        waiter = asyncio.get_running_loop().create_future()
+        queue.append(waiter)
+        self.metrics.held_total.labels(*self._service(model)).inc()
+        self.metrics.held.labels(*self._service(model)).set(len(queue))
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), max(0.0, deadline - self.clock()))
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            if waiter in queue:
+                queue.remove(waiter)
+            self.metrics.held.labels(*self._service(model)).set(len(queue))
+
+    def _service(self, model: str) -> tuple[str, str]:
+        route = self.table.routes.get(model)
+        return (route.namespace, route.service) if route else ("", model)
+
+    def held_count(self, model: str) -> int:
+        return len(self.held.get(model, ()))
+
+    def release_held(self) -> None:
+        """Wake the requests held for each service that now has a replica to answer, first come first."""
+        for model in self.table.routes:
+            if self.serving_pool(model) is None:
+                continue
+            started = self.cold_since.pop(model, None)
+            if started is not None:
+                seconds = self.clock() - started
+                self.cold(model).record(seconds)
+                self.metrics.cold_start_seconds.labels(*self._service(model)).observe(seconds)
+                log.info("%s: a replica is ready %.1fs after the first request found none", model, seconds)
+            queue = self.held.get(model)
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+            if queue is not None:
+                self.metrics.held.labels(*self._service(model)).set(0)
+
+    async def read(self, http: aiohttp.ClientSession) -> None:
+        while True:
+            started = self.clock()
+            await self.read_once(http)
+            await asyncio.sleep(max(0.0, self.settings.reading_interval - (self.clock() - started)))

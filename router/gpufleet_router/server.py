@@ -1,0 +1,201 @@
+"""The router's HTTP server: one OpenAI endpoint in front of every InferenceService in scope.
+
+A request is read (bounded), its ``model`` names the service (table.py) or
+a LoRA adapter of one (adapters.py), choice.py names the replica (for an
+adapter, one that holds it loaded), and the body goes to that replica's guard
+unchanged. The answer comes back as it arrives, chunk by chunk, so streamed
+tokens are not held. A 429 from the first replica, or a connection that
+fails before it answers, is sent once more to another replica: nothing has
+gone to the client yet. Refused twice, the client gets the 429 with the
+earlier of the replicas' Retry-After hints.
+
+A disaggregated service (prefill and decode pools) takes each request in two
+steps (handoff.py): a prefill replica, chosen by prefix affinity and load,
+computes the prompt's KV and answers with one token; a decode replica, chosen
+by free KV, gets the client's request with the prefill's hand-off and its
+answer goes to the client. A prefill that does not answer in time, or at all,
+is skipped: decode then computes the prompt itself.
+
+Here: the aiohttp app and its routes, and ``serve``. The rest, by job: the fleet's state and discovery
+(fleet.py, discovery.py), forwarding and retries (forwarding.py, exchange.py), streams and their
+resumption (streaming.py, resume.py), the P/D hand-off (prefill.py, handoff.py), the settings
+(settings.py); the pure policy (choice.py, table.py over the API's route view, shedding.py, requests.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from gpufleet_kit.kube.client import KubeClient
+
+from . import adapters, discovery, resume
+from . import requests as rq
+from .choice import prefix_of
+from .exchange import Call, Relay, client_session, error_response, refuse
+from .fleet import Fleet
+from .forwarding import Forwarder
+from .metrics import Outcome, RouterMetrics
+from .settings import HOP_BY_HOP, RouterSettings
+
+__all__ = ["Fleet", "Router", "RouterSettings", "client_session", "serve"]
+
+log = logging.getLogger("gpufleet_router")
+
+
+class Router:
+    """The router's HTTP app: the OpenAI routes, /v1/models, /metrics and the probes."""
+
+    def __init__(self, fleet: Fleet, http: aiohttp.ClientSession):
+        self.fleet = fleet
+        self.http = http
+        self.metrics = fleet.metrics
+        self.settings = fleet.settings
+        self.forwarder = Forwarder(fleet, http)
+
+    def app(self) -> web.Application:
+        @web.middleware
+        async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+            # aiohttp's own 404/405 are plain text: answer them in the OpenAI error format too.
+            try:
+                return await handler(request)
+            except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:
+                self.metrics.requests.labels("", Outcome.INVALID).inc()
+                routes = ", ".join(f"POST {r}" for r in rq.ROUTES) + ", GET /v1/models"
+                return error_response(e.status, rq.error_body(
+                    f"{request.method} {request.path} is not served here; the router serves {routes}.",
+                    "invalid_request_error", code="not_found" if e.status == 404 else "method_not_allowed"))
+
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[openai_errors])
+
+        async def close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
+            if self.fleet.draining:
+                response.force_close()
+                response.headers["Connection"] = "close"
+        app.on_response_prepare.append(close_while_draining)
+
+        def proxied(route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+            async def handler(request: web.Request) -> web.StreamResponse:
+                return await self.handle(request, route)
+            return handler
+
+        for route in rq.ROUTES:
+            app.router.add_post(route, proxied(route))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.render_metrics)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        # As vLLM lists them (serving_models.show_available_models): a base model's ``root`` is the model
+        # it loads and its ``parent`` null; an adapter's ``root`` is its source, its ``parent`` the base.
+        cards = [{"id": model, "object": "model", "created": 0, "owned_by": "gpufleet", "root": route.root,
+                  "parent": None, "namespace": route.namespace, "service": route.service}
+                 for model, route in self.fleet.table.routes.items()]
+        cards += [{"id": a.name, "object": "model", "created": 0, "owned_by": "gpufleet", "root": a.root,
+                   "parent": a.parent, "namespace": a.namespace, "service": a.service}
+                  for a in self.fleet.catalog.adapters.values()]
+        return web.json_response({"object": "list", "data": sorted(cards, key=lambda c: c["id"])})
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"alive": True})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        reasons = ([] if self.fleet.listed.is_set() else ["services not listed yet"]) + \
+            (["draining"] if self.fleet.draining else [])
+        return web.json_response({"ready": not reasons, "reasons": reasons}, status=503 if reasons else 200)
+
+    async def handle(self, request: web.Request, route: str) -> web.StreamResponse:
+        arrived = self.fleet.clock()
+        try:
+            body = await self._read_body(request)
+            parsed = rq.parse(body, route)
+            resolved = adapters.resolve(parsed.model, self.fleet.table, self.fleet.catalog)
+            if resolved is None:
+                self.metrics.unknown_model_requests.inc()
+                # vLLM's 404 (OpenAI's shape, vLLM's type and numeric code), naming what is served here.
+                raise rq.BadRequest(404, adapters.not_found_message(parsed.model, self.fleet.table,
+                                                                    self.fleet.catalog),
+                                    param="model", code=404, kind="NotFoundError")
+        except rq.BadRequest as e:
+            return refuse(self.metrics, "", Outcome.INVALID, e.status, e.body())
+        target, adapter = resolved.route, resolved.adapter
+        if adapter is not None:
+            self.metrics.adapter_requests.labels(adapter.name).inc()
+        prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks,
+                           adapter=adapter.name if adapter else None)
+        if prefix is not None:
+            self.metrics.prefix_keyed.labels(target.model).inc()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        relay = self._relay(body, route, parsed)
+        if relay is not None and relay.stream.refusal is None:
+            # Counted from vLLM's usage in each chunk (what the client did not ask for is taken out again).
+            body = json.dumps(resume.upstream_body(relay.stream.doc)).encode()
+        try:
+            return await self.forwarder.forward(Call(request, route, body, headers, parsed, target, arrived, prefix,
+                                             adapter.name if adapter else None, relay))
+        finally:
+            self.metrics.request_seconds.labels(target.model).observe(self.fleet.clock() - arrived)
+
+    def _relay(self, body: bytes, route: str, parsed: rq.Parsed) -> Relay | None:
+        """A streamed completion's relay event by event (resume.py), with resumption on; else None."""
+        if not (self.settings.resume_streams and parsed.stream and route in resume.RESUMABLE_ROUTES):
+            return None
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None
+        return Relay(resume.Stream(doc, route)) if isinstance(doc, dict) else None
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = rq.BadRequest(413, f"The request body is over the router's limit of {limit} bytes; send a "
+                                       f"shorter prompt.", kind="invalid_request_error", code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.content.iter_any():  # bounded while it arrives (chunked bodies too)
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int,
+                stop: asyncio.Event) -> None:
+    """Run until ``stop`` is set, then drain: unready (still serving) for the grace, then stop
+    listening and let answers in progress finish."""
+    metrics = RouterMetrics()
+    fleet = Fleet(settings, metrics)
+    http = client_session(settings)
+    router = Router(fleet, http)
+    tasks = [asyncio.create_task(discovery.run(fleet, kube), name="router-discovery"),
+             asyncio.create_task(fleet.read(http), name="router-readings")]
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=settings.drain_timeout)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("router listening on %s:%d (%s)", host, port,
+                 ", ".join(settings.namespaces) if settings.namespaces else "every namespace")
+        await stop.wait()
+        fleet.draining = True
+        log.info("draining: unready for %gs, then answers in progress get up to %gs", settings.drain_grace,
+                 settings.drain_timeout)
+        await asyncio.sleep(settings.drain_grace)
+    finally:
+        await runner.cleanup()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await http.close()

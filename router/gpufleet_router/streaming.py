@@ -1,0 +1,182 @@
+"""Streams that survive their replica (resume.py is the pure part): a streamed completion is relayed
+event by event, and when its replica breaks off mid-answer it continues on another replica of the same
+revision, at most --max-resumptions times; the client's stream ends well-formed either way."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Callable
+
+import aiohttp
+from aiohttp import web
+
+from . import resume
+from .choice import Pick, Picker
+from .exchange import Broken, Call, Refused, Relay, Unreachable, is_sse, replica_down, retry_after_of
+from .fleet import Fleet
+from .metrics import Outcome, Resumption
+from .settings import MIN_RESUME_WAIT_SECONDS, RETRIED_STATUSES
+
+log = logging.getLogger("gpufleet_router")
+
+
+class Streams:
+    """Relays streamed answers to clients and resumes the ones whose replica broke off."""
+
+    def __init__(self, fleet: Fleet, http: aiohttp.ClientSession):
+        self.fleet, self.http = fleet, http
+        self.metrics, self.settings = fleet.metrics, fleet.settings
+
+    async def pump(self, call: Call, relay: Relay, upstream: aiohttp.ClientResponse,
+                    before_end: Callable[[], None] | None = None) -> bool:
+        """The replica's events to the client through the relay: True when its answer ended with [DONE]
+        (or an error event it answered), False when it broke off before. The client going away raises.
+        ``before_end`` runs once, before the events that end the stream go out: a client that reads the
+        end and then the router's metrics sees what it counted."""
+        stream, response = relay.stream, relay.response
+        assert response is not None
+        chunks = upstream.content.iter_any().__aiter__()
+        while True:
+            try:
+                data = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, ConnectionResetError, asyncio.IncompleteReadError) as e:
+                log.warning("%s: a stream broke off after %d events: %s", call.model, stream.events,
+                            f"{type(e).__name__}: {e}")
+                break
+            events = stream.feed(data)
+            if stream.done and before_end is not None:
+                before_end()
+                before_end = None
+            for event in events:
+                if relay.broke_at is not None:
+                    self.metrics.resume_gap_seconds.labels(call.target.service).observe(
+                        self.fleet.clock() - relay.broke_at)
+                    relay.broke_at = None
+                await response.write(event)
+        return stream.done
+
+    async def resume_after_break(self, call: Call, role: str, broken: Broken, cost: int) -> web.StreamResponse:
+        """Continue a stream whose replica broke off mid-answer on other replicas of its revision, at most
+        --max-resumptions times; the client's stream ends well-formed either way."""
+        relay = call.relay
+        assert relay is not None and relay.response is not None
+        stream, response = relay.stream, relay.response
+        service, model = call.target.service, call.model
+        relay.broke_at = self.fleet.clock()
+        broke = [broken.pod]    # never sent a continuation again
+        tried = list(broke)     # this round of replicas
+        refusals: list[float | None] = []
+        deadline = self.fleet.clock() + self.settings.resume_timeout
+        failure = f"the replica {broken.pod} broke off mid-answer"
+        while True:
+            if stream.finished:
+                # It had said all it would: what is left is the ending (finish, usage, [DONE]).
+                await response.write(stream.ending())
+                return await self._ended(model, service, response, Resumption.RESUMED)
+            why = stream.why_not()
+            if why is not None:
+                return await self._end_in_error(model, service, response, Resumption.REFUSED, (
+                    f"The answer's replica broke off mid-stream and the request cannot be resumed faithfully on "
+                    f"another replica: {why}. Send it again."), resume.Code.NOT_RESUMABLE)
+            if len(broke) > self.settings.max_resumptions:
+                return await self._end_in_error(model, service, response, Resumption.FAILED, (
+                    f"The answer's replica broke off mid-stream ({failure}); resumed {len(broke) - 1} times "
+                    f"(--max-resumptions). Send it again."), resume.Code.BROKEN)
+            picker = self.fleet.picker(model, role)
+            pick = None if picker is None else picker.pick(cost, None, exclude=tried, adapter=call.adapter,
+                                                           revision=broken.revision, strict=True)
+            wait = None if pick is not None else self._resume_wait(picker, broken.revision, broke, refusals, deadline)
+            if wait is not None:
+                await asyncio.sleep(wait)
+                tried, refusals = list(broke), []
+                continue
+            if picker is None or pick is None:
+                return await self._end_in_error(model, service, response, Resumption.FAILED, (
+                    f"The answer's replica broke off mid-stream ({failure}) and no other ready replica of its "
+                    f"revision{' holding the adapter' if call.adapter else ''} could continue it. Send it again."),
+                    resume.Code.BROKEN)
+            pod = pick.replica.pod
+            tried.append(pod)
+            self.metrics.picks.labels(model, role, pick.reason).inc()
+            ticket = picker.sent(pod, cost, self.fleet.clock(), None)
+            try:
+                if await self._continue(call, relay, pick,
+                                        lambda: self._ended_now(model, service, Resumption.RESUMED)):
+                    await response.write_eof()
+                    return response
+                failure = f"then {pod} broke off too"
+                broke.append(pod)
+                tried = list(broke)
+            except Refused as r:
+                failure = f"{pod} refused the continuation ({r.status})"
+                refusals.append(r.retry_after)
+            except Unreachable as u:
+                failure = u.message
+                broke.append(pod)
+            finally:
+                picker.finished(pod, ticket)
+
+    def _resume_wait(self, picker: Picker | None, revision: str, broke: list[str], refusals: list[float | None],
+                     deadline: float) -> float | None:
+        """How long a continuation that found no replica waits before it looks again (None: it does not,
+        the stream ends): for the earliest room the replicas that refused it expect (429/503: the load of
+        the one that died came to them), else for a replica of its revision on its way back (its engine
+        restarting after the same failure, or its pod Ready before this router's next reading says so);
+        within --resume-timeout-seconds."""
+        waits = []
+        if refusals:
+            hints = [h for h in refusals if h is not None]
+            waits.append(max(MIN_RESUME_WAIT_SECONDS, min(hints) if hints else self.settings.reading_interval))
+        if picker is not None and picker.recovering(revision, exclude=broke):
+            waits.append(max(MIN_RESUME_WAIT_SECONDS, self.settings.reading_interval / 4))
+        return next((w for w in waits if self.fleet.clock() + w <= deadline), None)
+
+    async def _continue(self, call: Call, relay: Relay, pick: Pick, before_end: Callable[[], None]) -> bool:
+        """The continuation to one replica: True when its answer ended the stream (``before_end`` ran
+        just before its end went out)."""
+        stream = relay.stream
+        body = json.dumps(stream.continuation()).encode()
+        url = f"http://{pick.replica.address}{call.route}"
+        headers = {k: v for k, v in call.headers.items() if k.lower() != "content-length"}
+        try:
+            upstream = await self.http.post(url, data=body, headers=headers)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise Unreachable(f"{pick.replica.pod} ({pick.replica.address}): {type(e).__name__}: {e}") from None
+        done = False
+        try:
+            if upstream.status != 200 or not is_sse(upstream):
+                answer = await upstream.read()
+                done = True
+                if upstream.status in RETRIED_STATUSES and not replica_down(upstream.status, answer):
+                    raise Refused(upstream.status, answer, upstream.content_type, retry_after_of(upstream))
+                raise Unreachable(f"{pick.replica.pod} answered the continuation {upstream.status}: "
+                                   f"{answer[:300]!r}")
+            ended = await self.pump(call, relay, upstream, before_end)
+            if not ended:
+                stream.broke()
+            done = ended
+            return ended
+        finally:
+            if done:
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def _end_in_error(self, model: str, service: str, response: web.StreamResponse, outcome: str,
+                            message: str, code: str) -> web.StreamResponse:
+        log.warning("%s: %s", model, message)
+        await response.write(resume.error_event(message, code))
+        return await self._ended(model, service, response, outcome)
+
+    async def _ended(self, model: str, service: str, response: web.StreamResponse,
+                     outcome: str) -> web.StreamResponse:
+        self._ended_now(model, service, outcome)
+        await response.write_eof()
+        return response
+
+    def _ended_now(self, model: str, service: str, outcome: str) -> None:
+        self.metrics.resumed_streams.labels(service, outcome).inc()
+        self.metrics.requests.labels(model, Outcome.OK if outcome == Resumption.RESUMED else Outcome.ERROR).inc()
