@@ -5,6 +5,7 @@ from typing import Any, TypeVar
 
 from gpufleet_api import typed
 
+from .errors import ContractError
 from .v1alpha1 import API_VERSION, GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 
 __all__ = ["API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "InferenceServiceSpec", "SpecError",
@@ -13,7 +14,7 @@ __all__ = ["API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION", "InferenceServic
 T = TypeVar("T")
 
 
-class SpecError(ValueError):
+class SpecError(ContractError):
     """An object does not fit its type; ``path`` names the field (spec.autoscaling.maxReplicas)."""
 
     def __init__(self, path: str, message: str):

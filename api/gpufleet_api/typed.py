@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import inspect as mi
 
+from .errors import ContractError
+
 T = TypeVar("T")
 Loc = tuple[str | int, ...]
 
@@ -43,7 +45,7 @@ class Problem:
         return f"{self.path}: {self.message}" if self.loc else self.message
 
 
-class Invalid(ValueError):
+class Invalid(ContractError):
     """A document does not fit its model; ``problems`` names every field that is wrong."""
 
     def __init__(self, problems: list[Problem]):

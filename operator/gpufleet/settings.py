@@ -12,6 +12,7 @@ import dataclasses
 from types import MappingProxyType
 from typing import Mapping
 
+from .errors import OperatorError
 from .leader_election.records import Timing, TimingError
 from .manifests.network_policy import EngineIngress
 from .reconcile import figures
@@ -19,7 +20,7 @@ from .reconcile import figures
 LEASE_NAME = "gpufleet-operator"
 
 
-class SettingsError(ValueError):
+class SettingsError(OperatorError, ValueError):
     """A flag's value the operator cannot run with; ``flag`` names it."""
 
     def __init__(self, flag: str, message: str):

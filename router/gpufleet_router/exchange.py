@@ -12,6 +12,7 @@ from aiohttp import web
 from . import requests as rq
 from . import resume
 from .choice import Prefix
+from .errors import RouterError
 from .metrics import RouterMetrics
 from .settings import REPLICA_DOWN_CODES, RouterSettings
 from .table import Route
@@ -45,21 +46,21 @@ class Relay:
     broke_at: float | None = None                 # the last break, until the next replica's first event
 
 
-class Refused(Exception):
+class Refused(RouterError):
     """The replica answered 429 or 503 about its capacity: not admitted, nothing went to the client."""
 
     def __init__(self, status: int, body: bytes, content_type: str, retry_after: float | None):
         self.status, self.body, self.content_type, self.retry_after = status, body, content_type, retry_after
 
 
-class Unreachable(Exception):
+class Unreachable(RouterError):
     """Nothing answered (connection failed, timed out, the replica is down): nothing was admitted."""
 
     def __init__(self, message: str):
         self.message = message
 
 
-class Broken(Exception):
+class Broken(RouterError):
     """A relayed stream's replica broke off after the client's stream began."""
 
     def __init__(self, pod: str, revision: str):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 from . import requests as rq
+from .errors import RouterError
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # What the prefill request asks of vLLM: keep this prompt's KV for a decode elsewhere.
@@ -25,7 +26,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-class UnreadableAnswer(ValueError):
+class UnreadableAnswer(RouterError, ValueError):
     """The prefill's answer is not an OpenAI completion object."""
 
 

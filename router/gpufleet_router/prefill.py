@@ -13,6 +13,7 @@ from gpufleet_api.engine_pods import PREFILL
 
 from . import handoff
 from .choice import Pick
+from .errors import RouterError
 from .exchange import Call, Refused, Unreachable, retry_after_of
 from .fleet import Fleet
 from .metrics import Fallback, Outcome, TransferParams
@@ -21,7 +22,7 @@ from .settings import RETRIED_STATUSES
 log = logging.getLogger("gpufleet_router")
 
 
-class PrefillSkipped(Exception):
+class PrefillSkipped(RouterError):
     """The prefill was not done (``reason``: a metrics.Fallback); decode computes the prompt."""
 
     def __init__(self, reason: str, detail: str):

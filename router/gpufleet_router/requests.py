@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any
 
+from .errors import RouterError
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
@@ -23,7 +25,7 @@ CHARS_PER_TOKEN = 4
 DEFAULT_OUTPUT_TOKENS = 256
 
 
-class BadRequest(Exception):
+class BadRequest(RouterError):
     """A request the router refuses itself: answered in the OpenAI error format."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,

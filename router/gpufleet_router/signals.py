@@ -15,9 +15,10 @@ from gpufleet_api.guard import guard_metrics as guard
 from gpufleet_api.guard.adapters import AdapterStateName
 
 from .choice import Reading
+from .errors import RouterError
 
 
-class UnreadableMetrics(ValueError):
+class UnreadableMetrics(RouterError, ValueError):
     """The text is not a guard's /metrics (a name missing): the replica's room is unknown."""
 
 

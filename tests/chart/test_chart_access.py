@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.commands import run
+from gpufleet.cli.run import run
 from gpufleet.manifests import names
 from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 

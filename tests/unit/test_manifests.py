@@ -206,7 +206,7 @@ def test_the_operator_takes_podmonitor_labels_as_key_value_options():
     from click.testing import CliRunner
 
     from gpufleet.cli import main
-    from gpufleet.commands import label_pairs
+    from gpufleet.cli.run import label_pairs
     assert label_pairs(("release=prom", "team=a=b")) == {"release": "prom", "team": "a=b"}
     result = CliRunner().invoke(main, ["run", "--podmonitor-label", "release"])
     assert result.exit_code == 2 and "is not KEY=VALUE" in result.output

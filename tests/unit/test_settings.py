@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.cli import main
-from gpufleet.commands import settings_from_flags
+from gpufleet.cli.run import settings_from_flags
 from gpufleet.leader_election.records import Timing
 from gpufleet.runtime import OperatorRuntime
 from gpufleet.settings import LeaderElection, NetworkPolicies, OperatorSettings, SettingsError

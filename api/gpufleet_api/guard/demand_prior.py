@@ -34,6 +34,8 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ..errors import ContractError
+
 FILE_NAME = "demand.json"
 DEMAND_PATH = "/demand"
 # Quantiles kept per key: a guard's whole window (demand.WINDOW), about 2 KB of JSON. Fewer lose the
@@ -45,7 +47,7 @@ MEAN_CHANGE = 0.1
 VERSION = 1
 
 
-class PriorError(ValueError):
+class PriorError(ContractError):
     """``demand.json`` is invalid; ``problems`` names each field that is wrong."""
 
     def __init__(self, problems: list[str]):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..errors import ContractError
+
 ENV_DIR = "GPUFLEET_GPU_MEMORY_DIR"   # where the plugin writes and the guard reads; unset: the plugin is off
 VOLUME = "gpu-memory"                  # the pod's emptyDir shared by the vllm and guard containers
 MOUNT_PATH = "/run/gpufleet/gpu-memory"
@@ -81,7 +83,7 @@ def no_cuda_report(reason: str, *, pid: int, time: float) -> dict:
     return {"cuda": False, "reason": reason, "pid": pid, "time": time}
 
 
-class ReportError(ValueError):
+class ReportError(ContractError):
     """A report file is not what the plugin writes."""
 
 

@@ -23,6 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from .. import typed
+from ..errors import ContractError
 from .engine_flags import MANAGED_FLAGS, managed_flags_in
 
 OverLengthPolicy = Literal["Reject", "TruncateLeft"]
@@ -65,7 +66,7 @@ KV_ROLES_BY_ROLE: dict[str, tuple[str, ...]] = {"prefill": ("kv_producer", "kv_b
 UNKNOWN_FIELD = "unknown field; check the spelling against docs/guard-config.md"
 
 
-class ConfigError(ValueError):
+class ConfigError(ContractError):
     """``guard.json`` is invalid; ``problems`` lists every field that is wrong."""
 
     def __init__(self, problems: list[str]):

@@ -13,6 +13,7 @@ from typing import Any
 
 from gpufleet_engine.admission.kv_ledger import block_cost
 from gpufleet_engine.admission.tokens import Tokenizer, keep_last, truncate_text_left
+from gpufleet_engine.errors import GuardError
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -23,7 +24,7 @@ EMBEDDINGS = "/v1/embeddings"
 _TEMPLATE_FIELDS = ("tools", "documents")
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(GuardError, ValueError):
     """The body is not a request the guard (or vLLM) would accept; answered with 400.
 
     ``param`` names the offending field, as vLLM's own 400s do."""
@@ -33,7 +34,7 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-class ContextTooLong(ValueError):
+class ContextTooLong(GuardError, ValueError):
     """prompt + max_tokens exceed the context limit and the policy is Reject."""
 
     def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_engine.errors import GuardError
 
 
-class Rejection(Exception):
+class Rejection(GuardError):
     """The guard refuses a request; ``reason`` is the metrics label, ``status`` the HTTP status."""
 
     def __init__(self, reason: str, status: int, message: str, retry_after: float | None = None,

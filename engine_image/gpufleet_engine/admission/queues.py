@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Generic, Iterable, TypeVar
 
 from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_engine.errors import GuardError
 
 T = TypeVar("T")
 
 
-class QueueFull(Exception):
+class QueueFull(GuardError):
     """The queue already holds ``max_length`` entries."""
 
 

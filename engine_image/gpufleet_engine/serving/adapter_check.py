@@ -11,11 +11,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from gpufleet_engine.errors import GuardError
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-class AdapterProblem(Exception):
+class AdapterProblem(GuardError):
     """An adapter this replica cannot serve: ``reason`` is one of FAILURE_REASONS."""
 
     def __init__(self, reason: str, message: str):

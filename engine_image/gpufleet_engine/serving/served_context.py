@@ -16,12 +16,14 @@ from typing import Any, Callable
 
 import aiohttp
 
+from gpufleet_engine.errors import GuardError
+
 log = logging.getLogger("gpufleet_engine.serving.served_context")
 
 RETRY_SECONDS = 1.0
 
 
-class NoContextLength(ValueError):
+class NoContextLength(GuardError, ValueError):
     """``/v1/models`` answered but says nothing usable about the served model's context."""
 
 

@@ -7,6 +7,7 @@ from typing import Callable
 
 import aiohttp
 
+from gpufleet_engine.errors import GuardError
 from gpufleet_engine.vllm import stats as vllm_metrics
 from gpufleet_engine.vllm.stats import MetricsFormatError, VllmStats
 
@@ -20,7 +21,7 @@ FORWARDED_RESPONSE_HEADERS = ("content-type", "x-request-id", "cache-control")
 UPSTREAM_KEEPALIVE_SECONDS = 3.0
 
 
-class EngineDown(Exception):
+class EngineDown(GuardError):
     """vLLM did not answer (connection refused or reset before a response)."""
 
 

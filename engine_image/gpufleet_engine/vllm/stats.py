@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from gpufleet_engine.admission.kv_ledger import KvSnapshot
+from gpufleet_engine.errors import GuardError
 
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # newest name first
 CACHE_INFO = "vllm:cache_config_info"
@@ -24,7 +25,7 @@ _WANTED = (*KV_USAGE, CACHE_INFO, RUNNING, WAITING, PREEMPTIONS)
 _WANTED_PREFIXES = tuple(name + end for name in _WANTED for end in "{ ")
 
 
-class MetricsFormatError(ValueError):
+class MetricsFormatError(GuardError, ValueError):
     """vLLM's metrics lack what the guard needs to admit on KV blocks."""
 
 

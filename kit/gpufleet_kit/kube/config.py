@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
+from .errors import KubeError
+
 IN_CLUSTER_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = "~/.kube/config"
 
@@ -37,7 +39,7 @@ TOKEN_FILE_REREAD_SECONDS = 60.0
 MIN_RELOAD_SECONDS = 5.0
 
 
-class KubeConfigError(Exception):
+class KubeConfigError(KubeError):
     """The kubeconfig or in-cluster credentials are missing or unusable."""
 
 

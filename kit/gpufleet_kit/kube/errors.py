@@ -9,7 +9,11 @@ import re
 from dataclasses import dataclass
 
 
-class ApiError(Exception):
+class KubeError(Exception):
+    """The kit's Kubernetes errors: the API server's answers and unusable credentials."""
+
+
+class ApiError(KubeError):
     """The API server answered with an error status."""
 
     def __init__(self, status: int, reason: str, message: str, body: dict | None = None):

@@ -52,7 +52,7 @@ class AdapterSync:
         self.ports = ports
         self.ns, self.name = namespace, name
         self.rates = AdapterRates()
-        self.backoff = KeyedBackoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
+        self.backoff: KeyedBackoff[str] = KeyedBackoff(BACKOFF_MIN_S, BACKOFF_MAX_S)
         self.last_sync: float | None = None
         self.seen: tuple = ()
         self.sent: dict[str, AdapterSet] = {}     # replica → the set this process last PUT there

@@ -22,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from ..errors import OperatorError
+
 JITTER = 1.2  # client-go: candidates retry every retry_period * [1, 1.2)
 
 
-class TimingError(ValueError):
+class TimingError(OperatorError, ValueError):
     pass
 
 

@@ -2,5 +2,5 @@
 
 Pure logic apart from two edges: reading a request log (the caller passes its
 lines) and querying Prometheus (``prometheus.py``). ``gpufleet plan`` wires
-them together (``commands.py``); ``docs/planning.md`` explains the model.
+them together (``gpufleet.cli.plan``); ``docs/planning.md`` explains the model.
 """

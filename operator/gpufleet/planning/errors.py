@@ -2,8 +2,10 @@
 ``gpufleet plan`` prints it as is, so no traceback is needed to act on it."""
 from __future__ import annotations
 
+from ..errors import OperatorError
 
-class PlanningError(Exception):
+
+class PlanningError(OperatorError):
     """A plan cannot be made from these inputs."""
 
 

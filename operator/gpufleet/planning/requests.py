@@ -22,6 +22,7 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
+from ..errors import OperatorError
 from .errors import RequestLogError
 
 FORMATS = ("jsonl", "openai")
@@ -59,7 +60,7 @@ class RequestLog:
         return sum(self.skipped.values())
 
 
-class _LineError(Exception):
+class _LineError(OperatorError):
     """A problem with one field of one line; the parser adds the line number."""
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -23,33 +22,18 @@ from typing import Callable
 import httpx
 
 from . import binaries, pki
+from .layout import POD_CIDR, SERVICE_CIDR, ClusterError, free_port, kubeconfig_path, state_dir
 
 Progress = Callable[[str], None]
 
-SERVICE_CIDR = "10.96.0.0/16"
-# kwok hands out pod IPs from this range. All of 127.0.0.0/8 is loopback on
-# Linux, so a local process can listen on a simulated pod's own address.
-POD_CIDR = "127.64.0.0/16"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "containerd",
               "kubelet", "kube-proxy", "kube-network-policies", "coredns", "engine-backer")
 # The engine backer runs only with --engine-nodes, the real node's agents only with --real-node.
 OPTIONAL = {"engine-backer", "containerd", "kubelet", "kube-proxy", "kube-network-policies", "coredns"}
 
 
-class ClusterError(Exception):
-    pass
-
-
 class AlreadyRunning(ClusterError):
     pass
-
-
-def state_dir() -> Path:
-    return Path(os.environ.get("GPUFLEET_DEV_DIR", Path.home() / ".gpufleet" / "dev"))
-
-
-def kubeconfig_path() -> Path:
-    return state_dir() / "kubeconfig"
 
 
 @dataclasses.dataclass
@@ -86,13 +70,6 @@ def _alive(pid: int | None, binary: str | None = None) -> bool:
         return False
     # An empty cmdline (a process between fork and exec) is not a reused pid.
     return binary is None or not cmd or Path(cmd).name == Path(binary).name
-
-
-def free_port() -> int:
-    """A loopback port free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_state() -> dict | None:

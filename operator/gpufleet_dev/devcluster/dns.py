@@ -105,7 +105,7 @@ def _apply(kubeconfig_file: str, objects: list[dict]) -> None:
 
 def start(state: dict, root: Path, logs: Path, spawn: Callable, wait: Callable, progress: Callable,
           node_ip: str) -> None:
-    from .cluster import free_port, kubeconfig_path
+    from .layout import free_port, kubeconfig_path
     # The Service first: its fixed ClusterIP must not be handed to another Service meanwhile.
     _apply(str(kubeconfig_path()), service_objects(node_ip))
     work = root / "real-node" / "coredns"

@@ -137,7 +137,7 @@ def _exec_done(pid: int, binary: Path, timeout: float = 10) -> bool:
 
 def start(state: dict, root: Path, logs: Path, spawn: Callable, wait: Callable, progress: Callable,
           node_name: str, api_host: str, pod_cidr: str) -> None:
-    from .cluster import ClusterError, free_port, kubeconfig_path
+    from .layout import ClusterError, free_port, kubeconfig_path
     binary = binaries.NETWORK_POLICIES.binary(NAME)
     remove_table()  # an earlier run's, if it was killed
     remove_steering()

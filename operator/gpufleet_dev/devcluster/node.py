@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import binaries, dns, images, netpol, prune
-from .cluster import ClusterError
 from .fleet import GPU_TAINT, LOCAL_ENGINE_TAINT, POOL_LABEL
+from .layout import ClusterError
 
 Progress = Callable[[str], None]
 
@@ -154,7 +154,7 @@ def node_resolv_conf() -> str:
 
 
 def kube_proxy_config(kubeconfig: Path, healthz_port: int, metrics_port: int) -> str:
-    from .cluster import SERVICE_CIDR
+    from .layout import SERVICE_CIDR
     return f"""apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 mode: iptables
@@ -352,7 +352,7 @@ def _mounts_under(root: Path) -> list[str]:
 
 def start(state: dict, fleet, root: Path, logs: Path, spawn, wait, progress: Progress) -> None:
     """Start containerd, the kubelet and kube-proxy; returns when the node is Ready with its GPUs."""
-    from .cluster import free_port, kubeconfig_path  # noqa: I001 - cluster imports this module lazily
+    from .layout import free_port, kubeconfig_path
     bins = binaries.ensure_node_agents(progress)
     node_dir = root / "real-node"
     shutil.rmtree(node_dir / "cni", ignore_errors=True)

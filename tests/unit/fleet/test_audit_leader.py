@@ -1,7 +1,7 @@
 """`gpufleet audit` says which operator replica leads, from the leader-election Lease."""
 from datetime import datetime, timezone
 
-from gpufleet.fleet.audit_command import leader_lines
+from gpufleet.cli.audit import leader_lines
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 

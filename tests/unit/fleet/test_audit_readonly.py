@@ -6,8 +6,8 @@ from datetime import datetime, timezone
 
 from click.testing import CliRunner
 
+from gpufleet.cli.audit import EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNKNOWN, Readings, exit_code, render
 from gpufleet.fleet import audit_command
-from gpufleet.fleet.audit_command import EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNKNOWN, Readings, exit_code, render
 from gpufleet_kit.kube.errors import Forbidden, Refusal, error_for
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.cli import main
-from gpufleet.planning.commands import EXIT_SLO_UNREACHABLE
+from gpufleet.cli.plan import EXIT_SLO_UNREACHABLE
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLE = ROOT / "samples" / "requests.jsonl"

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from gpufleet.manifests import names
 from gpufleet_api import API_VERSION, KIND
 from gpufleet_router import discovery
-from gpufleet_router.command import router as router_command
+from gpufleet_router.cli import router as router_command
 from gpufleet_router.metrics import RouterMetrics
 from gpufleet_router.server import Fleet, RouterSettings, serve
 from tests.support.fake_kube import FakeKube

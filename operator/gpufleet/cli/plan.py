@@ -12,13 +12,13 @@ from click.core import ParameterSource
 
 from gpufleet_api.v1alpha1 import AdmissionSpec, EngineSpec, SLOSpec
 
-from .errors import PlanningError
-from .planner import plan_from_log, plan_from_prometheus
-from .profiles import ProfileSet, load_profile_file
-from .prometheus import PrometheusClient, read_sample
-from .report import render
-from .requests import parse_request_log
-from .sizing import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_MFU, Settings
+from ..planning.errors import PlanningError
+from ..planning.planner import plan_from_log, plan_from_prometheus
+from ..planning.profiles import ProfileSet, load_profile_file
+from ..planning.prometheus import PrometheusClient, read_sample
+from ..planning.report import render
+from ..planning.requests import parse_request_log
+from ..planning.sizing import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_MFU, Settings
 
 # The plan assumes what a default InferenceService would run with.
 _SLO, _ADMISSION, _ENGINE = SLOSpec(), AdmissionSpec(), EngineSpec()

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import click
 
-from gpufleet_router.command import router
+from gpufleet_router.cli import router
 
-from .commands import crd, run
-from .fleet.audit_command import audit
-from .planning.commands import plan
+from .audit import audit
+from .plan import plan
+from .run import crd, run
 
 
 @click.group()
@@ -36,8 +36,8 @@ def _development_commands() -> list[click.Command]:
     """`gpufleet dev` and `gpufleet demo` where the dev extra is installed; in the
     operator image (no certificate or plotting libraries) a stub that says how to get them."""
     try:
-        from gpufleet_dev.demo.commands import demo
-        from gpufleet_dev.devcluster.commands import dev
+        from gpufleet_dev.demo.cli import demo
+        from gpufleet_dev.devcluster.cli import dev
         return [dev, demo]
     except ImportError as e:
         why = f"needs the development extra ({e.name or e} is missing): pip install 'gpufleet[dev]'"

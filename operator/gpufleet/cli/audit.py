@@ -16,8 +16,8 @@ from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
 from gpufleet_kit.kube.errors import ApiError, Forbidden, NotFound, Refusal
 
+from ..fleet.cluster_audit import audit_report
 from ..manifests import names
-from .cluster_audit import audit_report
 
 LEASE_NAME = "gpufleet-operator"  # the chart's leaderElection.leaseName, the operator's --leader-elect-resource-name
 # The chart puts the Lease in its release namespace; the docs install the release here.
