@@ -151,7 +151,7 @@ def build_crd(kind: Kind = SERVICE) -> dict:
 
 
 def render_yaml(kind: Kind = SERVICE) -> str:
-    header = "# Generated from api/gpufleet_api/v1alpha1.py by `gpufleet crd`. Do not edit.\n"
+    header = "# Generated from api/gpufleet_api/v1alpha1/ by `gpufleet crd`. Do not edit.\n"
     return header + yaml.safe_dump(build_crd(kind), sort_keys=False, width=100)
 
 
@@ -216,7 +216,7 @@ def render_markdown() -> str:
     adapter_rows, adapter_status_rows, adapter_rules = _tables(ADAPTER)
     return "\n".join([
         "# InferenceService API (serving.gpufleet.dev/v1alpha1)", "",
-        "Generated from `api/gpufleet_api/v1alpha1.py` (`gpufleet crd --markdown`); "
+        "Generated from `api/gpufleet_api/v1alpha1/` (`gpufleet crd --markdown`); "
         "`kubectl explain inferenceservice.spec --recursive` shows the same descriptions. The types are "
         "msgspec Structs, the kit `guard.json` uses too (docs/guard-config.md says why msgspec).", "",
         "Numbers follow the API conventions: integer percentages (`kvWatermarkPercent: 5`), durations as "

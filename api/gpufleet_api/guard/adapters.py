@@ -27,7 +27,7 @@ ADAPTER_DIR_ENV = "GPUFLEET_ADAPTER_DIR"
 ADAPTER_DIR = "/var/lib/gpufleet/adapters"
 ADAPTER_VOLUME = "adapters"
 
-# The InferenceAdapter resource (api/gpufleet_api/v1alpha1.py declares it), named here so
+# The InferenceAdapter resource (api/gpufleet_api/v1alpha1/inferenceadapter.py declares it), named here so
 # the router and the guard's docs need not import the operator's API.
 ADAPTER_KIND = "InferenceAdapter"
 ADAPTER_PLURAL = "inferenceadapters"

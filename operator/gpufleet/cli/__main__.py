@@ -1,0 +1,4 @@
+"""`python -m gpufleet.cli`: the `gpufleet` command."""
+from . import main
+
+main()
