@@ -5,9 +5,8 @@ import click
 
 from gpufleet_router.cli import router
 
-from .audit import audit
-from .plan import plan
-from .run import crd, run
+# The commands' modules, not their functions, in this namespace: ``gpufleet.cli.audit`` is the module.
+from . import audit, plan, run
 
 
 @click.group()
@@ -16,10 +15,10 @@ def main() -> None:
     """gpufleet: a Kubernetes operator for GPU LLM inference fleets."""
 
 
-main.add_command(run)
-main.add_command(crd)
-main.add_command(audit)
-main.add_command(plan)
+main.add_command(run.run)
+main.add_command(run.crd)
+main.add_command(audit.audit)
+main.add_command(plan.plan)
 main.add_command(router)
 
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from gpufleet.manifests import children
 from gpufleet_api import parse_spec
-from gpufleet_api.v1alpha1 import DEFAULT_ENGINE_IMAGE
+from gpufleet_api.engine_release import DEFAULT_ENGINE_IMAGE
 from gpufleet_engine.cli import engine
 
 IMAGE_DIR = Path(__file__).resolve().parents[3] / "engine_image"

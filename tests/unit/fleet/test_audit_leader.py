@@ -34,7 +34,7 @@ def test_a_cluster_without_the_crd_gets_a_message_not_a_traceback(monkeypatch):
 
     from click.testing import CliRunner
 
-    from gpufleet.fleet import audit_command
+    from gpufleet.cli import audit as audit_command
     from gpufleet_kit.kube.errors import NotFound
 
     @contextlib.asynccontextmanager

@@ -6,8 +6,8 @@ from datetime import datetime, timezone
 
 from click.testing import CliRunner
 
+import gpufleet.cli.audit as audit_command
 from gpufleet.cli.audit import EXIT_HEALTHY, EXIT_PROBLEMS, EXIT_UNKNOWN, Readings, exit_code, render
-from gpufleet.fleet import audit_command
 from gpufleet_kit.kube.errors import Forbidden, Refusal, error_for
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
