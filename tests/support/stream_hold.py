@@ -176,8 +176,8 @@ class HoldingRelay:
             elif request:
                 request += data
             hold = self.hold
-            claims = hold is not None and hold.relay is None and (not hold.streamed or _STREAMED.search(request))
-            if request and claims:
+            if request and hold is not None and hold.relay is None and \
+                    (not hold.streamed or _STREAMED.search(request)):
                 hold.relay, hold.path = self.name, _REQUEST_LINE.match(request).group(2).decode()
                 claimed.append(_ClaimedAnswer(hold))
                 request = b""

@@ -58,7 +58,3 @@ def _engine_command() -> click.Command:
 
 for _command in (*_development_commands(), _engine_command()):
     main.add_command(_command)
-
-
-if __name__ == "__main__":
-    main()
