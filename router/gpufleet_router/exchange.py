@@ -54,10 +54,12 @@ class Refused(RouterError):
 
 
 class Unreachable(RouterError):
-    """Nothing answered (connection failed, timed out, the replica is down): nothing was admitted."""
+    """Nothing answered (connection failed, timed out, the replica is down): nothing was admitted.
+    ``connected``: the replica did answer, with a failure (its engine down or failed): a replica to avoid,
+    where a connection that failed may only have been slow (SYN, CNI, a busy node) and is worth another try."""
 
-    def __init__(self, message: str):
-        self.message = message
+    def __init__(self, message: str, connected: bool = False):
+        self.message, self.connected = message, connected
 
 
 class Broken(RouterError):

@@ -208,7 +208,7 @@ class Forwarder:
                 done = True
                 if replica_down(upstream.status, refusal):
                     raise Unreachable(f"{pick.replica.pod} ({pick.replica.address}) is not serving: "
-                                       f"{refusal[:300]!r}")
+                                       f"{refusal[:300]!r}", connected=True)
                 raise Refused(upstream.status, refusal, upstream.content_type, retry_after_of(upstream))
             if upstream.status == ENGINE_FAILED_STATUS:
                 # The guard's engine failed mid-request before answering (killed, crashed): nothing went
@@ -216,7 +216,7 @@ class Forwarder:
                 answer = await upstream.read()
                 done = True
                 raise Unreachable(f"{pick.replica.pod} ({pick.replica.address}) answered "
-                                   f"{upstream.status}: {answer[:300]!r}")
+                                   f"{upstream.status}: {answer[:300]!r}", connected=True)
             relay = call.relay if upstream.status == 200 and is_sse(upstream) else None
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for k, v in upstream.headers.items():

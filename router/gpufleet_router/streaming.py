@@ -11,12 +11,19 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
+from gpufleet_kit.backoff import delay
+
 from . import resume
 from .choice import Pick, Picker
 from .exchange import Broken, Call, Refused, Relay, Unreachable, is_sse, replica_down, retry_after_of
 from .fleet import Fleet
 from .metrics import Outcome, Resumption
-from .settings import MIN_RESUME_WAIT_SECONDS, RETRIED_STATUSES
+from .settings import (
+    MIN_RESUME_WAIT_SECONDS,
+    RETRIED_STATUSES,
+    UNREACHABLE_PAUSE_MAX_SECONDS,
+    UNREACHABLE_PAUSE_SECONDS,
+)
 
 log = logging.getLogger("gpufleet_router")
 
@@ -69,6 +76,8 @@ class Streams:
         broke = [broken.pod]    # never sent a continuation again
         tried = list(broke)     # this round of replicas
         refusals: list[float | None] = []
+        unreachable_rounds = 0  # rounds that ended with a replica whose connection failed (nothing was sent)
+        connect_failed = False
         deadline = self.fleet.clock() + self.settings.resume_timeout
         failure = f"the replica {broken.pod} broke off mid-answer"
         while True:
@@ -88,10 +97,15 @@ class Streams:
             picker = self.fleet.picker(model, role)
             pick = None if picker is None else picker.pick(cost, None, exclude=tried, adapter=call.adapter,
                                                            revision=broken.revision, strict=True)
-            wait = None if pick is not None else self._resume_wait(picker, broken.revision, broke, refusals, deadline)
+            wait = None if pick is not None else self._resume_wait(
+                picker, broken.revision, broke, refusals, deadline,
+                unreachable_rounds + 1 if connect_failed else None)
             if wait is not None:
+                if connect_failed:
+                    self.metrics.retries.labels(model, role, "connect_failed").inc()
                 await asyncio.sleep(wait)
-                tried, refusals = list(broke), []
+                unreachable_rounds += connect_failed
+                tried, refusals, connect_failed = list(broke), [], False
                 continue
             if picker is None or pick is None:
                 return await self._end_in_error(model, service, response, Resumption.FAILED, (
@@ -115,18 +129,24 @@ class Streams:
                 refusals.append(r.retry_after)
             except Unreachable as u:
                 failure = u.message
-                broke.append(pod)
+                if u.connected:
+                    broke.append(pod)   # it answered the continuation with a failure: not again
+                else:
+                    connect_failed = True   # nothing was sent: the replica may take it after a pause
             finally:
                 picker.finished(pod, ticket)
 
     def _resume_wait(self, picker: Picker | None, revision: str, broke: list[str], refusals: list[float | None],
-                     deadline: float) -> float | None:
+                     deadline: float, unreachable_round: int | None = None) -> float | None:
         """How long a continuation that found no replica waits before it looks again (None: it does not,
         the stream ends): for the earliest room the replicas that refused it expect (429/503: the load of
-        the one that died came to them), else for a replica of its revision on its way back (its engine
-        restarting after the same failure, or its pod Ready before this router's next reading says so);
-        within --resume-timeout-seconds."""
+        the one that died came to them); for a replica whose connection failed this round (``unreachable_round``:
+        the how-manieth such round, the pause grows as the forwarding path's does), since nothing reached it;
+        else for a replica of its revision on its way back (its engine restarting after the same failure, or its
+        pod Ready before this router's next reading says so); within --resume-timeout-seconds."""
         waits = []
+        if unreachable_round is not None:
+            waits.append(delay(unreachable_round, UNREACHABLE_PAUSE_SECONDS, UNREACHABLE_PAUSE_MAX_SECONDS))
         if refusals:
             hints = [h for h in refusals if h is not None]
             waits.append(max(MIN_RESUME_WAIT_SECONDS, min(hints) if hints else self.settings.reading_interval))
@@ -153,7 +173,7 @@ class Streams:
                 if upstream.status in RETRIED_STATUSES and not replica_down(upstream.status, answer):
                     raise Refused(upstream.status, answer, upstream.content_type, retry_after_of(upstream))
                 raise Unreachable(f"{pick.replica.pod} answered the continuation {upstream.status}: "
-                                   f"{answer[:300]!r}")
+                                   f"{answer[:300]!r}", connected=True)
             ended = await self.pump(call, relay, upstream, before_end)
             if not ended:
                 stream.broke()

@@ -32,6 +32,8 @@ class FakeEngine:
         self.bodies: list[dict] = []
         self.fail_with: int | None = None    # answer this status (non-streamed), e.g. 502 engine_error
         self.refuse = 0                      # refuse this many requests with 429 (Retry-After 0) first
+        self.drop = 0                        # close this many connections unanswered first (nothing admitted)
+        self.dropped = 0
         self.hold_end: asyncio.Event | None = None  # after [DONE], keep the connection open until set
         self.server: TestServer | None = None
 
@@ -46,6 +48,12 @@ class FakeEngine:
                                  f"gpufleet_guard_ready 1\n")
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
+        if self.drop:
+            self.drop -= 1
+            self.dropped += 1
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         body = await request.json()
         self.bodies.append(body)
         if self.refuse:
@@ -352,4 +360,31 @@ async def test_a_continuation_refused_until_the_timeout_ends_in_an_error_event(r
     survivor.refuse = 100
     events, _ = await rig.stream({"model": MODEL, "prompt": PROMPT, "stream": True})
     assert events[-2]["error"]["code"] == "stream_broken" and "refused" in events[-2]["error"]["message"]
+    assert rig.count("gpufleet_router_resumed_streams_total", service="svc", outcome="failed") == 1
+
+
+async def test_a_continuation_whose_connection_failed_is_sent_again_after_a_pause(rig_of):
+    # CI's real node: the one other replica's guard did not accept the continuation's connection within
+    # --connect-timeout (its engine had just restarted on a busy node). Nothing reached it, so it is not a
+    # replica that broke off: the continuation goes to it again and the stream is resumed.
+    survivor = FakeEngine("b", free=10)
+    rig = await rig_of(FakeEngine("a", free=90, die_after=3), survivor)
+    survivor.drop = 2
+    events, _ = await rig.stream({"model": MODEL, "prompt": PROMPT, "stream": True})
+    assert text_of(events) == "".join(WORDS) and events[-1] == "[DONE]"
+    assert survivor.dropped == 2 and len(survivor.bodies) == 1
+    assert rig.count("gpufleet_router_resumed_streams_total", service="svc", outcome="resumed") == 1
+    assert rig.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="connect_failed") == 2
+
+
+async def test_a_continuation_that_never_connects_ends_at_the_resume_timeout_in_an_error_event(rig_of):
+    survivor = FakeEngine("b", free=10)
+    rig = await rig_of(FakeEngine("a", free=90, die_after=3), survivor,
+                       settings=RouterSettings(prefix_blocks=0, resume_timeout=1.0))
+    survivor.drop = 1000
+    events, _ = await rig.stream({"model": MODEL, "prompt": PROMPT, "stream": True})
+    assert events[-2]["error"]["code"] == "stream_broken" and events[-1] == "[DONE]"
+    assert "b (" in events[-2]["error"]["message"]          # the failure named: b's connection
+    # Pauses of 0.25 s then 0.5 s fit in 1 s, 1 s more does not: three tries, not a spin.
+    assert survivor.dropped == 3 and survivor.bodies == []
     assert rig.count("gpufleet_router_resumed_streams_total", service="svc", outcome="failed") == 1
