@@ -30,7 +30,7 @@ import yaml
 
 from gpufleet.manifests import pools
 from gpufleet.manifests.guard_config import build_guard_config
-from gpufleet.planning.prometheus import build_queries
+from gpufleet.planning.queries import build_queries
 from gpufleet_api import parse_spec
 from gpufleet_api.engine_release import VLLM_VERSION
 from gpufleet_api.guard import guard_config

@@ -15,10 +15,10 @@ from gpufleet_api.v1alpha1 import AdmissionSpec, EngineSpec, SLOSpec
 from ..planning.errors import PlanningError
 from ..planning.planner import plan_from_log, plan_from_prometheus
 from ..planning.profiles import ProfileSet, load_profile_file
-from ..planning.prometheus import PrometheusClient, read_sample
 from ..planning.report import render
 from ..planning.requests import parse_request_log
 from ..planning.sizing import DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_MFU, Settings
+from .prometheus import PrometheusClient, read_sample
 
 # The plan assumes what a default InferenceService would run with.
 _SLO, _ADMISSION, _ENGINE = SLOSpec(), AdmissionSpec(), EngineSpec()

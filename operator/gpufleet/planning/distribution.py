@@ -124,7 +124,7 @@ def concurrency(intervals: Iterable[tuple[float, float, int]], method: str) -> C
 
 @dataclasses.dataclass(frozen=True)
 class PrometheusSample:
-    """A service's request distribution as read from Prometheus (planning.prometheus reads it)."""
+    """A service's request distribution as read from Prometheus (gpufleet.cli.prometheus reads it)."""
     url: str
     selector: str
     window_seconds: float

@@ -14,9 +14,10 @@ from aiohttp.test_utils import TestServer
 from click.testing import CliRunner
 
 from gpufleet.cli import main
+from gpufleet.cli.prometheus import PrometheusClient, read_sample
 from gpufleet.planning.errors import PrometheusError
 from gpufleet.planning.planner import plan_from_prometheus
-from gpufleet.planning.prometheus import PrometheusClient, read_sample, selector
+from gpufleet.planning.queries import selector
 
 # (substrings a query must contain) → value. One hour with 36,000 finished requests.
 ANSWERS = {

@@ -1,68 +1,22 @@
-"""The request distribution of a running service, read from Prometheus.
+"""The queries that read a running service's request distribution from Prometheus, and the planner's
+sample made of their answers (no I/O: ``gpufleet.cli.prometheus`` sends them).
 
 Instant queries (``/api/v1/query``) over vLLM's own metrics: counters for
 requests and tokens, the per-request token histograms, and the running and
 waiting gauges. Peaks and troughs are subqueries over per-window rates, so
-Prometheus does the windowing. The HTTP client (``httpx``) is injectable; the
-planner's other modules never do I/O.
+Prometheus does the windowing.
 """
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import Any
-
-import httpx
 
 from .distribution import PrometheusSample, TokenStats, Traffic
 from .errors import PrometheusError
 
 
-class PrometheusClient:
-    """Instant queries against one Prometheus. Pass ``http`` to reuse or
-    replace the HTTP client; one created here is closed by ``close``."""
-
-    def __init__(self, url: str, *, http: httpx.AsyncClient | None = None, timeout: float = 30.0):
-        self.url = url.rstrip("/")
-        # Proxies from the environment apply, as they do to curl on the laptop running the planner.
-        self._http = http or httpx.AsyncClient(timeout=timeout)
-        self._owns_http = http is None
-        self._timeout = timeout
-
-    async def __aenter__(self) -> "PrometheusClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._owns_http:
-            await self._http.aclose()
-
-    async def value(self, promql: str) -> float | None:
-        """The one value of an aggregated instant query; None when it has no
-        samples or is not a finite number (e.g. 0/0, or a quantile of no data)."""
-        endpoint = f"{self.url}/api/v1/query"
-        try:
-            async with asyncio.timeout(self._timeout):
-                resp = await self._http.get(endpoint, params={"query": promql})
-        except (httpx.HTTPError, TimeoutError) as e:
-            raise PrometheusError(f"cannot reach Prometheus at {self.url} ({type(e).__name__}: {e}); "
-                                  "check --prometheus (the server's base URL, e.g. http://prometheus:9090)") from None
-        try:
-            body = resp.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict) or "status" not in body:
-            raise PrometheusError(f"{endpoint} answered HTTP {resp.status_code} without Prometheus API JSON; "
-                                  "check that --prometheus is the Prometheus server's base URL")
-        if body["status"] != "success":
-            raise PrometheusError(f"Prometheus refused the query {promql}: "
-                                  f"{body.get('errorType', 'error')}: {body.get('error', 'no detail')}")
-        return _single_value(body.get("data") or {}, promql)
-
-
-def _single_value(data: dict, promql: str) -> float | None:
+def single_value(data: dict, promql: str) -> float | None:
+    """The one finite value of an instant query's ``data`` (None: no samples, or not finite)."""
     kind, result = data.get("resultType"), data.get("result")
     sample: Any
     if kind == "scalar":
@@ -127,16 +81,14 @@ def build_queries(sel: str, window_seconds: float, rate_window_seconds: float) -
 _OPTIONAL = {"concurrency_peak", "e2e_mean"}
 
 
-async def read_sample(client: PrometheusClient, *, service: str, namespace: str | None,
-                      window_seconds: float, rate_window_seconds: float) -> PrometheusSample:
-    """Every number the planner needs, read concurrently."""
-    sel = selector(service, namespace)
-    queries = build_queries(sel, window_seconds, rate_window_seconds)
-    values = dict(zip(queries, await asyncio.gather(*(client.value(q) for q in queries.values())), strict=True))
+def sample_of(values: dict[str, float | None], queries: dict[str, str], *, url: str, sel: str,
+              window_seconds: float, rate_window_seconds: float) -> PrometheusSample:
+    """The planner's sample from the answers to ``build_queries``' queries (key -> value, None: no data);
+    PrometheusError names the query with no data and what to check."""
     for key, query in queries.items():
         if key not in _OPTIONAL and values[key] is None:
             raise PrometheusError(
-                f"Prometheus at {client.url} has no data for {query}; check that --service matches the "
+                f"Prometheus at {url} has no data for {query}; check that --service matches the "
                 f"engines' service label ({sel}), that Prometheus scrapes the engine pods, and that the "
                 f"service had traffic in the last {round(window_seconds)}s (--window)")
     # Every value below is one the loop above found present (only _OPTIONAL ones may be None).
@@ -154,7 +106,7 @@ async def read_sample(client: PrometheusClient, *, service: str, namespace: str 
         windows=max(1, round(window_seconds / rate_window_seconds)), rps_peak=need["rps_peak"],
         rps_trough=need["rps_trough"], rps_mean=need["requests"] / window_seconds,
         prompt_tokens_per_s_peak=need["prompt_tps_peak"], output_tokens_per_s_peak=need["output_tps_peak"])
-    return PrometheusSample(url=client.url, selector=sel, window_seconds=window_seconds, prompt=stats("prompt"),
+    return PrometheusSample(url=url, selector=sel, window_seconds=window_seconds, prompt=stats("prompt"),
                             output=stats("output"), traffic=traffic,
                             concurrent_requests_peak=values["concurrency_peak"],
                             e2e_latency_mean_seconds=values["e2e_mean"], queries=queries)
