@@ -508,8 +508,8 @@ class Operator:
         import aiohttp
         import kopf
 
-        from gpufleet.runtime import OperatorRuntime
         from gpufleet.settings import OperatorSettings
+        from gpufleet.wiring.runtime import OperatorRuntime
         from gpufleet_kit.kube.config import KubeConfig
 
         kubeconfig.write_text(json.dumps({
@@ -541,8 +541,8 @@ class Operator:
     async def deliver(self) -> int:
         """The watch events of every change since the last call, each to the handler kopf would call
         (with kopf's filters); how many."""
-        from gpufleet import handlers
         from gpufleet.manifests import names
+        from gpufleet.wiring import handlers
 
         children = {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"}
         delivered = 0
@@ -572,7 +572,7 @@ class Operator:
 
     async def reconcile_triggered(self) -> collections.Counter:
         """What ``run_triggered`` does with one burst: every key asked for, TRIGGERED_CONCURRENCY at once."""
-        from gpufleet.runtime import TRIGGERED_CONCURRENCY
+        from gpufleet.wiring.runtime import TRIGGERED_CONCURRENCY
         keys = self.rt.drain_triggered()
         sem = asyncio.Semaphore(TRIGGERED_CONCURRENCY)
 
@@ -690,7 +690,7 @@ async def kopf_scenario(n: int, url: str, server_pid: int, profile: cProfile.Pro
     the trigger queue, the fleet loops and audits; the phases end when status shows what they caused."""
     import kopf
 
-    from gpufleet import handlers  # noqa: F401  (registers the handlers)
+    from gpufleet.wiring import handlers  # noqa: F401  (registers the handlers)
 
     op = Operator(url, Path(tempfile.mkdtemp()) / "config")
     stop = asyncio.Event()
@@ -807,7 +807,7 @@ def import_operator() -> float:
     """What the operator process imports (``gpufleet run``); its RSS after."""
     import kopf  # noqa: F401
 
-    from gpufleet import handlers, runtime  # noqa: F401
+    from gpufleet.wiring import handlers, runtime  # noqa: F401
     return rss_mib()
 
 

@@ -8,8 +8,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gpufleet.handlers import spec_unhandled
-from gpufleet.runtime import retry_delay
+from gpufleet.wiring.handlers import spec_unhandled
+from gpufleet.wiring.runtime import retry_delay
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
 from gpufleet_kit.kube.errors import ApiError, NotLeading

@@ -4,10 +4,11 @@ import asyncio
 
 import pytest
 
-from gpufleet.controller import REJECTED_RETRY_FIRST_S, Controller
 from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
+from gpufleet.wiring.children import REJECTED_RETRY_FIRST_S
+from gpufleet.wiring.controller import Controller
 from gpufleet_kit.kube.errors import ApiError, Invalid
 from tests.support.fake_kube import FakeKube
 
@@ -155,7 +156,7 @@ async def test_a_burst_of_reconciles_asks_discovery_about_podmonitors_once(kube,
         await asyncio.sleep(0)
         return False
     kube.has_kind = has_kind
-    assert await asyncio.gather(*(controller.has_podmonitor() for _ in range(16))) == [False] * 16
+    assert await asyncio.gather(*(controller.children.has_podmonitor() for _ in range(16))) == [False] * 16
     assert asked == ["PodMonitor"]
 
 

@@ -4,11 +4,11 @@ between unified and disaggregated that deletes the Deployments of the shape left
 in-memory API server."""
 import pytest
 
-from gpufleet.controller import Controller
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile.replicas import desired_replicas
 from gpufleet.reconcile.status import POOLS_NOT_AUTOSCALED, Observed, derive_status
+from gpufleet.wiring.controller import Controller
 from gpufleet_api import parse_spec
 from gpufleet_kit.kube.errors import Invalid
 from tests.support.fake_kube import FakeKube

@@ -6,8 +6,8 @@ import copy
 
 import kopf
 
-from gpufleet import handlers
 from gpufleet.settings import OperatorSettings
+from gpufleet.wiring import handlers
 
 
 def test_every_label_filtered_watch_has_the_same_selector_on_the_server_and_the_others_none():

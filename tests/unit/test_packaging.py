@@ -27,7 +27,7 @@ def test_runtime_dependencies_leave_development_libraries_to_the_dev_extra():
 
 def test_the_operator_runs_without_development_libraries():
     done = run_without(DEV_ONLY, (
-        "import gpufleet.handlers, gpufleet.runtime, gpufleet.fleet, gpufleet.cli.audit\n"
+        "import gpufleet.wiring.handlers, gpufleet.wiring.runtime, gpufleet.fleet, gpufleet.cli.audit\n"
         "from gpufleet.cli import main\n"
         "main(['run', '--help'], standalone_mode=False)\n"))
     assert done.returncode == 0, done.stderr
@@ -87,7 +87,7 @@ def test_the_operator_image_carries_the_api_kit_router_and_operator_and_runs_wit
         f"sys.path[:0] = {roots!r}\n"
         "sys.modules['gpufleet_dev'] = None\n"
         "sys.modules['gpufleet_engine'] = None\n"
-        "import gpufleet.handlers, gpufleet.runtime, gpufleet.fleet, gpufleet.cli.audit\n"
+        "import gpufleet.wiring.handlers, gpufleet.wiring.runtime, gpufleet.fleet, gpufleet.cli.audit\n"
         "import gpufleet_api, gpufleet_router.server\n"
         f"assert gpufleet_api.__file__.startswith({str(tmp_path)!r}), gpufleet_api.__file__\n"
         "from gpufleet.cli import main\n"

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from gpufleet.cli import main
 from gpufleet.cli.run import settings_from_flags
 from gpufleet.leader_election.records import Timing
-from gpufleet.runtime import OperatorRuntime
 from gpufleet.settings import LeaderElection, NetworkPolicies, OperatorSettings, SettingsError
+from gpufleet.wiring.runtime import OperatorRuntime
 from gpufleet_kit.kube.config import KubeConfig
 
 KUBECONFIG = ("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
@@ -116,8 +116,8 @@ async def test_the_runtime_is_wired_from_the_settings_alone(kubeconfig):
     try:
         assert rt.elector is not None and rt.elector.lease == "ops/gpufleet-operator"
         assert rt.kube.write_fence == rt.elector.acting_for
-        assert rt.controller.podmonitor_labels == {"release": "prom"}
-        ingress = rt.controller.engine_ingress
+        assert rt.controller.children.podmonitor_labels == {"release": "prom"}
+        ingress = rt.controller.children.engine_ingress
         assert ingress is not None and ingress.operator_namespace == "ops" and ingress.client_namespaces == ("gw",)
         assert rt.fleet is not None and rt.fleet.interval == 0.5 and rt.fleet.leadership is rt
         assert rt.fleet.follow_interval == 3.0

@@ -9,12 +9,12 @@ import time
 import kopf
 import pytest
 
-from gpufleet import handlers
 from gpufleet.fleet import cluster_audit
 from gpufleet.fleet.cluster_audit import ClusterAuditor
 from gpufleet.metrics import OperatorMetrics
-from gpufleet.runtime import TAKEOVER_RECONCILE_CONCURRENCY, OperatorRuntime, reconcile_order
 from gpufleet.settings import LeaderElection, OperatorSettings
+from gpufleet.wiring import handlers
+from gpufleet.wiring.runtime import TAKEOVER_RECONCILE_CONCURRENCY, OperatorRuntime, reconcile_order
 from gpufleet_kit.kube.config import KubeConfig
 from tests.unit.test_settings import KUBECONFIG
 

@@ -115,8 +115,8 @@ def run(kubeconfig: str | None, verbose: bool, debug_loggers: tuple[str, ...], w
 
     from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
 
-    from .. import handlers  # noqa: F401  (registers the handlers)
-    from ..runtime import OperatorRuntime
+    from ..wiring import handlers  # noqa: F401  (registers the handlers)
+    from ..wiring.runtime import OperatorRuntime
 
     try:
         settings = settings_from_flags(worker_limit=worker_limit, **flags)

@@ -6,12 +6,12 @@ import copy
 import pytest
 
 from gpufleet.autoscale.signals import ReplicaSample
-from gpufleet.controller import Controller
 from gpufleet.fleet.ports import ServicePorts
 from gpufleet.fleet.service_loop import DELETION_COST, ServiceLoop
 from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
+from gpufleet.wiring.controller import Controller
 from gpufleet_kit.kube.errors import ApiError
 from tests.support.fake_kube import FakeKube
 

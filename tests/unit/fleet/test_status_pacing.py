@@ -5,13 +5,13 @@ import copy
 
 import pytest
 
-from gpufleet.controller import Controller
 from gpufleet.fleet.canary import SLI_WRITE_S
 from gpufleet.fleet.ports import ServicePorts
 from gpufleet.fleet.service_loop import ServiceLoop
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile.figures import TIME_FIELD
+from gpufleet.wiring.controller import Controller
 from tests.support.fake_kube import FakeKube
 from tests.unit.fleet.test_service_loop import FakeReader, deployment, isvc, pod
 

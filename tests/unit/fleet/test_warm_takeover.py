@@ -15,11 +15,11 @@ import collections
 import pytest
 
 from gpufleet.autoscale.signals import ReplicaSample
-from gpufleet.controller import Controller
 from gpufleet.fleet.fleet_loop import FleetLoop
 from gpufleet.fleet.ports import ServicePorts
 from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
+from gpufleet.wiring.controller import Controller
 from tests.support.fake_kube import FakeKube
 from tests.unit.fleet.test_service_loop import deployment, isvc, make_loop, pod
 

@@ -41,7 +41,7 @@ def test_the_kubernetes_package_is_used_for_its_credential_loaders_alone():
 
 
 def test_kopf_is_imported_by_the_watch_wiring_and_the_command_that_starts_it_only():
-    assert {file for file, _, _ in imports("kopf")} == {"gpufleet/handlers.py", "gpufleet/cli/run.py"}
+    assert {file for file, _, _ in imports("kopf")} == {"gpufleet/wiring/handlers.py", "gpufleet/cli/run.py"}
 
 
 def test_loading_credentials_builds_no_kubernetes_api_client(tmp_path, monkeypatch):

@@ -9,12 +9,12 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from gpufleet.autoscale.signals import ReplicaSample
-from gpufleet.controller import Controller
 from gpufleet.fleet.canary import CanaryLoop
 from gpufleet.fleet.ports import ServicePorts
 from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
+from gpufleet.wiring.controller import Controller
 from gpufleet_api import parse_spec
 from tests.support.fake_kube import FakeKube
 

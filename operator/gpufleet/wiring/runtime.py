@@ -28,15 +28,15 @@ from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
 from gpufleet_kit.kube.errors import ApiError, NotLeading
 
+from ..fleet.cluster_audit import ClusterAuditor
+from ..fleet.fleet_loop import FleetLoop
+from ..fleet.ports import ServicePorts
+from ..fleet.router_demand import RouterDemand
+from ..fleet.scrape import ReplicaReader
+from ..leader_election.elector import LeaderElector
+from ..metrics import OperatorMetrics
+from ..settings import OperatorSettings
 from .controller import Controller
-from .fleet.cluster_audit import ClusterAuditor
-from .fleet.fleet_loop import FleetLoop
-from .fleet.ports import ServicePorts
-from .fleet.router_demand import RouterDemand
-from .fleet.scrape import ReplicaReader
-from .leader_election.elector import LeaderElector
-from .metrics import OperatorMetrics
-from .settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 DEBOUNCE_SECONDS = 0.2  # collect a burst of child events into one reconcile

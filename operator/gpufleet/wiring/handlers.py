@@ -18,9 +18,9 @@ import kopf
 from gpufleet_api import v1alpha1 as t
 from gpufleet_kit.kube.pods import is_ready
 
-from .fleet.service_loop import DELETION_COST
-from .manifests import names
-from .reconcile.child_events import Action
+from ..fleet.service_loop import DELETION_COST
+from ..manifests import names
+from ..reconcile.child_events import Action
 from .runtime import OperatorRuntime
 
 log = logging.getLogger(__name__)
