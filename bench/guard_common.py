@@ -23,10 +23,10 @@ import aiohttp
 
 from gpufleet_api.guard import guard_config
 from gpufleet_api.guard.guard_metrics import REJECTIONS
+from gpufleet_engine.launch.flags import vllm_launch
+from gpufleet_engine.launch.processes import ManagedProcess, wait_until
 from gpufleet_engine.local.models import prepare
 from gpufleet_engine.local.runner import free_port
-from gpufleet_engine.runtime.flags import vllm_launch
-from gpufleet_engine.runtime.processes import ManagedProcess, wait_until
 from gpufleet_engine.vllm.stats import parse as parse_vllm_metrics
 from gpufleet_kit.stats import nearest_rank
 

@@ -51,7 +51,7 @@ def serve(config_path: str, log_level: str) -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def run_vllm(config_path: str) -> None:
     """Replace this process with vLLM, flags derived from guard.json's engine section."""
-    from gpufleet_engine.runtime.entrypoint import exec_vllm
+    from gpufleet_engine.launch.entrypoint import exec_vllm
 
     try:
         exec_vllm(config_path)
@@ -63,7 +63,7 @@ def run_vllm(config_path: str) -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def fetch_model(config_path: str) -> None:
     """Init container: download the weights guard.json's engine section names into HF_HOME."""
-    from gpufleet_engine.runtime.fetch import fetch
+    from gpufleet_engine.launch.fetch import fetch
 
     _setup_logging("info")
     try:
@@ -82,7 +82,7 @@ def fetch_model(config_path: str) -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def drain_wait(config_path: str) -> None:
     """preStop hook: start the guard's drain and wait until its accepted requests are done."""
-    from gpufleet_engine.runtime.entrypoint import drain_and_wait
+    from gpufleet_engine.launch.entrypoint import drain_and_wait
 
     try:
         cfg = guard_config.load(config_path)
@@ -96,7 +96,7 @@ def drain_wait(config_path: str) -> None:
               type=click.Path(dir_okay=False))
 def run_both(config_path: str) -> None:
     """vLLM and the guard in one container: start both, drain the guard first on SIGTERM."""
-    from gpufleet_engine.runtime.entrypoint import main as supervise
+    from gpufleet_engine.launch.entrypoint import main as supervise
 
     sys.exit(supervise(["--config", config_path]))
 

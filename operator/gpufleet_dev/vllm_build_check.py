@@ -37,7 +37,7 @@ from gpufleet_api.guard import guard_config
 from gpufleet_api.guard.guard_config import Role
 from gpufleet_api.v1alpha1 import KV_CONNECTORS, EngineSpec, KVCacheSpec
 from gpufleet_dev.devcluster.binaries import cache_root
-from gpufleet_engine.runtime.flags import VLLM_MODULE, vllm_launch
+from gpufleet_engine.launch.flags import VLLM_MODULE, vllm_launch
 from gpufleet_engine.vllm import stats
 
 REPO = Path(__file__).resolve().parents[2]

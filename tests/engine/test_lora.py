@@ -12,9 +12,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gpufleet_engine.launch.flags import vllm_launch
+from gpufleet_engine.launch.processes import ManagedProcess, wait_until
 from gpufleet_engine.local.runner import LocalEngine, _http_ok
-from gpufleet_engine.runtime.flags import vllm_launch
-from gpufleet_engine.runtime.processes import ManagedProcess, wait_until
 from tests.support.lora_adapters import make_adapter, make_adapters
 from tests.support.waiting import wait_for
 

@@ -12,7 +12,7 @@ from gpufleet.reconcile.desired import desired_children, stale_deployments
 from gpufleet_api import parse_spec
 from gpufleet_api.guard import guard_config as contract
 from gpufleet_api.v1alpha1 import KV_STORE_MOUNT
-from gpufleet_engine.runtime.flags import vllm_launch
+from gpufleet_engine.launch.flags import vllm_launch
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "generation": 3}}

@@ -215,7 +215,7 @@ def test_the_operator_takes_podmonitor_labels_as_key_value_options():
 def test_the_engine_learns_its_cpu_request_in_whole_cores():
     vllm = deployment(spec(resources={"cpu": "250m"}))["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in vllm["env"]}
-    from gpufleet_engine.runtime.cpu_budget import REQUEST_ENV
+    from gpufleet_engine.launch.cpu_budget import REQUEST_ENV
     assert env[REQUEST_ENV]["valueFrom"] == {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}
 
 

@@ -12,7 +12,7 @@ from gpufleet.reconcile.validation import validate
 from gpufleet_api import parse_spec
 from gpufleet_api import v1alpha1 as t
 from gpufleet_api.schema import openapi
-from gpufleet_engine.runtime.flags import vllm_launch
+from gpufleet_engine.launch.flags import vllm_launch
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1", "generation": 3}}

@@ -43,7 +43,7 @@ def test_development_commands_say_which_extra_they_need():
 def test_the_guard_runs_without_the_operator_or_development_code():
     # The engine image copies gpufleet_engine alone (engine_image/Dockerfile).
     done = run_without(("gpufleet", "gpufleet_router", "gpufleet_dev", *DEV_ONLY), (
-        "import gpufleet_engine.serving.server, gpufleet_engine.runtime.entrypoint\n"
+        "import gpufleet_engine.serving.server, gpufleet_engine.launch.entrypoint\n"
         "from gpufleet_engine.cli import engine\n"
         "engine(['serve', '--help'], standalone_mode=False)\n"))
     assert done.returncode == 0, done.stderr

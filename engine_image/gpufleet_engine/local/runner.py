@@ -22,9 +22,9 @@ from typing import Any
 
 from gpufleet_api.guard import gpu_memory, guard_config
 from gpufleet_api.guard.adapters import ADAPTER_DIR_ENV
+from gpufleet_engine.launch.flags import vllm_launch
+from gpufleet_engine.launch.processes import ManagedProcess, wait_until
 from gpufleet_engine.local.models import prepare
-from gpufleet_engine.runtime.flags import vllm_launch
-from gpufleet_engine.runtime.processes import ManagedProcess, wait_until
 
 DEFAULT_KV_BLOCKS = 64
 DEFAULT_BLOCK_SIZE = 32

@@ -23,10 +23,10 @@ from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Grant, Rejection
 from gpufleet_engine.admission.tokens import Tokenizer
-from gpufleet_engine.serving.audit import SequenceLength, kv_waste
 from gpufleet_engine.serving.drain import Drain
 from gpufleet_engine.serving.errors import Refusals
 from gpufleet_engine.serving.exchange import Exchange, Services, Tracked
+from gpufleet_engine.serving.memory_report import SequenceLength, kv_waste
 from gpufleet_engine.serving.prometheus import GuardMetrics
 from gpufleet_engine.serving.send_ahead import INLINE_TOKENIZE_BYTES, SendAhead, parse_json, text_bytes
 from gpufleet_engine.serving.upstream import Upstream

@@ -157,7 +157,7 @@ class GuardMetrics:
         # GPU memory from inside vLLM (the plugin's reports), one series per device.
         self.gpu_memory = gpu_memory or GpuMemoryReader.from_environment()
         r.register(GpuMemoryCollector(self.gpu_memory))
-        # Set by the guard, which knows the in-flight sequences (audit.kv_waste).
+        # Set by the guard, which knows the in-flight sequences (memory_report.kv_waste).
         self.kv_waste: Callable[[], float | None] = lambda: None
         r.register(_OptionalGauge(m.KV_WASTE_RATIO, "Share of the KV blocks in use holding no token of an "
                                   "in-flight request: 1 - tokens held / (blocks in use x block size). Absent "

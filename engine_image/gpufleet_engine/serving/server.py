@@ -17,7 +17,15 @@ from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_api.guard.guard_config import GuardConfig
 from gpufleet_engine.admission.core import max_body_bytes
 from gpufleet_engine.admission.tokens import HfTokenizer, Tokenizer, generation_default_max_tokens
-from gpufleet_engine.serving import adapters, audit, kv_storage, reload, served_context, shared_demand, vllm_endpoints
+from gpufleet_engine.serving import (
+    adapters,
+    kv_storage,
+    memory_report,
+    reload,
+    served_context,
+    shared_demand,
+    vllm_endpoints,
+)
 from gpufleet_engine.serving import vllm_metrics_relay as engine_metrics
 from gpufleet_engine.serving.errors import error_response
 from gpufleet_engine.serving.guard import Guard
@@ -83,9 +91,9 @@ def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None) 
     async def audit_report(request: web.Request) -> web.Response:
         # Device memory as vLLM's own processes reported it (vllm_plugin); the guard touches no GPU.
         device = guard.metrics.gpu_memory.read().as_report()
-        kv = audit.kv_report(guard.stats, guard.admission.ledger, guard.block_size, guard.sequences(),
+        kv = memory_report.kv_report(guard.stats, guard.admission.ledger, guard.block_size, guard.sequences(),
                              guard.sequences_at_read)
-        return web.json_response(audit.assemble(guard.config.service, guard.config.namespace, device, kv))
+        return web.json_response(memory_report.assemble(guard.config.service, guard.config.namespace, device, kv))
 
     async def demand(request: web.Request) -> web.Response:
         # What this replica learned of its answers' lengths, for the operator to hand to new replicas.

@@ -37,7 +37,7 @@ class AuditResult:
 
 
 def replica_from_report(pod: str, report: dict | None, error: str | None = None) -> ReplicaAudit:
-    """One replica from the guard's /audit document (engine_image/gpufleet_engine/serving/audit.py)."""
+    """One replica from the guard's /audit document (engine_image/gpufleet_engine/serving/memory_report.py)."""
     if report is None:
         return ReplicaAudit(pod, None, error or "no report")
     ratio = report.get("fragmentationRatio")

@@ -19,7 +19,7 @@ from . import claims, names
 
 HF_HOME = "/cache/huggingface"
 VOLUME = "model-cache"
-FETCH_CONTAINER = "model-fetch"   # the init container that downloads (gpufleet_engine/runtime/fetch.py)
+FETCH_CONTAINER = "model-fetch"   # the init container that downloads (gpufleet_engine/launch/fetch.py)
 
 
 def downloads(spec: InferenceServiceSpec) -> bool:

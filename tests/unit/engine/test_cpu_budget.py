@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from gpufleet_api.guard.guard_config import EngineConfig
-from gpufleet_engine.runtime import cpu_budget
-from gpufleet_engine.runtime.cpu_budget import CpuBudget, plan, quota_cores
-from gpufleet_engine.runtime.flags import vllm_launch
+from gpufleet_engine.launch import cpu_budget
+from gpufleet_engine.launch.cpu_budget import CpuBudget, plan, quota_cores
+from gpufleet_engine.launch.flags import vllm_launch
 
 
 @pytest.mark.parametrize(("cpu_max", "v1", "expected"), [

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet_api.guard import gpu_memory as gm
 from gpufleet_api.guard import guard_metrics as m
-from gpufleet_engine.serving.audit import assemble
+from gpufleet_engine.serving.memory_report import assemble
 from gpufleet_engine.serving.prometheus import GuardMetrics
 from gpufleet_engine.vllm import plugin as vllm_plugin
 from gpufleet_engine.vllm.gpu_memory import GpuMemoryReader

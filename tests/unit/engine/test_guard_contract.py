@@ -25,7 +25,7 @@ from gpufleet_api import SpecError, parse_spec
 from gpufleet_api.crd import build_crd
 from gpufleet_api.guard import guard_config
 from gpufleet_api.guard.engine_flags import MANAGED_FLAGS, flag_name
-from gpufleet_engine.runtime.flags import vllm_launch
+from gpufleet_engine.launch.flags import vllm_launch
 
 SPEC_SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 # Flags vLLM accepts that gpufleet leaves to the user, and every managed flag in

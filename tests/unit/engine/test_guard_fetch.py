@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet_api.guard.guard_config import EngineConfig
-from gpufleet_engine.runtime.fetch import fetch, is_hub_model, patterns
+from gpufleet_engine.launch.fetch import fetch, is_hub_model, patterns
 from tests.support.fake_hub import FakeHub
 
 LLAMA_FILES = ["config.json", "generation_config.json", "model-00001-of-00004.safetensors",

@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 
 from gpufleet_api.guard import guard_config
-from gpufleet_engine.runtime.cpu_budget import CpuBudget
-from gpufleet_engine.runtime.entrypoint import plan
-from gpufleet_engine.runtime.flags import vllm_launch
+from gpufleet_engine.launch.cpu_budget import CpuBudget
+from gpufleet_engine.launch.entrypoint import plan
+from gpufleet_engine.launch.flags import vllm_launch
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "guard.json"
 

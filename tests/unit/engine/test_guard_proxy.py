@@ -294,7 +294,7 @@ async def test_audit_without_gpu_memory_reports_kv_and_says_what_is_missing(guar
 
 
 async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard_factory, fake_vllm):
-    from gpufleet_engine.runtime.entrypoint import drain_and_wait
+    from gpufleet_engine.launch.entrypoint import drain_and_wait
 
     fake_vllm.token_delay = 0.02
     guard = await guard_factory()

@@ -12,7 +12,7 @@ import sys
 from gpufleet.manifests import children, names, pools
 from gpufleet_api import parse_spec
 from gpufleet_api.guard import guard_config
-from gpufleet_engine.runtime.flags import vllm_launch
+from gpufleet_engine.launch.flags import vllm_launch
 
 ISVC = {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}}

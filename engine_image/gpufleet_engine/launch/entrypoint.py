@@ -27,9 +27,9 @@ import urllib.request
 from pathlib import Path
 
 from gpufleet_api.guard import guard_config
-from gpufleet_engine.runtime import cpu_budget
-from gpufleet_engine.runtime.flags import EngineLaunch, vllm_launch
-from gpufleet_engine.runtime.processes import ManagedProcess
+from gpufleet_engine.launch import cpu_budget
+from gpufleet_engine.launch.flags import EngineLaunch, vllm_launch
+from gpufleet_engine.launch.processes import ManagedProcess
 
 DEFAULT_CONFIG = "/etc/gpufleet/guard.json"
 ENGINE_STOP_SECONDS = 30.0

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from gpufleet_api.guard.guard_config import EngineConfig
 
-log = logging.getLogger("gpufleet_engine.runtime.fetch")
+log = logging.getLogger("gpufleet_engine.launch.fetch")
 
 # What vLLM and the guard read besides the weights: configs, tokenizers, chat templates, remote code.
 SUPPORT_FILES = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py")

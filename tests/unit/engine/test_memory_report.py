@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from gpufleet_engine.admission.kv_ledger import KvLedger
-from gpufleet_engine.serving.audit import SequenceLength, assemble, kv_report, kv_waste, partial_block_waste
+from gpufleet_engine.serving.memory_report import SequenceLength, assemble, kv_report, kv_waste, partial_block_waste
 from gpufleet_engine.vllm.stats import VllmStats
 
 
