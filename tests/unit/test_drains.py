@@ -4,12 +4,12 @@ import pytest
 
 from gpufleet.autoscale import policy
 from gpufleet.controller import Controller
-from gpufleet.fleet.service_loop import hold_scale_in
 from gpufleet.manifests import children, names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile import drains
 from gpufleet.reconcile.desired import desired_children, stale_budgets
+from gpufleet.reconcile.drains import hold_scale_in
 from gpufleet_api import parse_spec
 from gpufleet_kit.kube.errors import Invalid
 from tests.support.fake_kube import FakeKube

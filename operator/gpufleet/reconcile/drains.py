@@ -9,7 +9,7 @@ cordoned ones); once one is Ready the budget allows the eviction, the guard's pr
 the old pod's requests, and when the old pod is terminating the surge drops back.
 
 The surge is not the autoscaler's capacity: status.desiredReplicas stays what was decided, and the
-autoscaler does not scale in while a surge is under way (``fleet.service_loop``). Pure, apart from
+autoscaler does not scale in while a surge is under way (``hold_scale_in``). Pure, apart from
 ``CordonIndex``, the memory the node watch keeps (no I/O).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 
 from gpufleet_api.guard.guard_config import Role
 
+from ..autoscale.policy import Decision
 from ..manifests import names
 
 FIELD = "drain"  # status.drain
@@ -98,6 +99,14 @@ def changed(previous: dict | None, s: Surge) -> bool:
 def surging(status_: Mapping) -> bool:
     """A surge is under way (status.drain): the autoscaler does not scale in, nor does remediation restart."""
     return bool((status_.get(FIELD) or {}).get("replicas"))
+
+
+def hold_scale_in(status_: Mapping, decision: Decision | None, current: int) -> Decision | None:
+    """No scale-in while replacements for pods on cordoned nodes run (status.drain): the surge is not
+    capacity the autoscaler decided, and a scale-in then could remove the replacement a drain waits for."""
+    if decision is not None and decision.target < current and surging(status_):
+        return None
+    return decision
 
 
 class CordonIndex:
