@@ -3,7 +3,7 @@ reconciler applying it (docs/drains.md)."""
 import pytest
 
 from gpufleet.autoscale import policy
-from gpufleet.fleet.service_loop import hold_scale_in
+from gpufleet.autoscale.drain_hold import hold_scale_in
 from gpufleet.manifests import children, names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c

@@ -41,8 +41,9 @@ from ..autoscale.takeover import AUDITS_WAIT_S, WARM_READINGS, Warm, first_pass_
 from ..manifests import names
 from ..reconcile import figures
 from .adapter_sync import SYNC_SECONDS, OrphanAdapters
+from .pod_views import readable_replicas
 from .ports import Key, Leadership, ServicePorts
-from .service_loop import ServiceLoop, readable_replicas
+from .service_loop import ServiceLoop
 
 log = logging.getLogger(__name__)
 

@@ -97,7 +97,7 @@ class Leadership(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ServicePorts:
-    """Everything one service's loop (``service_loop.ServiceLoop``) talks to."""
+    """Everything one service's loop (``service_loop.ServiceLoop``) and its collaborators talk to."""
     events: EventRecorder
     status: StatusWriter
     locks: ServiceLocks

@@ -34,6 +34,8 @@ LABEL_TRACK = "gpufleet.dev/track"
 TRACK_CANARY = "canary"
 ANNOTATION_CONFIG_HASH = "gpufleet.dev/config-hash"
 ANNOTATION_AUDIT_REQUEST = "gpufleet.dev/audit-requested"
+# Kubernetes' own: on the replica a scale-in means to remove (``fleet.scale_in_marks``).
+ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 MANAGER = "gpufleet"
 
 

@@ -9,7 +9,7 @@ cordoned ones); once one is Ready the budget allows the eviction, the guard's pr
 the old pod's requests, and when the old pod is terminating the surge drops back.
 
 The surge is not the autoscaler's capacity: status.desiredReplicas stays what was decided, and the
-autoscaler does not scale in while a surge is under way (``fleet.service_loop``). Pure, apart from
+autoscaler does not scale in while a surge is under way (``autoscale.drain_hold``). Pure, apart from
 ``CordonIndex``, the memory the node watch keeps (no I/O).
 """
 from __future__ import annotations

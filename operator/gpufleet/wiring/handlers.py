@@ -18,7 +18,6 @@ import kopf
 from gpufleet_api import v1alpha1 as t
 from gpufleet_kit.kube.pods import is_ready
 
-from ..fleet.service_loop import DELETION_COST
 from ..manifests import names
 from ..reconcile.child_events import Action
 from .runtime import OperatorRuntime
@@ -184,7 +183,7 @@ async def engine_pod_changed(type, body, name, namespace, memo: kopf.Memo, **_) 
     _rt(memo).pod_changed(namespace, service, name, None if type == "DELETED" else {
         "ip": status.get("podIP"), "ready": is_ready(status),
         "deleting": bool(body.get("metadata", {}).get("deletionTimestamp")),
-        "marked": DELETION_COST in (body.get("metadata", {}).get("annotations") or {}),
+        "marked": names.ANNOTATION_DELETION_COST in (body.get("metadata", {}).get("annotations") or {}),
         "role": labels.get(names.LABEL_ROLE, "unified"), "revision": labels.get(names.LABEL_REVISION),
         "track": labels.get(names.LABEL_TRACK)})
 

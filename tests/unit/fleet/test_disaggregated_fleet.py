@@ -4,8 +4,9 @@ lengths shared with new guards read from decode pods, a fragmented replica judge
 pool, and stranded GPUs judged against each pool's shape."""
 from gpufleet.audit.fragmentation import may_restart
 from gpufleet.autoscale.signals import ReplicaSample, RequestTokens
+from gpufleet.fleet.autoscaler import HELD_BY_RATIO
 from gpufleet.fleet.cluster_audit import audit_report
-from gpufleet.fleet.service_loop import DELETION_COST, HELD_BY_RATIO, RATIO_UPDATE_S
+from gpufleet.fleet.ratio_meter import RATIO_UPDATE_S
 from gpufleet.manifests import names
 from gpufleet.reconcile import conditions as c
 from gpufleet.reconcile.status import POOLS_NOT_AUTOSCALED
@@ -133,8 +134,8 @@ async def test_an_idle_decode_pool_scales_in_its_own_least_loaded_pod_and_not_be
     loop = make_loop(kube, reader=reader)
     await loop.tick(kube.obj("InferenceService", "chat"), role_pods(decode=3), now=100.0)
     assert pools(kube) == {"prefill": 1, "decode": 2}
-    assert kube.obj("Pod", "d-1")["metadata"]["annotations"] == {DELETION_COST: "-1000"}
-    assert loop.removals == {"d-1": ("decode", 2)}
+    assert kube.obj("Pod", "d-1")["metadata"]["annotations"] == {names.ANNOTATION_DELETION_COST: "-1000"}
+    assert loop.marks.removals == {"d-1": ("decode", 2)}
     # The ReplicaSet took d-1: the next passes find every pool at its floor.
     kube.put(pool_deployment("decode", 2))
     for now in (200.0, 300.0):
@@ -145,12 +146,12 @@ async def test_an_idle_decode_pool_scales_in_its_own_least_loaded_pod_and_not_be
 async def test_a_scale_out_of_one_pool_keeps_the_scale_in_mark_of_the_other():
     kube = FakeKube()
     cluster(kube, decode=3)
-    kube.put(pod_object("d-2", {DELETION_COST: "-1000"}))
+    kube.put(pod_object("d-2", {names.ANNOTATION_DELETION_COST: "-1000"}))
     loop = make_loop(kube, reader=PoolReader({"p-0": {"engine_waiting": 20}}))
-    loop.removals = {"d-2": ("decode", 2)}
+    loop.marks.removals = {"d-2": ("decode", 2)}
     await loop.tick(kube.obj("InferenceService", "chat"), role_pods(decode=3), now=100.0)
     assert pools(kube)["prefill"] == 2
-    assert kube.obj("Pod", "d-2")["metadata"]["annotations"] == {DELETION_COST: "-1000"}
+    assert kube.obj("Pod", "d-2")["metadata"]["annotations"] == {names.ANNOTATION_DELETION_COST: "-1000"}
 
 
 async def test_an_unreadable_decode_pod_is_named_in_the_scaling_condition():
@@ -303,9 +304,9 @@ def test_a_replica_is_judged_against_the_other_replicas_of_its_pool():
     spec = loop.spec_of(body)
     pods = role_pods()
     samples = [ReplicaSample(pod=p["name"], ok=True, kv_usage=0.2) for p in pods]
-    prefill = loop.restart_context(body, spec, samples, pods, 10_000.0, "p-0")
+    prefill = loop.fragmentation.restart_context(body, spec, samples, pods, 10_000.0, "p-0")
     assert (prefill.ready_replicas, prefill.desired_replicas, set(prefill.kv_usage)) == (1, 1, {"p-0"})
-    decode = loop.restart_context(body, spec, samples, pods, 10_000.0, "d-1")
+    decode = loop.fragmentation.restart_context(body, spec, samples, pods, 10_000.0, "d-1")
     assert (decode.ready_replicas, decode.desired_replicas, set(decode.kv_usage)) == (2, 2, {"d-0", "d-1"})
 
 
@@ -326,12 +327,12 @@ def test_the_only_replica_of_a_pool_is_never_restarted_for_fragmentation_whateve
     """Remediation must not take a pool to zero ready replicas: its only prefill pod stays, though
     the service has three ready pods."""
     loop = make_loop(None)
-    loop.watching_since = 0.0
+    loop.fragmentation.watching_since = 0.0
     body = pd_isvc()
     spec = loop.spec_of(body)
     pods = role_pods()
     samples = [ReplicaSample(pod=p["name"], ok=True, kv_usage=0.1) for p in pods]
-    ok, why = may_restart("p-0", loop.restart_context(body, spec, samples, pods, 10_000.0, "p-0"))
+    ok, why = may_restart("p-0", loop.fragmentation.restart_context(body, spec, samples, pods, 10_000.0, "p-0"))
     assert not ok and "only ready replica" in why
-    ok, _ = may_restart("d-1", loop.restart_context(body, spec, samples, pods, 10_000.0, "d-1"))
+    ok, _ = may_restart("d-1", loop.fragmentation.restart_context(body, spec, samples, pods, 10_000.0, "d-1"))
     assert ok

@@ -7,7 +7,7 @@ import pytest
 
 from gpufleet.autoscale.signals import ReplicaSample
 from gpufleet.fleet.ports import ServicePorts
-from gpufleet.fleet.service_loop import DELETION_COST, ServiceLoop
+from gpufleet.fleet.service_loop import ServiceLoop
 from gpufleet.manifests import names
 from gpufleet.metrics import OperatorMetrics
 from gpufleet.reconcile import conditions as c
@@ -180,8 +180,8 @@ async def test_scale_in_marks_the_least_loaded_replica_first(kube):
     loop = make_loop(kube, kv={"a": 0.2, "b": 0.1})
     await loop.tick(kube.obj("InferenceService", "chat"), [pod("a"), pod("b")], now=100.0)
     assert status(kube)["desiredReplicas"] == 1 and scale_events(kube) == ["ScaledDown"]
-    assert kube.obj("Pod", "b")["metadata"]["annotations"] == {DELETION_COST: "-1000"}
-    assert DELETION_COST not in kube.obj("Pod", "a")["metadata"]["annotations"]
+    assert kube.obj("Pod", "b")["metadata"]["annotations"] == {names.ANNOTATION_DELETION_COST: "-1000"}
+    assert names.ANNOTATION_DELETION_COST not in kube.obj("Pod", "a")["metadata"]["annotations"]
     marks = [i for i, (verb, key, _) in enumerate(kube.writes) if key == ("Pod", "ml", "b")]
     scale = [i for i, (verb, key, body) in enumerate(kube.writes) if key[0] == "Deployment"]
     assert marks[0] < scale[0]   # marked before the ReplicaSet picks
@@ -198,21 +198,22 @@ async def test_the_mark_is_cleared_from_a_replica_that_outlived_its_scale_in(kub
     loop = make_loop(kube, kv={"a": 0.2, "b": 0.1, "c": 0.2})
     body = kube.obj("InferenceService", "chat")
     await loop.tick(body, [pod("a"), pod("b"), pod("c")], now=100.0)
-    assert status(kube)["desiredReplicas"] == 2 and DELETION_COST in kube.obj("Pod", "b")["metadata"]["annotations"]
+    assert status(kube)["desiredReplicas"] == 2
+    assert names.ANNOTATION_DELETION_COST in kube.obj("Pod", "b")["metadata"]["annotations"]
     # The ReplicaSet has not acted yet: the mark stays.
-    await loop.release_deletion_costs(body, [pod("a"), pod("b", marked=True), pod("c")])
-    assert DELETION_COST in kube.obj("Pod", "b")["metadata"]["annotations"]
+    await loop.marks.release_outlived(body, [pod("a"), pod("b", marked=True), pod("c")])
+    assert names.ANNOTATION_DELETION_COST in kube.obj("Pod", "b")["metadata"]["annotations"]
     # It removed c instead.
-    await loop.release_deletion_costs(body, [pod("a"), pod("b", marked=True), pod("c", deleting=True)])
-    assert DELETION_COST not in kube.obj("Pod", "b")["metadata"]["annotations"]
-    assert loop.removals == {}
+    await loop.marks.release_outlived(body, [pod("a"), pod("b", marked=True), pod("c", deleting=True)])
+    assert names.ANNOTATION_DELETION_COST not in kube.obj("Pod", "b")["metadata"]["annotations"]
+    assert loop.marks.removals == {}
 
 
 async def test_a_mark_left_from_before_a_restart_is_cleared_once_the_count_matches(kube):
     kube.put(isvc(desired=2, ready=2))
-    kube.put(pod_object("a", {DELETION_COST: "-1000"}))
+    kube.put(pod_object("a", {names.ANNOTATION_DELETION_COST: "-1000"}))
     loop = make_loop(kube)
-    await loop.release_deletion_costs(kube.obj("InferenceService", "chat"), [pod("a", marked=True), pod("b")])
+    await loop.marks.release_outlived(kube.obj("InferenceService", "chat"), [pod("a", marked=True), pod("b")])
     assert kube.obj("Pod", "a")["metadata"]["annotations"] == {}
 
 
@@ -229,13 +230,13 @@ async def test_the_mark_is_taken_back_when_the_scale_in_cannot_be_recorded(kube)
     loop = make_loop(kube, kv={"a": 0.2, "b": 0.1})
     with pytest.raises(ApiError):
         await loop.tick(kube.obj("InferenceService", "chat"), [pod("a"), pod("b")], now=100.0)
-    assert kube.obj("Pod", "b")["metadata"]["annotations"] == {} and loop.removals == {}
+    assert kube.obj("Pod", "b")["metadata"]["annotations"] == {} and loop.marks.removals == {}
 
 
 async def test_a_failed_mark_does_not_stop_the_scale_in(kube):
     loop = make_loop(kube)
-    await loop.mark_for_removal("gone", 1)      # the pod went away meanwhile: logged, not raised
-    assert loop.removals == {}
+    await loop.marks.mark("gone", 1)      # the pod went away meanwhile: logged, not raised
+    assert loop.marks.removals == {}
 
 
 async def test_metrics_unavailable_is_reported_and_cleared_when_reads_recover(kube):
@@ -326,13 +327,13 @@ async def audit_twice(kube, body, *, kv=None, retries_after=40, pods=PODS, now=1
     put_pods(kube, pods)
     loop = make_loop(kube, reader=AuditingReader(kv or {"a": 0.3, "b": 0.3, "c": 0.3},
                                                  {"a": (0.05, 0, 0), "b": (0.40, 3, 0), "c": (0.10, 0, 0)}))
-    loop.watching_since = 0.0
+    loop.fragmentation.watching_since = 0.0
     spec = loop.spec_of(body)
     ready = [p for p in pods if p["ready"] and not p["deleting"]]
     samples = [await loop.ports.replicas.sample(p["name"], p["ip"]) for p in ready]
-    await loop.audit(body, spec, ready, now - 3600, samples=samples, pods=pods)
+    await loop.fragmentation.audit(body, spec, ready, now - 3600, samples=samples, pods=pods)
     loop.ports.replicas.memory["b"] = (0.40, retries_after, 0)
-    await loop.audit(kube.obj("InferenceService", "chat"), spec, ready, now, samples=samples, pods=pods)
+    await loop.fragmentation.audit(kube.obj("InferenceService", "chat"), spec, ready, now, samples=samples, pods=pods)
     return loop
 
 
@@ -361,7 +362,7 @@ async def test_no_restart_right_after_the_operator_starts(kube):
     await loop.tick(body, ready, now=50.0)  # the loop starts watching
     for i, now in enumerate((60.0, 120.0, 180.0)):
         loop.ports.replicas.memory = {p: (0.9, 200 + i, 5) for p in "abc"}
-        await loop.audit(kube.obj("InferenceService", "chat"), loop.spec_of(body), ready, now,
+        await loop.fragmentation.audit(kube.obj("InferenceService", "chat"), loop.spec_of(body), ready, now,
                          samples=samples, pods=ready)
     assert kube.deleted("Pod") == []
     deferred = [e["message"] for e in kube.events if e["reason"] == "RemediationDeferred"]
@@ -406,8 +407,8 @@ async def test_never_in_the_same_pass_as_a_scale_in(kube):
     kube.put(deployment(3, 3))
     loop = make_loop(kube, reader=AuditingReader({"a": 0.01, "b": 0.01, "c": 0.01},
                                                  {"a": (0.05, 0, 0), "b": (0.40, 50, 0), "c": (0.10, 0, 0)}))
-    loop.watching_since = -100_000.0
-    loop.audit_baseline = {"a": (0, 0), "b": (3, 0), "c": (0, 0)}
+    loop.fragmentation.watching_since = -100_000.0
+    loop.fragmentation.baseline = {"a": (0, 0), "b": (3, 0), "c": (0, 0)}
     await loop.tick(kube.obj("InferenceService", "chat"), PODS, now=10_000.0)
     assert scale_events(kube) == ["ScaledDown"]
     assert kube.deleted("Pod") == []

@@ -152,7 +152,7 @@ async def test_a_follower_reads_every_replica_each_interval_and_writes_nothing()
     warm = fleet.warm(HOT)
     assert warm is not None and warm.at == 105.0 and warm.judgement.decision is not None
     assert warm.judgement.decision.target == 2 and warm.judgement.decision.reason == "KVHighWatermark"
-    assert fleet._loops[HOT].state.high_since == 100.0
+    assert fleet._loops[HOT].autoscaler.state.high_since == 100.0
 
 
 @pytest.mark.parametrize("concurrency", [64, 1])
