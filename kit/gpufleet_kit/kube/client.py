@@ -20,7 +20,7 @@ from typing import Any, AsyncGenerator, Callable
 import aiohttp
 
 from .config import Credentials, KubeConfig
-from .errors import ApiError, NotFound, NotLeading, error_for
+from .errors import ApiError, NotFound, NotLeading, Unreachable, error_for
 from .request_kind import request_kind
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,9 @@ class KubeClient:
                 async with self._send(creds, method, path, headers, params=params, data=data, **kwargs) as resp:
                     text = await resp.text()
                     status = resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self._counted(method, path, params, 0)
-                raise
+                raise Unreachable(f"{method} {path}: {type(e).__name__}: {e}") from e
             self._counted(method, path, params, status)
             if status == 401 and attempt == 0 and (fresh := await self._after_refusal(creds)) is not None:
                 creds = fresh  # once: reloaded credentials that are refused too are reported
@@ -308,10 +308,10 @@ class KubeClient:
                         if line.strip():
                             yield json.loads(line)
                     return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 if not answered:
                     self._counted("GET", path, params, 0)
-                raise
+                raise Unreachable(f"WATCH {path}: {type(e).__name__}: {e}") from e
 
     async def event(self, involved: dict, *, reason: str, message: str, type_: str = "Normal",
                     component: str = "gpufleet-operator") -> None:

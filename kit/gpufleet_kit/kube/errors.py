@@ -35,6 +35,13 @@ class ApiError(KubeError):
                                        or "because it is being terminated" in self.message)
 
 
+class Unreachable(KubeError):
+    """The API server did not answer: the connection failed, broke off or timed out (the transport's own
+    error, aiohttp's or the timeout, is the ``__cause__``). Transient: asking again soon may succeed."""
+
+    transient = True
+
+
 class NotFound(ApiError):
     pass
 

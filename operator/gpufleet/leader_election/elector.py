@@ -18,11 +18,9 @@ import random
 import time
 from typing import Awaitable, Callable
 
-import aiohttp
-
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
-from gpufleet_kit.kube.errors import ApiError, Conflict
+from gpufleet_kit.kube.errors import ApiError, Conflict, Unreachable
 
 from ..metrics import OperatorMetrics
 from .lease_store import LeaseStore
@@ -30,7 +28,9 @@ from .records import Change, Leadership, LeaseRecord, Timing
 
 log = logging.getLogger(__name__)
 COMPONENT = "gpufleet-operator"
-REQUEST_FAILURES = (ApiError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
+# What a Lease request can fail with: the API server's answer, or no answer (the kit's translation of the
+# transport's errors); OSError for a socket the transport did not wrap.
+REQUEST_FAILURES = (ApiError, Unreachable, OSError)
 
 
 def wall_now() -> str:

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gpufleet_kit.backoff import delay
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
-from gpufleet_kit.kube.errors import ApiError, NotLeading
+from gpufleet_kit.kube.errors import ApiError, NotLeading, Unreachable
 
 from ..fleet.cluster_audit import ClusterAuditor
 from ..fleet.fleet_loop import FleetLoop
@@ -59,8 +59,8 @@ def retry_delay(error: Exception, failures: int) -> float | None:
         return None  # the next leader reconciles every service when it takes over
     if isinstance(error, ApiError) and error.namespace_terminating:
         return None  # nothing can be created there any more and the object goes with its namespace
-    if isinstance(error, ApiError) and error.transient:
-        return TRANSIENT_RETRY_SECONDS
+    if isinstance(error, Unreachable) or isinstance(error, ApiError) and error.transient:
+        return TRANSIENT_RETRY_SECONDS  # the API server did not answer, or asked to be asked again
     # Refused children are reported in status by the controller; what is left (a kind that is
     # not served, credentials) is not fixed by asking again soon.
     return delay(failures, ERROR_BACKOFF_FIRST_S, ERROR_BACKOFF_MAX_S)

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from gpufleet.wiring.runtime import TRANSIENT_RETRY_SECONDS, retry_delay
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
-from gpufleet_kit.kube.errors import ApiError
+from gpufleet_kit.kube.errors import ApiError, KubeError, Unreachable
 from tests.support.kubeconfigs import write_kubeconfig
 
 BIG = "x" * (1 << 20)   # an event past aiohttp's default line limit (512 KiB); etcd keeps objects to 1.5 MiB
@@ -27,7 +29,8 @@ class Apiserver:
         app.router.add_get("/api/v1/namespaces/ml/pods", self.pods)
         self.server = TestServer(app)
 
-    async def discovery(self, _request):
+    @staticmethod
+    async def discovery(_request):
         return web.json_response({"resources": [{"name": "pods", "kind": "Pod", "namespaced": True}]})
 
     async def pods(self, request):
@@ -86,3 +89,47 @@ async def test_a_watch_from_a_version_the_server_no_longer_keeps_is_410(apiserve
             _ = [e async for e in kube.watch("v1", "Pod", "ml", resource_version="41")]
     assert e.value.status == 410 and e.value.reason == "Expired" and "too old" in e.value.message
     assert counted[-1] == ("watch", "pods", 410)
+
+
+async def test_no_answer_is_the_kits_unreachable_error_with_the_transports_as_its_cause(apiserver, tmp_path):
+    # The kit's boundary: a caller branches on KubeError's classes, never on aiohttp's; a connection that
+    # fails is transient (the operator asks again in seconds, not after the backoff for a refused request).
+    counted: list = []
+    kube = client(apiserver, tmp_path, counted)
+    await apiserver.server.close()    # nothing listens on its port any more
+    async with kube:
+        with pytest.raises(Unreachable) as e:
+            await kube.get("v1", "Pod", "a", "ml")
+        assert isinstance(e.value.__cause__, aiohttp.ClientConnectionError)
+        assert e.value.transient and isinstance(e.value, KubeError)
+        assert str(e.value).startswith("GET /api/v1") and "Cannot connect" in str(e.value)   # discovery first
+        with pytest.raises(Unreachable):
+            _ = [ev async for ev in kube.watch("v1", "Pod", "ml", resource_version="41")]
+    assert counted and all(status == 0 for *_, status in counted)   # counted as unanswered
+    assert retry_delay(e.value, 3) == TRANSIENT_RETRY_SECONDS
+
+
+async def test_a_watch_the_server_breaks_off_is_unreachable_after_the_events_it_sent(tmp_path):
+    async def broken(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(json.dumps({"type": "ADDED", "object": {"metadata": {"name": "a"}}}).encode() + b"\n")
+        await resp.write(b'{"type": "MODI')
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+    app = web.Application()
+    app.router.add_get("/api/v1", Apiserver.discovery)
+    app.router.add_get("/api/v1/namespaces/ml/pods", broken)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        path = write_kubeconfig(tmp_path / "config", server=str(server.make_url("")).rstrip("/"), user={"token": "t"})
+        seen = []
+        async with KubeClient(KubeConfig.from_file(path)) as kube:
+            with pytest.raises(Unreachable) as e:
+                async for ev in kube.watch("v1", "Pod", "ml", resource_version="1"):
+                    seen.append(ev["object"]["metadata"]["name"])
+        assert seen == ["a"] and isinstance(e.value.__cause__, aiohttp.ClientError)
+    finally:
+        await server.close()
