@@ -45,8 +45,8 @@ from gpufleet.adapters.placement import place
 from gpufleet_api.guard import guard_metrics as gm
 from gpufleet_api.guard.adapters import ADAPTERS_PATH
 from gpufleet_engine.local.runner import LocalEngine
-from gpufleet_router.adapters import Adapter, Catalog
-from gpufleet_router.table import Route
+from gpufleet_router.policy.adapters import Adapter, Catalog
+from gpufleet_router.policy.table import Route
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))

@@ -46,8 +46,8 @@ from gpufleet_kit.kube.config import KubeConfig  # noqa: E402
 from gpufleet_kit.kube.errors import Invalid  # noqa: E402
 from gpufleet_router import discovery  # noqa: E402
 from gpufleet_router.metrics import RouterMetrics  # noqa: E402
+from gpufleet_router.policy.table import Table  # noqa: E402
 from gpufleet_router.server import Fleet, RouterSettings  # noqa: E402
-from gpufleet_router.table import Table  # noqa: E402
 
 MODES = (discovery.Discovery.WATCH, discovery.Discovery.LIST)
 UNSERVED_SCHEDULER = "gpufleet-bench-unscheduled"

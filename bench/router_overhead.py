@@ -67,10 +67,10 @@ def serve_upstream(port: int) -> None:
 
 
 def serve_router(port: int, upstream: str) -> None:
-    from gpufleet_router.choice import Replica
     from gpufleet_router.metrics import RouterMetrics
+    from gpufleet_router.policy.replicas import Replica
+    from gpufleet_router.policy.table import Route, Table
     from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
-    from gpufleet_router.table import Route, Table
 
     async def main() -> None:
         settings = RouterSettings()

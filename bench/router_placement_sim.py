@@ -14,7 +14,9 @@ import argparse
 import collections
 import random
 
-from gpufleet_router.choice import Picker, Reading, Replica, prefix_of
+from gpufleet_router.policy.choice import Picker
+from gpufleet_router.policy.prefixes import prefix_of
+from gpufleet_router.policy.replicas import Reading, Replica
 
 BLOCK_CHARS = 128     # 32-token blocks at the router's 4 characters a token
 

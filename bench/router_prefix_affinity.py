@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from router_vs_vllm_router import run_trace  # noqa: E402
 
 from gpufleet_engine.local.runner import LocalEngine  # noqa: E402
-from gpufleet_router.choice import Replica  # noqa: E402
 from gpufleet_router.metrics import RouterMetrics  # noqa: E402
+from gpufleet_router.policy.replicas import Replica  # noqa: E402
+from gpufleet_router.policy.table import Route, Table  # noqa: E402
 from gpufleet_router.server import Fleet, Router, RouterSettings, client_session  # noqa: E402
-from gpufleet_router.table import Route, Table  # noqa: E402
 
 MODEL = "tiny"
 BLOCK_SIZE = 32

@@ -33,10 +33,10 @@ from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet_engine.local.runner import LocalEngine, free_port
-from gpufleet_router.choice import Replica
 from gpufleet_router.metrics import RouterMetrics
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import Route, Table
 from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
-from gpufleet_router.table import Route, Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -45,8 +45,8 @@ from pathlib import Path
 import aiohttp
 
 from gpufleet_engine.local.runner import LocalEngine
+from gpufleet_router.policy.table import Route
 from gpufleet_router.server import RouterSettings
-from gpufleet_router.table import Route
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))

@@ -7,8 +7,8 @@ import signal
 
 import click
 
-from .choice import POLICIES, Policy
 from .discovery import COALESCE_SECONDS, MODES, Discovery, connections_needed
+from .policy.choice import POLICIES, Policy
 from .server import RouterSettings
 
 

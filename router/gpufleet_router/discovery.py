@@ -23,8 +23,8 @@ from gpufleet_api.guard.adapters import ADAPTER_KIND
 from gpufleet_kit.kube.informer import Informer, Watchable
 from gpufleet_kit.kube.pods import is_serving
 
-from . import adapters
-from .table import Table, build_table
+from .policy import adapters
+from .policy.table import Table, build_table
 
 log = logging.getLogger("gpufleet_router")
 

@@ -9,13 +9,13 @@ import math
 import aiohttp
 from aiohttp import web
 
-from . import requests as rq
-from . import resume
-from .choice import Prefix
 from .errors import RouterError
 from .metrics import RouterMetrics
+from .policy import requests as rq
+from .policy import resume
+from .policy.prefixes import Prefix
+from .policy.table import Route
 from .settings import REPLICA_DOWN_CODES, RouterSettings
-from .table import Route
 
 
 @dataclasses.dataclass(frozen=True)

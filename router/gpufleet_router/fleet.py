@@ -20,13 +20,14 @@ from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.errors import NotFound
 from gpufleet_kit.kube.pods import is_serving
 
-from . import adapters
-from .choice import Picker, Reading
-from .cold_start import ColdStarts
 from .metrics import RouterMetrics
+from .policy import adapters
+from .policy.choice import Picker
+from .policy.cold_start import ColdStarts
+from .policy.replicas import Reading
+from .policy.signals import parse_guard
+from .policy.table import Table, build_table
 from .settings import RouterSettings
-from .signals import parse_guard
-from .table import Table, build_table
 
 log = logging.getLogger("gpufleet_router")
 

@@ -16,12 +16,13 @@ from aiohttp import web
 from gpufleet_api.engine_pods import DECODE, UNIFIED
 from gpufleet_kit.backoff import delay
 
-from . import handoff, shedding
-from . import requests as rq
-from .choice import Pick, Prefix
 from .exchange import Broken, Call, Refused, Unreachable, is_sse, refuse, replica_down, retry_after_of
 from .fleet import Fleet
 from .metrics import Outcome
+from .policy import handoff, shedding
+from .policy import requests as rq
+from .policy.choice import Pick
+from .policy.prefixes import Prefix
 from .prefill import Prefills
 from .settings import (
     ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS,

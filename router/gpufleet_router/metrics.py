@@ -5,7 +5,7 @@ scope, or "" for requests naming no known model (a request for a LoRA adapter
 counts under its service's model, and under the adapter's name, an
 InferenceAdapter in scope, in the ``adapter_*`` counters only); ``role`` is a pool
 (table.ROLES); ``outcome``, ``reason`` and ``transfer_params`` come from the
-fixed lists here and in choice.py."""
+fixed lists here and in policy/choice.py."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest

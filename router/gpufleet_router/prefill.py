@@ -11,12 +11,12 @@ import aiohttp
 
 from gpufleet_api.engine_pods import PREFILL
 
-from . import handoff
-from .choice import Pick
 from .errors import RouterError
 from .exchange import Call, Refused, Unreachable, retry_after_of
 from .fleet import Fleet
 from .metrics import Fallback, Outcome, TransferParams
+from .policy import handoff
+from .policy.choice import Pick
 from .settings import RETRIED_STATUSES
 
 log = logging.getLogger("gpufleet_router")

@@ -18,8 +18,9 @@ is skipped: decode then computes the prompt itself.
 
 Here: the aiohttp app and its routes, and ``serve``. The rest, by job: the fleet's state and discovery
 (fleet.py, discovery.py), forwarding and retries (forwarding.py, exchange.py), streams and their
-resumption (streaming.py, resume.py), the P/D hand-off (prefill.py, handoff.py), the settings
-(settings.py); the pure policy (choice.py, table.py over the API's route view, shedding.py, requests.py).
+resumption (streaming.py, policy/resume.py), the P/D hand-off (prefill.py, policy/handoff.py), the settings
+(settings.py); the pure policy in policy/ (choice.py, table.py over the API's route view, shedding.py,
+requests.py).
 """
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ from aiohttp import web
 
 from gpufleet_kit.kube.client import KubeClient
 
-from . import adapters, discovery, resume
-from . import requests as rq
-from .choice import prefix_of
+from . import discovery
 from .exchange import Call, Relay, client_session, error_response, refuse
 from .fleet import Fleet
 from .forwarding import Forwarder
 from .metrics import Outcome, RouterMetrics
+from .policy import adapters, resume
+from .policy import requests as rq
+from .policy.prefixes import prefix_of
 from .settings import HOP_BY_HOP, RouterSettings
 
 __all__ = ["Fleet", "Router", "RouterSettings", "client_session", "serve"]

@@ -5,7 +5,7 @@ import dataclasses
 
 from gpufleet_api import engine_pods as names
 
-from .choice import Policy
+from .policy.choice import Policy
 
 # Headers that describe one connection, not the request (RFC 9110 7.6.1), and the ones aiohttp sets itself.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",

@@ -13,11 +13,11 @@ from aiohttp import web
 
 from gpufleet_kit.backoff import delay
 
-from . import resume
-from .choice import Pick, Picker
 from .exchange import Broken, Call, Refused, Relay, Unreachable, is_sse, replica_down, retry_after_of
 from .fleet import Fleet
 from .metrics import Outcome, Resumption
+from .policy import resume
+from .policy.choice import Pick, Picker
 from .settings import (
     MIN_RESUME_WAIT_SECONDS,
     RETRIED_STATUSES,

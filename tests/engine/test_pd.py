@@ -39,9 +39,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufleet_engine.admission.kv_handoff import computed_prompt_tokens
 from gpufleet_engine.local.runner import LocalEngine
 from gpufleet_engine.vllm import shared_storage
-from gpufleet_router.choice import Replica
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import Route
 from gpufleet_router.server import Fleet
-from gpufleet_router.table import Route
 from tests.support.router import static_router
 from tests.support.waiting import wait_for
 

@@ -20,8 +20,8 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet_engine.local.runner import LocalEngine
-from gpufleet_router.choice import Replica
-from gpufleet_router.table import Route
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import Route
 from tests.support.router import static_router
 from tests.support.waiting import wait_for
 

@@ -19,8 +19,8 @@ import pytest
 import pytest_asyncio
 
 from gpufleet_engine.local.runner import LocalEngine, free_port
-from gpufleet_router.choice import Replica
-from gpufleet_router.table import Route
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import Route
 from tests.support.router import static_router
 from tests.support.stream_hold import Hold, HoldingRelay
 from tests.support.waiting import wait_for

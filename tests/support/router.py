@@ -8,10 +8,10 @@ from typing import AsyncIterator
 
 from aiohttp.test_utils import TestServer
 
-from gpufleet_router.adapters import EMPTY, Catalog
 from gpufleet_router.metrics import RouterMetrics
+from gpufleet_router.policy.adapters import EMPTY, Catalog
+from gpufleet_router.policy.table import Route, Table
 from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
-from gpufleet_router.table import Route, Table
 
 
 @contextlib.asynccontextmanager

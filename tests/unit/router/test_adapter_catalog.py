@@ -3,10 +3,19 @@ replicas hold an adapter (signals.py, from the guard's adapter_state gauge),
 and the choice among them only (choice.py), round robin included."""
 from __future__ import annotations
 
-from gpufleet_router.adapters import LISTED_IN_404, build_catalog, not_found_message, resolve, served, source_root
-from gpufleet_router.choice import Picker, Policy, Reading, Reason, Replica, prefix_of
-from gpufleet_router.signals import parse_guard
-from gpufleet_router.table import build_table
+from gpufleet_router.policy.adapters import (
+    LISTED_IN_404,
+    build_catalog,
+    not_found_message,
+    resolve,
+    served,
+    source_root,
+)
+from gpufleet_router.policy.choice import Picker, Policy, Reason
+from gpufleet_router.policy.prefixes import prefix_of
+from gpufleet_router.policy.replicas import Reading, Replica
+from gpufleet_router.policy.signals import parse_guard
+from gpufleet_router.policy.table import build_table
 from tests.unit.router.test_requests_and_table import GUARD_METRICS, isvc, pod, serving
 
 

@@ -12,8 +12,8 @@ import pytest
 from gpufleet_api import API_VERSION, KIND
 from gpufleet_api.guard.adapters import ADAPTER_KIND
 from gpufleet_kit.kube.errors import Forbidden, NotFound
-from gpufleet_router.adapters import Adapter, Catalog
-from gpufleet_router.choice import Replica
+from gpufleet_router.policy.adapters import Adapter, Catalog
+from gpufleet_router.policy.replicas import Replica
 from gpufleet_router.server import RouterSettings
 from tests.support.waiting import wait_for
 from tests.unit.router.test_server import MODEL, FakeGuard, Harness

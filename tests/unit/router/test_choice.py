@@ -8,19 +8,17 @@ import collections
 
 import pytest
 
-from gpufleet_router.choice import (
+from gpufleet_router.policy.choice import Picker, Reason
+from gpufleet_router.policy.prefixes import (
     DEFAULT_POOL_BLOCKS,
     LEARNED_PER_POOL_BLOCK,
     MATCH_BLOCKS,
     Learned,
-    Picker,
     Prefix,
-    Reading,
-    Reason,
-    Replica,
     Ring,
     prefix_of,
 )
+from gpufleet_router.policy.replicas import Reading, Replica
 
 
 def prefix_key(text: str, block_chars: int, blocks: int) -> str | None:
@@ -370,7 +368,7 @@ def test_prefix_chains_hash_cumulatively_and_the_key_is_the_first_blocks():
 def test_every_pick_reason_is_documented_in_the_metric_catalog():
     from pathlib import Path
 
-    from gpufleet_router.choice import REASONS
+    from gpufleet_router.policy.choice import REASONS
 
     catalog = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
     line = next(x for x in catalog.read_text().splitlines() if x.startswith("| gpufleet_router_picks_total "))

@@ -1,5 +1,5 @@
 """The cold-start estimate a held request's Retry-After comes from."""
-from gpufleet_router.cold_start import DEFAULT_COLD_START_SECONDS, ColdStarts
+from gpufleet_router.policy.cold_start import DEFAULT_COLD_START_SECONDS, ColdStarts
 
 
 def test_before_any_measurement_the_default_is_expected():

@@ -11,10 +11,10 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from gpufleet_router.choice import Replica
-from gpufleet_router.handoff import PREFILL_PARAMS
+from gpufleet_router.policy.handoff import PREFILL_PARAMS
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import Route
 from gpufleet_router.server import RouterSettings
-from gpufleet_router.table import Route
 from tests.support.waiting import wait_for
 from tests.unit.router.test_server import MODEL, FakeGuard, Harness, completion, wait_held
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gpufleet_router import handoff
-from gpufleet_router import requests as rq
+from gpufleet_router.policy import handoff
+from gpufleet_router.policy import requests as rq
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}

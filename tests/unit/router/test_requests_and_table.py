@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gpufleet_router import requests as rq
-from gpufleet_router.signals import UnreadableMetrics, parse_guard
-from gpufleet_router.table import build_table
+from gpufleet_router.policy import requests as rq
+from gpufleet_router.policy.signals import UnreadableMetrics, parse_guard
+from gpufleet_router.policy.table import build_table
 
 GUARD_METRICS = """\
 gpufleet_guard_kv_free_blocks 50.0
@@ -159,8 +159,9 @@ def test_a_disaggregated_service_bounds_each_pool_by_its_own_max_replicas():
 
 
 def test_a_shared_kv_tier_balances_load_tightly_since_a_spilled_prefix_is_loaded_not_computed():
-    from gpufleet_router.choice import Prefix, Replica, prefix_of
     from gpufleet_router.metrics import RouterMetrics
+    from gpufleet_router.policy.prefixes import Prefix, prefix_of
+    from gpufleet_router.policy.replicas import Replica
     from gpufleet_router.server import Fleet, RouterSettings
 
     tier = isvc("chat")

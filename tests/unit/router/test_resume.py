@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gpufleet_router import resume
-from gpufleet_router.requests import CHAT, COMPLETIONS, EMBEDDINGS
+from gpufleet_router.policy import resume
+from gpufleet_router.policy.requests import CHAT, COMPLETIONS, EMBEDDINGS
 
 ID, CREATED, MODEL = "cmpl-1", 111, "tiny"
 

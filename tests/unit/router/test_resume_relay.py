@@ -12,10 +12,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gpufleet_router.choice import Picker, Replica
 from gpufleet_router.metrics import RouterMetrics
+from gpufleet_router.policy.choice import Picker
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import Route, Table
 from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
-from gpufleet_router.table import Route, Table
 
 MODEL = "tiny"
 WORDS = [f" w{i}" for i in range(10)]

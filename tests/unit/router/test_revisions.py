@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gpufleet.manifests import names
-from gpufleet_router.choice import Picker, Policy, Replica, Split
-from gpufleet_router.table import build_table
+from gpufleet_router.policy.choice import Picker, Policy, Split
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import build_table
 from tests.unit.router.test_requests_and_table import isvc, serving
 
 
@@ -94,8 +95,8 @@ def test_pods_without_a_revision_are_one_group_and_no_canary_means_no_split():
 
 def test_the_fleet_gives_each_pool_its_services_split():
     from gpufleet_router.metrics import RouterMetrics
+    from gpufleet_router.policy.table import Route, Table
     from gpufleet_router.server import Fleet, RouterSettings
-    from gpufleet_router.table import Route, Table
 
     fleet = Fleet(RouterSettings(), RouterMetrics())
     replicas = (Replica("a", "x:1", revision="old"), Replica("b", "x:2", revision="new"))

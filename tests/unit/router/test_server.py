@@ -13,11 +13,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gpufleet_router.adapters import EMPTY, Catalog
-from gpufleet_router.choice import Replica
 from gpufleet_router.metrics import RouterMetrics
+from gpufleet_router.policy.adapters import EMPTY, Catalog
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import Route, Table
 from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
-from gpufleet_router.table import Route, Table
 from tests.support.waiting import wait_for
 
 MODEL = "tiny"
@@ -490,7 +490,7 @@ async def test_below_max_replicas_a_request_every_replica_refused_is_held_until_
 
 
 def test_shedding_holds_only_below_max_replicas_and_within_the_time_left():
-    from gpufleet_router.shedding import wait_before_retrying
+    from gpufleet_router.policy.shedding import wait_before_retrying
     assert wait_before_retrying(2, 2, [3.0], 60) is None          # at max: the client gets the 429
     assert wait_before_retrying(1, 4, [3.0, 2.0], 60) == 2.0      # the earliest hint
     assert wait_before_retrying(1, 4, [], 60) == 1.0              # no hint: a second

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from .errors import RouterError
+from ..errors import RouterError
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

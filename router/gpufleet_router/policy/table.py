@@ -19,7 +19,7 @@ from gpufleet_api import engine_pods as pods_api
 from gpufleet_api.engine_pods import DECODE, PREFILL, ROLES, UNIFIED
 from gpufleet_api.route import SpecError, route_view
 
-from .choice import Replica
+from .replicas import Replica
 
 _LABELLED = {PREFILL, DECODE}   # the values of gpufleet.dev/role
 

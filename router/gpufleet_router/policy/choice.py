@@ -53,23 +53,15 @@ is the baseline the benchmarks compare against, not a production choice.
 """
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
-import hashlib
 import math
 from typing import Iterable, Sequence
 
-VIRTUAL_NODES = 64
+from .prefixes import DEFAULT_POOL_BLOCKS, LEARNED_PER_POOL_BLOCK, Learned, Prefix, Ring
+from .replicas import Reading, Replica
+
 DEFAULT_LOAD_FACTOR = 0.25
 AFFINITY_SLACK = 1     # requests over the bounded-load capacity a prefix's replica may still take
-MATCH_BLOCKS = 64      # leading blocks of a prompt remembered per replica
-DEFAULT_POOL_BLOCKS = 4096  # a replica's learned blocks before its first reading says how large its pool is
-# Learned blocks kept per block of the replica's pool. The router counts 4 characters a token; tokenizers take
-# 4-6 on English text, so its blocks are up to 1.5x as many as vLLM's for one prompt: an LRU of the pool's size
-# forgets prompts vLLM still holds, and the next request is placed anew elsewhere (a second prefill). Erring
-# the other way costs one miss where the prompt was, which then caches it again.
-LEARNED_PER_POOL_BLOCK = 2
 # A new prefix's ring replica may hold this many learned prefixes more than the fewest, or this much more than
 # the mean (bench/router_placement_sim.py: slack 0 is best for one router, 1 keeps two routers near the ring).
 FOOTPRINT_SLACK = 1
@@ -99,17 +91,6 @@ class Policy:
 POLICIES = (Policy.KV_AWARE, Policy.ROUND_ROBIN)
 
 
-@dataclasses.dataclass(frozen=True)
-class Reading:
-    """One guard /metrics read of one replica (signals.parse_guard)."""
-    taken_at: float            # when the read was sent (the router's monotonic clock)
-    ready: bool                # the guard says ready (false while draining or the engine is down)
-    free_blocks: int           # blocks the guard would admit into now: free less the watermark, unreserved
-    total_blocks: int
-    queued: int = 0            # waiting in the guard's queues
-    adapters: frozenset[str] = frozenset()   # LoRA adapters the replica holds Loaded
-
-
 @dataclasses.dataclass(eq=False)
 class Sent:
     """One request this router sent, counted against its replica's room until a reading includes it
@@ -119,110 +100,10 @@ class Sent:
 
 
 @dataclasses.dataclass(frozen=True)
-class Replica:
-    pod: str
-    address: str               # host:port of the guard
-    serving: bool = True       # the pod is Ready, addressed and not terminating (its API object says so)
-    revision: str = ""         # its gpufleet.dev/revision label: what it serves ("" without one)
-    terminating: bool = False  # deleted: it will not serve again (not serving for another reason: it may)
-
-
-@dataclasses.dataclass(frozen=True)
-class Prefix:
-    """A prompt's leading whole blocks: ``key`` (the first ``prefix_blocks`` of them, for the ring)
-    and ``chain``, one cumulative hash per block (the i-th names the first i + 1 blocks)."""
-    key: str
-    chain: tuple[bytes, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Pick:
     replica: Replica
     reason: str
     affinity_hit: bool         # the replica holds (as far as this router learned) the prompt's prefix
-
-
-def prefix_of(text: str, block_chars: int, blocks: int, match_blocks: int = MATCH_BLOCKS,
-              adapter: str | None = None) -> Prefix | None:
-    """The prompt's leading whole blocks of ``block_chars`` characters: the ring key hashes the first
-    ``blocks`` (0 turns prefixes off), the chain covers up to ``max(blocks, match_blocks)``. None when the
-    prompt is shorter than one block (nothing a prefix cache would reuse): vLLM caches whole blocks.
-    With ``adapter``, the hashes start from its name: one prompt through two adapters is two prefixes."""
-    if block_chars <= 0 or blocks <= 0:
-        return None
-    whole = min(max(blocks, match_blocks), len(text) // block_chars)
-    if whole == 0:
-        return None
-    h = hashlib.blake2b(digest_size=8)
-    if adapter is not None:
-        h.update(adapter.encode() + b"\0")
-    chain = []
-    for i in range(whole):
-        h.update(text[i * block_chars:(i + 1) * block_chars].encode())
-        chain.append(h.copy().digest())
-    return Prefix(chain[min(blocks, whole) - 1].hex(), tuple(chain))
-
-
-def _point(value: str) -> int:
-    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "big")
-
-
-class Ring:
-    """A consistent-hash ring over pod names (``VIRTUAL_NODES`` points each)."""
-
-    def __init__(self, pods: Iterable[str], virtual_nodes: int = VIRTUAL_NODES):
-        points = sorted((_point(f"{pod}#{i}"), pod) for pod in set(pods) for i in range(virtual_nodes))
-        self._hashes = [h for h, _ in points]
-        self._pods = [p for _, p in points]
-
-    def walk(self, key: str) -> list[str]:
-        """Every pod once, in ring order from ``key``'s position."""
-        if not self._pods:
-            return []
-        start = bisect.bisect(self._hashes, _point(key)) % len(self._pods)
-        seen: dict[str, None] = {}
-        for i in range(len(self._pods)):
-            seen.setdefault(self._pods[(start + i) % len(self._pods)], None)
-        return list(seen)
-
-
-class Learned:
-    """The leading blocks this router sent to one replica, least recently sent first, at most ``capacity``;
-    ``prefixes`` counts the distinct prompt keys among them (the footprint new prefixes are spread by)."""
-
-    def __init__(self, capacity: int = DEFAULT_POOL_BLOCKS):
-        self.capacity = max(1, capacity)
-        self.prefixes = 0
-        self._blocks: collections.OrderedDict[bytes, bool] = collections.OrderedDict()  # block -> is a key
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def match(self, chain: Sequence[bytes]) -> int:
-        """How many of the chain's leading blocks are held (a block's hash names its whole prefix; tails
-        go before heads, so the longest held block ends the held run)."""
-        for depth in range(len(chain), 0, -1):
-            if chain[depth - 1] in self._blocks:
-                return depth
-        return 0
-
-    def add(self, prefix: Prefix) -> None:
-        # Last block first, so the chain's tail is older than its head and goes first (as vLLM frees a
-        # request's blocks tail first, evicting the ends of prefixes before their shared starts).
-        key = bytes.fromhex(prefix.key)
-        for block in reversed(prefix.chain):
-            if block in self._blocks:
-                self._blocks.move_to_end(block)
-            else:
-                is_key = block == key
-                self._blocks[block] = is_key
-                self.prefixes += is_key
-        self.resize(self.capacity)
-
-    def resize(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        while len(self._blocks) > self.capacity:
-            self.prefixes -= self._blocks.popitem(last=False)[1]
 
 
 class Split:

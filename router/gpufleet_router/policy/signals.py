@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufleet_api.guard import guard_metrics as guard
 from gpufleet_api.guard.adapters import AdapterStateName
 
-from .choice import Reading
-from .errors import RouterError
+from ..errors import RouterError
+from .replicas import Reading
 
 
 class UnreadableMetrics(RouterError, ValueError):

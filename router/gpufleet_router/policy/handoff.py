@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 
+from ..errors import RouterError
 from . import requests as rq
-from .errors import RouterError
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # What the prefill request asks of vLLM: keep this prompt's KV for a decode elsewhere.
