@@ -228,6 +228,15 @@ def render_markdown() -> str:
         "## Checked by the operator (reported as `Ready=False, reason=InvalidSpec`)", "",
         "- `spec.engine.extraArgs` may not set flags gpufleet manages (port, model, parallelism, KV and "
         "batching); the message names the typed field to use instead.",
+        "- `spec.engine.extraArgs` may not carry a credential (`--api-key`, `--hf-token`: it would be written "
+        "in plain text into guard.json, the guard ConfigMap and vLLM's logged command line; the token goes "
+        "in `spec.model.source.huggingFace.credentialsSecretRef`), nor set what the pod and the guard cannot "
+        "account for: data parallelism (`--data-parallel-*`, `-dp`; scale with replicas), pipeline and "
+        "context parallelism (`-pp`, `-pcp`, `-dcp`), several nodes (`--nnodes`, `--node-rank`, "
+        "`--headless`), `--kv-cache-memory-bytes` (set `gpuMemoryUtilizationPercent` or "
+        "`kvCache.numBlocksOverride`), `--config`, and vLLM's listener (`--uds`, `--grpc`, "
+        "`--ssl-keyfile`, `--ssl-certfile`). Abbreviations (`--api-k`), `--flag_name`, `--flag=value` and "
+        "`--flag.key` count as the flag; an entry that is not a flag must follow a flag that takes it.",
         "- `spec.engine.runtime: vllm-cpu` serves unquantized weights with `kvCache.dtype: auto` only.", "",
         "# InferenceAdapter API (serving.gpufleet.dev/v1alpha1)", "",
         "A LoRA adapter on an InferenceService's base model (`kubectl get iad`). Its `metadata.name` is what "

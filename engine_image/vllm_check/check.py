@@ -66,10 +66,17 @@ def check_flags(cases: dict[str, list[str]], rejected: dict[str, list[str]]) -> 
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
-    from gpufleet_api.guard.engine_flags import MANAGED_FLAGS
+    from gpufleet_api.guard.engine_flags import REFUSED_FLAGS, VLLM_PREFIX_OPTIONS
     parser = _parser()
-    problems = [f"managed flag {flag} is not one of vLLM's" for flag in MANAGED_FLAGS
-                if flag not in parser._option_string_actions]
+    options = parser._option_string_actions
+    problems = [f"refused flag {flag} is not one of vLLM's" for flag in sorted(REFUSED_FLAGS)
+                if flag not in options]
+    # vLLM's own options that a refused flag extends: extraArgs takes them as themselves, not as an
+    # abbreviation of the refused flag (engine_flags.VLLM_PREFIX_OPTIONS lists exactly these).
+    prefixes = {o for o in options if o not in REFUSED_FLAGS and any(
+        f != o and f.startswith(o) and f.startswith("--") == o.startswith("--") for f in REFUSED_FLAGS)}
+    if prefixes != VLLM_PREFIX_OPTIONS:
+        problems.append(f"engine_flags.VLLM_PREFIX_OPTIONS should be {sorted(prefixes)}")
     for name, argv in cases.items():
         err = io.StringIO()
         try:

@@ -167,3 +167,56 @@ def test_each_backed_pod_gets_a_loopback_of_its_own_for_vllm():
     assert pod_loopback("127.64.1.5") != pod_loopback("127.64.0.5")
     with pytest.raises(ValueError, match="127.64.0.0/16"):
         pod_loopback("10.244.0.5")
+
+
+# --- least privilege (issue 44, part 5) ---------------------------------------------------------
+
+def _disaggregated() -> list[dict]:
+    s = spec(disaggregation={}, engine={"kvTransfer": {"connector": "Nixl"}})
+    isvc_children = desired_children(ISVC, s, {"prefill": 1, "decode": 1}, with_podmonitor=False)
+    return [c["spec"]["template"] for c in isvc_children if c["kind"] == "Deployment"]
+
+
+def _every_engine_pod_template() -> list[dict]:
+    hub = spec(model={"name": "org/gated", "source": {"huggingFace": {"credentialsSecretRef": {"name": "hf"}}}})
+    pvc = spec(model={"name": "m", "source": {"pvc": {"claimName": "weights"}}})
+    return [pod_template(), pod_template(s=hub), pod_template(s=pvc), *_disaggregated()]
+
+
+def test_no_engine_pod_mounts_a_service_account_token():
+    """No container of an engine pod calls the Kubernetes API (the engine image has no client for it),
+    so none gets the ServiceAccount token that would let code in the pod act as the namespace's
+    default account."""
+    for template in _every_engine_pod_template():
+        pod = template["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in pod
+        for c in [*pod["containers"], *pod.get("initContainers", [])]:
+            assert not any("serviceaccount" in m["mountPath"] for m in c.get("volumeMounts", []))
+
+
+def _token_holders(template: dict) -> set[str]:
+    pod = template["spec"]
+    containers = [*pod["containers"], *pod.get("initContainers", [])]
+    return {c["name"] for c in containers for e in c.get("env", [])
+            if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "hf"}
+
+
+def test_the_hub_token_reaches_only_the_container_that_downloads_never_the_guard():
+    s = spec(model={"name": "org/gated", "source": {"huggingFace": {"credentialsSecretRef": {"name": "hf"}}}})
+    template = pod_template(s=s)
+    assert _token_holders(template) == {"model-fetch"}
+    guard = next(c for c in template["spec"]["containers"] if c["name"] == "guard")
+    assert not any(e["name"] == "HF_TOKEN" for e in guard["env"])
+    # Nor through a Secret volume or envFrom: the guard's only way to a Secret would be these.
+    assert "envFrom" not in guard
+    secret_volumes = {v["name"] for v in template["spec"]["volumes"] if "secret" in v}
+    assert not secret_volumes & {m["name"] for m in guard["volumeMounts"]}
+
+
+def test_the_hub_token_reaches_no_container_that_listens_in_a_disaggregated_service():
+    s = spec(model={"name": "org/gated", "source": {"huggingFace": {"credentialsSecretRef": {"name": "hf"}}}},
+             disaggregation={}, engine={"kvTransfer": {"connector": "Nixl"}})
+    for d in desired_children(ISVC, s, {"prefill": 1, "decode": 1}, with_podmonitor=False):
+        if d["kind"] == "Deployment":
+            assert _token_holders(d["spec"]["template"]) == {"model-fetch"}

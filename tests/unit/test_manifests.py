@@ -160,8 +160,8 @@ def test_pvc_source_is_mounted_read_only_and_hf_token_comes_from_a_secret():
     assert vol["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
     assert guard_config.model_location(s) == "/models/llama"
     s2 = spec(model={"name": "m", "source": {"huggingFace": {"credentialsSecretRef": {"name": "hf"}}}})
-    env = deployment(s2)["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
+    fetch, = deployment(s2)["spec"]["template"]["spec"]["initContainers"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in fetch["env"]
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -233,7 +233,7 @@ def test_a_templates_revision_leaves_out_its_own_label_and_the_template_as_it_wa
     def deepcopy(_obj, _memo=None):
         raise AssertionError("the template is deep-copied on every apply")
     monkeypatch.setattr(copy, "deepcopy", deepcopy)
-    assert template["metadata"]["labels"][names.LABEL_REVISION] == revision.of_template(template) == "ca4e31b175"
+    assert template["metadata"]["labels"][names.LABEL_REVISION] == revision.of_template(template) == "2835247711"
     assert json.dumps(template, sort_keys=True) == before
     assert revision.of_template({"spec": {}}) == "53aa778a9b"  # no metadata: hashed as it is
 

@@ -24,7 +24,7 @@ from msgspec import Meta
 
 from .. import typed
 from ..errors import ContractError
-from .engine_flags import MANAGED_FLAGS, managed_flags_in
+from .engine_flags import extra_args_problems
 
 OverLengthPolicy = Literal["Reject", "TruncateLeft"]
 OVER_LENGTH_POLICIES = typing.get_args(OverLengthPolicy)
@@ -345,9 +345,8 @@ def _engine_problems(e: EngineConfig, where: str) -> list[str]:
         problems.append(f"{where}.maxModelLen: {max_model_len} tokens do not fit in numGpuBlocksOverride "
                         f"{blocks} blocks of {block_size} (vLLM keeps one block back); lower maxModelLen "
                         f"to at most {(blocks - 1) * block_size} or raise numGpuBlocksOverride")
-    for _, flag in managed_flags_in(e.extra_args):
-        problems.append(f"{where}.extraArgs: {flag} is managed by gpufleet; remove it and "
-                        f"{MANAGED_FLAGS[flag]}")
+    for _, problem in extra_args_problems(e.extra_args):
+        problems.append(f"{where}.extraArgs: {problem}")
     lora = e.lora
     if lora is not None and lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
         # vLLM refuses to start: its CPU cache holds every adapter of a batch.

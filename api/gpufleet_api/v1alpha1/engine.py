@@ -241,6 +241,10 @@ class EngineSpec(Model, frozen=True, kw_only=True):
         description="Serve LoRA adapters (InferenceAdapter objects) on this base model; off when unset. Not "
                     "with spec.disaggregation or engine.kvTransfer.")]] = None
     extra_args: Annotated[list[str], Meta(
-        description="Extra vLLM command-line flags, appended last. Flags gpufleet manages "
-                    "(port, model, parallelism, KV and batching) are rejected.",
+        description="Extra vLLM command-line flags, appended last, one flag per entry (its value in the "
+                    "same entry after '=' or in the next). Refused, in any spelling vLLM accepts: flags "
+                    "gpufleet manages (port, model, parallelism, KV and batching), flags carrying a "
+                    "credential (--api-key, --hf-token) and flags the pod and the guard cannot account "
+                    "for (data and pipeline parallelism, --kv-cache-memory-bytes, --config, vLLM's "
+                    "listener); each refusal names the field to set instead.",
         max_length=64)] = msgspec.field(default_factory=list)

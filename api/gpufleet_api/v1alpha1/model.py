@@ -21,8 +21,9 @@ class HuggingFaceSource(Model, frozen=True, kw_only=True):
                     "model; a branch follows it at each pod start. Unset: the default branch.",
         min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")]] = None
     credentials_secret_ref: Optional[Annotated[SecretKeyRef, Meta(
-        description="Secret holding a Hugging Face token for gated models, exposed to the engine as HF_TOKEN. "
-                    "Never put a token inline.")]] = None
+        description="Secret holding a Hugging Face token for gated models, exposed as HF_TOKEN to the "
+                    "model-fetch init container that downloads the weights, and to no container that "
+                    "listens (vLLM and the guard read the download offline). Never put a token inline.")]] = None
     endpoint: Optional[Annotated[str, Meta(
         description="URL of a Hub mirror or proxy to download from instead of the public Hub (HF_ENDPOINT), for "
                     "clusters that reach the Hub only through one. Unset: the public Hub.",

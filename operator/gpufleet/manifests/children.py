@@ -101,19 +101,30 @@ def build_demand_prior(isvc: dict, prior: demand_prior.DemandPrior) -> dict:
 
 
 def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
-    """(volumes, engine volumeMounts, engine env) for the weight source."""
+    """(volumes, engine volumeMounts, env) for the weight source. The env is for the containers that
+    fetch from the Hub: model-fetch, and vLLM when no model-fetch ran before it (``hub_token_env``
+    says which get the token); never the guard."""
     src = spec.model.source
     volumes, mounts, env = [], [], []
     if src.pvc:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": guard_config.MODEL_MOUNT, "readOnly": True})
     hf = src.hugging_face
-    if hf and hf.credentials_secret_ref:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": hf.credentials_secret_ref.name, "key": hf.credentials_secret_ref.key}}})
     if hf and hf.endpoint:
         env.append({"name": "HF_ENDPOINT", "value": hf.endpoint})
     return volumes, mounts, env
+
+
+def hub_token_env(spec: InferenceServiceSpec) -> list[dict]:
+    """HF_TOKEN from spec.model.source.huggingFace.credentialsSecretRef, for the containers that fetch
+    from the Hub and only them: model-fetch downloads the weights; vLLM and the guard then read the
+    cache offline (HF_HUB_OFFLINE=1), so neither needs it. The guard listens on the pod network and
+    takes adapter sources from callers: it never gets the token (a Hub adapter downloads anonymously)."""
+    hf = spec.model.source.hugging_face
+    if not (hf and hf.credentials_secret_ref):
+        return []
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": hf.credentials_secret_ref.name, "key": hf.credentials_secret_ref.key}}}]
 
 
 def _volume_mount(m: VolumeMount) -> dict:
@@ -179,6 +190,8 @@ def _deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_ha
                 # vLLM-CPU sizes its threads to the request (whole cores, rounded up): see cpu_budget.py.
                 {"name": CPU_REQUEST_ENV, "valueFrom": {"resourceFieldRef": {
                     "resource": "requests.cpu", "divisor": "1"}}},
+                # The token only where vLLM itself may reach the Hub: no model-fetch ran before it.
+                *(() if model_cache.downloads(spec) else hub_token_env(spec)),
                 *_allocator_env(spec, role), {"name": gpu_memory.ENV_DIR, "value": gpu_memory.MOUNT_PATH},
                 *kv_transfer.env(spec, role), *lora.env(spec)],
         "resources": {"requests": {"cpu": str(res.cpu), "memory": str(res.memory), **gpus,
@@ -202,7 +215,8 @@ def _deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_ha
         "ports": [{"name": "http", "containerPort": names.GUARD_PORT}],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
         # The guard counts tokens with the model's own tokenizer: it reads the same weights
-        # location (and Hugging Face cache and token) as the engine, read-only.
+        # location (and Hugging Face cache) as the engine, read-only. Never the Hub token
+        # (hub_token_env): the guard is the pod's network-facing container.
         # No GPU: it requests none, and NVIDIA's runtime must not show it the node's (an image built
         # on CUDA's sets NVIDIA_VISIBLE_DEVICES=all). GPU memory comes from vLLM's plugin's reports.
         "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *model_env, *model_cache.offline_env(spec),
@@ -230,7 +244,8 @@ def _deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_ha
         **({"initContainers": [{
             "name": model_cache.FETCH_CONTAINER, "image": spec.engine.image,
             "command": ["gpufleet-engine", "fetch-model", "--config", config_arg],
-            "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *engine_runtime_env(), *model_env],
+            "env": [{"name": "HF_HOME", "value": model_cache.HF_HOME}, *engine_runtime_env(), *model_env,
+                    *hub_token_env(spec)],
             # A download waits on the network, not the CPU; the pod's request is the larger of this
             # and its containers' sum, so more here would only keep replicas off a node.
             "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
@@ -259,6 +274,10 @@ def _deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_ha
             *pod.volumes,
         ],
         "enableServiceLinks": False,
+        # No container of an engine pod calls the Kubernetes API (the guard, vLLM and model-fetch talk
+        # to each other, the Hub and the operator's HTTP calls only): a token mounted here would be one
+        # more credential for whoever gets code running in the pod.
+        "automountServiceAccountToken": False,
     }
     if pod.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": r.name} for r in pod.image_pull_secrets]

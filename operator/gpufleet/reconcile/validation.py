@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from gpufleet_api.guard.engine_flags import MANAGED_FLAGS, managed_flags_in
+from gpufleet_api.guard.engine_flags import extra_args_problems
 from gpufleet_api.v1alpha1 import (
     ROLLOUT_DISAGGREGATION_MESSAGE,
     SERVED_NAME_FORBIDDEN,
@@ -18,9 +18,8 @@ from ..manifests.pools import replica_bounds
 
 def validate(spec: InferenceServiceSpec) -> list[str]:
     problems = []
-    for i, flag in managed_flags_in(spec.engine.extra_args):
-        problems.append(f"spec.engine.extraArgs[{i}]: {flag} is managed by gpufleet; remove it and "
-                        f"{MANAGED_FLAGS[flag]}")
+    for i, problem in extra_args_problems(spec.engine.extra_args):
+        problems.append(f"spec.engine.extraArgs[{i}]: {problem}")
     if spec.engine.runtime == "vllm-cpu" and spec.engine.quantization:
         problems.append("spec.engine.quantization: vllm-cpu serves unquantized weights; remove "
                         "quantization or use runtime vllm")

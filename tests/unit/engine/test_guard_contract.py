@@ -24,14 +24,14 @@ from gpufleet.reconcile.validation import validate
 from gpufleet_api import SpecError, parse_spec
 from gpufleet_api.crd import build_crd
 from gpufleet_api.guard import guard_config
-from gpufleet_api.guard.engine_flags import MANAGED_FLAGS, flag_name
+from gpufleet_api.guard.engine_flags import MANAGED_FLAGS, REFUSED_FLAGS, flag_name, refused_flag
 from gpufleet_engine.launch.flags import vllm_launch
 
 SPEC_SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 # Flags vLLM accepts that gpufleet leaves to the user, and every managed flag in
 # the spellings users type; the schema says only "list of strings".
 EXTRA_ARGS = ["--enforce-eager", "--trust-remote-code", "--seed=7", "--disable-log-stats",
-              "--max_model_len=8192", "--dtype=half", *MANAGED_FLAGS]
+              "--max_model_len=8192", "--dtype=half", *sorted(REFUSED_FLAGS)]
 LAUNCH_FLAGS_NOT_MANAGED = {"--disable-uvicorn-access-log"}  # fixed, harmless if repeated
 
 
@@ -130,7 +130,7 @@ def test_every_spec_the_api_accepts_is_rendered_into_a_config_the_guard_runs(raw
         pytest.fail(f"the CRD accepts a spec the operator cannot parse: {e}\n{json.dumps(raw)}")
     config = builder.build_guard_config("chat", "ml", spec)
     document = json.loads(builder.render(config))
-    managed = [a for a in spec.engine.extra_args if flag_name(a) in MANAGED_FLAGS]
+    managed = [a for a in spec.engine.extra_args if refused_flag(a)]
     try:
         parsed = guard_config.parse(document)
     except guard_config.ConfigError as e:
@@ -139,7 +139,7 @@ def test_every_spec_the_api_accepts_is_rendered_into_a_config_the_guard_runs(raw
         event("InvalidSpec on both sides")
         return
     event("rendered, parsed and launched")
-    assert not managed, f"the guard runs vLLM with managed flags {managed} in extraArgs"
+    assert not managed, f"the guard runs vLLM with refused flags {managed} in extraArgs"
     assert parsed == config, "what the guard reads differs from what the operator wrote"
     launch = vllm_launch(parsed.engine)
     values = {parsed.engine.model, parsed.engine.served_model_name, *spec.engine.extra_args}
