@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .errors import ContractError
+
 MAX_DEPTH = 64
 _CONTAINERS = (dict, list)
 
 
-class TooDeep(ValueError):
+class TooDeep(ContractError, ValueError):
     def __init__(self, limit: int):
         self.limit = limit
         super().__init__(f"JSON nested deeper than {limit} levels: send a document with at most {limit} "
