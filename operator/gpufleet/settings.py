@@ -89,6 +89,7 @@ class OperatorSettings:
     podmonitor_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     network_policies: NetworkPolicies | None = None
     router_addresses: tuple[str, ...] = ()     # fixed routers to read held requests from
+    adapter_private_sources: bool = False      # guards may fetch adapters from private addresses
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "podmonitor_labels", MappingProxyType(dict(self.podmonitor_labels)))

@@ -41,7 +41,7 @@ async def podless(kube, namespace):
     (adapter("bounds", placement={"minReplicas": 3, "maxReplicas": 1}),
      "placement.minReplicas must be at most placement.maxReplicas"),
     (adapter("Not_A_Label"), "metadata.name"),
-    (adapter("s3", source={"uri": "s3://bucket/a.tar"}), "source.uri must be an http://, https:// or file:///"),
+    (adapter("s3", source={"uri": "s3://bucket/a.tar"}), "source.uri must be an http:// or https://"),
     (service("pd", lora={}, kvTransfer={}), "engine.lora cannot be combined with engine.kvTransfer"),
     ({"apiVersion": API, "kind": "InferenceService", "metadata": {"name": "pd2"},
       "spec": {"model": {"name": "org/base"}, "engine": {"lora": {}, "kvTransfer": {}}, "disaggregation": {}}},

@@ -77,6 +77,8 @@ def install(control_plane, built_images, crds_installed):
         # The API server's own port: the policies' egress names it, as on a cluster where it is 6443.
         "networkPolicy": {"apiServer": {"ports": [urlsplit(control_plane.server).port]}},
         "tolerations": [{"operator": "Exists", "effect": "NoSchedule"}],
+        # test_lora.py serves its adapter archives from this host's private address: allowed here only.
+        "adapters": {"allowPrivateSources": True},
         # The router's two pods on the real node too, small enough to leave room for two engines (2 x 750m,
         # and the operator's 100m, of 2 cores). Not less: the CPU weight follows the request, and at 50m a
         # router relaying four streams beside two busy engines answered its probes too late to stay up.

@@ -51,7 +51,8 @@ class HuggingFaceAdapterSource(_Doc, frozen=True):
 
 class AdapterSource(_Doc, frozen=True):
     """Exactly one of: a Hub repository, a folder inside the pod (a mounted claim), or a URL of
-    a tar archive of the adapter's folder (http, https or file)."""
+    a tar archive of the adapter's folder (http or https; ``file://`` is refused, a mounted claim is a
+    ``path``). Each is untrusted input: the guard bounds its fetch (guard.json ``adapters``)."""
     hugging_face: Optional[HuggingFaceAdapterSource] = msgspec.field(default=None, name="huggingFace")
     path: Optional[str] = None
     uri: Optional[str] = None

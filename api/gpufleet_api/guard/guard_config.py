@@ -130,6 +130,24 @@ class LoraConfig(_Section, frozen=True):
     max_adapters: Annotated[int, Meta(ge=1, le=256)] = 32
 
 
+# Bounds of one adapter's fetch (``adapters`` below) when the operator does not set them.
+DEFAULT_ADAPTER_MAX_BYTES = 2 * 1024 ** 3
+DEFAULT_ADAPTER_MAX_MEMBERS = 10_000
+DEFAULT_ADAPTER_FETCH_SECONDS = 600.0
+
+
+class AdapterFetchConfig(_Section, frozen=True):
+    """Bounds on fetching one adapter (``PUT /adapters``' sources are untrusted input): the bytes
+    downloaded and the bytes extracted (each at most ``max_bytes``; the operator sets the adapter's
+    share of engine.lora.adapterStorage), the files and folders of an archive or a Hub snapshot, one
+    deadline for the whole fetch, and whether a ``uri`` may name a loopback, link-local, private,
+    unspecified or multicast address (the platform admin's choice; off by default)."""
+    max_bytes: Annotated[int, Meta(ge=1)] = DEFAULT_ADAPTER_MAX_BYTES
+    max_members: Annotated[int, Meta(ge=1)] = DEFAULT_ADAPTER_MAX_MEMBERS
+    fetch_timeout_seconds: Annotated[float, Meta(gt=0)] = DEFAULT_ADAPTER_FETCH_SECONDS
+    allow_private_sources: bool = False
+
+
 class EngineConfig(_Section, frozen=True):
     model: str
     runtime: Runtime = "vllm"
@@ -212,6 +230,7 @@ class GuardConfig(_Section, frozen=True):
     default_class_by_route: Annotated[Mapping[str, str], LIVE] = msgspec.field(default_factory=dict)
     metrics_poll_seconds: Annotated[float, Meta(gt=0), LIVE] = 0.5
     slo: Annotated[SLOConfig, LIVE] = msgspec.field(default_factory=SLOConfig)
+    adapters: Annotated[AdapterFetchConfig, LIVE] = msgspec.field(default_factory=AdapterFetchConfig)
     engine: Optional[EngineConfig] = None
 
     def queue_class(self, name: str) -> QueueClass | None:

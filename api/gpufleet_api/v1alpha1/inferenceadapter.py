@@ -58,13 +58,16 @@ class AdapterSource(Model, frozen=True, kw_only=True):
     hugging_face: Optional[Annotated[AdapterHuggingFaceSource, Meta(description="Hugging Face Hub source.")]] = None
     pvc: Optional[Annotated[AdapterPVCSource, Meta(description="PersistentVolumeClaim source.")]] = None
     uri: Optional[Annotated[str, Meta(
-        description="URL of a tar archive (optionally gzip-compressed) of the adapter folder: http://, https:// "
-                    "or file:// (a path inside the engine image). Each replica fetches it once.",
-        min_length=8, max_length=2048, pattern=r"^(https?://[^\s/]+|file://)/[^\s]*$",
+        description="URL of a tar archive (optionally gzip-compressed) of the adapter folder: http:// or "
+                    "https://, at a public address unless the platform admin allows private ones (the chart's "
+                    "adapters.allowPrivateSources). Each replica fetches it once, within its share of "
+                    "engine.lora.adapterStorage. Credentials and query strings (presigned signatures) are "
+                    "never shown in status, Events or logs.",
+        min_length=8, max_length=2048, pattern=r"^https?://[^\s/]+/[^\s]*$",
         extra_json_schema={"x-kubernetes-validations": [rule(
-            "self.startsWith('http://') || self.startsWith('https://') || self.startsWith('file:///')",
-            "source.uri must be an http://, https:// or file:/// URL of a tar archive of the adapter folder; "
-            "for a folder on a volume use source.pvc, for the Hub source.huggingFace")]})]] = None
+            "self.startsWith('http://') || self.startsWith('https://')",
+            "source.uri must be an http:// or https:// URL of a tar archive of the adapter folder (file:// is "
+            "not fetched); for a folder on a volume use source.pvc, for the Hub source.huggingFace")]})]] = None
 
 
 class AdapterPlacement(Model, frozen=True, kw_only=True):

@@ -13,7 +13,6 @@ model or the other adapters; only SourceUnreachable is retried by itself, with b
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -25,9 +24,9 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
-from gpufleet_api import typed
-from gpufleet_api.guard.adapters import ADAPTER_DIR, ADAPTER_DIR_ENV, AdapterReport, AdapterSet
-from gpufleet_api.guard.guard_config import LoraConfig
+from gpufleet_api import bounded_json, redact, typed
+from gpufleet_api.guard.adapters import ADAPTER_DIR, ADAPTER_DIR_ENV, AdapterReport, AdapterSet, AdapterSpec
+from gpufleet_api.guard.guard_config import AdapterFetchConfig, LoraConfig
 from gpufleet_engine.serving import adapter_check, adapter_fetch
 from gpufleet_engine.serving.adapter_book import AdapterBook, Step
 from gpufleet_engine.serving.adapter_check import AdapterProblem
@@ -48,7 +47,8 @@ class AdapterAgent:
     def __init__(self, lora: LoraConfig, *, served_model_name: str, base_model: str, upstream: Upstream,
                  metrics: GuardMetrics, in_use: Counter[str], engine_up: Callable[[], bool],
                  adapter_dir: Path | None = None, clock: Callable[[], float] = time.time,
-                 fetch: Fetch = adapter_fetch.fetch, poll_seconds: float = POLL_SECONDS):
+                 fetch: Fetch | None = None, poll_seconds: float = POLL_SECONDS,
+                 fetch_limits: AdapterFetchConfig = adapter_fetch.DEFAULT_LIMITS):
         self.lora = lora
         self.served_model_name = served_model_name
         self.base_model = base_model
@@ -58,11 +58,16 @@ class AdapterAgent:
         self.engine_up = engine_up
         self.adapter_dir = adapter_dir or Path(os.environ.get(ADAPTER_DIR_ENV, ADAPTER_DIR))
         self.clock = clock
-        self.fetch = fetch
+        # The bounds of a fetch (guard.json's adapters, a live field: ``server`` sets a new one here).
+        self.fetch_limits = fetch_limits
+        self.fetch = fetch or self._fetch
         self.poll_seconds = poll_seconds
         self.book = AdapterBook()
         self._wake = asyncio.Event()
         metrics.adapter_states = lambda: [(name, e.state) for name, e in sorted(self.book.entries.items())]
+
+    def _fetch(self, spec: AdapterSpec, adapter_dir: Path) -> Path:
+        return adapter_fetch.fetch(spec, adapter_dir, limits=self.fetch_limits)
 
     # --- the endpoint ----------------------------------------------------------
 
@@ -153,9 +158,9 @@ class AdapterAgent:
             except AdapterProblem as p:
                 self._failed(step, p)
             except Exception as e:  # a surprise fails this adapter, never the loop or the others
-                log.exception("fetching adapter %s failed", step.name)
+                log.error("fetching adapter %s failed: %s", step.name, redact.text(repr(e)))
                 self._failed(step, AdapterProblem("LoadFailed", f"the guard could not fetch it: "
-                                                                f"{type(e).__name__}: {e}"))
+                                                                f"{type(e).__name__}: {redact.text(str(e))}"))
             else:
                 self.book.fetched(step.name, step.spec, checked.path, checked.rank, now())
         elif step.kind == "load":
@@ -179,8 +184,9 @@ class AdapterAgent:
             self.metrics.remove_adapter(step.name)
 
     def _failed(self, step: Step, problem: AdapterProblem) -> None:
-        if self.book.failed(step.name, step.spec, problem.reason, problem.message, self.clock()):
-            log.warning("adapter %s failed: %s: %s", step.name, problem.reason, problem.message)
+        message = redact.text(problem.message)  # a source's credentials and signatures are never shown
+        if self.book.failed(step.name, step.spec, problem.reason, message, self.clock()):
+            log.warning("adapter %s failed: %s: %s", step.name, problem.reason, message)
             self.metrics.adapter_load_failures.labels(step.name, problem.reason).inc()
 
     async def _engine_adapters(self) -> set[str] | None:
@@ -191,7 +197,7 @@ class AdapterAgent:
                                                  timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 if resp.status != 200:
                     return None
-                doc = await resp.json(content_type=None)
+                doc = bounded_json.loads(await resp.read())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
         entries = doc.get("data") if isinstance(doc, dict) else None
@@ -211,7 +217,7 @@ class AdapterAgent:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return _ENGINE_GONE
         try:
-            message = json.loads(text).get("error", {}).get("message") or text
+            message = bounded_json.loads(text).get("error", {}).get("message") or text
         except (ValueError, AttributeError):
             message = text
         return f"{resp.status} {message}"
@@ -235,7 +241,10 @@ def register(app: web.Application, agent: AdapterAgent | None) -> None:
                            "InferenceService (engine.lora in guard.json) to serve adapters.",
                 "type": "ConflictError", "param": "engine.lora", "code": 409}}, status=409)
         try:
-            raw = await request.json()
+            raw = bounded_json.loads(await request.read())
+        except bounded_json.TooDeep as e:
+            return web.json_response({"error": {"message": f"the body is {e}", "type": "BadRequestError",
+                                                "param": None, "code": 400}}, status=400)
         except ValueError as e:
             return web.json_response(_problem(f"the body is not valid JSON: {e}", None), status=422)
         status, answer = agent.desire(raw)

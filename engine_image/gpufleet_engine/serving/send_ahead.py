@@ -13,11 +13,11 @@ refused with the same answer, or admitted anew.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from gpufleet_api import bounded_json
 from gpufleet_api.guard.guard_config import QueueClass
 from gpufleet_engine.admission import context
 from gpufleet_engine.admission.context import InvalidRequest
@@ -45,8 +45,11 @@ def text_bytes(raw: bytes) -> int:
 
 
 def parse_json(raw: bytes):
+    """A client's body, parsed with its nesting bounded (gpufleet_api.bounded_json); InvalidRequest (a 400)."""
     try:
-        return json.loads(raw)
+        return bounded_json.loads(raw)
+    except bounded_json.TooDeep as e:
+        raise InvalidRequest(f"the body is {e}") from None
     except ValueError as e:  # bad JSON or bad UTF-8
         raise InvalidRequest(f"the body is not valid JSON: {e}") from None
 

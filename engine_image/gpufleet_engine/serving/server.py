@@ -167,7 +167,8 @@ class GuardServer:
         if engine is not None and engine.lora is not None:
             agent = adapters.AdapterAgent(engine.lora, served_model_name=self.config.served_model_name,
                                           base_model=engine.model, upstream=upstream, metrics=guard.metrics,
-                                          in_use=guard.services.adapters_in_use, engine_up=lambda: guard.engine_up)
+                                          in_use=guard.services.adapters_in_use, engine_up=lambda: guard.engine_up,
+                                          fetch_limits=self.config.adapters)
             guard.admission.adapter_served = agent.serves
             guard.on_engine_up = agent.poke
             self.adapters = agent
@@ -180,6 +181,8 @@ class GuardServer:
         if self._config_path:
             def apply(config: GuardConfig) -> None:
                 guard.configure(config)  # the same configure that set it up at start-up
+                if self.adapters is not None:
+                    self.adapters.fetch_limits = config.adapters
                 monitor.interval = config.metrics_poll_seconds
             self.watcher = reload.ConfigWatcher(self._config_path, self.config, apply, guard.metrics,
                                                 self._reload_seconds)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from gpufleet_api import redact
 from gpufleet_api.guard.adapters import AdapterReport, AdapterState
 
 from ..reconcile import conditions as cond
@@ -74,11 +75,13 @@ def adapter_status(name: str, service: str, generation: int | None, seen: Observ
         return _status(generation, cond.condition(cond.READY, ok, reason, message, generation=generation), **fields)
 
     if seen.refusal is not None:
-        return ready(False, seen.refusal.reason, seen.refusal.message)
+        return ready(False, seen.refusal.reason, redact.text(seen.refusal.message))
     if failed:
         replica, state = failed[0]
         others = f" (and on {', '.join(r for r, _ in failed[1:])})" if len(failed) > 1 else ""
-        return ready(False, state.reason or "LoadFailed", f"{replica}: {state.message or state.reason}{others}")
+        # A guard's message may name the source: never its credentials or a presigned signature.
+        return ready(False, state.reason or "LoadFailed",
+                     f"{replica}: {redact.text(state.message or state.reason or '')}{others}")
     if not reports:
         return ready(False, PLACING, f"waiting for a ready replica of InferenceService {service}")
     if not holders:

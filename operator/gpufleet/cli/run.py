@@ -104,6 +104,11 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
 @click.option("--router-address", "router_addresses", multiple=True, metavar="HOST:PORT",
               help="Read held requests (scale from zero) from these routers instead of the gpufleet-router "
                    "pods found by label (repeatable): a router running outside the cluster.")
+@click.option("--adapter-private-sources/--no-adapter-private-sources", default=False, show_default=True,
+              help="Let the guards fetch adapters (InferenceAdapter spec.source.uri) from loopback, link-local, "
+                   "private, unspecified and multicast addresses: an object store inside the cluster or the "
+                   "company network. Off, only public addresses are fetched (guard.json "
+                   "adapters.allowPrivateSources; docs/guard-config.md).")
 @click.option("-v", "--verbose", is_flag=True, help="Log everything at DEBUG (kopf logs every event).")
 @click.option("--debug-log", "debug_loggers", multiple=True, metavar="LOGGER",
               help="Log this logger at DEBUG, the rest as usual (repeatable); e.g. kopf._cogs.clients.watching "
@@ -153,7 +158,8 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
                         network_policy_operator_labels: dict[str, str],
                         network_policy_client_namespaces: tuple[str, ...],
                         network_policy_prometheus_namespaces: tuple[str, ...],
-                        network_policy_same_namespace: bool, router_addresses: tuple[str, ...]) -> OperatorSettings:
+                        network_policy_same_namespace: bool, router_addresses: tuple[str, ...],
+                        adapter_private_sources: bool = False) -> OperatorSettings:
     """`gpufleet run`'s flags as the one settings object; a SettingsError names a flag at fault."""
     # The timing is checked even without --leader-elect: a bad value is a mistake either way.
     timing = leader_timing(leader_elect_lease_duration, leader_elect_renew_deadline, leader_elect_retry_period)
@@ -173,7 +179,8 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
         follower_interval=follower_interval_seconds,
         status_figures_interval=status_figures_interval_seconds, resync_seconds=resync_seconds,
         audit_interval=audit_interval_seconds, podmonitor_labels=podmonitor_labels,
-        network_policies=policies, router_addresses=tuple(router_addresses))
+        network_policies=policies, router_addresses=tuple(router_addresses),
+        adapter_private_sources=adapter_private_sources)
 
 
 @click.command()

@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
-from gpufleet_api import InferenceServiceSpec
+from gpufleet_api import InferenceServiceSpec, redact
 from gpufleet_api import v1alpha1 as t
 from gpufleet_api.guard.adapters import AdapterReport, AdapterSet
 from gpufleet_kit.backoff import KeyedBackoff
@@ -111,7 +111,7 @@ class AdapterSync:
         if error is not None:
             delay = self.backoff.failed(name, now)
             log.warning("%s/%s: %s refused its adapters %s (retry in %.0fs): %s", self.ns, self.name, name,
-                        [a.name for a in wanted.adapters], delay, error)
+                        [a.name for a in wanted.adapters], delay, redact.text(str(error)))
             return
         self.backoff.succeeded(name)
         self.sent[name] = wanted

@@ -53,7 +53,7 @@ def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
 
 def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[Role] = (), *,
                     stable_running: GuardConfig | None = None,
-                    canary: bool = False) -> tuple[dict, dict[Role, str]]:
+                    canary: bool = False, allow_private_sources: bool = False) -> tuple[dict, dict[Role, str]]:
     """The guard ConfigMap and, per pool, the hash of its restart fields (rolls that pool's pods
     when it changes). One key per pool (``names.guard_config_key``: guard.json for the unified pool,
     guard-prefill.json and guard-decode.json for a disaggregated service's), each pod reading its
@@ -65,11 +65,14 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[R
     A canary (spec.rollout Canary, a unified service): ``canary`` adds ``names.CANARY_CONFIG_KEY``
     with the new revision's guard.json for the canary's pods, and ``stable_running`` (the guard.json
     the stable's pods run, from the live ConfigMap) keeps the stable's restart fields in guard.json
-    while the spec's live fields still reach it. The hash is the spec's, whichever is written."""
+    while the spec's live fields still reach it. The hash is the spec's, whichever is written.
+    ``allow_private_sources``: the operator's --adapter-private-sources (guard.json's
+    adapters.allowPrivateSources, a live field)."""
     meta = isvc["metadata"]
     data, hashes = {}, {}
     for pool in pools.pools(spec):
-        config = guard_config.build_guard_config(meta["name"], meta["namespace"], pool.spec, pool.role)
+        config = guard_config.build_guard_config(meta["name"], meta["namespace"], pool.spec, pool.role,
+                                                 allow_private_sources=allow_private_sources)
         data[names.guard_config_key(pool.role)] = guard_config.render(config)
         # Only what a restart applies is hashed: admission changes reach the running guards live.
         hashes[pool.role] = guard_config.config_hash(config)
@@ -80,7 +83,8 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[R
                 guard_config.keep_restart_fields(stable_running, config))
     for role in sorted(set(draining) - set(hashes)):
         data[names.guard_config_key(role)] = guard_config.render(
-            guard_config.build_guard_config(meta["name"], meta["namespace"], spec, role))
+            guard_config.build_guard_config(meta["name"], meta["namespace"], spec, role,
+                                            allow_private_sources=allow_private_sources))
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(isvc, names.configmap_name(meta["name"])),
           "data": data}
     return cm, hashes

@@ -11,6 +11,7 @@ import json
 
 from gpufleet_api.guard.endpoints import ENGINE_HOST
 from gpufleet_api.guard.guard_config import (
+    AdapterFetchConfig,
     ConfigError,
     EngineConfig,
     GuardConfig,
@@ -29,6 +30,7 @@ from gpufleet_api.guard.guard_config import (
 from gpufleet_api.route import served_name
 from gpufleet_api.v1alpha1 import KV_CONNECTORS, KV_STORE_MOUNT, InferenceServiceSpec
 
+from . import lora as lora_volumes
 from . import names, pools
 
 __all__ = ["MODEL_MOUNT", "build_guard_config", "config_hash", "keep_restart_fields", "kv_transfer", "lora",
@@ -70,9 +72,18 @@ def lora(spec: InferenceServiceSpec) -> LoraConfig | None:
                       max_cpu_loras=lo.cpu_cache_adapters, max_adapters=lo.max_adapters)
 
 
+def adapter_fetch(spec: InferenceServiceSpec, allow_private_sources: bool = False) -> AdapterFetchConfig:
+    """guard.json's ``adapters``: one adapter's share of engine.lora.adapterStorage caps its fetch;
+    ``allow_private_sources`` is the platform admin's (``gpufleet run --adapter-private-sources``)."""
+    share = lora_volumes.adapter_share_bytes(spec)
+    return AdapterFetchConfig(allow_private_sources=allow_private_sources,
+                              **({"max_bytes": share} if share is not None else {}))
+
+
 def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
-                       role: Role = "unified") -> GuardConfig:
-    """``role``: the pool whose guards read it (``pools.pools``); ``spec`` has that pool's resources."""
+                       role: Role = "unified", *, allow_private_sources: bool = False) -> GuardConfig:
+    """``role``: the pool whose guards read it (``pools.pools``); ``spec`` has that pool's resources.
+    ``allow_private_sources``: adapters may be fetched from private addresses (the operator's flag)."""
     engine, adm = spec.engine, spec.admission
     hf = spec.model.source.hugging_face
     classes = tuple(QueueClass(c.name, c.level, float(c.max_queue_seconds)) for c in adm.queue_classes)
@@ -127,6 +138,7 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
         default_class_by_route={**default_routes(classes),
                                 **{r.route: r.default_class for r in adm.route_classes}},
         class_header_policy=adm.class_header_policy,
+        adapters=adapter_fetch(spec, allow_private_sources),
         slo=SLOConfig(ttft_p99_seconds=spec.slo.ttft_p99_milliseconds / 1000,
                       itl_p99_seconds=spec.slo.itl_p99_milliseconds / 1000,
                       request_p99_seconds=spec.slo.request_p99_milliseconds / 1000),

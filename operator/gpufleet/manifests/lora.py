@@ -30,6 +30,37 @@ def storage_limit(spec: InferenceServiceSpec) -> str | None:
     return str(lo.adapter_storage) if lo.adapter_storage is not None else f"{lo.max_adapters * ADAPTER_STORAGE_MIB}Mi"
 
 
+_SUFFIXES = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+             "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
+
+
+def quantity_bytes(quantity: int | str) -> int | None:
+    """A Kubernetes quantity of bytes (``512Mi``, ``2G``, ``1e9``, ``1073741824``); None if it is none."""
+    if isinstance(quantity, int):
+        return quantity
+    text = quantity.strip()
+    for suffix, factor in _SUFFIXES.items():
+        if text.endswith(suffix) and not text.endswith(f"e{suffix}"):
+            number, scale = text[:-len(suffix)], factor
+            break
+    else:
+        number, scale = text, 1
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        return None
+
+
+def adapter_share_bytes(spec: InferenceServiceSpec) -> int | None:
+    """One adapter's share of the adapters emptyDir (``storage_limit`` / maxAdapters): the most bytes
+    the guard downloads, and the most it extracts, for one adapter (guard.json ``adapters.maxBytes``)."""
+    lo, limit = spec.engine.lora, storage_limit(spec)
+    total = quantity_bytes(limit) if limit is not None else None
+    if lo is None or total is None:
+        return None
+    return max(1, total // lo.max_adapters)
+
+
 def claim_volume(index: int) -> str:
     return f"{ADAPTER_CLAIM_VOLUME_PREFIX}{index}"
 

@@ -54,8 +54,11 @@ class Rejection:
 class ServiceChildren:
     def __init__(self, kube: KubeClient, metrics: OperatorMetrics, clock: Callable[[], float] = time.monotonic, *,
                  podmonitor_labels: Mapping[str, str] | None = None, engine_ingress: EngineIngress | None = None,
-                 wall: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+                 wall: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+                 adapter_private_sources: bool = False):
         self.kube, self.metrics = kube, metrics
+        # Guards may fetch adapters from private addresses (--adapter-private-sources).
+        self.adapter_private_sources = adapter_private_sources
         self._clock = clock
         self._wall = wall  # the time a canary step starts (status.rollout.stepStartedAt)
         self._podmonitor_checked_at = -1e9
@@ -184,7 +187,7 @@ class ServiceChildren:
         for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor(),
                                      podmonitor_labels=self.podmonitor_labels,
                                      engine_ingress=self.engine_ingress, draining_roles=draining, surge=surge,
-                                     canary=canary):
+                                     canary=canary, allow_private_sources=self.adapter_private_sources):
             try:
                 self.applied.applied(await self.kube.apply(obj))
             except ApiError as e:

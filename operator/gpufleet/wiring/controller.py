@@ -47,14 +47,16 @@ StatusUpdate = tuple[dict, list[dict]]  # (status fields, conditions by type)
 class Controller:
     def __init__(self, kube: KubeClient, metrics: OperatorMetrics, clock: Callable[[], float] = time.monotonic, *,
                  podmonitor_labels: Mapping[str, str] | None = None, engine_ingress: EngineIngress | None = None,
-                 wall: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+                 wall: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+                 adapter_private_sources: bool = False):
         self.kube = kube
         self.metrics = metrics
         self._clock = clock
         # The children's reads and writes; its cordon index and applied-children memory are the ones the
         # runtime's watches feed.
         self.children = ServiceChildren(kube, metrics, clock, podmonitor_labels=podmonitor_labels,
-                                        engine_ingress=engine_ingress, wall=wall)
+                                        engine_ingress=engine_ingress, wall=wall,
+                                        adapter_private_sources=adapter_private_sources)
         self.cordons, self.applied = self.children.cordons, self.children.applied
         # (namespace, name) -> monotonic time of the last successful reconcile, whoever asked for it
         self.last_reconciled: dict[tuple[str, str], float] = {}

@@ -91,7 +91,8 @@ class OperatorRuntime:
                                on_request=self.metrics.api_request)
         policies = settings.network_policies
         self.controller = Controller(self.kube, self.metrics, podmonitor_labels=settings.podmonitor_labels,
-                                     engine_ingress=None if policies is None else policies.ingress(namespace))
+                                     engine_ingress=None if policies is None else policies.ingress(namespace),
+                                     adapter_private_sources=settings.adapter_private_sources)
         self._pending: dict[Key, bool] = {}  # key -> re-apply children?
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []

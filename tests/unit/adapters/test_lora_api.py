@@ -112,7 +112,7 @@ def test_a_rank_vllm_does_not_take_is_refused_by_the_types():
 
 @pytest.mark.parametrize("spec", [
     {"service": "chat", "source": {"uri": "https://example.com/a.tar.gz"}},
-    {"service": "chat", "source": {"uri": "file:///opt/adapters/a.tar"}},
+    {"service": "chat", "source": {"uri": "http://adapters.example.com/a.tar"}},
     {"service": "chat", "source": {"huggingFace": {"name": "org/a-lora", "revision": "main"}},
      "placement": {"minReplicas": 1, "maxReplicas": 2}},
     {"service": "chat", "source": {"pvc": {"claimName": "loras", "path": "/a"}}, "baseModel": "org/m"},
@@ -125,7 +125,7 @@ def test_adapters_that_work_are_taken(spec):
     ({"service": "chat", "source": {}}, "set exactly one of source.huggingFace, source.pvc, source.uri"),
     ({"service": "chat", "source": {"uri": "https://x/a.tar", "pvc": {"claimName": "c"}}},
      "set exactly one of source.huggingFace"),
-    ({"service": "chat", "source": {"uri": "file:///a"}, "placement": {"minReplicas": 3, "maxReplicas": 2}},
+    ({"service": "chat", "source": {"uri": "https://x/a.tar"}, "placement": {"minReplicas": 3, "maxReplicas": 2}},
      "placement.minReplicas must be at most placement.maxReplicas"),
     ({"service": "chat", "source": {"pvc": {"claimName": "c", "path": "/a/../../etc"}}},
      "source.pvc.path must stay inside the volume"),
@@ -135,9 +135,21 @@ def test_adapter_misuse_is_refused_with_a_clear_message(spec, fragment):
     assert any(fragment in p for p in problems), problems
 
 
+def test_a_file_uri_is_refused_at_the_api_server_naming_the_fix():
+    """The guard does not fetch file:// (an adapter in the image or on a volume is source.pvc)."""
+    with pytest.raises(SpecError) as e:
+        parse(InferenceAdapterSpec, {"service": "chat", "source": {"uri": "file:///opt/adapters/a.tar"}})
+    assert e.value.path == "spec.source.uri"
+    rules = ADAPTER_ROOT["spec"]["properties"]["source"]["properties"]["uri"]["x-kubernetes-validations"]
+    assert "(file:// is not fetched); for a folder on a volume use source.pvc" in rules[0]["message"]
+    program = ENV.program(ENV.compile(rules[0]["rule"]))
+    assert not program.evaluate({"self": celpy.celtypes.StringType("file:///opt/adapters/a.tar")})
+    assert program.evaluate({"self": celpy.celtypes.StringType("https://x/a.tar")})
+
+
 def test_adapter_names_and_service_are_dns_labels():
     pattern = ADAPTER_ROOT["metadata"]["properties"]["name"]["pattern"]
     assert ADAPTER_ROOT["spec"]["properties"]["service"]["pattern"] == pattern
     with pytest.raises(SpecError) as e:
-        parse(InferenceAdapterSpec, {"service": "Chat_1", "source": {"uri": "file:///a"}})
+        parse(InferenceAdapterSpec, {"service": "Chat_1", "source": {"uri": "https://x/a.tar"}})
     assert e.value.path == "spec.service"

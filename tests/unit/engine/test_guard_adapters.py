@@ -3,6 +3,7 @@ adapter's files, PUT /adapters' answers, and a request for an adapter not loaded
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import tarfile
@@ -13,7 +14,7 @@ import pytest
 
 from gpufleet_api.guard import guard_config
 from gpufleet_api.guard.adapters import AdapterSet, AdapterSource, AdapterSpec, HuggingFaceAdapterSource
-from gpufleet_api.guard.guard_config import LoraConfig
+from gpufleet_api.guard.guard_config import AdapterFetchConfig, LoraConfig
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Rejection
 from gpufleet_engine.serving import adapter_check, adapter_fetch
@@ -159,31 +160,40 @@ def archive(path: Path, members: dict[str, bytes], *, link: str | None = None, p
 FILES = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"w"}
 
 
-@pytest.mark.parametrize("tar_filters", [True, False], ids=["python-3.11.4+", "python-3.11.2"])
-def test_a_uri_archive_is_extracted_into_the_adapter_folder(tmp_path, monkeypatch, tar_filters):
-    if not tar_filters:  # the engine image's Python (Debian bookworm) has no extraction filters
-        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+@pytest.fixture
+def files():
+    from tests.support.file_server import FileServer
+    server = FileServer()
+    yield server
+    server.close()
+
+
+# Archives come from a server on loopback, which only a guard allowed private sources fetches from.
+ALLOW = AdapterFetchConfig(allow_private_sources=True)
+
+
+def test_a_uri_archive_is_extracted_into_the_adapter_folder(tmp_path, files):
     for prefix in ("", "my-adapter/"):
         src = archive(tmp_path / f"a{len(prefix)}.tar.gz", FILES, prefix=prefix)
-        got = adapter_fetch.fetch(AdapterSpec("x", AdapterSource(uri=src.as_uri())), tmp_path / "dir")
+        uri = files.body(f"/{src.name}", src.read_bytes())
+        got = adapter_fetch.fetch(AdapterSpec("x", AdapterSource(uri=uri)), tmp_path / "dir", limits=ALLOW)
         assert (got / "adapter_config.json").read_bytes() == b'{"r": 8}'
         assert got.is_relative_to(tmp_path / "dir" / "x")
 
 
 @pytest.mark.parametrize("members,link", [({"../escape": b"x", **FILES}, None), ({"/etc/x": b"x"}, None),
                                           (FILES, "/etc/passwd")])
-@pytest.mark.parametrize("tar_filters", [True, False], ids=["python-3.11.4+", "python-3.11.2"])
-def test_an_archive_that_reaches_outside_its_folder_is_refused(tmp_path, monkeypatch, members, link, tar_filters):
-    if not tar_filters:
-        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+def test_an_archive_that_reaches_outside_its_folder_is_refused(tmp_path, files, members, link):
     src = archive(tmp_path / "bad.tar.gz", members, link=link)
-    fetch = adapter_fetch.fetch
-    assert reason(lambda: fetch(AdapterSpec("x", AdapterSource(uri=src.as_uri())), tmp_path / "dir")) == "MissingFiles"
+    uri = files.body("/bad.tar.gz", src.read_bytes())
+    fetch = functools.partial(adapter_fetch.fetch, limits=ALLOW)
+    assert reason(lambda: fetch(AdapterSpec("x", AdapterSource(uri=uri)), tmp_path / "dir")) == "MissingFiles"
     assert not (tmp_path / "escape").exists() and not (tmp_path / "dir" / "x").exists()
+    assert list((tmp_path / "dir").iterdir()) == []
 
 
 def test_an_unreachable_uri_and_a_failed_download_are_unreachable(tmp_path):
-    fetch = adapter_fetch.fetch
+    fetch = functools.partial(adapter_fetch.fetch, limits=ALLOW)
     http = AdapterSpec("x", AdapterSource(uri="http://127.0.0.1:9/a.tar.gz"))
     assert reason(lambda: fetch(http, tmp_path)) == "SourceUnreachable"
 
