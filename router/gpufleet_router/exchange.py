@@ -3,16 +3,19 @@ how one replica's answer is classified (refused, unreachable, broken off), and t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import aiohttp
 from aiohttp import web
 
+from gpufleet_api import bounded_json
+from gpufleet_kit.http_limits import JSON_REPLY_CAP, ReplyTooLarge, read_capped
+
 from .errors import RouterError
 from .metrics import RouterMetrics
 from .policy import requests as rq
 from .policy import resume
+from .policy.choice import Pick
 from .policy.prefixes import Prefix
 from .policy.table import Route
 from .settings import REPLICA_DOWN_CODES, RouterSettings
@@ -82,10 +85,19 @@ def replica_down(status: int, body: bytes) -> bool:
     if status != 503:
         return False
     try:
-        code = (json.loads(body).get("error") or {}).get("code")
+        code = (bounded_json.loads(body).get("error") or {}).get("code")
     except (ValueError, AttributeError):
         return False
     return code in REPLICA_DOWN_CODES
+
+
+async def read_reply(resp: aiohttp.ClientResponse, pick: Pick) -> bytes:
+    """A replica's refusal or error answer, read whole to decide what to do next, at most JSON_REPLY_CAP
+    bytes (http_limits): a replica answering more is Unreachable (connected: one to avoid), not read on."""
+    try:
+        return await read_capped(resp, JSON_REPLY_CAP, f"{pick.replica.pod} ({pick.replica.address})")
+    except ReplyTooLarge as e:
+        raise Unreachable(str(e), connected=True) from None
 
 
 def retry_after_of(resp: aiohttp.ClientResponse) -> float | None:

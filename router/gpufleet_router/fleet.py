@@ -16,6 +16,7 @@ from gpufleet_api import engine_pods as names
 from gpufleet_api.engine_pods import DECODE, ROLES, UNIFIED
 from gpufleet_api.guard.adapters import ADAPTER_KIND
 from gpufleet_api.guard.endpoints import GUARD_METRICS_PATH
+from gpufleet_kit.http_limits import METRICS_REPLY_CAP, ReplyTooLarge, text_capped
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.errors import NotFound
 from gpufleet_kit.kube.pods import is_serving
@@ -67,9 +68,20 @@ class Fleet:
                 picker.set_replicas(route.pool(role))
         for model, role in [key for key in self.pickers if key[0] not in table.routes]:
             del self.pickers[(model, role)]
-            self.metrics.replicas.remove(model, role)
+        self._prune(table, catalog)
         self._count_replicas()
         self.release_held()
+
+    def _prune(self, table: Table, catalog: adapters.Catalog) -> None:
+        """Forget what the router keeps per model, service or adapter once it leaves the table or the catalog:
+        requests held for it (they time out where they wait), its cold-start clock and history, and its
+        metrics' label sets (the series of a service that is gone end, as a pod's do)."""
+        models = set(table.routes)
+        for state in (self.held, self.cold_since, self.cold_starts):
+            for model in [m for m in state if m not in models]:
+                del state[model]
+        self.metrics.prune(models=models, adapters=set(catalog.adapters),
+                           services={(r.namespace, r.service) for r in table.routes.values()})
 
     def picker(self, model: str, role: str = UNIFIED) -> Picker | None:
         return self.pickers.get((model, role))
@@ -132,7 +144,11 @@ class Fleet:
                 async with http.get(f"http://{address}{GUARD_METRICS_PATH}", timeout=timeout) as r:
                     if r.status != 200:
                         raise RuntimeError(f"answered {r.status}")
-                    reading = parse_guard(await r.text(), taken_at)
+                    reading = parse_guard(await text_capped(r, METRICS_REPLY_CAP, f"{pod} ({address})"), taken_at)
+            except ReplyTooLarge as e:  # unreadable, and said: a guard's /metrics is never this large
+                log.warning("cannot read %s", e)
+                self.metrics.readings_failed.labels(model).inc()
+                reading = None
             except Exception as e:  # unreadable: its room is unknown until the next read
                 log.debug("cannot read %s (%s): %s", pod, address, e)
                 self.metrics.readings_failed.labels(model).inc()

@@ -16,7 +16,17 @@ from aiohttp import web
 from gpufleet_api.engine_pods import DECODE, UNIFIED
 from gpufleet_kit.backoff import delay
 
-from .exchange import Broken, Call, Refused, Unreachable, is_sse, refuse, replica_down, retry_after_of
+from .exchange import (
+    Broken,
+    Call,
+    Refused,
+    Unreachable,
+    is_sse,
+    read_reply,
+    refuse,
+    replica_down,
+    retry_after_of,
+)
 from .fleet import Fleet
 from .metrics import Outcome
 from .policy import handoff, shedding
@@ -205,7 +215,7 @@ class Forwarder:
         done = False  # the answer was read to its end: the connection goes back to the pool
         try:
             if upstream.status in RETRIED_STATUSES:
-                refusal = await upstream.read()
+                refusal = await read_reply(upstream, pick)
                 done = True
                 if replica_down(upstream.status, refusal):
                     raise Unreachable(f"{pick.replica.pod} ({pick.replica.address}) is not serving: "
@@ -214,7 +224,7 @@ class Forwarder:
             if upstream.status == ENGINE_FAILED_STATUS:
                 # The guard's engine failed mid-request before answering (killed, crashed): nothing went
                 # to the client, so another replica may take the request.
-                answer = await upstream.read()
+                answer = await read_reply(upstream, pick)
                 done = True
                 raise Unreachable(f"{pick.replica.pod} ({pick.replica.address}) answered "
                                    f"{upstream.status}: {answer[:300]!r}", connected=True)

@@ -9,6 +9,7 @@ fixed lists here and in policy/choice.py."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 PREFIX = "gpufleet_router_"
 
@@ -55,6 +56,16 @@ class Resumption:
 
 
 RESUMPTION_OUTCOMES = (Resumption.RESUMED, Resumption.REFUSED, Resumption.FAILED)
+def _label_values(metric: MetricWrapperBase, label: str) -> set[str]:
+    return {sample.labels[label] for family in metric.collect() for sample in family.samples
+            if label in sample.labels}
+
+
+def _label_pairs(metric: MetricWrapperBase, first: str, second: str) -> set[tuple[str, str]]:
+    return {(sample.labels[first], sample.labels[second]) for family in metric.collect()
+            for sample in family.samples if first in sample.labels and second in sample.labels}
+
+
 _COLD_START_SECONDS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -116,6 +127,28 @@ class RouterMetrics:
                                          "replicas without the label.", ["model", "revision"], registry=r)
         self.readings_failed = Counter(PREFIX + "readings_failed", "Guard /metrics reads that failed.",
                                        ["model"], registry=r)
+
+    def prune(self, models: set[str], adapters: set[str], services: set[tuple[str, str]]) -> None:
+        """Remove the label sets of models, adapters and services no longer in scope (fleet.py, as the table
+        changes), so the label sets stay as many as what is served now. "" (requests naming no known model)
+        stays."""
+        keep_models = models | {""}
+        by_model = (self.requests, self.picks, self.prefix_affinity_hits, self.prefix_keyed, self.retries,
+                    self.request_seconds, self.replicas, self.prefill_seconds, self.handoffs,
+                    self.prefill_fallbacks, self.revision_requests, self.readings_failed)
+        for metric in by_model:
+            for model in _label_values(metric, "model") - keep_models:
+                metric.remove_by_labels({"model": model})
+        for metric in (self.adapter_requests, self.adapter_not_loaded):
+            for model in _label_values(metric, "model") - adapters:
+                metric.remove_by_labels({"model": model})
+        names = {service for _, service in services}
+        for metric in (self.held, self.held_total, self.cold_start_seconds):
+            for namespace, service in _label_pairs(metric, "namespace", "service") - services:
+                metric.remove(namespace, service)
+        for metric in (self.resumed_streams, self.resume_gap_seconds):
+            for service in _label_values(metric, "service") - names:
+                metric.remove_by_labels({"service": service})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,7 @@ import logging
 import aiohttp
 
 from gpufleet_api.engine_pods import PREFILL
+from gpufleet_kit.http_limits import HANDOFF_REPLY_CAP, ReplyTooLarge, read_capped
 
 from .errors import RouterError
 from .exchange import Call, Refused, Unreachable, retry_after_of
@@ -105,7 +106,9 @@ class Prefills:
         try:
             async with self.http.post(f"http://{pick.replica.address}{call.route}", data=body,
                                       headers=headers) as upstream:
-                answer = await upstream.read()
+                answer = await read_capped(upstream, HANDOFF_REPLY_CAP, f"{pod} ({pick.replica.address})")
+        except ReplyTooLarge as e:
+            raise PrefillSkipped(Fallback.ERROR, str(e)) from None
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise Unreachable(f"{pod} ({pick.replica.address}): {type(e).__name__}: {e}") from None
         if upstream.status in RETRIED_STATUSES:

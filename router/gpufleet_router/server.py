@@ -32,6 +32,7 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from gpufleet_api import bounded_json
 from gpufleet_kit.kube.client import KubeClient
 
 from . import discovery
@@ -153,7 +154,7 @@ class Router:
         if not (self.settings.resume_streams and parsed.stream and route in resume.RESUMABLE_ROUTES):
             return None
         try:
-            doc = json.loads(body)
+            doc = bounded_json.loads(body)
         except ValueError:
             return None
         return Relay(resume.Stream(doc, route)) if isinstance(doc, dict) else None

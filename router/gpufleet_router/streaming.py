@@ -13,7 +13,17 @@ from aiohttp import web
 
 from gpufleet_kit.backoff import delay
 
-from .exchange import Broken, Call, Refused, Relay, Unreachable, is_sse, replica_down, retry_after_of
+from .exchange import (
+    Broken,
+    Call,
+    Refused,
+    Relay,
+    Unreachable,
+    is_sse,
+    read_reply,
+    replica_down,
+    retry_after_of,
+)
 from .fleet import Fleet
 from .metrics import Outcome, Resumption
 from .policy import resume
@@ -168,7 +178,7 @@ class Streams:
         done = False
         try:
             if upstream.status != 200 or not is_sse(upstream):
-                answer = await upstream.read()
+                answer = await read_reply(upstream, pick)
                 done = True
                 if upstream.status in RETRIED_STATUSES and not replica_down(upstream.status, answer):
                     raise Refused(upstream.status, answer, upstream.content_type, retry_after_of(upstream))

@@ -12,13 +12,13 @@ import pytest
 from gpufleet.errors import OperatorError
 from gpufleet_api.errors import ContractError
 from gpufleet_engine.errors import GuardError
-from gpufleet_kit.kube.errors import KubeError
+from gpufleet_kit.errors import KitError
 from gpufleet_router.errors import RouterError
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = {  # package → (its folder, its root)
     "gpufleet_api": (ROOT / "api" / "gpufleet_api", ContractError),
-    "gpufleet_kit": (ROOT / "kit" / "gpufleet_kit", KubeError),
+    "gpufleet_kit": (ROOT / "kit" / "gpufleet_kit", KitError),
     "gpufleet_router": (ROOT / "router" / "gpufleet_router", RouterError),
     "gpufleet": (ROOT / "operator" / "gpufleet", OperatorError),
     "gpufleet_engine": (ROOT / "engine_image" / "gpufleet_engine", GuardError),

@@ -8,8 +8,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..errors import KitError
 
-class KubeError(Exception):
+
+class KubeError(KitError):
     """The kit's Kubernetes errors: the API server's answers and unusable credentials."""
 
 

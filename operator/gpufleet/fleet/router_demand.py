@@ -17,6 +17,8 @@ from typing import Callable, Sequence
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpufleet_kit.http_limits import METRICS_REPLY_CAP, ReplyTooLarge, text_capped
+
 from .ports import Leadership, ObjectLister
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,12 @@ class RouterDemand:
         async def read(address: str) -> Held:
             try:
                 async with session.get(f"http://{address}/metrics") as r:
-                    return parse_held(await r.text()) if r.status == 200 else {}
+                    if r.status != 200:
+                        return {}
+                    return parse_held(await text_capped(r, METRICS_REPLY_CAP, f"router {address} /metrics"))
+            except ReplyTooLarge as e:  # unreadable, and worth saying: a router's /metrics is never this large
+                log.warning("cannot read router %s: %s", address, e)
+                return {}
             except Exception as e:  # a router that does not answer holds nothing we can see
                 log.debug("cannot read router %s: %s", address, e)
                 return {}

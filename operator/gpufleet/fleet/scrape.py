@@ -8,16 +8,16 @@ for every replica every second, and httpx spends 6-27 times the CPU per read
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import aiohttp
 
-from gpufleet_api import typed
+from gpufleet_api import bounded_json, typed
 from gpufleet_api.guard import demand_prior
 from gpufleet_api.guard.adapters import ADAPTERS_PATH, AdapterReport, AdapterSet
 from gpufleet_api.guard.demand_prior import DemandPrior, PriorError
 from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
+from gpufleet_kit.http_limits import JSON_REPLY_CAP, METRICS_REPLY_CAP, read_capped, text_capped
 
 from ..autoscale.signals import ReplicaSample, parse_replica
 from ..manifests import names
@@ -44,18 +44,22 @@ class ReplicaReader:
         if self._session:
             await self._session.close()
 
-    async def _get(self, url: str, timeout: aiohttp.ClientTimeout | None = None) -> str:
+    async def _get(self, url: str, cap: int, timeout: aiohttp.ClientTimeout | None = None) -> str:
+        """The reply's text, at most ``cap`` bytes (http_limits): past that, ReplyTooLarge naming the URL."""
         async with self._sem:
             async with self._http().get(url, timeout=timeout or self._timeout) as r:
                 if r.status != 200:
                     raise RuntimeError(f"{url} answered {r.status}")
-                return await r.text()
+                return await text_capped(r, cap, url)
+
+    async def _get_json(self, url: str, timeout: aiohttp.ClientTimeout | None = None):
+        return bounded_json.loads(await self._get(url, JSON_REPLY_CAP, timeout))
 
     async def sample(self, pod: str, ip: str) -> ReplicaSample:
         try:
             engine, guard = await asyncio.gather(
-                self._get(f"http://{ip}:{self.guard_port}{ENGINE_METRICS_PATH}"),
-                self._get(f"http://{ip}:{self.guard_port}{GUARD_METRICS_PATH}"))
+                self._get(f"http://{ip}:{self.guard_port}{ENGINE_METRICS_PATH}", METRICS_REPLY_CAP),
+                self._get(f"http://{ip}:{self.guard_port}{GUARD_METRICS_PATH}", METRICS_REPLY_CAP))
             return parse_replica(pod, engine, guard)
         except Exception as e:  # any failure: the replica is unreadable, never "idle"
             return ReplicaSample(pod=pod, ok=False, error=f"{type(e).__name__}: {e}"[:200])
@@ -64,8 +68,8 @@ class ReplicaReader:
         try:
             # /audit reads the vLLM plugin's small report files; it runs rarely, so a busy guard gets
             # more time than the per-second metrics reads.
-            return json.loads(await self._get(f"http://{ip}:{self.guard_port}/audit",
-                                              aiohttp.ClientTimeout(total=AUDIT_TIMEOUT_S))), None
+            return await self._get_json(f"http://{ip}:{self.guard_port}/audit",
+                                        aiohttp.ClientTimeout(total=AUDIT_TIMEOUT_S)), None
         except Exception as e:
             return None, f"{type(e).__name__}: {e}"[:200]
 
@@ -73,8 +77,8 @@ class ReplicaReader:
         """The output lengths the replica learned (``demand_prior``); None when it cannot say (a
         guard from before /demand answers 404: nothing to share, not an error)."""
         try:
-            return demand_prior.parse(json.loads(await self._get(f"http://{ip}:{self.guard_port}"
-                                                                 f"{demand_prior.DEMAND_PATH}")))
+            return demand_prior.parse(await self._get_json(f"http://{ip}:{self.guard_port}"
+                                                           f"{demand_prior.DEMAND_PATH}"))
         except PriorError as e:
             log.warning("%s answered %s with an invalid document: %s", pod, demand_prior.DEMAND_PATH, e)
             return None
@@ -85,7 +89,7 @@ class ReplicaReader:
         """The replica's ``GET /adapters`` (what it holds, in which state); (None, why) when it
         cannot say."""
         try:
-            raw = json.loads(await self._get(f"http://{ip}:{self.guard_port}{ADAPTERS_PATH}"))
+            raw = await self._get_json(f"http://{ip}:{self.guard_port}{ADAPTERS_PATH}")
             return typed.convert(AdapterReport, raw), None
         except Exception as e:
             return None, f"{type(e).__name__}: {e}"[:200]
@@ -97,7 +101,8 @@ class ReplicaReader:
                 async with self._http().put(f"http://{ip}:{self.guard_port}{ADAPTERS_PATH}",
                                             json=typed.to_builtins(wanted, omit_none=True)) as r:
                     if r.status >= 300:
-                        return f"{ADAPTERS_PATH} answered {r.status}: {(await r.text())[:200]}"
+                        answer = await read_capped(r, JSON_REPLY_CAP, f"{pod} PUT {ADAPTERS_PATH}")
+                        return f"{ADAPTERS_PATH} answered {r.status}: {answer[:200].decode(errors='replace')}"
                     return None
         except Exception as e:
             return f"{type(e).__name__}: {e}"[:200]

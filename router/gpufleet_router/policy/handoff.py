@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 
+from gpufleet_api import bounded_json
+
 from ..errors import RouterError
 from . import requests as rq
 
@@ -32,7 +34,7 @@ class UnreadableAnswer(RouterError, ValueError):
 
 def prefill_body(body: bytes, route: str) -> bytes:
     """The client's request as the prefill replica gets it: one token, whole (not streamed)."""
-    doc = json.loads(body)
+    doc = bounded_json.loads(body)   # parsed before (requests.parse): never deeper than its bound
     doc["max_tokens"] = 1
     if route == rq.CHAT:
         # Chat takes max_completion_tokens over max_tokens: a client's own would outrank the 1.
@@ -62,7 +64,7 @@ def decode_body(body: bytes, handoff: Handoff | None) -> bytes:
     the hand-off of a disaggregated service."""
     if handoff is None and KV_TRANSFER_PARAMS.encode() not in body:
         return body
-    doc = json.loads(body)
+    doc = bounded_json.loads(body)
     doc.pop(KV_TRANSFER_PARAMS, None)
     if handoff is not None:
         doc[KV_TRANSFER_PARAMS] = handoff.params
@@ -72,8 +74,8 @@ def decode_body(body: bytes, handoff: Handoff | None) -> bytes:
 def returned_params(answer: bytes) -> dict | None:
     """The ``kv_transfer_params`` of a prefill's 2xx answer, None when it returned none."""
     try:
-        doc = json.loads(answer)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        doc = bounded_json.loads(answer)
+    except ValueError as e:   # not JSON, not UTF-8, or nested past bounded_json's bound
         raise UnreadableAnswer(f"not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise UnreadableAnswer(f"a JSON {type(doc).__name__}, not an object")

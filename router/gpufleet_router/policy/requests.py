@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any
 
+from gpufleet_api import bounded_json
+
 from ..errors import RouterError
 
 CHAT = "/v1/chat/completions"
@@ -62,7 +64,9 @@ class Parsed:
 
 def parse(body: bytes, route: str) -> Parsed:
     try:
-        doc = json.loads(body)
+        doc = bounded_json.loads(body)
+    except bounded_json.TooDeep as e:
+        raise BadRequest(400, f"The request body is not accepted: {e}.", code="json_too_deep") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadRequest(400, f"The request body is not valid JSON: {e}. Send a JSON object such as "
                               f'{{"model": "...", ...}} with Content-Type: application/json.') from None

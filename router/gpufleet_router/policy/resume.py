@@ -23,6 +23,8 @@ import copy
 import json
 from typing import Any
 
+from gpufleet_api import bounded_json
+
 from .requests import CHAT, COMPLETIONS, error_body
 
 RESUMABLE_ROUTES = (CHAT, COMPLETIONS)
@@ -166,7 +168,7 @@ class Stream:
             self.done = True
             return DONE
         try:
-            chunk = json.loads(data)
+            chunk = bounded_json.loads(data)
         except ValueError:
             return event
         if not isinstance(chunk, dict):
