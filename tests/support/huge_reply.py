@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import AsyncIterator
 
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 MIB = 1 << 20
 PIECE = b"x" * (64 << 10)
@@ -33,3 +36,18 @@ class HugeReply:
         finally:
             self.finished.set()
         return resp
+
+
+@contextlib.asynccontextmanager
+async def serving(replies: dict[str, HugeReply]) -> AsyncIterator[TestServer]:
+    """A server on 127.0.0.1 answering each path with its reply; ``server.replies`` is ``replies``."""
+    app = web.Application()
+    for path, reply in replies.items():
+        app.router.add_get(path, reply.serve)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    server.replies = replies  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        await server.close()

@@ -4,15 +4,13 @@ and the cap, instead of being read into memory."""
 from __future__ import annotations
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from gpufleet.fleet.router_demand import RouterDemand
 from gpufleet.fleet.scrape import ReplicaReader
 from gpufleet_api.guard.adapters import ADAPTERS_PATH
 from gpufleet_api.guard.demand_prior import DEMAND_PATH
 from gpufleet_kit.http_limits import JSON_REPLY_CAP, METRICS_REPLY_CAP
-from tests.support.huge_reply import MIB, HugeReply
+from tests.support.huge_reply import MIB, HugeReply, serving
 
 
 @pytest.fixture
@@ -20,14 +18,8 @@ async def huge_guard():
     """Every path a guard answers the operator, each with 100 MiB."""
     replies = {path: HugeReply(content_type="application/json" if path.startswith(("/a", "/d")) else "text/plain")
                for path in ("/metrics", "/metrics/engine", "/audit", DEMAND_PATH, ADAPTERS_PATH)}
-    app = web.Application()
-    for path, reply in replies.items():
-        app.router.add_get(path, reply.serve)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    server.replies = replies
-    yield server
-    await server.close()
+    async with serving(replies) as server:
+        yield server
 
 
 def under_twice(written: int, cap: int) -> bool:

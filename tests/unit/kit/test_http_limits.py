@@ -7,8 +7,6 @@ import asyncio
 
 import aiohttp
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from gpufleet_kit.http_limits import (
     JSON_REPLY_CAP,
@@ -18,20 +16,14 @@ from gpufleet_kit.http_limits import (
     read_capped,
     text_capped,
 )
-from tests.support.huge_reply import MIB, HugeReply
+from tests.support.huge_reply import MIB, HugeReply, serving
 
 
 @pytest.fixture
 async def server():
     replies = {"/huge": HugeReply(), "/declared": HugeReply(declare=True), "/small": HugeReply(size=1000)}
-    app = web.Application()
-    for path, reply in replies.items():
-        app.router.add_get(path, reply.serve)
-    srv = TestServer(app, host="127.0.0.1")
-    await srv.start_server()
-    srv.replies = replies
-    yield srv
-    await srv.close()
+    async with serving(replies) as srv:
+        yield srv
 
 
 def test_the_caps_are_finite_and_metrics_get_more_room_than_json():
