@@ -20,12 +20,13 @@ from datetime import datetime, timezone
 
 from gpufleet_api.v1alpha1 import RolloutSpec
 
+from ..reconcile.events import Event
+
 PROGRESSING, PAUSED, PROMOTING = "Progressing", "Paused", "Promoting"
 PROMOTED, ROLLED_BACK, ABORTED = "Promoted", "RolledBack", "Aborted"
 RUNNING = (PROGRESSING, PAUSED)  # a canary is judged and stepped
 
 # Events (reason, message, type)
-Event = tuple[str, str, str]
 STARTED, STEP, ROLLED_BACK_EVENT, PROMOTED_EVENT, ABORTED_EVENT = (
     "CanaryStarted", "CanaryStep", "CanaryRolledBack", "CanaryPromoted", "CanaryAborted")
 
@@ -84,7 +85,7 @@ def plan(spec: RolloutSpec | None, *, unified: bool, new: str, live: Live, previ
                 "stableRevision": new, "canaryWeightPercent": 0, "phase": PROMOTED, "step": prev.get("step"),
                 "message": f"revision {new} promoted: the stable Deployment runs it on every replica; canary removed",
                 "stepStartedAt": prev.get("stepStartedAt"), "sli": prev.get("sli") or []},
-                ((PROMOTED_EVENT, f"revision {new} promoted: every stable replica runs it; canary removed",
+                (Event(PROMOTED_EVENT, f"revision {new} promoted: every stable replica runs it; canary removed",
                   "Normal"),))
         return Plan(False, 100, True, {**prev, "stableRevision": new, "canaryWeightPercent": 100,
                                        "message": f"promoting {new}: the stable Deployment rolls to it while the "
@@ -96,7 +97,7 @@ def plan(spec: RolloutSpec | None, *, unified: bool, new: str, live: Live, previ
         if canary:  # the spec went back to what the stable runs while a canary ran
             out.update({"phase": ROLLED_BACK, "message": f"the spec is back on the stable revision {new}; "
                                                          f"canary {canary} removed"})
-            events = ((ROLLED_BACK_EVENT, out["message"], "Normal"),)
+            events = (Event(ROLLED_BACK_EVENT, out["message"], "Normal"),)
         return Plan(False, None, False, out, events)
     # The spec asks for a revision the stable does not run.
     if spec.abort:
@@ -104,7 +105,7 @@ def plan(spec: RolloutSpec | None, *, unified: bool, new: str, live: Live, previ
                    f"set abort to false to try it")
         events = ()
         if prev.get("phase") != ABORTED or canary:
-            events = ((ABORTED_EVENT, f"canary {canary} rolled back: spec.rollout.abort is true" if canary
+            events = (Event(ABORTED_EVENT, f"canary {canary} rolled back: spec.rollout.abort is true" if canary
                        else message, "Warning" if canary else "Normal"),)
         return Plan(True, None, False, {"stableRevision": stable, "canaryWeightPercent": 0, "phase": ABORTED,
                                         "message": message, "sli": prev.get("sli") or []}, events)
@@ -127,7 +128,7 @@ def plan(spec: RolloutSpec | None, *, unified: bool, new: str, live: Live, previ
            "phase": PAUSED if spec.paused else PROGRESSING, "stepStartedAt": _iso(now), "sli": []}
     out["message"] = _step_message(spec, out)
     replaced = f" (replacing canary {canary})" if canary and canary != new else ""
-    return Plan(True, weight, False, out, ((STARTED, f"canary {new} started beside stable {stable}{replaced}: "
+    return Plan(True, weight, False, out, (Event(STARTED, f"canary {new} started beside stable {stable}{replaced}: "
                                                      f"{weight}% of new requests", "Normal"),))
 
 
@@ -163,7 +164,7 @@ def advance(spec: RolloutSpec, rollout: dict, *, canary_ready: int, canary_desir
     if why:
         out = {k: v for k, v in rollout.items() if k != "canaryRevision"}
         out.update({"canaryWeightPercent": 0, "phase": ROLLED_BACK, "message": why, "rolledBackRevision": canary})
-        return out, ((ROLLED_BACK_EVENT, why, "Warning"),)
+        return out, (Event(ROLLED_BACK_EVENT, why, "Warning"),)
     if spec.paused:
         if rollout.get("phase") == PAUSED:
             return rollout, ()
@@ -175,8 +176,8 @@ def advance(spec: RolloutSpec, rollout: dict, *, canary_ready: int, canary_desir
         out = {**rollout, "phase": PROGRESSING, "step": last, "canaryWeightPercent": steps[last].weight_percent,
                "stepStartedAt": _iso(now)}
         out["message"] = _step_message(spec, out) + " (spec.rollout.promote)"
-        return out, ((STEP, f"canary {canary}: spec.rollout.promote, {out['canaryWeightPercent']}% of new requests",
-                      "Normal"),)
+        return out, (Event(STEP, f"canary {canary}: spec.rollout.promote, {out['canaryWeightPercent']}% of new "
+                                 f"requests", "Normal"),)
     if rollout.get("phase") == PAUSED:
         rollout = {**rollout, "phase": PROGRESSING}
         rollout["message"] = _step_message(spec, rollout)
@@ -186,11 +187,11 @@ def advance(spec: RolloutSpec, rollout: dict, *, canary_ready: int, canary_desir
         out = {**rollout, "phase": PROMOTING, "canaryWeightPercent": 100,
                "message": f"promoting {canary}: the stable Deployment rolls to it while the canary carries the "
                           f"traffic"}
-        return out, ((STEP, f"canary {canary} held 100% for {steps[step].hold_seconds}s inside the SLO: "
+        return out, (Event(STEP, f"canary {canary} held 100% for {steps[step].hold_seconds}s inside the SLO: "
                             f"promoting the stable Deployment to it", "Normal"),)
     nxt = step + 1
     out = {**rollout, "step": nxt, "canaryWeightPercent": steps[nxt].weight_percent, "stepStartedAt": _iso(now),
            "sli": []}
     out["message"] = _step_message(spec, out)
-    return out, ((STEP, f"canary {canary}: step {nxt + 1} of {len(steps)}, {steps[nxt].weight_percent}% of new "
+    return out, (Event(STEP, f"canary {canary}: step {nxt + 1} of {len(steps)}, {steps[nxt].weight_percent}% of new "
                         f"requests", "Normal"),)

@@ -198,7 +198,7 @@ class Controller:
                 if apply_children and (stale or spec.disaggregation is not None):
                     await self.children.prune_budgets(isvc, spec)
             if plan is not None and not rejected:
-                await self._post(isvc, [Event(*e) for e in plan.events])
+                await self._post(isvc, plan.events)
 
             def compute(current: dict) -> StatusUpdate:
                 status = derive_status(service=name, namespace=ns, generation=gen, spec=spec, desired=replicas,
