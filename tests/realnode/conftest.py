@@ -32,6 +32,17 @@ from tests.support.cluster import session_control_plane
 from tests.support.waiting import wait_for
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A real-node test that failed (or failed as expected) reports what the node's network did."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "call" and call.excinfo is not None:
+        from gpufleet_dev.devcluster.layout import state_dir
+        from tests.realnode.diagnostics import node_network_report
+        report.sections.append(("the real node's network", node_network_report(state_dir() / "state.json")))
+
+
 @pytest.fixture(scope="session")
 def control_plane():
     """Reuses a running control plane that has the real node; otherwise (re)starts one with it.

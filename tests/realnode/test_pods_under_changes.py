@@ -91,24 +91,30 @@ def _router_metric(kube_pods: list[dict], control_plane, ns: str, name: str, **l
     return total
 
 
-async def _guard_in_flight(control_plane, ns: str, pods: list[dict]) -> list[float]:
-    """Each pod's guard's requests in flight to its vLLM, read off the event loop, together: the clients on
-    the loop keep reading meanwhile (a client that stops reading lets vLLM finish its answer into the
+async def _guard_in_flight(control_plane, ns: str, pods: list[dict], metric: str = "gpufleet_guard_in_flight"
+                           ) -> list[float]:
+    """Each pod's guard's requests in flight to its vLLM (``metric``: or those of them whose first token
+    has gone out, ``gpufleet_guard_in_flight_answering``), read off the event loop, together: the clients
+    on the loop keep reading meanwhile (a client that stops reading lets vLLM finish its answer into the
     buffers)."""
     texts = await asyncio.gather(*(asyncio.to_thread(exec_get, control_plane, ns, pod["metadata"]["name"], "guard",
                                                      f"http://127.0.0.1:{names.GUARD_PORT}/metrics") for pod in pods))
-    return [metric_sum(text, "gpufleet_guard_in_flight") for text in texts]
+    return [metric_sum(text, metric) for text in texts]
 
 
-async def _busiest(kube, control_plane, ns: str) -> dict | None:
-    """The engine pod whose guard has the most requests in flight now (None while none has any): the
-    one to kill, so that streams are cut (the router's choice, not the test's, decides where they go)."""
+async def _busiest(kube, control_plane, ns: str, metric: str = "gpufleet_guard_in_flight") -> dict | None:
+    """The engine pod whose guard has the most requests in flight now (``metric``), None while none has
+    any: the one to kill, so that streams are cut (the router's choice, not the test's, decides where
+    they go)."""
     pods = await _engine_pods(kube, ns)
     best, most = None, 0.0
-    for pod, in_flight in zip(pods, await _guard_in_flight(control_plane, ns, pods)):
+    for pod, in_flight in zip(pods, await _guard_in_flight(control_plane, ns, pods, metric)):
         if in_flight > most:
             best, most = pod, in_flight
     return best
+
+
+ANSWERING = "gpufleet_guard_in_flight_answering"
 
 
 def _no_errors(load) -> None:
@@ -194,24 +200,26 @@ def _signal(container_id: str, signal: str) -> None:
 
 
 async def kill_mid_answer(kube, control_plane, ns: str, load, kills: list) -> None:
-    """SIGKILL the vLLM of a replica while its guard has streams in flight that vLLM can no longer finish,
-    whatever the machine's speed: the busiest replica's vLLM is stopped (SIGSTOP: it writes nothing more),
-    then its guard is read; an answer vLLM wrote whole before the stop drains meanwhile (the guard, the
-    router and the client keep reading), so the streams still in flight are unfinished, and the kill cuts
-    them. When none is (a quiet moment), vLLM goes on (SIGCONT) and another moment is tried. Back when
-    every stream in flight at the kill has ended (the router counts a resumed stream before its end goes
-    out) and the killed engine restarted and is Ready. ``kills``: (pod, streams in flight at the kill, stops
-    it took) added."""
+    """SIGKILL the vLLM of a replica while its guard holds a stream that has begun to answer and that
+    vLLM can no longer finish, whatever the machine's speed: the replica with the most answers under
+    way has its vLLM stopped (SIGSTOP: it writes nothing more), then its guard is read; an answer vLLM
+    wrote whole before the stop drains meanwhile (the guard, the router and the client keep reading), so
+    the answers still in flight are unfinished, and the kill cuts them mid-answer: the router has relayed
+    their first tokens, so it must resume them (a stream not yet answered would be retried elsewhere and
+    prove nothing). When none is (a quiet moment), vLLM goes on (SIGCONT) and another moment is tried.
+    Back when every stream in flight at the kill has ended (the router counts a resumed stream before
+    its end goes out) and the killed engine restarted and is Ready. ``kills``: (pod, answers cut at the
+    kill, stops it took) added."""
     stops = 0
     while stops < 10:
         stops += 1
-        victim = await wait_for(lambda: _busiest(kube, control_plane, ns), timeout=60,
-                                what="a replica with streams in flight", describe=load.describe)
+        victim = await wait_for(lambda: _busiest(kube, control_plane, ns, ANSWERING), timeout=60,
+                                what="a replica with answers under way", describe=load.describe)
         vllm = next(c for c in victim["status"]["containerStatuses"] if c["name"] == "vllm")
         restarts, container_id = vllm["restartCount"], vllm["containerID"].split("://", 1)[1]
         _signal(container_id, "SIGSTOP")
         try:
-            (held,) = await _guard_in_flight(control_plane, ns, [victim])
+            (held,) = await _guard_in_flight(control_plane, ns, [victim], ANSWERING)
         except BaseException:
             _signal(container_id, "SIGCONT")
             raise
@@ -219,8 +227,8 @@ async def kill_mid_answer(kube, control_plane, ns: str, load, kills: list) -> No
             break
         _signal(container_id, "SIGCONT")
     else:
-        raise AssertionError(f"no replica's guard held a stream while its vLLM was stopped, in 10 tries; "
-                             f"{load.describe()}")
+        raise AssertionError(f"no replica's guard held an answer under way while its vLLM was stopped, in 10 "
+                             f"tries; {load.describe()}")
     kills.append((victim["metadata"]["name"], held, stops))
     _signal(container_id, "SIGKILL")
 
@@ -269,22 +277,17 @@ async def killed_and_scaled_in(install, kube, control_plane, router) -> None:
     # Long answers (600 tokens of 1024): every stream is still running when its engine dies.
     async with checked_streaming(router, clients=4, max_tokens=600) as load:
         await wait_for(lambda: load.ok >= 2, timeout=180, what="streams answered on both replicas")
-        # The kill cuts the streams its stopped vLLM can no longer finish (kill_mid_answer), and every
-        # stream in flight at it has ended before the router's counters are read: they hold what became of
-        # each. The streams cut can all be ones vLLM had not begun to answer (sent to it between the read
-        # that chose it and the stop), which the router retries elsewhere and does not count as resumed:
-        # then the counters say so, and the kill is made once more.
+        # The kill cuts answers under way that its stopped vLLM can no longer finish (kill_mid_answer),
+        # and every stream in flight at it has ended before the router's counters are read: they hold
+        # what became of each. The router relayed those answers' first tokens, so each must be resumed.
         kills: list = []
-        resumed = 0.0
-        for _round in range(2):
-            await kill_mid_answer(kube, control_plane, ns, load, kills)
-            resumed = await asyncio.to_thread(_router_metric, routers, control_plane, install.operator_ns,
-                                              "gpufleet_router_resumed_streams_total", outcome="resumed")
-            resumed -= resumed_before
-            kills[-1] += (resumed,)
-            if resumed >= 1:
-                break
-        print(f"\nkills (pod, streams its guard held with vLLM stopped, stops it took, streams resumed): {kills}")
+        await kill_mid_answer(kube, control_plane, ns, load, kills)
+        resumed = await asyncio.to_thread(_router_metric, routers, control_plane, install.operator_ns,
+                                          "gpufleet_router_resumed_streams_total", outcome="resumed")
+        resumed -= resumed_before
+        kills[-1] += (resumed,)
+        print(f"\nkill (pod, answers under way its guard held with vLLM stopped, stops it took, streams "
+              f"resumed): {kills}")
         before_in = load.ok
         # A scale-in the load does not ask for (four 600-token streams keep two replicas' KV over the
         # watermark, so the autoscaler rightly holds two with minReplicas 1): maxReplicas down to 1.
@@ -297,8 +300,8 @@ async def killed_and_scaled_in(install, kube, control_plane, router) -> None:
     # A router restarted meanwhile (its counters start again at 0) is a failure of its own: it dropped streams.
     restarts = {p["metadata"]["name"]: sum(c.get("restartCount", 0) for c in p["status"].get("containerStatuses", []))
                 for p in await _pods(kube, install.operator_ns, ROUTER_SELECTOR)}
-    assert resumed >= 1, (f"no stream was resumed: kills (pod, its guard's streams in flight with vLLM stopped, "
-                          f"stops it took, resumed streams after) {kills}; "
+    assert resumed >= 1, (f"no stream was resumed: kill (pod, answers under way its guard held with vLLM "
+                          f"stopped, stops it took, resumed streams after) {kills}; "
                           f"router resumption outcomes {outcomes} (before: {resumed_before} resumed) in "
                           f"{[p['metadata']['name'] for p in routers]}, router restarts {restarts}; load ok {load.ok}, "
                           f"429 {load.shed}, errors {load.errors[:5]}")

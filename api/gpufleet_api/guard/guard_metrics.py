@@ -20,6 +20,8 @@ MAX_CONCURRENCY = PREFIX + "max_concurrency"
 # The concurrency in force: max_concurrency, or less while the TTFT control holds it down.
 CONCURRENCY_LIMIT = PREFIX + "concurrency_limit"
 IN_FLIGHT = PREFIX + "in_flight"
+# Of those, the ones whose first token has gone out: a stream cut now is cut mid-answer.
+IN_FLIGHT_ANSWERING = PREFIX + "in_flight_answering"
 KV_FREE_BLOCKS = PREFIX + "kv_free_blocks"
 KV_RESERVED_BLOCKS = PREFIX + "kv_reserved_blocks"
 KV_TOTAL_BLOCKS = PREFIX + "kv_total_blocks"

@@ -41,8 +41,9 @@ _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 
 @dataclass
 class Tracked:
-    """An in-flight request as the audit sees it."""
+    """An in-flight request as the audit sees it, and whether its first token has gone out."""
     tokens: int | None
+    answering: bool = False
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Exchange:
         """The first token reached the client: its TTFT observed, and a sample for the TTFT control
         with the prompt tokens vLLM computed (a decode's hand-off loads most of its prompt)."""
         self.ttft_seconds = now - self.arrived
+        self.tracked.answering = True
         self.services.metrics.ttft_seconds.labels(self.queue_class.name).observe(self.ttft_seconds)
         if self.prepared.adapter is not None:
             self.services.metrics.adapter_ttft_seconds.labels(self.prepared.adapter).observe(self.ttft_seconds)

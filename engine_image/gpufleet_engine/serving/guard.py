@@ -139,6 +139,7 @@ class Guard:
         for c in self.config.queue_classes:
             m.queue_depth.labels(c.name).set(a.queue.depth(c.name))
         m.in_flight.set(a.scheduler.running)
+        m.in_flight_answering.set(sum(t.answering for t in self.tracked.values()))
         m.concurrency_limit.set(a.scheduler.limit)
         m.kv_free_blocks.set(a.ledger.free_blocks())
         m.kv_reserved_blocks.set(a.ledger.reserved_blocks)

@@ -198,6 +198,9 @@ class GuardMetrics:
                                        registry=r)
         self.in_flight = Gauge(m.IN_FLIGHT, "Requests dispatched to vLLM and not finished.",
                                registry=r)
+        self.in_flight_answering = Gauge(m.IN_FLIGHT_ANSWERING, "Requests in flight whose first token has "
+                                         "gone out to the client: the answers an engine failure now cuts "
+                                         "mid-answer.", registry=r)
         self.kv_free_blocks = Gauge(m.KV_FREE_BLOCKS,
                                     "Free KV blocks as the guard sees them.", registry=r)
         self.kv_reserved_blocks = Gauge(m.KV_RESERVED_BLOCKS,

@@ -333,6 +333,11 @@ def stop_pods() -> None:
 def cleanup_network(state: Path, bins: dict[str, Path]) -> None:
     subprocess.run([str(bins["kube-proxy"]), "--cleanup"], capture_output=True)
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+    # The pods' network namespaces: killed containers never had their sandboxes' CNI DEL, so each
+    # ``down`` would leave a namespace and a veth per pod behind (deleting one deletes its veth pair).
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listing.splitlines() if line.startswith("cni-")):
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
     shutil.rmtree(state / "ipam", ignore_errors=True)
     for mnt in reversed(_mounts_under(state / "kubelet")):
         subprocess.run(["umount", "-l", mnt], capture_output=True)

@@ -64,6 +64,8 @@ class FakeVllm:
     # When set, every generation waits for this event before answering: requests stay
     # in flight at vLLM exactly as long as a test needs, without timing assumptions.
     hold: asyncio.Event | None = None
+    # When set, a stream waits for this event after its first token: an answer begun and unfinished.
+    hold_after_first: asyncio.Event | None = None
     metrics_up: bool = True
     # When set, answers end (at "EOS") after this many tokens, below max_tokens.
     answer_tokens: int | None = None
@@ -119,6 +121,8 @@ class FakeVllm:
                     if self.token_delay:
                         await asyncio.sleep(self.token_delay)
                     await resp.write(f'data: {{"choices":[{{"index":0,"text":"t{i}"}}]}}\n\n'.encode())
+                    if i == 0 and self.hold_after_first is not None:
+                        await self.hold_after_first.wait()
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 self.completed += 1

@@ -130,6 +130,30 @@ async def test_a_client_disconnect_cancels_the_vllm_request(guard_factory, fake_
     assert guard.guard.admission.ledger.reserved_blocks == 0
 
 
+async def test_in_flight_answering_counts_the_streams_whose_first_token_went_out(guard_factory, fake_vllm):
+    # What a fault injected into vLLM now cuts mid-answer (the real-node kill test waits for one).
+    fake_vllm.hold_after_first = asyncio.Event()
+    guard = await guard_factory()
+    async with aiohttp.ClientSession() as s:
+        begun = await s.post(guard.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True})
+        await begun.content.readuntil(b"\n\n")           # its first token reached the client
+        fake_vllm.hold = asyncio.Event()                  # the next one waits before its first token
+        waiting = asyncio.create_task(s.post(guard.url + "/v1/completions",
+                                             json={"prompt": "x", "max_tokens": 5, "stream": True}))
+        await until(lambda: fake_vllm.running == 2, "both streams at vLLM")
+        text = await metrics(s, guard)
+        assert sample(text, "gpufleet_guard_in_flight") == 2
+        assert sample(text, "gpufleet_guard_in_flight_answering") == 1
+        fake_vllm.hold.set()
+        fake_vllm.hold_after_first.set()
+        assert (await begun.text()).endswith("data: [DONE]\n\n")
+        second = await waiting
+        assert (await second.text()).endswith("data: [DONE]\n\n")
+        text = await metrics(s, guard)
+    assert sample(text, "gpufleet_guard_in_flight") == 0
+    assert sample(text, "gpufleet_guard_in_flight_answering") == 0
+
+
 async def test_a_request_past_its_timeout_gets_504_and_vllm_stops_working_on_it(guard_factory, fake_vllm):
     fake_vllm.token_delay = 0.1                  # 50 tokens take 5 s: past the 0.3 s timeout
     guard = await guard_factory(requestTimeoutSeconds=0.3)
