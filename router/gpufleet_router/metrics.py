@@ -87,6 +87,10 @@ class RouterMetrics:
         self.retries = Counter(PREFIX + "retries", "Requests sent to a second replica of a pool after the first "
                                "refused (429) or could not be reached, before any byte went to the client.",
                                ["model", "role", "reason"], registry=r)
+        self.loop_lag_seconds = Histogram(PREFIX + "event_loop_lag_seconds", "How much later than asked the "
+                                          "router's event loop woke from a short sleep: seconds the router had no "
+                                          "CPU (its connect and read timeouts fire that late).",
+                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=r)
         self.request_seconds = Histogram(PREFIX + "request_seconds", "From arrival to the answer's last byte.",
                                          ["model"], buckets=_SECONDS, registry=r)
         self.replicas = Gauge(PREFIX + "replicas", "Replicas the router may send to (serving and ready by its "

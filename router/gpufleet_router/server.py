@@ -35,7 +35,7 @@ from aiohttp import web
 from gpufleet_api import bounded_json
 from gpufleet_kit.kube.client import KubeClient
 
-from . import discovery
+from . import discovery, loop_lag
 from .exchange import Call, Relay, client_session, error_response, refuse
 from .fleet import Fleet
 from .forwarding import Forwarder
@@ -183,7 +183,8 @@ async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int
     http = client_session(settings)
     router = Router(fleet, http)
     tasks = [asyncio.create_task(discovery.run(fleet, kube), name="router-discovery"),
-             asyncio.create_task(fleet.read(http), name="router-readings")]
+             asyncio.create_task(fleet.read(http), name="router-readings"),
+             asyncio.create_task(loop_lag.watch(metrics), name="router-loop-lag")]
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=settings.drain_timeout)
     await runner.setup()
