@@ -123,7 +123,8 @@ class Watcher:
     def rebuild(self) -> None:
         services = [o for i in self.services for o in i.items()]
         pods = [o for i in self.pods for o in i.items()]
-        table = build_table(services, pods, is_serving, self.fleet.settings.guard_port)
-        self.fleet.update(table, adapters.build_catalog([o for i in self.adapters for o in i.items()], table))
+        items = [o for i in self.adapters for o in i.items()]
+        table = build_table(services, pods, is_serving, self.fleet.settings.guard_port, adapters=items)
+        self.fleet.update(table, adapters.build_catalog(items, table))
         self.fleet.listed.set()
         self.builds += 1

@@ -107,24 +107,27 @@ class Fleet:
         for ns in self.settings.namespaces or (None,):
             services += await kube.list(API_VERSION, KIND, ns)
             pods += await kube.list("v1", "Pod", ns, label_selector=selector)
-        table = build_table(services, pods, is_serving, self.settings.guard_port)
-        self.update(table, await self._list_adapters(kube, table))
+        items = await self._list_adapters(kube)
+        # The adapters claim names too: the table leaves out a service whose name another namespace's adapter
+        # claimed first, and the catalog serves the adapters that own theirs.
+        table = build_table(services, pods, is_serving, self.settings.guard_port, adapters=items)
+        self.update(table, adapters.build_catalog(items, table))
         self.listed.set()
 
-    async def _list_adapters(self, kube: KubeClient, table: Table) -> adapters.Catalog:
+    async def _list_adapters(self, kube: KubeClient) -> list[dict]:
         """The InferenceAdapters in scope. Without their CRD (a chart older than adapters) there are none;
-        when they cannot be listed, the last catalog is kept so that base models are still routed."""
+        when they cannot be listed, the last ones listed are kept so that base models are still routed."""
         items: list[dict] = []
         try:
             for ns in self.settings.namespaces or (None,):
                 items += await kube.list(API_VERSION, ADAPTER_KIND, ns)
         except NotFound:
-            return adapters.EMPTY
+            return []
         except Exception as e:
             log.warning("cannot list InferenceAdapters (adapters served as last listed): %s", e)
-            return adapters.build_catalog(self._adapter_items, table)
+            return self._adapter_items
         self._adapter_items = items
-        return adapters.build_catalog(items, table)
+        return items
 
     async def discover(self, kube: KubeClient) -> None:
         while True:

@@ -48,9 +48,12 @@ class SecretKeyRef(Model, frozen=True, kw_only=True):
 class Condition(Model, frozen=True, kw_only=True):
     """A condition in the Kubernetes API conventions' shape."""
     type: Annotated[str, Meta(
-        description="Condition type: Ready, Progressing, Degraded, Isolated, Scaling, FragmentationOK. "
-                    "Scaling is False while the autoscaler cannot read every replica (MetricsUnavailable) or "
-                    "decides on the ready replicas only because others never became ready (ReplicasNotReady).")]
+        description="Condition type: Ready, Progressing, Degraded, Isolated, Scaling, FragmentationOK, "
+                    "NameConflict. Scaling is False while the autoscaler cannot read every replica "
+                    "(MetricsUnavailable) or decides on the ready replicas only because others never became ready "
+                    "(ReplicasNotReady). NameConflict is True (NameClaimedElsewhere) while another object, in "
+                    "the namespace that claimed the model name first, serves it: the router sends this one none "
+                    "of its requests; False (NameOwned) once that has gone.")]
     status: Annotated[Literal["True", "False", "Unknown"], Meta(description="True, False or Unknown.")]
     reason: Annotated[str, Meta(description="CamelCase reason.")]
     message: Annotated[str, Meta(description="What is going on, for a human.")] = ""

@@ -121,7 +121,9 @@ class InferenceAdapterStatus(Model, frozen=True, kw_only=True):
     conditions: Annotated[list[Condition], Meta(
         description="Ready: True (reason Loaded) when loaded on a replica and on every replica placed; False "
                     "with Placing, Loading, ServiceNotFound, LoraDisabled or a load failure (SourceUnreachable, "
-                    "MissingFiles, RankTooHigh, WrongBaseModel, LoadFailed, TooManyAdapters).",
+                    "MissingFiles, RankTooHigh, WrongBaseModel, LoadFailed, TooManyAdapters). NameConflict: True "
+                    "(NameClaimedElsewhere) while an object in another namespace owns the adapter's name (the "
+                    "router serves that one), False (NameOwned) once it no longer does.",
         extra_json_schema={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],

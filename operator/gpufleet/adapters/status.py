@@ -116,8 +116,14 @@ def differs(old: dict, new: dict) -> bool:
             return True
     if sorted(old.get("replicas") or []) != sorted(new.get("replicas") or []):
         return True
-    o, n = _ready(old), _ready(new)
-    return any(o.get(k) != n.get(k) for k in ("status", "reason", "message", "observedGeneration"))
+    for type_ in (cond.READY, cond.NAME_CONFLICT):
+        o, n = cond.get(old.get("conditions"), type_) or {}, cond.get(new.get("conditions"), type_)
+        if type_ == cond.NAME_CONFLICT and n is None:
+            continue   # not said: the one written stands (merged keeps it)
+        n = n or {}
+        if any(o.get(k) != n.get(k) for k in ("status", "reason", "message", "observedGeneration")):
+            return True
+    return False
 
 
 def rate_moved(old: dict, new: dict) -> bool:

@@ -36,7 +36,7 @@ from ..adapters.index import Adapter
 from ..adapters.rates import AdapterRates
 from ..autoscale.signals import ReplicaSample
 from ..reconcile import conditions as cond
-from ..reconcile import figures
+from ..reconcile import figures, name_conflicts
 from .ports import ServicePorts
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,9 @@ class StatusWriter:
         """Write an adapter's status when it changed; an Event when its failure reason did."""
         key = (adapter.namespace, adapter.name)
         old = self.written.get(key) or adapter.status
+        conflict = self.ports.names.conflict(t.ADAPTER_KIND, adapter.namespace, adapter.name)
+        named = name_conflicts.condition(conflict, old.get("conditions"), adapter.generation)
+        new = {**new, "conditions": [*new["conditions"], *named]}
         now = self.clock()
         if not adapter_status.differs(old, new) and not (
                 adapter_status.rate_moved(old, new)
@@ -172,6 +175,9 @@ async def write_status(ports: ServicePorts, adapter: Adapter, old: dict, new: di
         log.warning("%s/%s: could not write the adapter's status: %s", adapter.namespace, adapter.name, e)
         return
     involved = {"apiVersion": t.API_VERSION, "kind": t.ADAPTER_KIND, "metadata": adapter.body.get("metadata", {})}
+    conflict = name_conflicts.started(old.get("conditions"), new["conditions"])
+    if conflict is not None:
+        await ports.events.event(involved, reason=cond.NAME_CONFLICT, type_="Warning", message=conflict)
     if after is not None and after != before:
         await ports.events.event(involved, reason=after, type_="Warning", message=ready.get("message", ""))
     elif before is not None and after is None and ready.get("status") == "True":

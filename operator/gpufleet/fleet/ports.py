@@ -16,6 +16,8 @@ another one.
   the adapter sets they are told (``scrape.ReplicaReader``).
 - ``Leadership``: whether this replica may act now, and waiting until it may
   (``OperatorRuntime``; absent without leader election).
+- ``NameOwners``: which objects lost the model name they claim to another
+  (``reconcile.name_conflicts.NameClaimIndex``, fed by the watches).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import dataclasses
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, Sequence
 
+from gpufleet_api import name_claims
 from gpufleet_api.guard.adapters import AdapterReport, AdapterSet
 from gpufleet_api.guard.demand_prior import DemandPrior
 
@@ -89,6 +92,10 @@ class ReplicaSource(DemandSource, AdapterEndpoints, Protocol):
     async def audit(self, pod: str, ip: str) -> tuple[dict | None, str | None]: ...
 
 
+class NameOwners(Protocol):
+    def conflict(self, kind: str, namespace: str, name: str) -> name_claims.Conflict | None: ...
+
+
 class Leadership(Protocol):
     def acting(self) -> bool: ...
 
@@ -104,3 +111,4 @@ class ServicePorts:
     objects: ObjectApi
     replicas: ReplicaSource
     metrics: OperatorMetrics
+    names: NameOwners = name_claims.EMPTY   # the InferenceAdapters' NameConflict conditions

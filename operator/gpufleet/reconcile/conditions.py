@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from gpufleet_api import name_claims
+
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 ISOLATED = "Isolated"
 SCALING = "Scaling"
 FRAGMENTATION_OK = "FragmentationOK"
+NAME_CONFLICT = name_claims.CONDITION   # the model name is another namespace's (reconcile/name_conflicts.py)
 
-ORDER = [READY, PROGRESSING, DEGRADED, ISOLATED, SCALING, FRAGMENTATION_OK]
+ORDER = [READY, PROGRESSING, DEGRADED, ISOLATED, SCALING, FRAGMENTATION_OK, NAME_CONFLICT]
 
 
 def now_iso(now: datetime | None = None) -> str:

@@ -27,7 +27,7 @@ from gpufleet_kit.kube.errors import ApiError, Conflict
 from ..manifests.network_policy import EngineIngress
 from ..metrics import OperatorMetrics
 from ..reconcile import conditions as cond
-from ..reconcile import drains
+from ..reconcile import drains, name_conflicts
 from ..reconcile.desired import CanaryChildren, draining_roles, stale_deployments
 from ..reconcile.events import Event, drain_events, transition_events
 from ..reconcile.replicas import desired_replicas
@@ -58,6 +58,9 @@ class Controller:
                                         engine_ingress=engine_ingress, wall=wall,
                                         adapter_private_sources=adapter_private_sources)
         self.cordons, self.applied = self.children.cordons, self.children.applied
+        # Who owns each model name across namespaces, fed by the runtime's watches: a service that lost its
+        # name gets the NameConflict condition in its reconcile.
+        self.names = name_conflicts.NameClaimIndex()
         # (namespace, name) -> monotonic time of the last successful reconcile, whoever asked for it
         self.last_reconciled: dict[tuple[str, str], float] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -215,9 +218,15 @@ class Controller:
                     updates = rejected + [u for u in updates if u["type"] not in (cond.READY, cond.PROGRESSING)]
                 elif keep_rejection:  # refreshing counts only: the refusal stands until the next try
                     updates = [u for u in updates if u["type"] not in (cond.READY, cond.PROGRESSING)]
+                updates += name_conflicts.condition(self.names.conflict(t.KIND, ns, name),
+                                                    current.get("conditions"), gen)
                 return status, updates
 
-            await self._post(isvc, transition_events(isvc, previous, compute(previous)[1], observed))
+            first = compute(previous)[1]
+            await self._post(isvc, transition_events(isvc, previous, first, observed))
+            conflict = name_conflicts.started(previous.get("conditions"), first)
+            if conflict is not None:
+                await self._post(isvc, [Event(cond.NAME_CONFLICT, conflict, "Warning")])
             if not rejected:
                 await self._post(isvc, drain_events(previous.get(drains.FIELD), surge))
             await self.update_status(isvc, compute)

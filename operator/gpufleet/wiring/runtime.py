@@ -23,6 +23,7 @@ from typing import Any, Callable, Coroutine, Iterable, Mapping
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gpufleet_api import name_claims
 from gpufleet_kit.backoff import delay
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
@@ -115,7 +116,7 @@ class OperatorRuntime:
         s = self.settings
         self.reader = ReplicaReader()
         ports = ServicePorts(events=self.kube, status=self.controller, locks=self.controller, objects=self.kube,
-                             replicas=self.reader, metrics=self.metrics)
+                             replicas=self.reader, metrics=self.metrics, names=self.controller.names)
         self.fleet = FleetLoop(ports, interval=s.fleet_interval, leadership=self, on_gone=self.forget,
                                follow_interval=s.follower_interval,
                                figures_interval=s.status_figures_interval)
@@ -183,8 +184,16 @@ class OperatorRuntime:
     def service_seen(self, body: dict) -> None:
         meta = body["metadata"]
         self.known.add((meta["namespace"], meta["name"]))
+        self._names_changed(self.controller.names.upsert_service(body))
         if self.fleet is not None:
             self.fleet.upsert_service(body)
+
+    def _names_changed(self, keys: Iterable[name_claims.Key]) -> None:
+        """Refresh the status of the services whose NameConflict a watch event changed. An adapter's is
+        written by its service's adapters pass (every adapter_sync.SYNC_SECONDS)."""
+        for kind, namespace, name in keys:
+            if kind == name_claims.SERVICE and (namespace, name) in self.known:
+                self.trigger(namespace, name, apply=False)
 
     def pod_changed(self, namespace: str, service: str, pod: str, view: dict | None) -> None:
         """An engine pod of ``service`` changed (``view``: ip, ready, deleting, marked; None: gone):
@@ -207,6 +216,9 @@ class OperatorRuntime:
     def adapter_changed(self, namespace: str, name: str, body: dict | None) -> None:
         """An InferenceAdapter was created or changed (``body``), or deleted (None): its service's
         adapters pass runs at once (the fleet loops place, load and unload adapters)."""
+        names = self.controller.names
+        self._names_changed(names.remove(name_claims.ADAPTER, namespace, name) if body is None
+                            else names.upsert_adapter(body))
         if self.fleet is None:
             return
         if body is None:
@@ -216,6 +228,7 @@ class OperatorRuntime:
 
     def forget(self, namespace: str, name: str) -> None:
         self.known.discard((namespace, name))
+        self._names_changed(self.controller.names.remove(name_claims.SERVICE, namespace, name))
         self._resync_met.pop((namespace, name), None)
         self.changed_at.pop((namespace, name), None)
         self._failures.pop((namespace, name), None)

@@ -8,15 +8,20 @@ those whose guard says it holds the adapter ``Loaded`` (signals.py reads that
 from the guard's ``gpufleet_guard_adapter_state``; choice.py keeps the rest
 out of the choice).
 
-A name is served once: a base model keeps its name over an adapter that
-claims it, and of two adapters with one name the older keeps it; the router
-logs which one it left out (as it does for two services with one name).
+A name is served once, by the object the API's rule (gpufleet_api.name_claims)
+says owns it, the rule the operator reports as the NameConflict condition: the
+namespace that claimed it first keeps it, whatever kind claims it later (an
+adapter's name is not taken by a newer base model in another namespace); in
+that namespace a base model keeps its name over an adapter, and the older of
+two adapters keeps it. The router logs which one it left out.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Iterable
 from urllib.parse import urlsplit, urlunsplit
+
+from gpufleet_api import name_claims
 
 from .table import Route, Table
 
@@ -50,7 +55,8 @@ EMPTY = Catalog({})
 
 
 def build_catalog(items: Iterable[dict], table: Table) -> Catalog:
-    """The adapters in ``items`` (InferenceAdapter objects) whose service is routed in ``table``."""
+    """The adapters in ``items`` (InferenceAdapter objects) whose service is routed in ``table`` and that own
+    their name by ``table.claims`` (the table is built with the same adapters: ``build_table(..., adapters=)``)."""
     by_service = {(r.namespace, r.service): r for r in table.routes.values()}
     adapters: dict[str, Adapter] = {}
     problems = []
@@ -67,15 +73,14 @@ def build_catalog(items: Iterable[dict], table: Table) -> Catalog:
             problems.append(f"{ns}/{name}: adapter of InferenceService {service!r}, which the router does not "
                             f"route in {ns!r}; not served")
             continue
-        if name in table.routes:
-            problems.append(f"{ns}/{name}: adapter named like the model {table.routes[name].namespace}/"
-                            f"{table.routes[name].service} serves; the model keeps the name, the adapter is "
-                            f"not served (rename the InferenceAdapter)")
+        claim = name_claims.adapter_claim(item)
+        conflict = table.claims.conflict(name_claims.ADAPTER, ns, name)
+        if conflict is not None:
+            problems.append(f"{ns}/{name}: {conflict.message}; not served")
             continue
-        if name in adapters:
-            kept = adapters[name]
-            problems.append(f"{ns}/{name}: adapter named like {kept.namespace}/{kept.name}, which is older; "
-                            f"not served (rename one of them)")
+        if claim is None or not table.claims.owns(claim):
+            problems.append(f"{ns}/{name}: the route table was built without this adapter's claim to its name; "
+                            f"not served")
             continue
         adapters[name] = Adapter(name=name, namespace=ns, service=route.service, parent=route.model,
                                  root=source_root(spec.get("source")) or name)

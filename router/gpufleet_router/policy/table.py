@@ -16,6 +16,7 @@ import dataclasses
 from typing import Callable, Iterable
 
 from gpufleet_api import engine_pods as pods_api
+from gpufleet_api import name_claims
 from gpufleet_api.engine_pods import DECODE, PREFILL, ROLES, UNIFIED
 from gpufleet_api.route import SpecError, route_view
 
@@ -63,6 +64,8 @@ class Route:
 class Table:
     routes: dict[str, Route]          # by served model name
     problems: tuple[str, ...] = ()    # services and pods left out, and why
+    # Who owns each name clients send, over the services and the adapters the table was built with.
+    claims: name_claims.Decision = name_claims.EMPTY
 
     @property
     def models(self) -> list[str]:
@@ -70,10 +73,13 @@ class Table:
 
 
 def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callable[[dict], bool],
-                guard_port: int = pods_api.GUARD_PORT) -> Table:
+                guard_port: int = pods_api.GUARD_PORT, adapters: Iterable[dict] = ()) -> Table:
     """``serving(pod)``: whether the pod takes new requests (Ready, addressed, not terminating).
     Each service is read through the API's route view (gpufleet_api.route), the one place that
-    says what of an InferenceService the router routes by."""
+    says what of an InferenceService the router routes by. ``adapters``: the InferenceAdapters in
+    scope, which claim names too (adapters.build_catalog serves those the table's claims say own theirs)."""
+    services = list(services)
+    claims = name_claims.decide_objects(services, adapters)
     by_pool: dict[tuple[str, str, str], list[Replica]] = {}
     problems = []
     for pod in pods:
@@ -103,15 +109,13 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
             views.append(route_view(isvc))
         except SpecError as e:
             problems.append(f"{meta.get('namespace', '')}/{meta['name']}: invalid spec ({e}); not routed")
-    # Oldest first: when two services claim one model name, the one that had it first keeps it.
-    for view in sorted(views, key=lambda v: (v.created, v.namespace, v.service)):
+    for view in views:
         ns, name = view.namespace, view.service
         if view.deleting:
             continue
-        if view.model in routes:
-            kept = routes[view.model]
-            problems.append(f"{ns}/{name}: serves model {view.model!r}, which {kept.namespace}/{kept.service} "
-                            f"already serves; not routed (give one of them another spec.model.servedName)")
+        conflict = claims.conflict(name_claims.SERVICE, ns, name)
+        if conflict is not None:
+            problems.append(f"{ns}/{name}: {conflict.message}; not routed")
             continue
         pools = {role: tuple(sorted(by_pool.get((ns, name, role), []), key=lambda r: r.pod)) for role in ROLES}
         routes[view.model] = Route(namespace=ns, service=name, model=view.model, block_size=view.block_size,
@@ -119,4 +123,4 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
                                    replicas=pools[UNIFIED], pool_max=view.pool_max, kv_tier=view.kv_tier,
                                    prefill=pools[PREFILL], decode=pools[DECODE], model_root=view.model_root,
                                    canary_revision=view.canary_revision, canary_weight=view.canary_weight)
-    return Table(routes, tuple(problems))
+    return Table(routes, tuple(problems), claims)

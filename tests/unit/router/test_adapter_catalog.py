@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gpufleet_router.policy.adapters import (
     LISTED_IN_404,
+    Catalog,
     build_catalog,
     not_found_message,
     resolve,
@@ -15,7 +16,7 @@ from gpufleet_router.policy.choice import Picker, Policy, Reason
 from gpufleet_router.policy.prefixes import prefix_of
 from gpufleet_router.policy.replicas import Reading, Replica
 from gpufleet_router.policy.signals import parse_guard
-from gpufleet_router.policy.table import build_table
+from gpufleet_router.policy.table import Table, build_table
 from tests.unit.router.test_requests_and_table import GUARD_METRICS, isvc, pod, serving
 
 
@@ -24,23 +25,29 @@ def adapter(name: str, service: str, ns: str = "ml", created: str = "2026-01-02T
             "spec": {"service": service, "source": source or {"huggingFace": {"name": f"org/{name}"}}}}
 
 
-TABLE = build_table([isvc("chat", servedName="chat-v1"), isvc("embed", ns="other")],
-                    [pod("chat-1", "chat", "10.0.0.1")], serving)
+SERVICES = [isvc("chat", servedName="chat-v1"), isvc("embed", ns="other")]
+PODS = [pod("chat-1", "chat", "10.0.0.1")]
+
+
+def routed(items: list[dict], services: list[dict] = SERVICES) -> tuple[Table, Catalog]:
+    """The table and the catalog as the router builds them: both over the same adapters."""
+    table = build_table(services, PODS, serving, adapters=items)
+    return table, build_catalog(items, table)
 
 
 def test_an_adapter_resolves_to_its_service_and_a_base_model_to_its_own():
-    catalog = build_catalog([adapter("support-lora", "chat")], TABLE)
-    target = resolve("support-lora", TABLE, catalog)
+    table, catalog = routed([adapter("support-lora", "chat")])
+    target = resolve("support-lora", table, catalog)
     assert target is not None and target.route.service == "chat" and target.adapter is not None
     assert (target.adapter.parent, target.adapter.root) == ("chat-v1", "org/support-lora")
-    base = resolve("chat-v1", TABLE, catalog)
+    base = resolve("chat-v1", table, catalog)
     assert base is not None and base.route.service == "chat" and base.adapter is None
-    assert resolve("gpt-9", TABLE, catalog) is None
-    assert served(TABLE, catalog) == ["chat-v1", "org/embed", "support-lora"]
+    assert resolve("gpt-9", table, catalog) is None
+    assert served(table, catalog) == ["chat-v1", "org/embed", "support-lora"]
 
 
 def test_adapters_that_cannot_be_served_are_left_out_with_a_reason():
-    catalog = build_catalog([
+    table, catalog = routed([
         adapter("lost", "nowhere"),                         # no such service
         adapter("cross", "embed"),                          # its service is in another namespace
         adapter("chat-v1", "chat"),                         # a base model's name: the model keeps it
@@ -48,12 +55,12 @@ def test_adapters_that_cannot_be_served_are_left_out_with_a_reason():
         adapter("dup", "embed", ns="other", created="2026-01-01T00:00:00Z"),   # older: keeps the name
         {**adapter("going", "chat"), "metadata": {"name": "going", "namespace": "ml",
                                                   "deletionTimestamp": "2026-01-04T00:00:00Z"}},
-    ], TABLE)
+    ])
     assert sorted(catalog.adapters) == ["dup"] and catalog.adapters["dup"].service == "embed"
     problems = "\n".join(catalog.problems)
     assert "ml/lost" in problems and "ml/cross" in problems and "ml/chat-v1" in problems
     assert "ml/dup" in problems and "going" not in problems
-    target = resolve("chat-v1", TABLE, catalog)
+    target = resolve("chat-v1", table, catalog)
     assert target is not None and target.adapter is None
 
 
@@ -66,11 +73,11 @@ def test_an_adapters_root_is_its_source_without_credentials():
 
 
 def test_the_unknown_model_message_is_vllms_and_names_at_most_twenty_served_models():
-    catalog = build_catalog([adapter(f"lora-{i:02d}", "chat") for i in range(30)], TABLE)
-    message = not_found_message("gpt-9", TABLE, catalog)
+    table, catalog = routed([adapter(f"lora-{i:02d}", "chat") for i in range(30)])
+    message = not_found_message("gpt-9", table, catalog)
     assert message.startswith("The model `gpt-9` does not exist. Served here: chat-v1, lora-00, ")
     assert message.count(", ") == LISTED_IN_404 - 1 and "and 12 more (GET /v1/models lists them all)" in message
-    assert not_found_message("x", build_table([], [], serving), build_catalog([], TABLE)) == \
+    assert not_found_message("x", build_table([], [], serving), build_catalog([], table)) == \
         "The model `x` does not exist. Served here: (none)."
 
 

@@ -41,11 +41,12 @@ class FakeGuard:
         self.cancelled = asyncio.Event()
         self.server: TestServer | None = None
         self.adapters: dict[str, str] = {}   # LoRA adapter -> its state (gpufleet_guard_adapter_state)
+        self.host = "127.0.0.1"
 
     @property
     def address(self) -> str:
         assert self.server is not None
-        return f"127.0.0.1:{self.server.port}"
+        return f"{self.host}:{self.server.port}"
 
     async def metrics(self, request: web.Request) -> web.Response:
         adapters = "".join(f'gpufleet_guard_adapter_state{{adapter="{name}",state="{state}"}} 1\n'
@@ -76,12 +77,13 @@ class FakeGuard:
         await resp.write_eof()
         return resp
 
-    async def start(self, port: int | None = None) -> FakeGuard:
+    async def start(self, port: int | None = None, host: str = "127.0.0.1") -> FakeGuard:
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
         for route in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
             app.router.add_post(route, self.complete)
-        self.server = TestServer(app, host="127.0.0.1", port=port)
+        self.host = host
+        self.server = TestServer(app, host=host, port=port)
         await self.server.start_server()
         return self
 
