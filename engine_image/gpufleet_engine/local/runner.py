@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import sys
 import tempfile
 import urllib.error
@@ -25,16 +24,16 @@ from gpufleet_api.guard.adapters import ADAPTER_DIR_ENV
 from gpufleet_engine.launch.flags import vllm_launch
 from gpufleet_engine.launch.processes import ManagedProcess, wait_until
 from gpufleet_engine.local.models import prepare
+from gpufleet_kit.ports import unused_port
 
 DEFAULT_KV_BLOCKS = 64
 DEFAULT_BLOCK_SIZE = 32
 
 
 def free_port(host: str) -> int:
-    """A port free on ``host`` right now (another process could still take it before we bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on ``host`` right now, outside the ephemeral range: vLLM binds it only after a minute
+    of imports, while the machine's outgoing connections take their ports from that range."""
+    return unused_port(host)
 
 
 def _http_ok(url: str, timeout: float = 2.0) -> bool:

@@ -4,8 +4,9 @@ netpol.py (which cluster.py starts) import this, not cluster.py, so the package 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
+
+from gpufleet_kit.ports import unused_port
 
 SERVICE_CIDR = "10.96.0.0/16"
 # kwok hands out pod IPs from this range. All of 127.0.0.0/8 is loopback on
@@ -26,7 +27,6 @@ def kubeconfig_path() -> Path:
 
 
 def free_port() -> int:
-    """A loopback port free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free right now, outside the range outgoing connections take theirs from: the
+    components bind theirs seconds later, while the others already connect (gpufleet_kit.ports)."""
+    return unused_port("127.0.0.1")
