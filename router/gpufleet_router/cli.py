@@ -36,6 +36,9 @@ from .server import RouterSettings
                    "spilled off its prefix's replica loads the prefix from the tier, so spilling is cheap.")
 @click.option("--max-body-bytes", default=8 << 20, show_default=True, type=click.IntRange(1),
               help="Larger request bodies get 413.")
+@click.option("--body-budget-bytes", default=256 << 20, show_default=True, type=click.IntRange(1),
+              help="Request-body bytes held at once across all requests (counted before a body is read); "
+                   "a body that does not fit gets 503 with Retry-After. At least --max-body-bytes.")
 @click.option("--drain-grace-seconds", default=5.0, show_default=True, type=click.FloatRange(0.0),
               help="On SIGTERM, stay unready but serving this long (endpoint removal, pooled connections) "
                    "before closing the listener.")
@@ -60,15 +63,19 @@ from .server import RouterSettings
                    "Retry-After, this long at most from the break; then the stream ends in an error event.")
 @click.option("-v", "--verbose", is_flag=True)
 def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_seconds, reading_interval_seconds,
-           prefix_blocks, load_factor, tier_load_factor, max_body_bytes, drain_grace_seconds, hold_timeout_seconds,
-           hold_max_requests, prefill_timeout_seconds, policy, resume_streams, max_resumptions, resume_timeout_seconds,
-           verbose) -> None:
+           prefix_blocks, load_factor, tier_load_factor, max_body_bytes, body_budget_bytes, drain_grace_seconds,
+           hold_timeout_seconds, hold_max_requests, prefill_timeout_seconds, policy, resume_streams, max_resumptions,
+           resume_timeout_seconds, verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
     from gpufleet_kit.kube.client import KubeClient
     from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
 
     from .server import serve
 
+    if body_budget_bytes < max_body_bytes:
+        raise click.BadParameter(f"{body_budget_bytes} is less than --max-body-bytes ({max_body_bytes}): a body "
+                                 f"under the per-request limit could never fit; raise it or lower --max-body-bytes.",
+                                 param_hint="--body-budget-bytes")
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -79,7 +86,7 @@ def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_sec
                               discovery_interval=discovery_interval_seconds,
                               reading_interval=reading_interval_seconds, prefix_blocks=prefix_blocks,
                               load_factor=load_factor, tier_load_factor=tier_load_factor,
-                              max_body_bytes=max_body_bytes,
+                              max_body_bytes=max_body_bytes, body_budget_bytes=body_budget_bytes,
                               drain_grace=drain_grace_seconds, hold_timeout=hold_timeout_seconds,
                               hold_max_requests=hold_max_requests, prefill_timeout=prefill_timeout_seconds,
                               policy=policy, resume_streams=resume_streams, max_resumptions=max_resumptions,

@@ -249,6 +249,8 @@ class Forwarder:
             outcome = Outcome.OK if upstream.status < 400 else (
                 Outcome.REJECTED if upstream.status in (429, 503) else
                 Outcome.INVALID if upstream.status < 500 else Outcome.ERROR)
+            if relay is not None and relay.stream.overflowed:
+                outcome = Outcome.ERROR   # the replica's stream was cut off (resume.MAX_EVENT_BYTES)
             self.metrics.requests.labels(model, outcome).inc()
             return response
         except asyncio.CancelledError:

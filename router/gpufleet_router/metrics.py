@@ -129,6 +129,11 @@ class RouterMetrics:
         self.revision_requests = Counter(PREFIX + "revision_requests", "Requests by the revision "
                                          "(gpufleet.dev/revision) of the replica first chosen for them; \"\" for "
                                          "replicas without the label.", ["model", "revision"], registry=r)
+        self.body_budget_refusals = Counter(PREFIX + "body_budget_refusals", "Requests answered 503 because "
+                                            "their body did not fit in --body-budget-bytes (the request-body "
+                                            "bytes held at once).", registry=r)
+        self.body_bytes_held = Gauge(PREFIX + "body_bytes_held", "Request-body bytes held now, counted in "
+                                     "--body-budget-bytes.", registry=r)
         self.readings_failed = Counter(PREFIX + "readings_failed", "Guard /metrics reads that failed.",
                                        ["model"], registry=r)
 

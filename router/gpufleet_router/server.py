@@ -33,6 +33,8 @@ import aiohttp
 from aiohttp import web
 
 from gpufleet_api import bounded_json
+from gpufleet_api.guard.guard_metrics import Reason
+from gpufleet_kit.body_budget import BodyBudget, BodyTooLarge, BudgetExhausted, Claim, read_body
 from gpufleet_kit.kube.client import KubeClient
 
 from . import discovery, loop_lag
@@ -43,7 +45,7 @@ from .metrics import Outcome, RouterMetrics
 from .policy import adapters, resume
 from .policy import requests as rq
 from .policy.prefixes import prefix_of
-from .settings import HOP_BY_HOP, RouterSettings
+from .settings import BODY_BUDGET_RETRY_AFTER_SECONDS, HOP_BY_HOP, RouterSettings
 
 __all__ = ["Fleet", "Router", "RouterSettings", "client_session", "serve"]
 
@@ -59,6 +61,8 @@ class Router:
         self.metrics = fleet.metrics
         self.settings = fleet.settings
         self.forwarder = Forwarder(fleet, http)
+        self.body_budget = BodyBudget(self.settings.body_budget_bytes)
+        self.metrics.body_bytes_held.set_function(lambda: self.body_budget.held)
 
     def app(self) -> web.Application:
         @web.middleware
@@ -118,9 +122,15 @@ class Router:
         return web.json_response({"ready": not reasons, "reasons": reasons}, status=503 if reasons else 200)
 
     async def handle(self, request: web.Request, route: str) -> web.StreamResponse:
+        # The body is held until the answer has gone out (a retry or a stream's resumption sends it again):
+        # its bytes count in the budget until then, however the handling ends.
+        with self.body_budget.claim() as claim:
+            return await self._handle(request, route, claim)
+
+    async def _handle(self, request: web.Request, route: str, claim: Claim) -> web.StreamResponse:
         arrived = self.fleet.clock()
         try:
-            body = await self._read_body(request)
+            body = await self._read_body(request, claim)
             parsed = rq.parse(body, route)
             resolved = adapters.resolve(parsed.model, self.fleet.table, self.fleet.catalog)
             if resolved is None:
@@ -131,6 +141,13 @@ class Router:
                                     param="model", code=404, kind="NotFoundError")
         except rq.BadRequest as e:
             return refuse(self.metrics, "", Outcome.INVALID, e.status, e.body())
+        except BudgetExhausted as e:
+            self.metrics.body_budget_refusals.inc()
+            return refuse(self.metrics, "", Outcome.UNAVAILABLE, 503, rq.error_body(
+                f"The router holds {e.held} bytes of request bodies now and this body's {e.wanted} more would "
+                f"pass its budget of {e.limit} bytes (--body-budget-bytes, the chart's router.bodyBudgetBytes); "
+                f"retry shortly.", "service_unavailable", code=Reason.BODY_BUDGET),
+                BODY_BUDGET_RETRY_AFTER_SECONDS)
         target, adapter = resolved.route, resolved.adapter
         if adapter is not None:
             self.metrics.adapter_requests.labels(adapter.name).inc()
@@ -159,19 +176,16 @@ class Router:
             return None
         return Relay(resume.Stream(doc, route)) if isinstance(doc, dict) else None
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: web.Request, claim: Claim) -> bytes:
+        """The body, bounded by --max-body-bytes (413) and counted in --body-budget-bytes before it is held
+        (BudgetExhausted); chunked bodies too, while they arrive."""
         limit = self.settings.max_body_bytes
-        too_large = rq.BadRequest(413, f"The request body is over the router's limit of {limit} bytes; send a "
-                                       f"shorter prompt.", kind="invalid_request_error", code="request_too_large")
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.content.iter_any():  # bounded while it arrives (chunked bodies too)
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
+        try:
+            return await read_body(request, limit, claim)
+        except BodyTooLarge:
+            raise rq.BadRequest(413, f"The request body is over the router's limit of {limit} bytes; send a "
+                                     f"shorter prompt.", kind="invalid_request_error",
+                                code="request_too_large") from None
 
 
 async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int,

@@ -28,6 +28,9 @@ UNREACHABLE_PAUSE_SECONDS = 0.25
 UNREACHABLE_PAUSE_MAX_SECONDS = 2.0
 # A continuation refused everywhere waits at least this long before asking again (a Retry-After of 0).
 MIN_RESUME_WAIT_SECONDS = 0.05
+# A body refused for want of room in --body-budget-bytes: the bodies held now are read and sent on within
+# about this long on a healthy fleet.
+BODY_BUDGET_RETRY_AFTER_SECONDS = 1
 
 
 
@@ -45,6 +48,9 @@ class RouterSettings:
     # and load is balanced tightly.
     tier_load_factor: float = 0.0
     max_body_bytes: int = 8 << 20
+    # Request bodies held at once across every request (gpufleet_kit.body_budget): more get 503 with
+    # Retry-After. At least max_body_bytes (cli.py checks), or a body under the cap could never fit.
+    body_budget_bytes: int = 256 << 20
     connect_timeout: float = 2.0
     guard_port: int = names.GUARD_PORT
     # On SIGTERM: this long unready but still serving, so Services and clients' pooled

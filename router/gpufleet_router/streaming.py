@@ -73,6 +73,11 @@ class Streams:
                         self.fleet.clock() - relay.broke_at)
                     relay.broke_at = None
                 await response.write(event)
+            if stream.overflowed:
+                log.warning("%s: a replica sent a stream event over %d bytes; the stream ended in an error event",
+                            call.model, resume.MAX_EVENT_BYTES)
+                upstream.close()   # not read on: what it sends next is not held anywhere
+                break
         return stream.done
 
     async def resume_after_break(self, call: Call, role: str, broken: Broken, cost: int) -> web.StreamResponse:

@@ -43,6 +43,9 @@ Runtime = Literal["vllm", "vllm-cpu"]
 RUNTIMES = typing.get_args(Runtime)
 PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 CLASS_HEADER = "x-gpufleet-class"
+# The guard's bodyBudgetBytes when guard.json names none (the operator writes this default): some 28 bodies
+# at the limit of a 128k-token context (admission/core.py's max_body_bytes), far more of a typical size.
+DEFAULT_BODY_BUDGET_BYTES = 256 << 20
 # LowerOnly: the class header may ask for the route's default class or a lower
 # priority (a higher level number), never a higher one. Trusted: any class, for
 # a gateway in front that sets the header itself and drops the client's.
@@ -224,6 +227,8 @@ class GuardConfig(_Section, frozen=True):
     class_header_policy: Annotated[ClassHeaderPolicy, LIVE] = "LowerOnly"
     aging_seconds: Annotated[float, Meta(gt=0), LIVE] = 5
     retry_after_seconds: Annotated[float, Meta(gt=0), LIVE] = 1
+    # Request-body bytes held at once across the guard's requests (gpufleet_kit.body_budget); more: 503.
+    body_budget_bytes: Annotated[int, Meta(ge=1), LIVE] = DEFAULT_BODY_BUDGET_BYTES
     queue_classes: Annotated[tuple[QueueClass, ...], Meta(min_length=1), LIVE] = msgspec.field(
         default_factory=_default_classes)
     # Routes left out get default_routes(queue_classes).

@@ -123,11 +123,15 @@ class Reason:
     # Every slot the TTFT control allows is taken and the request would wait
     # for one longer than the TTFT objective leaves (ttft_limit.py).
     TTFT_LIMIT = "ttft_limit"
+    # The body did not fit in the request-body bytes held at once (the guard's bodyBudgetBytes, the
+    # router's --body-budget-bytes): 503 with Retry-After. Not a shed: it is about bytes held, not KV,
+    # and a flood of large bodies must not scale GPUs out. The router answers it with this code too.
+    BODY_BUDGET = "body_budget"
 
 
 REASONS = (Reason.KV_WATERMARK, Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL, Reason.CONTEXT_LENGTH,
            Reason.DRAINING, Reason.ENGINE_DOWN, Reason.INVALID_REQUEST, Reason.EXCEEDS_KV_POOL,
-           Reason.REQUEST_TOO_LARGE, Reason.TTFT_LIMIT)
+           Reason.REQUEST_TOO_LARGE, Reason.TTFT_LIMIT, Reason.BODY_BUDGET)
 
 # Refusals that mean "this replica is overloaded": another replica would have
 # taken the request, so the autoscaler counts them as shedding. A request that

@@ -31,6 +31,7 @@ from gpufleet_engine.serving.prometheus import GuardMetrics
 from gpufleet_engine.serving.send_ahead import INLINE_TOKENIZE_BYTES, SendAhead, parse_json, text_bytes
 from gpufleet_engine.serving.upstream import Upstream
 from gpufleet_engine.vllm.stats import VllmStats
+from gpufleet_kit.body_budget import BodyBudget, BodyTooLarge, BudgetExhausted, Claim, read_body
 
 log = logging.getLogger("gpufleet_engine.serving.guard")
 
@@ -58,11 +59,13 @@ class Guard:
         self.services = Services(self.admission, self.metrics, self.refusals, upstream, self.tracked,
                                  lambda: self.on_engine_unreachable())
         self.send_ahead = SendAhead(self.services, self._admit)
+        self.body_budget = BodyBudget(config.body_budget_bytes)
         self.configure(config)
 
     def configure(self, config: GuardConfig) -> None:
         """Put ``config``'s live fields into effect: at start-up and on every live reload (reload.py)."""
         self.admission.configure(config)
+        self.body_budget.limit = config.body_budget_bytes   # bodies held past a lowered limit drain out
         self.metrics.add_classes([c.name for c in config.queue_classes])
         self.metrics.max_concurrency.set(config.max_concurrency)
         self.refresh_gauges()
@@ -189,7 +192,10 @@ class Guard:
                 config.retry_after_seconds))
         self.drain.enter()
         try:
-            return await self._admit_and_forward(request, route, queue_class, arrived)
+            # The body counts in bodyBudgetBytes from before it is read until the answer is done (it is
+            # held through the queue and sent on from it), however the handling ends.
+            with self.body_budget.claim() as claim:
+                return await self._admit_and_forward(request, route, queue_class, arrived, claim)
         finally:
             self.drain.leave()
 
@@ -212,29 +218,34 @@ class Guard:
                 raise early   # raised inside: the lane passes on without a loop turn
             return admission.prepare(path, parse_json(raw))
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The body, or Rejection 413 past the limit, before any of it is parsed. A declared length
-        over the limit is refused without reading; a chunked body stops being read at the limit."""
-        limit = self.admission.max_body_bytes
-        declared = request.content_length
-        if declared is None or declared <= limit:
-            # Read here rather than with request.read(): the limit follows the context length,
-            # which the guard learns from vLLM and may reload, after the app was built.
-            body = bytearray()
-            async for chunk in request.content.iter_chunked(1 << 16):
-                body += chunk
-                if len(body) > limit:
-                    break
-            else:
-                return bytes(body)
-        limits = self.admission.limits
-        context_tokens = limits.max_context_tokens if limits else 0
-        raise Rejection(Reason.REQUEST_TOO_LARGE, 413,
-                        f"The request body is larger than this model's limit of {limit} bytes (derived "
-                        f"from its maximum context of {context_tokens} tokens).")
+    async def _read_body(self, request: web.Request, claim: Claim) -> bytes:
+        """The body, or Rejection before any of it is parsed: 413 past the limit (a declared length over
+        it refused unread, a chunked body read no further), 503 when it does not fit in bodyBudgetBytes."""
+        try:
+            return await read_body(request, self.body_limit(), claim)
+        except BodyTooLarge:
+            raise self.body_too_large() from None
+        except BudgetExhausted as e:
+            raise Rejection(Reason.BODY_BUDGET, 503, body_budget_message(e),
+                            self.config.retry_after_seconds) from None
+
+    def body_limit(self) -> int:
+        """The largest body read: the model's limit (from its context), and never more than the whole
+        budget, which a larger body could never fit in."""
+        return min(self.admission.max_body_bytes, self.body_budget.limit)
+
+    def body_too_large(self) -> Rejection:
+        limit = self.body_limit()
+        if limit < self.admission.max_body_bytes:
+            why = "this guard's whole budget for request bodies (bodyBudgetBytes in guard.json)"
+        else:
+            limits = self.admission.limits
+            why = f"derived from its maximum context of {limits.max_context_tokens if limits else 0} tokens"
+        return Rejection(Reason.REQUEST_TOO_LARGE, 413,
+                         f"The request body is larger than this model's limit of {limit} bytes ({why}).")
 
     async def _admit_and_forward(self, request: web.Request, route: str, queue_class: QueueClass,
-                                 arrived: float) -> web.StreamResponse:
+                                 arrived: float, claim: Claim) -> web.StreamResponse:
         refuse = self.refusals.refuse
         early = self.admission.early_refusal(queue_class)
         if early is not None:
@@ -243,7 +254,7 @@ class Guard:
             # they would cost belongs to the engine.
             return refuse(queue_class, early)
         try:
-            raw = await self._read_body(request)
+            raw = await self._read_body(request, claim)
             grant = self.send_ahead.grant_ahead(raw, queue_class)
             if grant is not None:
                 return await self.send_ahead.send(request, route, queue_class, arrived, raw, grant)
@@ -294,6 +305,11 @@ class Guard:
         """An admitted request ended: no longer in flight for the audit, its blocks and slot free."""
         self.tracked.pop(grant, None)
         self.admission.release(grant)
+
+
+def body_budget_message(e: BudgetExhausted) -> str:
+    return (f"This replica holds {e.held} bytes of request bodies now and this body's {e.wanted} more would pass "
+            f"its budget of {e.limit} bytes (bodyBudgetBytes in guard.json); retry shortly.")
 
 
 def _warn_context(configured: int, served: int) -> None:

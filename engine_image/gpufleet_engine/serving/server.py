@@ -41,7 +41,8 @@ DRAIN_READ_LIMIT_BYTES = 1 << 20
 
 def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None) -> web.Application:
     # Bodies are bounded before they are parsed (docs/guard-config.md).
-    # The proxied routes read their bodies themselves, bounded by the guard's current limit.
+    # The proxied routes and vLLM's other routes read their bodies themselves, bounded by the guard's current
+    # limit and counted in its bodyBudgetBytes (guard.py).
     app = web.Application(client_max_size=max_body_bytes(0))
 
     async def close_while_draining(request: web.Request, response: web.StreamResponse) -> None:

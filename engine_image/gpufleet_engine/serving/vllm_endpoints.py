@@ -17,9 +17,10 @@ from aiohttp import web
 
 from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.serving.errors import error_response
-from gpufleet_engine.serving.guard import Guard
+from gpufleet_engine.serving.guard import Guard, body_budget_message
 from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS
 from gpufleet_engine.vllm.routes import ROUTES, Handling, VllmRoute, allowed_methods
+from gpufleet_kit.body_budget import BodyTooLarge, BudgetExhausted, read_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -101,12 +102,18 @@ def _engine_down(guard: Guard, problem: str) -> web.Response:
 async def passthrough(guard: Guard, request: web.Request) -> web.StreamResponse:
     """The request to vLLM as it came (method, path, query, body, the forwarded headers), and
     vLLM's answer back; streams are relayed chunk by chunk."""
-    declared = request.content_length
-    limit = guard.admission.max_body_bytes
-    if declared is not None and declared > limit:
-        return vllm_error(413, f"The request body is larger than this model's limit of {limit} "
-                          "bytes.", "RequestEntityTooLargeError")
-    body = await request.read() if request.can_read_body else None
+    # Its body counts in the guard's bodyBudgetBytes as the proxied routes' do, until vLLM has answered.
+    with guard.body_budget.claim() as claim:
+        try:
+            body = await read_body(request, guard.body_limit(), claim) if request.can_read_body else None
+        except BodyTooLarge:
+            return vllm_error(413, guard.body_too_large().message, "RequestEntityTooLargeError")
+        except BudgetExhausted as e:
+            return error_response(503, Reason.BODY_BUDGET, body_budget_message(e), guard.config.retry_after_seconds)
+        return await _send_on(guard, request, body)
+
+
+async def _send_on(guard: Guard, request: web.Request, body: bytes | None) -> web.StreamResponse:
     headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
     assert guard.upstream.session is not None
     try:

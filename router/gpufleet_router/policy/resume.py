@@ -29,6 +29,10 @@ from .requests import CHAT, COMPLETIONS, error_body
 
 RESUMABLE_ROUTES = (CHAT, COMPLETIONS)
 DONE = b"data: [DONE]\n\n"
+# The longest event the relay holds while it waits for the event's end: vLLM's are a token's delta, a few KiB
+# with logprobs. Longer is a broken upstream (or one answering on behalf of a tenant): the stream ends with
+# an error event instead of a buffer that grows with whatever the replica sends.
+MAX_EVENT_BYTES = 1 << 20
 # Request fields whose answer depends on more than the text sent so far, or that the continuation cannot
 # carry over: a resumed answer would differ from what the client asked for.
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
@@ -39,6 +43,7 @@ class Code:
     """The ``code`` of the error event that ends a stream that was not resumed."""
     NOT_RESUMABLE = "stream_not_resumable"   # the request's kind cannot be continued faithfully
     BROKEN = "stream_broken"                 # resumption was tried and failed, or is switched off
+    EVENT_TOO_LONG = "stream_event_too_long"  # the replica sent an event over MAX_EVENT_BYTES
 
 
 def not_resumable(doc: Any, route: str) -> str | None:
@@ -138,12 +143,17 @@ class Stream:
         self.done = False           # data: [DONE] went to the client
         self.upstream_error = False  # a replica answered an error event: an answer, not a break
         self.events = 0             # events that went to the client
+        self.overflowed = False     # the replica sent an event over MAX_EVENT_BYTES: the stream ended there
         self._buffer = b""
 
     # --- the relay ----------------------------------------------------------------------------
 
     def feed(self, data: bytes) -> list[bytes]:
-        """Bytes from the current replica; the whole events to send the client, rewritten."""
+        """Bytes from the current replica; the whole events to send the client, rewritten. An event still
+        unended past MAX_EVENT_BYTES ends the stream: an error event and [DONE] go out, nothing more is
+        held or read (``overflowed``)."""
+        if self.overflowed:
+            return []
         self._buffer += data
         out = []
         while True:
@@ -155,6 +165,14 @@ class Stream:
             if sent is not None:
                 out.append(sent)
                 self.events += 1
+        if len(self._buffer) > MAX_EVENT_BYTES:
+            self._buffer = b""
+            self.overflowed = self.upstream_error = True   # an answer that failed: not resumed
+            if not self.done:
+                self.done = True
+                out.append(error_event(
+                    f"The replica sent a stream event longer than {MAX_EVENT_BYTES} bytes without ending it: a "
+                    f"broken answer, ended here. Send the request again.", Code.EVENT_TOO_LONG))
         return out
 
     def _event(self, event: bytes) -> bytes | None:

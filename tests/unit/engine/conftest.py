@@ -78,7 +78,8 @@ class FakeVllm:
     url: str = ""
 
     def app(self) -> web.Application:
-        app = web.Application()
+        # vLLM's API server sets no body limit of its own: whatever the guard admits reaches it.
+        app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._generate)
