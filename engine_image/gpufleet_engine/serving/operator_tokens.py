@@ -19,6 +19,7 @@ import jwt
 
 from gpufleet_api import typed
 from gpufleet_api.guard.control_auth import SIGNING_ALGORITHMS, ControlAuthConfig
+from gpufleet_engine.errors import GuardError
 
 # Clock skew between the API server that signed a token and this node.
 LEEWAY_SECONDS = 30
@@ -26,7 +27,7 @@ CACHE_ENTRIES = 64
 _KEY_TYPE = {"RS256": "RSA", "ES256": "EC"}
 
 
-class Refused(Exception):
+class Refused(GuardError):
     """The caller is not the operator; the message says why, and never holds the token."""
 
 

@@ -109,7 +109,7 @@ ROUTES: tuple[VllmRoute, ...] = (
     VllmRoute("/docs", ("GET", "HEAD"), Handling.PASSED, "API documentation"),
     VllmRoute("/docs/oauth2-redirect", ("GET", "HEAD"), Handling.PASSED, "API documentation"),
     VllmRoute("/redoc", ("GET", "HEAD"), Handling.PASSED, "API documentation"),
-    # Administration: the pod's own loopback only.
+    # Administration: the operator's token on the guard's port, or the pod's admin socket.
     *(VllmRoute(path, (method,), Handling.POD_ONLY, _POD_ONLY) for method, path in (
         ("POST", "/reset_prefix_cache"), ("POST", "/reset_mm_cache"), ("POST", "/reset_encoder_cache"),
         ("POST", "/collective_rpc"), ("GET", "/server_info"), ("POST", "/sleep"),
