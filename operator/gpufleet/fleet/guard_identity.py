@@ -22,11 +22,13 @@ from ..manifests.control_auth import IdentityError, build_control_auth
 log = logging.getLogger(__name__)
 
 JWKS_PATH = "/openid/v1/jwks"
+# What the API server's key set route produces: it answers 406 to a request that accepts only application/json.
+JWKS_ACCEPT = "application/jwk-set+json, application/json"
 REFRESH_SECONDS = 300.0
 
 
 class JwksSource(Protocol):
-    async def request(self, method: str, path: str) -> dict: ...
+    async def request(self, method: str, path: str, *, accept: str = ...) -> dict: ...
 
 
 class GuardIdentity:
@@ -65,7 +67,7 @@ class GuardIdentity:
         if token is None:
             return self.control_auth
         try:
-            config = build_control_auth(token, await self.api.request("GET", JWKS_PATH))
+            config = build_control_auth(token, await self.api.request("GET", JWKS_PATH, accept=JWKS_ACCEPT))
         except IdentityError as e:
             self._note(str(e))
             return self.control_auth

@@ -3,6 +3,7 @@ its own token and the cluster's keys make guard.json's controlAuth, and a real g
 from that document takes the operator's control calls and refuses them without the token."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -27,7 +28,8 @@ class Api:
         self.failing: Exception | None = None
         self.asked: list[str] = []
 
-    async def request(self, method: str, path: str) -> dict:
+    async def request(self, method: str, path: str, *, accept: str = "application/json") -> dict:
+        assert "application/jwk-set+json" in accept  # the route's own type: plain JSON gets a 406
         self.asked.append(path)
         if self.failing is not None:
             raise self.failing
@@ -124,3 +126,33 @@ async def test_the_operators_calls_reach_a_guard_configured_from_its_identity(tm
             assert guard.adapters is not None and set(guard.adapters.book.entries) == {"a"}
         finally:
             await guard.stop()
+
+
+async def test_the_key_set_is_read_through_the_kube_client_from_a_route_that_produces_jwk_set_json(tmp_path, issuer):
+    """The API server's key set route produces application/jwk-set+json only; go-restful answers a
+    request that accepts plain JSON alone with 406, as this stand-in does."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from gpufleet_kit.kube.client import KubeClient
+    from gpufleet_kit.kube.config import KubeConfig
+    from tests.support.kubeconfigs import write_kubeconfig
+
+    async def jwks(request):
+        if "application/jwk-set+json" not in request.headers.get("Accept", ""):
+            return web.Response(status=406, text="406: Not Acceptable")
+        return web.Response(text=json.dumps({"keys": [issuer.jwk()]}), content_type="application/jwk-set+json")
+    app = web.Application()
+    app.router.add_get(JWKS_PATH, jwks)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        path = write_kubeconfig(tmp_path / "config", server=str(server.make_url("")).rstrip("/"),
+                                user={"token": "admin"})
+        token_file = tmp_path / "token"
+        token_file.write_text(issuer.token())
+        async with KubeClient(KubeConfig.from_file(path)) as kube:
+            config = await GuardIdentity(token_file, kube).refresh()
+        assert config is not None and [k.kid for k in config.keys] == [issuer.kid]
+    finally:
+        await server.close()
