@@ -38,11 +38,15 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the operator's tokens
 
 from guard_common import Run, Stack, refusals, table  # noqa: E402
 from guard_realistic import KV_BLOCKS, MAX_MODEL_LEN, closed_loop  # noqa: E402
 
 from gpufleet_api.guard import demand_prior  # noqa: E402
+from tests.support.token_issuer import Issuer  # noqa: E402
+
+OPERATOR = Issuer()  # GET /demand takes the operator's token only
 
 
 def refused(run: Run) -> float:
@@ -52,7 +56,7 @@ def refused(run: Run) -> float:
 
 async def demand_of(url: str) -> dict:
     async with aiohttp.ClientSession() as s:
-        async with s.get(url + demand_prior.DEMAND_PATH) as r:
+        async with s.get(url + demand_prior.DEMAND_PATH, headers=OPERATOR.bearer()) as r:
             return await r.json()
 
 
@@ -65,7 +69,7 @@ async def measure(duration: float, clients: int, learn: float, engine_cores: str
         c1 = await closed_loop("vLLM, 1 client", stack.vllm_url, stack.vllm_url, 1, requests=40, seed=1)
         # The objective guard_realistic gives its guards: 5× the 1-client TTFT p99.
         slo = {"ttftP99Seconds": math.ceil(5 * c1.ttft(0.99) * 100) / 100}
-        warm = stack.start_guard("warm", slo=slo)
+        warm = stack.start_guard("warm", slo=slo, controlAuth=OPERATOR.control_auth())
         await closed_loop("warm guard: learning", warm, stack.vllm_url, clients, duration=learn, seed=50)
         document = await demand_of(warm)
         cold = stack.start_guard("cold", slo=slo)

@@ -57,6 +57,9 @@ from vllm_router_process import ROUTER, VllmRouterProcess  # noqa: E402
 
 from tests.support.lora_adapters import make_adapters  # noqa: E402
 from tests.support.router import static_router  # noqa: E402
+from tests.support.token_issuer import Issuer  # noqa: E402
+
+OPERATOR = Issuer()  # the guards' /adapters take the operator's token only
 
 MODEL = "tiny"
 BLOCK_SIZE = 32
@@ -115,12 +118,12 @@ async def hold(engines: list[LocalEngine], sets: list[list[str]], paths: dict[st
     async with aiohttp.ClientSession() as http:
         for e, names in zip(engines, sets):
             body = {"adapters": [{"name": n, "source": {"path": str(paths[n])}} for n in names]}
-            async with http.put(f"{e.guard_url}{ADAPTERS_PATH}", json=body) as r:
+            async with http.put(f"{e.guard_url}{ADAPTERS_PATH}", json=body, headers=OPERATOR.bearer()) as r:
                 assert r.status in (200, 202), await r.text()
         deadline = time.monotonic() + timeout
         for e, names in zip(engines, sets):
             while True:
-                async with http.get(f"{e.guard_url}{ADAPTERS_PATH}") as r:
+                async with http.get(f"{e.guard_url}{ADAPTERS_PATH}", headers=OPERATOR.bearer()) as r:
                     report = await r.json()
                 states = {a["name"]: a["state"] for a in report["adapters"]}
                 if all(states.get(n) == "Loaded" for n in names) and set(states) == set(names):
@@ -170,7 +173,8 @@ async def run(args: argparse.Namespace) -> dict:
     lora = {"maxLoras": MAX_LORAS, "maxCpuLoras": CPU_CACHE, "maxLoraRank": 8, "maxAdapters": ADAPTERS}
     engines = [LocalEngine(MODEL, host="127.0.0.1", cpu_cores=str(i), work_dir=work / f"replica-{i}",
                            kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                           guard={"ttftControl": "Off", "engine": {"lora": lora}}) for i in range(2)]
+                           guard={"ttftControl": "Off", "engine": {"lora": lora},
+                                  "controlAuth": OPERATOR.control_auth()}) for i in range(2)]
     replicas = [f"replica-{i}" for i in range(2)]
     runs: dict[str, list[tuple[list[Result], float, dict]]] = {arm: [] for arm in ARMS}
     placements: list[dict[str, list[str]]] = []

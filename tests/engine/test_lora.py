@@ -16,11 +16,13 @@ from gpufleet_engine.launch.flags import vllm_launch
 from gpufleet_engine.launch.processes import ManagedProcess, wait_until
 from gpufleet_engine.local.runner import LocalEngine, _http_ok
 from tests.support.lora_adapters import make_adapter, make_adapters
+from tests.support.token_issuer import Issuer
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
 
 LORA = {"maxLoras": 2, "maxLoraRank": 8, "maxCpuLoras": 2}
+OPERATOR = Issuer()  # the operator's tokens: PUT and GET /adapters accept nobody else
 PROMPT = "The capital of France is"
 
 
@@ -36,7 +38,8 @@ def adapters(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def lora_engine(adapters):
-    engine = LocalEngine("tiny", cpu_threads=1, lora=LORA, guard={"ttftControl": "Off"})
+    engine = LocalEngine("tiny", cpu_threads=1, lora=LORA,
+                         guard={"ttftControl": "Off", "controlAuth": OPERATOR.control_auth()})
     engine.start()
     yield engine
     engine.stop()
@@ -45,13 +48,14 @@ def lora_engine(adapters):
 def put(engine: LocalEngine, adapters: dict[str, Path], names: list[str]) -> int:
     body = json.dumps({"adapters": [{"name": n, "source": {"path": str(adapters[n])}} for n in names]}).encode()
     request = urllib.request.Request(engine.guard_url + "/adapters", data=body, method="PUT",
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json", **OPERATOR.bearer()})
     with urllib.request.urlopen(request, timeout=10) as resp:
         return resp.status
 
 
 def states(engine: LocalEngine) -> dict[str, tuple[str, str | None]]:
-    with urllib.request.urlopen(engine.guard_url + "/adapters", timeout=10) as resp:
+    request = urllib.request.Request(engine.guard_url + "/adapters", headers=OPERATOR.bearer())
+    with urllib.request.urlopen(request, timeout=10) as resp:
         return {a["name"]: (a["state"], a.get("reason")) for a in json.loads(resp.read())["adapters"]}
 
 

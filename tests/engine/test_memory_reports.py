@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufleet_api.guard import gpu_memory as gm
 from gpufleet_api.guard import guard_metrics as m
 from gpufleet_engine.vllm import stats
-from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN
+from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN, OPERATOR
 from tests.engine.test_guard_vllm import token_ids, until
 from tests.support.stream_hold import Hold, HoldingRelay
 from tests.support.waiting import wait_for
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.engine
 
 
 async def get_json(session: aiohttp.ClientSession, url: str) -> dict:
-    async with session.get(url) as r:
+    async with session.get(url, headers=OPERATOR.bearer()) as r:
         assert r.status == 200, await r.text()
         return await r.json()
 

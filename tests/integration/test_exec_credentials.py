@@ -12,6 +12,7 @@ import sys
 import pytest
 import yaml
 
+from gpufleet_dev.devcluster.guard_token import mint as mint_guard_token
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from gpufleet_kit.kube.config import KubeConfig
 from tests.support.kubeconfigs import exec_plugin, exec_user, plugin_runs, write_kubeconfig
@@ -105,7 +106,10 @@ async def test_operator_reconciles_and_renews_the_plugin_token(control_plane, cr
                                                                oncall, tmp_path):
     # Tokens that expire while the operator runs (the same script, rewritten: the kubeconfig names it).
     exec_plugin(tmp_path, token_file=tmp_path / "sa-token", expires_in=TOKEN_SECONDS)
-    operator = OperatorProcess(str(oncall), tmp_path / "operator.log", ("--namespace", namespace)).start()
+    # Its guard token from the admin's credentials: the on-call user may not ask for tokens.
+    guard_token = mint_guard_token(control_plane.kubeconfig, tmp_path / "guard-token")
+    operator = OperatorProcess(str(oncall), tmp_path / "operator.log", ("--namespace", namespace),
+                               guard_token_file=guard_token).start()
     try:
         control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump({
             "apiVersion": API, "kind": "InferenceService", "metadata": {"name": "chat"},

@@ -71,7 +71,11 @@ async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, 
         "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}]}))
     # As the chart runs it: electing a leader on the Lease in the release namespace (its Role suffices).
     # And giving the sample its NetworkPolicy, as the chart's defaults have it do.
-    op = OperatorProcess(str(kc), tmp_path / "operator.log", (
+    # The token the chart projects into the operator's pod: its ServiceAccount's, for the guards' audience.
+    guard_token = tmp_path / "guard-token"
+    guard_token.write_text(control_plane.kubectl("-n", RELEASE_NS, "create", "token", "gpufleet-operator",
+                                                 "--audience=gpufleet-guard", "--duration=1h").stdout.strip())
+    op = OperatorProcess(str(kc), tmp_path / "operator.log", guard_token_file=guard_token, extra_args=(
         "--namespace", namespace, "--leader-elect", "--leader-elect-resource-namespace", RELEASE_NS,
         "--leader-elect-identity", f"test-{namespace}", "--network-policies",
         "--network-policy-operator-namespace", RELEASE_NS,

@@ -14,4 +14,5 @@ def test_a_backed_guard_keeps_its_pod_ip_not_the_operators_wildcard():
     assert rendered["listenHost"] == "0.0.0.0"   # right in a pod, which has an address of its own
     overrides = guard_overrides(rendered)
     assert "listenHost" not in overrides and "listenPort" not in overrides
+    assert rendered["adminSocket"] and "adminSocket" not in overrides  # the pod's emptyDir is not on the host
     assert overrides["servedModelName"] == "tiny-llama"

@@ -9,9 +9,16 @@ one twice changes nothing, and a replica that restarted (empty set) gets its
 adapters back on the operator's next pass. The router sends ``model: <name>``
 only to replicas whose report (or ``gpufleet_guard_adapter_state``) says
 ``Loaded``.
+
+Each adapter a guard reports carries the digest of the spec it holds under that name
+(``spec_digest``: its source, base model and name, as the operator sent them); the operator
+sends a replica its set again when a digest differs from what it wants there, not only when the
+names differ.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Literal, Optional
 
 import msgspec
@@ -70,6 +77,13 @@ class AdapterSet(_Doc, frozen=True):
     adapters: tuple[AdapterSpec, ...] = ()
 
 
+def spec_digest(spec: AdapterSpec) -> str:
+    """``sha256:<hex>`` over the spec's canonical JSON: equal exactly when name, source and base
+    model are. One-way: a presigned URI's signature cannot be read back from it."""
+    canonical = json.dumps(typed.to_builtins(spec, omit_none=True), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
 class AdapterState(_Doc, frozen=True):
     name: str
     state: AdapterStateName
@@ -77,6 +91,8 @@ class AdapterState(_Doc, frozen=True):
     message: str = ""
     rank: Optional[int] = None
     since: float = 0.0        # unix time of the last state change
+    # spec_digest of what the replica holds under this name; "" from a guard that reports none.
+    digest: str = ""
 
 
 class AdapterReport(_Doc, frozen=True):

@@ -24,6 +24,7 @@ from msgspec import Meta
 
 from .. import typed
 from ..errors import ContractError
+from .control_auth import ControlAuthConfig
 from .engine_flags import extra_args_problems
 
 OverLengthPolicy = Literal["Reject", "TruncateLeft"]
@@ -210,6 +211,9 @@ class GuardConfig(_Section, frozen=True):
     role: Role = "unified"
     listen_host: str = "0.0.0.0"
     listen_port: Annotated[int, Meta(ge=0, le=65535)] = 8080
+    # The Unix socket of what only the pod itself calls (POST /drain from its preStop hook,
+    # control_auth.py); empty: none, and nothing can start a drain but SIGTERM.
+    admin_socket: str = ""
     engine_url: str = "http://127.0.0.1:8000"
     block_size: Annotated[int, Meta(ge=1), FromEngine("block_size")] = 32
     kv_watermark_percent: Annotated[int, Meta(ge=0, le=99), LIVE] = 5
@@ -236,6 +240,8 @@ class GuardConfig(_Section, frozen=True):
     metrics_poll_seconds: Annotated[float, Meta(gt=0), LIVE] = 0.5
     slo: Annotated[SLOConfig, LIVE] = msgspec.field(default_factory=SLOConfig)
     adapters: Annotated[AdapterFetchConfig, LIVE] = msgspec.field(default_factory=AdapterFetchConfig)
+    # Who may call the control routes (control_auth.py); None: nobody, each gets 401.
+    control_auth: Annotated[Optional[ControlAuthConfig], LIVE] = None
     engine: Optional[EngineConfig] = None
 
     def queue_class(self, name: str) -> QueueClass | None:

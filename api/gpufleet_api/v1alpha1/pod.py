@@ -13,7 +13,8 @@ from .common import DNS_LABEL, DNS_SUBDOMAIN, LABEL_VALUE, QUALIFIED_NAME
 from .engine import ADAPTER_CLAIM_VOLUME_PREFIX
 
 # Volumes the engine pod has already; a volume of pod.volumes may not reuse their names.
-RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "model-cache", "kv-store", "adapters"]
+RESERVED_VOLUMES = ["guard-config", "cache", "dshm", "model", "gpu-memory", "model-cache", "kv-store", "adapters",
+                    "guard-admin"]
 
 
 class LocalObjectReference(Model, frozen=True, kw_only=True):

@@ -16,14 +16,14 @@ and the container exits non-zero for Kubernetes to restart it.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from gpufleet_api.guard import guard_config
@@ -55,32 +55,55 @@ def exec_vllm(config_path: str) -> None:
 
 
 def drain_and_wait(cfg: guard_config.GuardConfig, poll_seconds: float = 1.0) -> str:
-    """Ask the local guard to drain, wait until nothing it accepted is left; say how it ended.
+    """Ask the local guard to drain, through its admin socket, and wait until nothing it accepted
+    is left; say how it ended.
 
     Idempotent, so both containers' preStop hooks can run it. Never fails:
     a preStop error would only delay the pod's stop by the grace period.
     """
-    url = f"http://127.0.0.1:{cfg.listen_port}/drain"
+    if not cfg.admin_socket:
+        return "guard.json names no adminSocket; the guard drains on SIGTERM instead"
+    where = f"the guard's admin socket {cfg.admin_socket}"
     deadline = time.monotonic() + cfg.drain_timeout_seconds
     try:
-        status = _drain_call(urllib.request.Request(url, method="POST"))
-    except (urllib.error.URLError, OSError) as e:
-        return f"guard not reachable at {url} ({e}); nothing to drain"
+        status = _drain_call(cfg.admin_socket, "POST")
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        return f"guard not reachable at {where} ({e}); nothing to drain"
     # Until the guard refuses (its endpoint grace), it still admits: wait for that too.
     while status.get("active", 0) > 0 or not status.get("refusing", True):
         if time.monotonic() > deadline:
             return f"drain timeout: {status.get('active', 0)} requests still running"
         time.sleep(poll_seconds)
         try:
-            status = _drain_call(urllib.request.Request(url))
-        except (urllib.error.URLError, OSError):
+            status = _drain_call(cfg.admin_socket, "GET")
+        except (OSError, http.client.HTTPException, ValueError):
             return "guard gone; drain over"
     return "drained: no requests left"
 
 
-def _drain_call(request: urllib.request.Request) -> dict:
-    with urllib.request.urlopen(request, timeout=5) as resp:
-        return json.loads(resp.read())
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+def _drain_call(path: str, method: str) -> dict:
+    connection = _UnixConnection(path, timeout=5)
+    try:
+        connection.request(method, "/drain")
+        response = connection.getresponse()
+        body = response.read(1 << 16)
+        if response.status != 200:
+            raise ValueError(f"{method} /drain answered {response.status}")
+        return json.loads(body)
+    finally:
+        connection.close()
 
 
 def _say(msg: str) -> None:

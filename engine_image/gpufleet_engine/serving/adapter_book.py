@@ -22,6 +22,7 @@ from gpufleet_api.guard.adapters import (
     AdapterSpec,
     AdapterState,
     AdapterStateName,
+    spec_digest,
 )
 from gpufleet_kit.backoff import delay
 
@@ -185,7 +186,8 @@ class AdapterBook:
 
     def report(self, max_adapters: int, max_loras: int, max_cpu_loras: int) -> AdapterReport:
         return AdapterReport(
-            tuple(AdapterState(name, e.state, e.reason, e.message, e.rank, e.since)  # type: ignore[arg-type]
+            tuple(AdapterState(name, e.state, e.reason, e.message, e.rank, e.since,  # type: ignore[arg-type]
+                               spec_digest(e.spec))
                   for name, e in sorted(self.entries.items())),
             max_adapters, max_loras, max_cpu_loras)
 

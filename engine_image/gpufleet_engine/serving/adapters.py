@@ -19,7 +19,7 @@ import re
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -41,6 +41,7 @@ VLLM_CALL_SECONDS = 120.0   # a load reads the adapter from disk inside vLLM's e
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
 Fetch = Callable[..., Path]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class AdapterAgent:
@@ -230,8 +231,10 @@ def _problem(message: str, param: str | None) -> dict:
     return {"error": {"message": message, "type": "UnprocessableEntityError", "param": param, "code": 422}}
 
 
-def register(app: web.Application, agent: AdapterAgent | None) -> None:
-    """``GET`` and ``PUT /adapters``; with LoRA off, PUT answers 409 and GET an empty report."""
+def register(app: web.Application, agent: AdapterAgent | None,
+             protect: Callable[[Handler], Handler] = lambda handler: handler) -> None:
+    """``GET`` and ``PUT /adapters``, each behind ``protect`` (the operator's token: server.py); with
+    LoRA off, PUT answers 409 and GET an empty report."""
     from gpufleet_api.guard.adapters import ADAPTERS_PATH
 
     async def put(request: web.Request) -> web.Response:
@@ -254,5 +257,5 @@ def register(app: web.Application, agent: AdapterAgent | None) -> None:
         report = agent.report() if agent is not None else AdapterReport()
         return web.json_response(typed.to_builtins(report))
 
-    app.router.add_put(ADAPTERS_PATH, put)
-    app.router.add_get(ADAPTERS_PATH, get)
+    app.router.add_put(ADAPTERS_PATH, protect(put))
+    app.router.add_get(ADAPTERS_PATH, protect(get))

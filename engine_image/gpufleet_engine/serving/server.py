@@ -9,6 +9,7 @@ import asyncio
 import gc
 import logging
 import signal
+from pathlib import Path
 
 from aiohttp import web
 
@@ -29,6 +30,8 @@ from gpufleet_engine.serving import (
 from gpufleet_engine.serving import vllm_metrics_relay as engine_metrics
 from gpufleet_engine.serving.errors import error_response
 from gpufleet_engine.serving.guard import Guard
+from gpufleet_engine.serving.operator_only import operator_only
+from gpufleet_engine.serving.operator_tokens import OperatorTokens
 from gpufleet_engine.serving.prometheus import CONTENT_TYPE
 from gpufleet_engine.serving.upstream import EngineMonitor, Upstream
 from gpufleet_engine.vllm import shared_storage
@@ -39,7 +42,11 @@ TOKENIZER_RETRY_SECONDS = 5.0
 DRAIN_READ_LIMIT_BYTES = 1 << 20
 
 
-def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None) -> web.Application:
+def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None,
+              tokens: OperatorTokens | None = None) -> web.Application:
+    """The guard's port. Its control routes take the operator's token (``tokens``, by default
+    guard.json's ``controlAuth``); POST /drain is on the admin socket only (``build_admin_app``)."""
+    tokens = tokens if tokens is not None else OperatorTokens(guard.config.control_auth)
     # Bodies are bounded before they are parsed (docs/guard-config.md).
     # The proxied routes and vLLM's other routes read their bodies themselves, bounded by the guard's current
     # limit and counted in its bodyBudgetBytes (guard.py).
@@ -78,16 +85,14 @@ def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None) 
         return web.json_response({"ready": not reasons, "reasons": reasons}, status=200 if not reasons else 503)
 
     async def drain_status(request: web.Request) -> web.Response:
-        return web.json_response({"draining": guard.drain.draining, "refusing": guard.drain.refusing,
-                                  "active": guard.drain.active})
+        return _drain_status(guard)
 
-    async def drain_start(request: web.Request) -> web.Response:
-        # The pod's preStop hooks call this over loopback; nobody else may
-        # take a replica out of service.
-        if not vllm_endpoints.is_loopback(request.remote):
-            return error_response(403, "forbidden", "POST /drain is accepted from the pod itself only.")
-        guard.begin_drain()
-        return await drain_status(request)
+    async def drain_elsewhere(request: web.Request) -> web.Response:
+        # Whatever its source address: a mesh sidecar or a port-forward makes every caller loopback.
+        where = guard.config.admin_socket or "(none configured: guard.json adminSocket)"
+        return error_response(403, "forbidden", "POST /drain is not taken on the guard's port: only the "
+                              f"pod itself starts a drain, through the guard's admin socket {where} "
+                              "(its preStop hook runs gpufleet-engine drain-wait), or with SIGTERM.")
 
     async def audit_report(request: web.Request) -> web.Response:
         # Device memory as vLLM's own processes reported it (vllm_plugin); the guard touches no GPU.
@@ -102,17 +107,53 @@ def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None) 
         return web.json_response(demand_prior.to_document(shared))
 
     app.router.add_get("/drain", drain_status)
-    app.router.add_post("/drain", drain_start)
+    app.router.add_post("/drain", drain_elsewhere)
     app.router.add_get(GUARD_METRICS_PATH, metrics)
     app.router.add_get(ENGINE_METRICS_PATH, vllm_metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    app.router.add_get("/audit", audit_report)
-    app.router.add_get(demand_prior.DEMAND_PATH, demand)
-    adapters.register(app, adapter_agent)
+    # What a replica holds and learned, and what it serves: the operator's to read and to change.
+    app.router.add_get("/audit", operator_only(tokens, audit_report))
+    app.router.add_get(demand_prior.DEMAND_PATH, operator_only(tokens, demand))
+    adapters.register(app, adapter_agent, lambda handler: operator_only(tokens, handler))
     # vLLM's own API (vllm/routes.py): admitted, answered with the guard's state, or passed through.
-    vllm_endpoints.register(app, guard)
+    vllm_endpoints.register(app, guard, tokens)
     return app
+
+
+def _drain_status(guard: Guard) -> web.Response:
+    return web.json_response({"draining": guard.drain.draining, "refusing": guard.drain.refusing,
+                              "active": guard.drain.active})
+
+
+def build_admin_app(guard: Guard) -> web.Application:
+    """The admin socket (guard.json ``adminSocket``, in an emptyDir only the pod's containers
+    mount): what only the pod itself calls, so the socket is the proof. POST /drain from the
+    preStop hooks, and vLLM's admin routes for someone who execs into the pod."""
+    app = web.Application(client_max_size=DRAIN_READ_LIMIT_BYTES)
+
+    async def drain_status(request: web.Request) -> web.Response:
+        return _drain_status(guard)
+
+    async def drain_start(request: web.Request) -> web.Response:
+        guard.begin_drain()
+        return _drain_status(guard)
+
+    app.router.add_get("/drain", drain_status)
+    app.router.add_post("/drain", drain_start)
+    vllm_endpoints.register_admin(app, guard)
+    return app
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """A socket left by a guard that died is in the way; nothing else lives in that emptyDir."""
+    if path.is_socket():
+        path.unlink()
+
+
+def _owner_only(path: Path) -> None:
+    """The pod's user (both containers run as it), nobody else."""
+    path.chmod(0o600)
 
 
 def freeze_startup_heap() -> None:
@@ -135,6 +176,8 @@ class GuardServer:
         self._tokenizer = tokenizer
         self.guard: Guard | None = None
         self._runner: web.AppRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self.tokens = OperatorTokens(config.control_auth)
         self._monitor_task: asyncio.Task | None = None
         self._tokenizer_task: asyncio.Task | None = None
         self._side_tasks: list[asyncio.Task] = []
@@ -182,6 +225,7 @@ class GuardServer:
         if self._config_path:
             def apply(config: GuardConfig) -> None:
                 guard.configure(config)  # the same configure that set it up at start-up
+                self.tokens.configure(config.control_auth)  # a rotated signing key, another operator
                 if self.adapters is not None:
                     self.adapters.fetch_limits = config.adapters
                 monitor.interval = config.metrics_poll_seconds
@@ -190,18 +234,28 @@ class GuardServer:
             self._side_tasks.append(asyncio.create_task(self.watcher.run(), name="config-reload"))
         # handler_cancellation: a client that disconnects cancels its handler,
         # which closes the upstream connection and makes vLLM abort the work.
-        self._runner = web.AppRunner(build_app(guard, self.adapters), handler_cancellation=True,
+        self._runner = web.AppRunner(build_app(guard, self.adapters, self.tokens), handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)
         try:
             await site.start()
+            if self.config.admin_socket:
+                await self._start_admin(guard, Path(self.config.admin_socket))
         except OSError:
             await self.stop()
             raise
         # listenPort 0 lets the OS pick (tests); report the port really bound.
         self.port = self._runner.addresses[0][1] if self._runner.addresses else self.config.listen_port
         log.info("guard listening on %s for vLLM at %s", self.url, self.config.engine_url)
+
+    async def _start_admin(self, guard: Guard, path: Path) -> None:
+        _remove_stale_socket(path)
+        self._admin_runner = web.AppRunner(build_admin_app(guard), access_log=None, shutdown_timeout=1.0)
+        await self._admin_runner.setup()
+        await web.UnixSite(self._admin_runner, str(path)).start()
+        _owner_only(path)
+        log.info("admin socket at %s", path)
 
     def _seed_demand(self, guard: Guard, seen: float | None) -> float | None:
         """Seed the keys this guard has not learned from demand.json beside guard.json, when the
@@ -283,8 +337,9 @@ class GuardServer:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in (self._runner, self._admin_runner):
+            if runner is not None:
+                await runner.cleanup()
         if self.guard is not None:
             await self.guard.upstream.close()
 

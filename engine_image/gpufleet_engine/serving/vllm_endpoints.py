@@ -2,13 +2,13 @@
 
 Admitted routes go through ``Guard.handle``; health and information are
 answered with the guard's state folded in; the rest is passed through to
-vLLM unchanged, from the pod itself only for administration. A path vLLM
+vLLM unchanged; administration only for the operator's token (operator_only.py) on the guard's
+port, or on the admin socket that only the pod's own containers reach (``register_admin``). A path vLLM
 does not serve is answered as vLLM answers it (404, or 405 with Allow, in FastAPI's
 ``{"detail": ...}``).
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 from typing import Awaitable, Callable
 
@@ -18,6 +18,8 @@ from aiohttp import web
 from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.serving.errors import error_response
 from gpufleet_engine.serving.guard import Guard, body_budget_message
+from gpufleet_engine.serving.operator_only import operator_only
+from gpufleet_engine.serving.operator_tokens import OperatorTokens
 from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS
 from gpufleet_engine.vllm.routes import ROUTES, Handling, VllmRoute, allowed_methods
 from gpufleet_kit.body_budget import BodyTooLarge, BudgetExhausted, read_body
@@ -31,11 +33,11 @@ def vllm_error(status: int, message: str, kind: str, headers: dict[str, str] | N
     return web.json_response(body, status=status, headers=headers)
 
 
-def register(app: web.Application, guard: Guard) -> None:
+def register(app: web.Application, guard: Guard, tokens: OperatorTokens) -> None:
     """Add every route of the table the guard does not answer itself, then vLLM's 404/405 for the rest.
     Call it after the guard's own routes: the catch-all must come last."""
     for route in ROUTES:
-        handler = _handler(route, guard)
+        handler = _handler(route, guard, tokens)
         if handler is None:
             continue
         for method in route.methods:
@@ -43,7 +45,25 @@ def register(app: web.Application, guard: Guard) -> None:
     app.router.add_route("*", "/{path:.*}", _not_vllm)
 
 
-def _handler(route: VllmRoute, guard: Guard) -> Handler | None:
+def register_admin(app: web.Application, guard: Guard) -> None:
+    """vLLM's admin routes on the admin socket (server.build_admin_app), where reaching them is the proof."""
+    for route in ROUTES:
+        if route.handling is Handling.POD_ONLY:
+            for method in route.methods:
+                app.router.add_route(method, route.path, _passed(guard))
+
+
+def _passed(guard: Guard) -> Handler:
+    async def passed(request: web.Request) -> web.StreamResponse:
+        return await passthrough(guard, request)
+    return passed
+
+
+def _unauthenticated(message: str) -> web.Response:
+    return vllm_error(401, message, "Unauthorized")
+
+
+def _handler(route: VllmRoute, guard: Guard, tokens: OperatorTokens) -> Handler | None:
     if route.handling is Handling.ADMITTED:
         assert route.accounted_as is not None
         accounted_as = route.accounted_as
@@ -54,16 +74,10 @@ def _handler(route: VllmRoute, guard: Guard) -> Handler | None:
     if route.handling is Handling.STATE:
         return _STATE[route.path](guard)
     if route.handling is Handling.PASSED:
-        async def passed(request: web.Request) -> web.StreamResponse:
-            return await passthrough(guard, request)
-        return passed
+        return _passed(guard)
     if route.handling is Handling.POD_ONLY:
-        async def pod_only(request: web.Request) -> web.StreamResponse:
-            if not is_loopback(request.remote):
-                return vllm_error(403, f"{request.method} {request.path} changes or inspects the engine's "
-                                  "state and is accepted from the pod itself only.", "Forbidden")
-            return await passthrough(guard, request)
-        return pod_only
+        # They change or inspect the engine's state: the operator's token, whatever the source address.
+        return operator_only(tokens, _passed(guard), _unauthenticated)
     if route.handling is Handling.NOT_SERVED:
         reason = route.reason
 
@@ -85,13 +99,6 @@ async def _not_vllm(request: web.Request) -> web.StreamResponse:
     if allowed:
         return routing_error(405, "Method Not Allowed", headers={"Allow": ", ".join(sorted(allowed))})
     return routing_error(404, "Not Found")
-
-
-def is_loopback(remote: str | None) -> bool:
-    try:
-        return remote is not None and ipaddress.ip_address(remote).is_loopback
-    except ValueError:
-        return False
 
 
 def _engine_down(guard: Guard, problem: str) -> web.Response:

@@ -22,7 +22,7 @@ class Handling(enum.Enum):
     ADMITTED = "admitted"        # queued, KV blocks reserved, accounted: Guard.handle
     STATE = "state"              # vLLM's answer with the guard's state folded in
     PASSED = "passed"            # forwarded unchanged: no engine work to admit
-    POD_ONLY = "pod-only"        # forwarded from the pod's own loopback only, else 403
+    POD_ONLY = "pod-only"        # forwarded for the operator's token, or on the admin socket; else 401
     GUARD = "guard"              # the guard answers this path itself
     NOT_SERVED = "not-served"    # answered 404 in vLLM's format, with the reason
 
@@ -47,7 +47,7 @@ def _admitted(path: str, accounted_as: str, reason: str) -> VllmRoute:
 
 
 _POD_ONLY = ("changes or inspects the engine's state (caches, sleep, weights, adapters, profiling, "
-             "scaling); only the pod itself may call it, as it may call POST /drain")
+             "scaling); the operator's token on the guard's port, or the pod itself on the admin socket")
 _RENDER = "renders a request into tokens in vLLM's API server; no engine work"
 _PREFILL = "prefill only: the cost is the input's blocks, like /v1/embeddings"
 _GENERIC = ("no request model of its own in the guard: every text in the body counts as prompt "
@@ -109,7 +109,7 @@ ROUTES: tuple[VllmRoute, ...] = (
     VllmRoute("/docs", ("GET", "HEAD"), Handling.PASSED, "API documentation"),
     VllmRoute("/docs/oauth2-redirect", ("GET", "HEAD"), Handling.PASSED, "API documentation"),
     VllmRoute("/redoc", ("GET", "HEAD"), Handling.PASSED, "API documentation"),
-    # Administration: the pod's own loopback only.
+    # Administration: the operator's token on the guard's port, or the pod's admin socket.
     *(VllmRoute(path, (method,), Handling.POD_ONLY, _POD_ONLY) for method, path in (
         ("POST", "/reset_prefix_cache"), ("POST", "/reset_mm_cache"), ("POST", "/reset_encoder_cache"),
         ("POST", "/collective_rpc"), ("GET", "/server_info"), ("POST", "/sleep"),

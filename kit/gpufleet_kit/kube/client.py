@@ -113,8 +113,10 @@ class KubeClient:
 
     async def request(self, method: str, path: str, *, params: dict | None = None,
                       body: Any = None, content_type: str = "application/json",
-                      timeout: float | None = None) -> dict:
-        headers = {"Accept": "application/json"}
+                      timeout: float | None = None, accept: str = "application/json") -> dict:
+        """``accept``: what the answer may be; a route that produces another JSON type (the issuer's
+        key set, ``application/jwk-set+json``) answers 406 to plain JSON."""
+        headers = {"Accept": accept}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type

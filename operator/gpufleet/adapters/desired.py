@@ -18,6 +18,7 @@ from gpufleet_api.guard.adapters import (
     AdapterSource,
     AdapterSpec,
     HuggingFaceAdapterSource,
+    spec_digest,
 )
 from gpufleet_api.v1alpha1 import InferenceAdapterSpec, LoraSpec
 
@@ -100,8 +101,13 @@ def plan(adapters: Sequence[Adapter], replicas: Sequence[str], lora: LoraSpec,
 
 def needs_put(report: AdapterReport | None, wanted: AdapterSet) -> bool:
     """Whether a replica must be told its set: what it reports (leaving aside what it is unloading)
-    is not what it should hold. A restarted replica reports nothing, so it gets its set again."""
+    is not what it should hold, by name and by the digest of each adapter's source
+    (``spec_digest``): a replica serving another source under a wanted name gets its set again.
+    A restarted replica reports nothing, so it gets its set again."""
     if report is None:
         return False  # unreadable: no knowing what it holds; the next read decides
-    holds = {a.name for a in report.adapters if a.state != "Unloading"}
-    return holds != {a.name for a in wanted.adapters}
+    holds = {a.name: a.digest for a in report.adapters if a.state != "Unloading"}
+    if holds.keys() != {a.name for a in wanted.adapters}:
+        return True
+    # A guard from before digests reports "": its names are all there is to compare.
+    return any(holds[a.name] and holds[a.name] != spec_digest(a) for a in wanted.adapters)

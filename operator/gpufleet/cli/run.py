@@ -109,6 +109,11 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
                    "private, unspecified and multicast addresses: an object store inside the cluster or the "
                    "company network. Off, only public addresses are fetched (guard.json "
                    "adapters.allowPrivateSources; docs/guard-config.md).")
+@click.option("--guard-token-file", envvar="GPUFLEET_GUARD_TOKEN_FILE", default=None,
+              type=click.Path(dir_okay=False),
+              help="The operator's ServiceAccount token for the audience gpufleet-guard (a projected token; the "
+                   "chart mounts one). The guards' control routes (adapters, audits, demand) accept the "
+                   "operator by it; without it they refuse the operator (docs/security.md).")
 @click.option("-v", "--verbose", is_flag=True, help="Log everything at DEBUG (kopf logs every event).")
 @click.option("--debug-log", "debug_loggers", multiple=True, metavar="LOGGER",
               help="Log this logger at DEBUG, the rest as usual (repeatable); e.g. kopf._cogs.clients.watching "
@@ -159,7 +164,8 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
                         network_policy_client_namespaces: tuple[str, ...],
                         network_policy_prometheus_namespaces: tuple[str, ...],
                         network_policy_same_namespace: bool, router_addresses: tuple[str, ...],
-                        adapter_private_sources: bool = False) -> OperatorSettings:
+                        adapter_private_sources: bool = False,
+                        guard_token_file: str | None = None) -> OperatorSettings:
     """`gpufleet run`'s flags as the one settings object; a SettingsError names a flag at fault."""
     # The timing is checked even without --leader-elect: a bad value is a mistake either way.
     timing = leader_timing(leader_elect_lease_duration, leader_elect_renew_deadline, leader_elect_retry_period)
@@ -180,7 +186,7 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
         status_figures_interval=status_figures_interval_seconds, resync_seconds=resync_seconds,
         audit_interval=audit_interval_seconds, podmonitor_labels=podmonitor_labels,
         network_policies=policies, router_addresses=tuple(router_addresses),
-        adapter_private_sources=adapter_private_sources)
+        adapter_private_sources=adapter_private_sources, guard_token_file=guard_token_file)
 
 
 @click.command()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable, Mapping
 
 import aiohttp
 
@@ -29,7 +30,11 @@ AUDIT_TIMEOUT_S = 5.0
 
 class ReplicaReader:
     def __init__(self, *, timeout: float = 1.5, concurrency: int = 32,
-                 guard_port: int = names.GUARD_PORT):
+                 guard_port: int = names.GUARD_PORT,
+                 authorization: Callable[[], Mapping[str, str]] = dict):
+        """``authorization``: the header of the guards' control routes (/audit, /demand, /adapters),
+        the operator's token (``guard_identity.GuardIdentity.authorization``)."""
+        self.authorization = authorization
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._sem = asyncio.Semaphore(concurrency)
         self._session: aiohttp.ClientSession | None = None
@@ -44,16 +49,18 @@ class ReplicaReader:
         if self._session:
             await self._session.close()
 
-    async def _get(self, url: str, cap: int, timeout: aiohttp.ClientTimeout | None = None) -> str:
+    async def _get(self, url: str, cap: int, timeout: aiohttp.ClientTimeout | None = None,
+                   headers: Mapping[str, str] | None = None) -> str:
         """The reply's text, at most ``cap`` bytes (http_limits): past that, ReplyTooLarge naming the URL."""
         async with self._sem:
-            async with self._http().get(url, timeout=timeout or self._timeout) as r:
+            async with self._http().get(url, timeout=timeout or self._timeout, headers=headers) as r:
                 if r.status != 200:
                     raise RuntimeError(f"{url} answered {r.status}")
                 return await text_capped(r, cap, url)
 
-    async def _get_json(self, url: str, timeout: aiohttp.ClientTimeout | None = None):
-        return bounded_json.loads(await self._get(url, JSON_REPLY_CAP, timeout))
+    async def _control_json(self, url: str, timeout: aiohttp.ClientTimeout | None = None):
+        """A guard's control route: with the operator's token."""
+        return bounded_json.loads(await self._get(url, JSON_REPLY_CAP, timeout, self.authorization()))
 
     async def sample(self, pod: str, ip: str) -> ReplicaSample:
         try:
@@ -68,7 +75,7 @@ class ReplicaReader:
         try:
             # /audit reads the vLLM plugin's small report files; it runs rarely, so a busy guard gets
             # more time than the per-second metrics reads.
-            return await self._get_json(f"http://{ip}:{self.guard_port}/audit",
+            return await self._control_json(f"http://{ip}:{self.guard_port}/audit",
                                         aiohttp.ClientTimeout(total=AUDIT_TIMEOUT_S)), None
         except Exception as e:
             return None, f"{type(e).__name__}: {e}"[:200]
@@ -77,7 +84,7 @@ class ReplicaReader:
         """The output lengths the replica learned (``demand_prior``); None when it cannot say (a
         guard from before /demand answers 404: nothing to share, not an error)."""
         try:
-            return demand_prior.parse(await self._get_json(f"http://{ip}:{self.guard_port}"
+            return demand_prior.parse(await self._control_json(f"http://{ip}:{self.guard_port}"
                                                            f"{demand_prior.DEMAND_PATH}"))
         except PriorError as e:
             log.warning("%s answered %s with an invalid document: %s", pod, demand_prior.DEMAND_PATH, e)
@@ -89,7 +96,7 @@ class ReplicaReader:
         """The replica's ``GET /adapters`` (what it holds, in which state); (None, why) when it
         cannot say."""
         try:
-            raw = await self._get_json(f"http://{ip}:{self.guard_port}{ADAPTERS_PATH}")
+            raw = await self._control_json(f"http://{ip}:{self.guard_port}{ADAPTERS_PATH}")
             return typed.convert(AdapterReport, raw), None
         except Exception as e:
             return None, f"{type(e).__name__}: {e}"[:200]
@@ -99,7 +106,8 @@ class ReplicaReader:
         try:
             async with self._sem:
                 async with self._http().put(f"http://{ip}:{self.guard_port}{ADAPTERS_PATH}",
-                                            json=typed.to_builtins(wanted, omit_none=True)) as r:
+                                            json=typed.to_builtins(wanted, omit_none=True),
+                                            headers=self.authorization()) as r:
                     if r.status >= 300:
                         answer = await read_capped(r, JSON_REPLY_CAP, f"{pod} PUT {ADAPTERS_PATH}")
                         return f"{ADAPTERS_PATH} answered {r.status}: {answer[:200].decode(errors='replace')}"

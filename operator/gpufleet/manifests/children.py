@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterable, Mapping
 
 from gpufleet_api.guard import demand_prior, gpu_memory
+from gpufleet_api.guard.control_auth import ADMIN_SOCKET_DIR, ControlAuthConfig
 from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_api.guard.engine_flags import CPU_REQUEST_ENV
 from gpufleet_api.guard.guard_config import GuardConfig, Role
@@ -18,6 +19,8 @@ from gpufleet_api.v1alpha1 import InferenceServiceSpec, VolumeMount
 from . import guard_config, kv_transfer, lora, model_cache, names, placement, pools, revision
 
 CONFIG_DIR = "/etc/gpufleet"
+ADMIN_VOLUME = "guard-admin"
+ADMIN_MOUNT = {"name": ADMIN_VOLUME, "mountPath": ADMIN_SOCKET_DIR}
 DRAIN_SLACK_SECONDS = 30
 # Both containers run as this unprivileged user (the guard's and vLLM's files are world-readable
 # in the image; every path they write is an emptyDir). docs/security.md says why each setting.
@@ -53,7 +56,8 @@ def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
 
 def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[Role] = (), *,
                     stable_running: GuardConfig | None = None,
-                    canary: bool = False, allow_private_sources: bool = False) -> tuple[dict, dict[Role, str]]:
+                    canary: bool = False, allow_private_sources: bool = False,
+                    control_auth: ControlAuthConfig | None = None) -> tuple[dict, dict[Role, str]]:
     """The guard ConfigMap and, per pool, the hash of its restart fields (rolls that pool's pods
     when it changes). One key per pool (``names.guard_config_key``: guard.json for the unified pool,
     guard-prefill.json and guard-decode.json for a disaggregated service's), each pod reading its
@@ -67,12 +71,14 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[R
     the stable's pods run, from the live ConfigMap) keeps the stable's restart fields in guard.json
     while the spec's live fields still reach it. The hash is the spec's, whichever is written.
     ``allow_private_sources``: the operator's --adapter-private-sources (guard.json's
-    adapters.allowPrivateSources, a live field)."""
+    adapters.allowPrivateSources, a live field). ``control_auth``: who the guards' control routes
+    accept (guard.json's controlAuth, a live field: a rotated key reaches running guards)."""
     meta = isvc["metadata"]
     data, hashes = {}, {}
     for pool in pools.pools(spec):
         config = guard_config.build_guard_config(meta["name"], meta["namespace"], pool.spec, pool.role,
-                                                 allow_private_sources=allow_private_sources)
+                                                 allow_private_sources=allow_private_sources,
+                                                 control_auth=control_auth)
         data[names.guard_config_key(pool.role)] = guard_config.render(config)
         # Only what a restart applies is hashed: admission changes reach the running guards live.
         hashes[pool.role] = guard_config.config_hash(config)
@@ -84,7 +90,8 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[R
     for role in sorted(set(draining) - set(hashes)):
         data[names.guard_config_key(role)] = guard_config.render(
             guard_config.build_guard_config(meta["name"], meta["namespace"], spec, role,
-                                            allow_private_sources=allow_private_sources))
+                                            allow_private_sources=allow_private_sources,
+                                            control_auth=control_auth))
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(isvc, names.configmap_name(meta["name"])),
           "data": data}
     return cm, hashes
@@ -204,7 +211,7 @@ def _deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_ha
         "volumeMounts": [config_mount, {"name": "cache", "mountPath": CACHE_DIR},
                          *model_cache.mounts(spec, read_only=True),
                          {"name": "engine-tmp", "mountPath": "/tmp"},
-                         {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts,
+                         {"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts, ADMIN_MOUNT,
                          {"name": gpu_memory.VOLUME, "mountPath": gpu_memory.MOUNT_PATH},
                          *kv_transfer.mounts(spec, role), *lora.mounts(spec, writes=False),
                          *(_volume_mount(m) for m in pod.volume_mounts)],
@@ -229,7 +236,7 @@ def _deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_ha
         # The root filesystem is read-only; loading a tokenizer needs a temporary directory.
         "volumeMounts": [config_mount, {"name": "cache", "mountPath": "/cache", "readOnly": True},
                          *model_cache.mounts(spec, read_only=True),
-                         {"name": "guard-tmp", "mountPath": "/tmp"}, *model_mounts,
+                         {"name": "guard-tmp", "mountPath": "/tmp"}, *model_mounts, ADMIN_MOUNT,
                          {"name": gpu_memory.VOLUME, "mountPath": gpu_memory.MOUNT_PATH, "readOnly": True},
                          *kv_transfer.guard_mounts(spec, role), *lora.mounts(spec, writes=True)],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2,
@@ -269,6 +276,8 @@ def _deployment(isvc: dict, spec: InferenceServiceSpec, replicas: int, config_ha
             {"name": "cache", "emptyDir": model_cache.emptydir(spec)},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
             {"name": "guard-tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+            # The guard's admin socket (POST /drain from both containers' preStop hooks): in the pod only.
+            {"name": ADMIN_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
             {"name": "engine-tmp", "emptyDir": {}},
             {"name": gpu_memory.VOLUME, "emptyDir": {"sizeLimit": "16Mi"}},
             *model_volumes,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from gpufleet_api.guard.control_auth import ADMIN_SOCKET, ControlAuthConfig
 from gpufleet_api.guard.endpoints import ENGINE_HOST
 from gpufleet_api.guard.guard_config import (
     AdapterFetchConfig,
@@ -81,9 +82,12 @@ def adapter_fetch(spec: InferenceServiceSpec, allow_private_sources: bool = Fals
 
 
 def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
-                       role: Role = "unified", *, allow_private_sources: bool = False) -> GuardConfig:
+                       role: Role = "unified", *, allow_private_sources: bool = False,
+                       control_auth: ControlAuthConfig | None = None) -> GuardConfig:
     """``role``: the pool whose guards read it (``pools.pools``); ``spec`` has that pool's resources.
-    ``allow_private_sources``: adapters may be fetched from private addresses (the operator's flag)."""
+    ``allow_private_sources``: adapters may be fetched from private addresses (the operator's flag).
+    ``control_auth``: the operator's identity and the issuer's keys its guards check its tokens with
+    (``fleet.guard_identity``); None: the guards accept no caller on their control routes."""
     engine, adm = spec.engine, spec.admission
     hf = spec.model.source.hugging_face
     classes = tuple(QueueClass(c.name, c.level, float(c.max_queue_seconds)) for c in adm.queue_classes)
@@ -119,6 +123,8 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
         namespace=namespace,
         role=role,
         listen_port=names.GUARD_PORT,
+        admin_socket=ADMIN_SOCKET,
+        control_auth=control_auth,
         engine_url=f"http://{ENGINE_HOST}:{names.ENGINE_PORT}",
         served_model_name=served_name(spec),
         tokenizer=model_location(spec),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+from gpufleet_api.guard.control_auth import ControlAuthConfig
 from gpufleet_api.guard.guard_config import ROLES, GuardConfig, Role
 from gpufleet_api.v1alpha1 import InferenceServiceSpec
 
@@ -42,16 +43,19 @@ def desired_children(isvc: dict, spec: InferenceServiceSpec, replicas: Mapping[R
                      with_podmonitor: bool, podmonitor_labels: Mapping[str, str] | None = None,
                      engine_ingress: EngineIngress | None = None,
                      draining_roles: Iterable[Role] = (), surge: drains.Surge | None = None,
-                     canary: CanaryChildren | None = None, allow_private_sources: bool = False) -> list[dict]:
+                     canary: CanaryChildren | None = None, allow_private_sources: bool = False,
+                     control_auth: ControlAuthConfig | None = None) -> list[dict]:
     """``replicas``: of each pool, by role (``replicas.desired_replicas``). ``engine_ingress``: who may
     reach the engines; None renders no NetworkPolicy. ``draining_roles``: pools of a shape the service
     left whose pods still run (``draining_roles``). ``surge``: pods on cordoned nodes, each of which
     adds a replica to its pool's Deployment but not to its budget's minAvailable (``drains``).
     ``canary``: a unified service's canary (None: none). ``allow_private_sources``: the operator's
-    --adapter-private-sources, into guard.json."""
+    --adapter-private-sources, into guard.json. ``control_auth``: who the guards' control routes accept
+    (``fleet.guard_identity``), into guard.json."""
     canary = canary or CanaryChildren()
     cm, config_hashes = children.build_configmap(isvc, spec, draining_roles, stable_running=canary.stable_running,
-                                                 canary=canary.canary_key, allow_private_sources=allow_private_sources)
+                                                 canary=canary.canary_key, allow_private_sources=allow_private_sources,
+                                                 control_auth=control_auth)
     deployed = drains.with_surge(replicas, surge or drains.Surge())
     deployments = [children.build_deployment(isvc, pool.spec, deployed[pool.role], config_hashes[pool.role],
                                              pool.role) for pool in pools.pools(spec)]

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import Callable, Iterable, Mapping
 
 from gpufleet_api import v1alpha1 as t
+from gpufleet_api.guard.control_auth import ControlAuthConfig
 from gpufleet_api.guard.guard_config import Role
 from gpufleet_kit.backoff import delay
 from gpufleet_kit.kube.client import KubeClient
@@ -59,6 +60,8 @@ class ServiceChildren:
         self.kube, self.metrics = kube, metrics
         # Guards may fetch adapters from private addresses (--adapter-private-sources).
         self.adapter_private_sources = adapter_private_sources
+        # Who the guards' control routes accept, into guard.json (the runtime's GuardIdentity sets it).
+        self.control_auth: ControlAuthConfig | None = None
         self._clock = clock
         self._wall = wall  # the time a canary step starts (status.rollout.stepStartedAt)
         self._podmonitor_checked_at = -1e9
@@ -187,7 +190,8 @@ class ServiceChildren:
         for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor(),
                                      podmonitor_labels=self.podmonitor_labels,
                                      engine_ingress=self.engine_ingress, draining_roles=draining, surge=surge,
-                                     canary=canary, allow_private_sources=self.adapter_private_sources):
+                                     canary=canary, allow_private_sources=self.adapter_private_sources,
+                                     control_auth=self.control_auth):
             try:
                 self.applied.applied(await self.kube.apply(obj))
             except ApiError as e:

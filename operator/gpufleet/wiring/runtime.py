@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpufleet_api import name_claims
+from gpufleet_api.guard.control_auth import ControlAuthConfig
 from gpufleet_kit.backoff import delay
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
@@ -31,6 +32,7 @@ from gpufleet_kit.kube.errors import ApiError, NotLeading, Unreachable
 
 from ..fleet.cluster_audit import ClusterAuditor
 from ..fleet.fleet_loop import FleetLoop
+from ..fleet.guard_identity import GuardIdentity
 from ..fleet.ports import ServicePorts
 from ..fleet.router_demand import RouterDemand
 from ..fleet.scrape import ReplicaReader
@@ -104,6 +106,10 @@ class OperatorRuntime:
         self.changed_at: dict[Key, float] = {}  # when the watches last showed a service or its children change
         self._resync_met: dict[Key, float] = {}  # when the resync first met a service not reconciled yet
         self._takeover: asyncio.Task[None] | None = None  # a new leader's reconcile of every service
+        # Who the guards accept on their control routes, and the token this operator sends them.
+        self.identity: GuardIdentity | None = None
+        if settings.guard_token_file:
+            self.identity = GuardIdentity(settings.guard_token_file, self.kube, self._identity_changed)
         self.fleet: FleetLoop | None = None  # with the fleet loops (settings.fleet_loops)
         self.reader: ReplicaReader | None = None  # reads every replica's /metrics (fleet loops)
         self._loops: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}  # started with the runtime
@@ -114,7 +120,7 @@ class OperatorRuntime:
         """The autoscaler and fragmentation audits (one paced loop over every service), the
         cluster-wide audits, and the requests the routers hold (scale from zero)."""
         s = self.settings
-        self.reader = ReplicaReader()
+        self.reader = ReplicaReader(authorization=self.identity.authorization if self.identity else dict)
         ports = ServicePorts(events=self.kube, status=self.controller, locks=self.controller, objects=self.kube,
                              replicas=self.reader, metrics=self.metrics, names=self.controller.names)
         self.fleet = FleetLoop(ports, interval=s.fleet_interval, leadership=self, on_gone=self.forget,
@@ -127,6 +133,12 @@ class OperatorRuntime:
                               interval=s.fleet_interval, addresses=s.router_addresses or None)
         self._loops = {"service_loops": self.fleet.run_forever, "cluster_audits": auditor.run_forever,
                        "router_demand": demand.run_forever}
+
+    def _identity_changed(self, control_auth: ControlAuthConfig) -> None:
+        """New keys or another token: every service's guard.json says so (a live field, no restart)."""
+        self.controller.children.control_auth = control_auth
+        for key in sorted(self.known):
+            self.trigger(*key, apply=True)
 
     # --- leadership ---------------------------------------------------------------
 
@@ -339,6 +351,13 @@ class OperatorRuntime:
     async def start(self) -> None:
         if self.elector is not None:
             await self.elector.start()
+        if self.identity is not None:
+            # Before the first reconcile: a guard.json written without controlAuth refuses this operator.
+            await self.identity.refresh()
+            self._tasks.append(asyncio.create_task(self.identity.run_forever(), name="gpufleet-guard-identity"))
+        else:
+            log.warning("no --guard-token-file: the guards refuse this operator's control calls (adapters, "
+                        "audits, demand); docs/security.md")
         self._tasks.append(asyncio.create_task(self.run_triggered(), name="gpufleet-triggered"))
         self._tasks.append(asyncio.create_task(self.run_resync(), name="gpufleet-resync"))
         for name, loop in self._loops.items():

@@ -49,8 +49,9 @@ LOCAL_MODELS = {"tiny": "tiny", "tiny-llama": "tiny", "smollm2": "smollm2",
 # local launcher sets these itself (model path, addresses).
 # listenHost among them: the guard listens on its pod IP. The operator's 0.0.0.0 would make the
 # first backed guard take port 8080 on every pod IP and the others fail to bind, while it answered
-# their readiness probes and requests.
-LAYOUT_KEYS = {"listenHost", "listenPort", "engineUrl", "tokenizer"}
+# their readiness probes and requests. adminSocket too: the pod's emptyDir is not on this host, and
+# the backer drains a pod with SIGTERM, as the kubelet's preStop hook would through the socket.
+LAYOUT_KEYS = {"listenHost", "listenPort", "engineUrl", "tokenizer", "adminSocket"}
 ENGINE_LAYOUT_KEYS = {"model", "port", "host", "runtime"}
 
 

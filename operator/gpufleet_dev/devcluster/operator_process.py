@@ -9,13 +9,17 @@ from pathlib import Path
 
 import httpx
 
+from . import guard_token
 from .cluster import free_port
 
 
 class OperatorProcess:
     def __init__(self, kubeconfig: str, log_path: Path, extra_args: tuple[str, ...] = (),
-                 metrics_port: int | None = None):
+                 metrics_port: int | None = None, guard_token_file: Path | None = None):
+        """``guard_token_file``: the operator's token for the guards' control routes; None: one minted
+        with ``kubeconfig`` for a ServiceAccount of its own (``guard_token.mint``)."""
         self.kubeconfig = kubeconfig
+        self.guard_token_file = guard_token_file
         self.log_path = log_path
         self.metrics_port = metrics_port or free_port()
         self.extra_args = extra_args
@@ -26,10 +30,13 @@ class OperatorProcess:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, timeout: float = 30) -> "OperatorProcess":
+        if self.guard_token_file is None:
+            self.guard_token_file = guard_token.mint(self.kubeconfig, self.log_path.with_name("guard-token"))
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpufleet.cli", "run", "--kubeconfig", self.kubeconfig,
-             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), *self.extra_args],
+             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+             "--guard-token-file", str(self.guard_token_file), *self.extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1,10 +1,19 @@
 """The pure adapter logic: the index by service, request rates, each replica's set, and status."""
+import msgspec
+
 from gpufleet.adapters import desired
 from gpufleet.adapters import status as st
 from gpufleet.adapters.index import AdapterIndex
 from gpufleet.adapters.rates import AdapterRates
 from gpufleet_api import parse_spec
-from gpufleet_api.guard.adapters import AdapterReport, AdapterSet, AdapterState
+from gpufleet_api.guard.adapters import (
+    AdapterReport,
+    AdapterSet,
+    AdapterSource,
+    AdapterSpec,
+    AdapterState,
+    spec_digest,
+)
 
 
 def body(name, service="chat", generation=1, ns="ml", **spec):
@@ -156,3 +165,24 @@ def test_status_is_written_only_on_change_and_small_rate_moves_are_not_one():
     assert st.differs(written, st.adapter_status("a", "chat", 2, seen))
     again = st.merged(written, first, "2024-01-02T00:00:00Z")
     assert ready_of(again)["lastTransitionTime"] == "2024-01-01T00:00:00Z"
+
+
+def test_needs_put_when_a_replica_holds_another_source_under_a_wanted_name():
+    wanted = desired.plan([AdapterIndex().upsert(body("a"))], ["p1"], lora(), {"p1": report()}, {}).sets["p1"]
+    (spec,) = wanted.adapters
+    swapped = msgspec.structs.replace(spec, source=AdapterSource(uri="https://attacker.example/weights.tar"))
+    assert spec_digest(swapped) != spec_digest(spec)
+    assert not desired.needs_put(report(("a", "Loaded", {"digest": spec_digest(spec)})), wanted)
+    # Same name, the attacker's weights: the operator tells the replica its set again.
+    assert desired.needs_put(report(("a", "Loaded", {"digest": spec_digest(swapped)})), wanted)
+    # A guard from before digests: names are all there is to compare.
+    assert not desired.needs_put(report(("a", "Loaded", {"digest": ""})), wanted)
+
+
+def test_the_digest_names_the_whole_spec_and_does_not_show_a_uris_secret():
+    base = AdapterSpec("a", AdapterSource(uri="https://store/a.tar?X-Amz-Signature=s3cr3t"))
+    assert spec_digest(base) == spec_digest(AdapterSpec("a", AdapterSource(uri=base.source.uri)))
+    for other in (msgspec.structs.replace(base, base_model="org/m"), msgspec.structs.replace(base, name="b"),
+                  AdapterSpec("a", AdapterSource(path="/a"))):
+        assert spec_digest(other) != spec_digest(base)
+    assert spec_digest(base).startswith("sha256:") and "s3cr3t" not in spec_digest(base)

@@ -91,7 +91,7 @@ def test_adapter_storage_overrides_the_derived_size():
     ({"engine": {"lora": {"maxAdaptersPerBatch": 8, "cpuCacheAdapters": 4}}},
      "engine.lora.cpuCacheAdapters must be at least engine.lora.maxAdaptersPerBatch"),
     ({"engine": {"lora": {}}, "pod": {"volumes": [{"name": "adapters", "emptyDir": {}}]}},
-     "kv-store, adapters are gpufleet's"),
+     "kv-store, adapters, guard-admin are gpufleet's"),
     ({"engine": {"lora": {}}, "pod": {"volumes": [{"name": "adapter-claim-0", "emptyDir": {}}]}},
      "names starting adapter-claim- are gpufleet's"),
 ])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet_api import typed
 from gpufleet_api.guard import guard_config
 from gpufleet_api.guard.adapters import AdapterSet, AdapterSource, AdapterSpec, HuggingFaceAdapterSource
 from gpufleet_api.guard.guard_config import AdapterFetchConfig, LoraConfig
@@ -314,3 +315,17 @@ async def test_a_hub_adapter_downloads_although_the_pod_runs_offline(tmp_path, m
         await hub.stop()
     assert (got / "adapter_config.json").read_bytes() == (source / "adapter_config.json").read_bytes()
     assert any("/resolve/" in p for p in hub.requested)
+
+
+def test_each_reported_adapter_carries_the_digest_of_the_source_it_holds():
+    from gpufleet_api.guard.adapters import spec_digest
+
+    a = agent()
+    wanted = typed.convert(AdapterSet, doc("x", "y"))
+    assert a.desire(typed.to_builtins(wanted))[0] == 202
+    assert {s.name: s.digest for s in a.report().adapters} == {s.name: spec_digest(s) for s in wanted.adapters}
+    # The same name from another source: the report says so at once (it is fetched anew).
+    swapped = {"adapters": [{"name": "x", "source": {"uri": "https://elsewhere.example/x.tar"}}]}
+    assert a.desire(swapped)[0] == 202
+    (x,) = [s for s in a.report().adapters if s.name == "x"]
+    assert x.digest == spec_digest(typed.convert(AdapterSet, swapped).adapters[0]) and x.state == "Fetching"

@@ -11,9 +11,11 @@ import pytest
 
 from gpufleet_api.guard import demand_prior, guard_config
 from gpufleet_engine.serving.server import GuardServer
+from tests.support.token_issuer import Issuer
 from tests.unit.engine.test_guard_demand_proxy import teach
 from tests.unit.engine.test_guard_proxy import until
 
+OPERATOR = Issuer()  # the operator's tokens for GET /demand
 BODY = {"model": "m", "prompt": "x " * 40, "max_tokens": 900, "stream": True}
 KEY = ("/v1/completions", "standard")
 
@@ -29,7 +31,8 @@ async def from_files(fake_vllm, tokenizer, tmp_path):
         path = folder / "guard.json"
         path.write_text(json.dumps({
             "servedModelName": "m", "tokenizer": "unused", "engineUrl": fake_vllm.url, "listenHost": "127.0.0.1",
-            "listenPort": 0, "metricsPollSeconds": 0.05, "maxContextTokens": 1000, "kvWatermarkPercent": 15}))
+            "listenPort": 0, "metricsPollSeconds": 0.05, "maxContextTokens": 1000, "kvWatermarkPercent": 15,
+            "controlAuth": OPERATOR.control_auth()}))
         if demand is not None:
             (folder / demand_prior.FILE_NAME).write_text(json.dumps(demand))
         server = GuardServer(guard_config.load(path), tokenizer=tokenizer, config_path=str(path),
@@ -61,7 +64,7 @@ async def learned_document(s: aiohttp.ClientSession, from_files, fake_vllm) -> d
     fake_vllm.answer_tokens = 5
     warm = await from_files("warm")
     await teach(s, warm, 20, BODY)
-    async with s.get(warm.url + demand_prior.DEMAND_PATH) as r:
+    async with s.get(warm.url + demand_prior.DEMAND_PATH, headers=OPERATOR.bearer()) as r:
         return await r.json()
 
 

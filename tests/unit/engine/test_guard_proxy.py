@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import aiohttp
-import msgspec
 
+from tests.support.token_issuer import Issuer
 from tests.support.waiting import wait_for
 
 METRICS_DOC = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
@@ -307,9 +307,10 @@ async def test_the_exported_metrics_are_exactly_the_catalogued_guard_metrics(gua
 
 async def test_audit_without_gpu_memory_reports_kv_and_says_what_is_missing(guard_factory, monkeypatch):
     monkeypatch.delenv("GPUFLEET_GPU_MEMORY_DIR", raising=False)
-    guard = await guard_factory()
+    issuer = Issuer()
+    guard = await guard_factory(controlAuth=issuer.control_auth())
     async with aiohttp.ClientSession() as s:
-        async with s.get(guard.url + "/audit") as r:
+        async with s.get(guard.url + "/audit", headers=issuer.bearer()) as r:
             report = await r.json()
     assert report["kv"]["totalBlocks"] == 64 and report["kv"]["watermarkBlocks"] == 10
     assert report["fragmentationRatio"] is None
@@ -317,13 +318,13 @@ async def test_audit_without_gpu_memory_reports_kv_and_says_what_is_missing(guar
                                      "in the guard's environment"]
 
 
-async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard_factory, fake_vllm):
+async def test_prestop_drain_wait_returns_once_in_flight_requests_are_done(guard_factory, fake_vllm, tmp_path):
     from gpufleet_engine.launch.entrypoint import drain_and_wait
 
     fake_vllm.token_delay = 0.02
-    guard = await guard_factory()
+    guard = await guard_factory(adminSocket=str(tmp_path / "guard.sock"))  # the preStop hook's way in
     guard.guard.drain.accept_seconds = 0.3
-    cfg = msgspec.structs.replace(guard.config, listen_port=guard.port)
+    cfg = guard.config
     async with aiohttp.ClientSession() as s:
         async with s.post(guard.url + "/v1/completions",
                           json={"prompt": "x", "max_tokens": 25, "stream": True}) as r:

@@ -7,7 +7,6 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
 
 from gpufleet_engine.admission import route_costs
 from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest, Limits
@@ -94,28 +93,7 @@ async def test_token_utilities_and_stored_responses_pass_through_unchanged(guard
     assert status == 201 and body["path"] == "/v1/responses/resp_1?stream=false"
 
 
-async def test_administration_is_passed_on_from_the_pod_itself_only(guard_factory):
-    guard = await guard_factory()
-    # From the loopback (the pod's own containers): passed on.
-    assert (await call("POST", guard.url + "/reset_prefix_cache"))[0] == 201
-    # From anywhere else: 403, and vLLM never hears of it.
-    app = guard._runner.app
-    request = make_mocked_request("POST", "/reset_prefix_cache", app=app,
-                                  transport=_Transport(("10.1.2.3", 40000)))
-    match = await app.router.resolve(request)
-    response = await match.handler(request)
-    assert response.status == 403 and "from the pod itself only" in json.loads(response.body)["error"]["message"]
-
-
-class _Transport:
-    def __init__(self, peer):
-        self._peer = peer
-
-    def get_extra_info(self, name, default=None):
-        return self._peer if name == "peername" else default
-
-    def is_closing(self):
-        return False
+# vLLM's admin routes take the operator's token: tests/unit/engine/test_control_routes_auth.py.
 
 
 async def test_unknown_paths_and_methods_are_answered_as_vllm_answers_them(guard_factory):

@@ -1,12 +1,14 @@
 """The adapters pass of a service's loop against fake guards and an in-memory API server: sets PUT
 only where they differ (a restarted replica gets its set back), status written on change only,
 Events on a new failure reason, backoff for a broken guard, ServiceNotFound for an orphan."""
+import msgspec
+
 from gpufleet.adapters.index import AdapterIndex
 from gpufleet.fleet.adapter_sync import BACKOFF_MIN_S, SYNC_SECONDS, AdapterSync, OrphanAdapters
 from gpufleet.fleet.ports import ServicePorts
 from gpufleet.metrics import OperatorMetrics
 from gpufleet_api import parse_spec
-from gpufleet_api.guard.adapters import AdapterReport, AdapterState
+from gpufleet_api.guard.adapters import AdapterReport, AdapterState, spec_digest
 from tests.support.fake_kube import FakeKube
 
 API = "serving.gpufleet.dev/v1alpha1"
@@ -32,8 +34,9 @@ class FakeGuards:
             return "ConnectionRefused"
         names = [a.name for a in wanted.adapters]
         self.puts.append((pod, names))
-        self.held[pod] = AdapterReport(adapters=tuple(self.state.get(n, AdapterState(name=n, state="Loaded"))
-                                                      for n in names), max_adapters=32)
+        self.held[pod] = AdapterReport(adapters=tuple(
+            self.state.get(a.name, AdapterState(name=a.name, state="Loaded", digest=spec_digest(a)))
+            for a in wanted.adapters), max_adapters=32)
         return None
 
     def restart(self, pod):
@@ -93,6 +96,18 @@ async def test_a_restarted_replica_gets_its_set_back_and_a_deleted_adapter_is_un
     index.remove("ml", "a0")
     await sync.tick(spec, ready, index.of("ml", "chat"), SYNC_SECONDS + 0.1)   # changed adapters: at once
     assert all("a0" not in [a.name for a in r.adapters] for r in guards.held.values())
+
+
+async def test_a_replica_serving_another_source_under_a_wanted_name_gets_its_set_again():
+    kube, guards, index, sync, spec = setup(n=1)
+    ready = [pod("p1")]
+    await sync.tick(spec, ready, index.of("ml", "chat"), 0.0)
+    held = guards.held["p1"]
+    # Someone else's PUT kept the name and swapped the source: the report's digest says so.
+    guards.held["p1"] = msgspec.structs.replace(held, adapters=tuple(
+        msgspec.structs.replace(a, digest="sha256:" + "0" * 64) for a in held.adapters))
+    await sync.tick(spec, ready, index.of("ml", "chat"), SYNC_SECONDS)
+    assert guards.puts == [("p1", ["a0"]), ("p1", ["a0"])] and guards.held["p1"] == held
 
 
 async def test_a_failure_is_reported_with_an_event_once_and_a_broken_guard_is_backed_off():
