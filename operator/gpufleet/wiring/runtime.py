@@ -246,6 +246,12 @@ class OperatorRuntime:
             self._failures.pop((ns, name), None)
         except Exception as e:
             self._failed(ns, name, apply, e)
+            return
+        conflict_in = self.controller.conflict_retry_in(ns, name)
+        if conflict_in is not None:
+            # A child's name is held by an object the watches do not show (ChildConflict): look again
+            # then; the reconcile applies once the backoff is due, nothing before.
+            self._retry_later((ns, name), False, conflict_in)
 
     async def reconcile_all(self, keys: Iterable[Key]) -> None:
         """A new leader's reconcile of ``keys``, TAKEOVER_RECONCILE_CONCURRENCY at a time, the most
@@ -299,6 +305,10 @@ class OperatorRuntime:
         if delay is None:
             self._failures.pop(key, None)
             return
+        self._retry_later(key, apply, delay)
+
+    def _retry_later(self, key: Key, apply: bool, delay: float) -> None:
+        """Reconcile ``key`` again in ``delay`` seconds (replacing a retry already set)."""
         old = self._retries.pop(key, None)
         if old is not None:
             old.cancel()
@@ -306,7 +316,7 @@ class OperatorRuntime:
         def retry() -> None:
             self._retries.pop(key, None)
             if key in self.known:
-                self.trigger(ns, name, apply)
+                self.trigger(*key, apply)
         self._retries[key] = asyncio.get_running_loop().call_later(delay, retry)
 
     async def run_resync(self) -> None:
