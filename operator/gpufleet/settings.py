@@ -9,6 +9,7 @@ here and are resolved by the runtime: building the settings does no I/O.
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import MappingProxyType
 from typing import Mapping
 
@@ -18,6 +19,8 @@ from .manifests.network_policy import EngineIngress
 from .reconcile import figures
 
 LEASE_NAME = "gpufleet-operator"
+# A namespace's name, not one of kopf's patterns (``ml-*``, ``!rn-*``).
+NAMESPACE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 class SettingsError(OperatorError, ValueError):
@@ -90,6 +93,15 @@ class OperatorSettings:
     network_policies: NetworkPolicies | None = None
     router_addresses: tuple[str, ...] = ()     # fixed routers to read held requests from
     adapter_private_sources: bool = False      # guards may fetch adapters from private addresses
+
+    @property
+    def listed_namespaces(self) -> tuple[str, ...]:
+        """Where the cluster audits list InferenceServices, one namespace after another: the watched
+        namespaces when each is a name, as a namespaced install (the chart's rbac.scope Namespaced)
+        grants no cluster-wide list of them; () lists across the cluster (none named, or a pattern)."""
+        if self.namespaces and all(NAMESPACE_NAME.match(ns) for ns in self.namespaces):
+            return self.namespaces
+        return ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "podmonitor_labels", MappingProxyType(dict(self.podmonitor_labels)))

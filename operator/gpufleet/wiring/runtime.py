@@ -121,7 +121,7 @@ class OperatorRuntime:
                                figures_interval=s.status_figures_interval)
         auditor = ClusterAuditor(objects=self.kube, events=self.kube, status=self.controller, metrics=self.metrics,
                                  watched=self.known, leadership=self, interval=s.audit_interval,
-                                 first_pass=self.fleet.first_pass_done)
+                                 first_pass=self.fleet.first_pass_done, namespaces=s.listed_namespaces)
         demand = RouterDemand(pods=self.kube, publish=self.fleet.set_demand, leadership=self,
                               interval=s.fleet_interval, addresses=s.router_addresses or None)
         self._loops = {"service_loops": self.fleet.run_forever, "cluster_audits": auditor.run_forever,
