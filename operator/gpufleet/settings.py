@@ -9,6 +9,7 @@ here and are resolved by the runtime: building the settings does no I/O.
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import MappingProxyType
 from typing import Mapping
 
@@ -18,6 +19,8 @@ from .manifests.network_policy import EngineIngress
 from .reconcile import figures
 
 LEASE_NAME = "gpufleet-operator"
+# A namespace's name, not one of kopf's patterns (``ml-*``, ``!rn-*``).
+NAMESPACE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 class SettingsError(OperatorError, ValueError):
@@ -93,6 +96,15 @@ class OperatorSettings:
     # The operator's projected ServiceAccount token for the guards' audience (fleet/guard_identity.py);
     # None: no identity, and every guard refuses the operator's control calls (adapters, audits, demand).
     guard_token_file: str | None = None
+
+    @property
+    def listed_namespaces(self) -> tuple[str, ...]:
+        """Where the cluster audits list InferenceServices, one namespace after another: the watched
+        namespaces when each is a name, as a namespaced install (the chart's rbac.scope Namespaced)
+        grants no cluster-wide list of them; () lists across the cluster (none named, or a pattern)."""
+        if self.namespaces and all(NAMESPACE_NAME.match(ns) for ns in self.namespaces):
+            return self.namespaces
+        return ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "podmonitor_labels", MappingProxyType(dict(self.podmonitor_labels)))

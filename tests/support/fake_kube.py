@@ -50,7 +50,7 @@ class FakeKube:
         self.pause: dict[tuple[str, str], asyncio.Event] = {}  # (kind, name) -> apply waits for it
         self.paused: dict[tuple[str, str], asyncio.Event] = {}  # set when a paused apply is waiting
         self.on_write: Callable[[str, Key, dict], Awaitable[None]] | None = None
-        self.calls: collections.Counter = collections.Counter()   # ("list" | "watch", kind) -> how many
+        self.calls: collections.Counter = collections.Counter()   # ("get" | "list" | "watch", kind) -> how many
         self.history: list[tuple[int, str, dict]] = []   # (resourceVersion, event type, object) of each change
         self.oldest_rv = 0              # watches from before this version are answered 410 Gone
         self._wakers: set[asyncio.Event] = set()
@@ -106,6 +106,7 @@ class FakeKube:
 
     async def get(self, api_version: str, kind: str, name: str, namespace: str | None = None,
                   subresource: str | None = None) -> dict:
+        self.calls["get", kind] += 1
         obj = self.objects.get((kind, namespace or "", name))
         if obj is None:
             raise NotFound(404, "NotFound", f'{kind} "{name}" not found')

@@ -17,3 +17,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "gpufleet.router.serviceAccountName" -}}
 {{- default "gpufleet-router" .Values.router.serviceAccount.name -}}
 {{- end -}}
+
+{{- /* The routers' rules, in a ClusterRole (rbac.scope Cluster) or a Role per namespace (Namespaced). */ -}}
+{{- define "gpufleet.router.rules" -}}
+- apiGroups: [serving.gpufleet.dev]
+  resources: [inferenceservices, inferenceadapters]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+{{- end -}}

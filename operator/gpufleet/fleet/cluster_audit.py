@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Awaitable, Callable, Container
+from typing import Awaitable, Callable, Container, Sequence
 
 from gpufleet_api import InferenceServiceSpec, SpecError, parse_spec
 from gpufleet_api import v1alpha1 as t
@@ -28,11 +28,14 @@ log = logging.getLogger(__name__)
 PLACED_PODS = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
 
 
-async def collect(objects: ObjectLister) -> tuple[list[dict], list[dict], list[dict]]:
-    nodes, pods, services = await asyncio.gather(
+async def collect(objects: ObjectLister, namespaces: Sequence[str] = ()) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every node, every placed pod of the cluster (whatever its namespace: a foreign pod on a GPU node
+    is what the audits look for), and the InferenceServices: of ``namespaces`` one by one, or of the
+    cluster (``()``)."""
+    nodes, pods, *by_namespace = await asyncio.gather(
         objects.list("v1", "Node"), objects.list("v1", "Pod", field_selector=PLACED_PODS),
-        objects.list(t.API_VERSION, t.KIND))
-    return nodes, pods, services
+        *(objects.list(t.API_VERSION, t.KIND, ns) for ns in namespaces or (None,)))
+    return nodes, pods, [s for services in by_namespace for s in services]
 
 
 def parsed_specs(services: list[dict]) -> list[tuple[dict, InferenceServiceSpec]]:
@@ -63,14 +66,17 @@ def audit_report(nodes: list[dict], pods: list[dict], services: list[dict]) -> d
 
 class ClusterAuditor:
     """``watched``: the services this operator watches (its --namespace); only theirs get
-    isolation status. ``leadership``: only the leader audits (None: always, one operator).
+    isolation status. ``namespaces``: where to list the services (``collect``; () the cluster).
+    ``leadership``: only the leader audits (None: always, one operator).
     ``first_pass``: what a new leader's first audit waits for, at most ``AUDITS_WAIT_S`` (the fleet
     loop's first pass: listing every node, pod and service must not delay its scale-outs)."""
 
     def __init__(self, *, objects: ObjectLister, events: EventRecorder, status: StatusWriter,
                  metrics: OperatorMetrics, watched: Container[Key], leadership: Leadership | None = None,
-                 interval: float = 15.0, first_pass: Callable[[], Awaitable[None]] | None = None):
+                 interval: float = 15.0, first_pass: Callable[[], Awaitable[None]] | None = None,
+                 namespaces: Sequence[str] = ()):
         self.objects = objects
+        self.namespaces = tuple(namespaces)
         self.events = events
         self.status = status
         self.metrics = metrics
@@ -102,7 +108,7 @@ class ClusterAuditor:
                 await asyncio.wait_for(self.first_pass(), AUDITS_WAIT_S)
 
     async def run_once(self) -> dict:
-        nodes, pods, services = await collect(self.objects)
+        nodes, pods, services = await collect(self.objects, self.namespaces)
         report = audit_report(nodes, pods, services)
         await self._publish_stranded(report["stranded"], nodes)
         for obj, spec in report["specs"]:

@@ -12,11 +12,17 @@ stored for each child (its resourceVersion and generation, from the apply's answ
 - a deletion, a spec someone else changed (a new generation), a change of a kind without a generation
   (ConfigMap, Service) it did not make, or a child it has not stored (after a restart): applied again.
 
+The same records say which InferenceService controls each child the operator has stored or seen
+(``owner``): a child known to be the service's own is applied without being read first
+(``reconcile.ownership``).
+
 Pure: the controller records its applies, the child-event handler asks.
 """
 from __future__ import annotations
 
 import enum
+
+from .ownership import owned_by
 
 Key = tuple[str, str, str]   # kind, namespace, name
 
@@ -37,11 +43,25 @@ class AppliedChildren:
 
     def __init__(self) -> None:
         self._stored: dict[Key, tuple[str | None, int | None]] = {}
+        self._owners: dict[Key, str] = {}   # the uid of the InferenceService controlling each child seen
+
+    def _seen(self, key: Key, body: dict) -> None:
+        uid = owned_by(body)
+        if uid is None:
+            self._owners.pop(key, None)
+        else:
+            self._owners[key] = uid
+
+    def owner(self, kind: str, namespace: str, name: str) -> str | None:
+        """The uid of the InferenceService that controlled the child when it was last stored or seen
+        (None: not known, or none; a deleted child is forgotten)."""
+        return self._owners.get((kind, namespace, name))
 
     def applied(self, stored: dict) -> dict:
         """Record the apply's answer (the object as stored); returns it."""
         meta = stored.get("metadata") or {}
         self._stored[_key(stored)] = (meta.get("resourceVersion"), meta.get("generation"))
+        self._seen(_key(stored), stored)
         return stored
 
     def event(self, type_: str | None, body: dict) -> Action:
@@ -49,7 +69,9 @@ class AppliedChildren:
         key = _key(body)
         if type_ == "DELETED":
             self._stored.pop(key, None)
+            self._owners.pop(key, None)
             return Action.APPLY
+        self._seen(key, body)
         stored = self._stored.get(key)
         if stored is None:
             return Action.APPLY

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from . import conditions as cond
 from . import drains
+from .ownership import CHILD_CONFLICT
 from .status import CHILD_REJECTED, Observed, unschedulable_pods
 
 
@@ -42,9 +43,9 @@ def transition_events(isvc: dict, previous: dict, updates: list[dict], observed:
                                           f"or its pool/product constraints: {msg}", "Warning"))
     if new_ready is None:
         return out
-    if new_ready["reason"] == CHILD_REJECTED:
-        if old_ready.get("reason") != CHILD_REJECTED or old_ready.get("message") != new_ready["message"]:
-            out.append(Event(CHILD_REJECTED, new_ready["message"], "Warning"))
+    if new_ready["reason"] in (CHILD_REJECTED, CHILD_CONFLICT):
+        if old_ready.get("reason") != new_ready["reason"] or old_ready.get("message") != new_ready["message"]:
+            out.append(Event(new_ready["reason"], new_ready["message"], "Warning"))
     elif told_stuck and new_ready["reason"] == "Unschedulable":
         pass  # Ready=False for the replica just reported: one Event says it, not two
     elif new_ready["status"] != old_ready.get("status") or new_ready["reason"] != old_ready.get("reason"):

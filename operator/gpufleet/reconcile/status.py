@@ -12,6 +12,7 @@ from ..manifests.model_cache import FETCH_CONTAINER
 from . import conditions as c
 from .drains import Surge
 from .drains import message as drains_message
+from .ownership import CHILD_CONFLICT
 
 # Scaling=False that operators before per-pool autoscaling wrote on a disaggregated service in Auto
 # mode; replaced by True once read (``_scaling_condition``).
@@ -274,6 +275,7 @@ def child_rejected_conditions(*, kind: str, name: str, message: str, generation:
 
 
 def rejected_for(status: dict, generation: int) -> bool:
-    """This generation's children were refused (the condition outlives the reconcile that saw it)."""
+    """This generation's children were refused, or not applied for a child's name another object holds
+    (the condition outlives the reconcile that saw it)."""
     ready = c.get(status.get("conditions"), c.READY) or {}
-    return ready.get("reason") == CHILD_REJECTED and ready.get("observedGeneration") == generation
+    return ready.get("reason") in (CHILD_REJECTED, CHILD_CONFLICT) and ready.get("observedGeneration") == generation

@@ -27,6 +27,7 @@ from ..metrics import OperatorMetrics
 from ..reconcile import drains
 from ..reconcile.child_events import AppliedChildren
 from ..reconcile.desired import CanaryChildren, desired_children, spec_revision, stale_budgets
+from ..reconcile.ownership import Foreign, conflict_conditions, holder
 from ..reconcile.status import Observed, child_rejected_conditions
 from ..rollout import steps
 
@@ -37,6 +38,10 @@ PODMONITOR_API = "monitoring.coreos.com/v1"
 # once, otherwise the apply is tried again after this backoff (doubling).
 REJECTED_RETRY_FIRST_S = 60.0
 REJECTED_RETRY_MAX_S = 600.0  # under the 300 s resync plus this, every 15 min sees a try (the alert)
+# A child's name held by another object (reconcile/ownership.py) is looked at again on a timer of its own
+# (the runtime's): the object is not watched, and its owner deleting it should free the service soon.
+CONFLICT_RETRY_FIRST_S = 5.0
+CONFLICT_RETRY_MAX_S = 60.0
 
 
 def refused(e: ApiError) -> bool:
@@ -50,6 +55,7 @@ class Rejection:
     generation: int
     retry_at: float
     failures: int   # in a row, of this generation
+    conflict: bool = False  # not refused: a child's name is held by another object (ChildConflict)
 
 
 class ServiceChildren:
@@ -177,21 +183,52 @@ class ServiceChildren:
         """Delete ``<service>-canary`` when no canary is wanted (its guards drain in their preStop hook)."""
         meta = isvc["metadata"]
         name = names.canary_deployment_name(meta["name"])
-        if any(d["metadata"]["name"] == name for d in deployments):
+        if any(d["metadata"]["name"] == name and holder(isvc, d) is None for d in deployments):
             if await self.kube.delete("apps/v1", "Deployment", name, meta["namespace"]):
                 log.info("%s/%s: deleted Deployment %s (no canary now)", meta["namespace"], meta["name"], name)
+
+    async def foreign_children(self, isvc: dict, objs: list[dict]) -> list[Foreign]:
+        """The objects already holding a child's name that are not the service's (reconcile/ownership.py).
+        A child the operator applied or its watches showed as the service's is not read again; the
+        others (its first apply in this process, a kind it does not watch) are read once each."""
+        uid = isvc["metadata"].get("uid")
+        out = []
+        for obj in objs:
+            meta = obj["metadata"]
+            if uid is not None and self.applied.owner(obj["kind"], meta["namespace"], meta["name"]) == uid:
+                continue
+            existing = await self.kube.get_or_none(obj["apiVersion"], obj["kind"], meta["name"], meta["namespace"])
+            who = None if existing is None else holder(isvc, existing)
+            if who is not None:
+                out.append(Foreign(obj["kind"], meta["name"], who))
+        return out
+
+    def _retry_later(self, key: tuple[str, str], generation: int, first: float, most: float,
+                     conflict: bool = False) -> None:
+        previous = self.rejections.get(key)
+        failures = 1 if previous is None or previous.generation != generation or previous.conflict != conflict \
+            else previous.failures + 1
+        self.rejections[key] = Rejection(generation, self._clock() + delay(failures, first, most), failures, conflict)
 
     async def apply(self, isvc: dict, spec, replicas: Mapping[Role, int],
                     draining: Iterable[Role] = (), surge: drains.Surge | None = None,
                     canary: CanaryChildren | None = None) -> list[dict] | None:
-        """Apply every child; the conditions that report a refused one (None when all were taken)."""
+        """Apply every child; the conditions that report a refused one, or the objects holding children's
+        names that are not the service's (nothing applied then), None when all were taken."""
         meta = isvc["metadata"]
         key, gen = (meta["namespace"], meta["name"]), meta.get("generation", 0)
-        for obj in desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor(),
-                                     podmonitor_labels=self.podmonitor_labels,
-                                     engine_ingress=self.engine_ingress, draining_roles=draining, surge=surge,
-                                     canary=canary, allow_private_sources=self.adapter_private_sources,
-                                     control_auth=self.control_auth):
+        objs = desired_children(isvc, spec, replicas, with_podmonitor=await self.has_podmonitor(),
+                                podmonitor_labels=self.podmonitor_labels,
+                                engine_ingress=self.engine_ingress, draining_roles=draining, surge=surge,
+                                canary=canary, allow_private_sources=self.adapter_private_sources,
+                                control_auth=self.control_auth)
+        foreign = await self.foreign_children(isvc, objs)
+        if foreign:
+            log.warning("%s/%s: not applied: %s", key[0], key[1],
+                        "; ".join(f"{f.kind} {f.name} is not its own ({f.holder})" for f in foreign))
+            self._retry_later(key, gen, CONFLICT_RETRY_FIRST_S, CONFLICT_RETRY_MAX_S, conflict=True)
+            return conflict_conditions(isvc, foreign, gen)
+        for obj in objs:
             try:
                 self.applied.applied(await self.kube.apply(obj))
             except ApiError as e:
@@ -199,12 +236,8 @@ class ServiceChildren:
                     raise
                 log.warning("%s/%s: %s %s refused: %s", key[0], key[1], obj["kind"], obj["metadata"]["name"], e)
                 self.metrics.reconcile_errors.labels(*key).inc()
-                previous = self.rejections.get(key)
-                failures = 1 if previous is None or previous.generation != gen else previous.failures + 1
-                pause = delay(failures, REJECTED_RETRY_FIRST_S, REJECTED_RETRY_MAX_S)
-                self.rejections[key] = Rejection(gen, self._clock() + pause, failures)
+                self._retry_later(key, gen, REJECTED_RETRY_FIRST_S, REJECTED_RETRY_MAX_S)
                 return child_rejected_conditions(kind=obj["kind"], name=obj["metadata"]["name"],
                                                  message=e.message, generation=gen)
         self.rejections.pop(key, None)
         return None
-

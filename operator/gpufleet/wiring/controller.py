@@ -30,6 +30,7 @@ from ..reconcile import conditions as cond
 from ..reconcile import drains, name_conflicts
 from ..reconcile.desired import CanaryChildren, draining_roles, stale_deployments
 from ..reconcile.events import Event, drain_events, transition_events
+from ..reconcile.ownership import CHILD_CONFLICT, cleared
 from ..reconcile.replicas import desired_replicas
 from ..reconcile.status import crashlooping_pods, derive_status, invalid_status, rejected_for
 from ..reconcile.validation import validate
@@ -64,6 +65,14 @@ class Controller:
         # (namespace, name) -> monotonic time of the last successful reconcile, whoever asked for it
         self.last_reconciled: dict[tuple[str, str], float] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def conflict_retry_in(self, namespace: str, name: str) -> float | None:
+        """Seconds until the service's children are looked at again for a name another object holds
+        (ChildConflict; None: no conflict). That object is not watched: the runtime asks again then."""
+        rejection = self.children.rejections.get((namespace, name))
+        if rejection is None or not rejection.conflict:
+            return None
+        return max(0.0, rejection.retry_at - self._clock())
 
     async def get(self, namespace: str, name: str) -> dict | None:
         return await self.kube.get_or_none(t.API_VERSION, t.KIND, name, namespace)
@@ -193,6 +202,7 @@ class Controller:
                 rejected = await self.children.apply(isvc, spec, by_pool, draining_roles(pods, spec), surge, canary)
             observed, deployments = await self.children.observe(ns, name, pods)
             keep_rejection = not apply_children and rejected_for(previous, gen)
+            conflict = rejected is not None and cond.get(rejected, CHILD_CONFLICT) is not None
             if not rejected and not keep_rejection:
                 stale = stale_deployments(isvc, spec, deployments)
                 await self.children.prune(isvc, stale, observed, spec)
@@ -220,13 +230,15 @@ class Controller:
                     updates = [u for u in updates if u["type"] not in (cond.READY, cond.PROGRESSING)]
                 updates += name_conflicts.condition(self.names.conflict(t.KIND, ns, name),
                                                     current.get("conditions"), gen)
+                if apply_children and not conflict:  # every child's name was looked at and is the service's
+                    updates += cleared(current, gen)
                 return status, updates
 
             first = compute(previous)[1]
             await self._post(isvc, transition_events(isvc, previous, first, observed))
-            conflict = name_conflicts.started(previous.get("conditions"), first)
-            if conflict is not None:
-                await self._post(isvc, [Event(cond.NAME_CONFLICT, conflict, "Warning")])
+            name_conflict = name_conflicts.started(previous.get("conditions"), first)
+            if name_conflict is not None:
+                await self._post(isvc, [Event(cond.NAME_CONFLICT, name_conflict, "Warning")])
             if not rejected:
                 await self._post(isvc, drain_events(previous.get(drains.FIELD), surge))
             await self.update_status(isvc, compute)
@@ -238,7 +250,8 @@ class Controller:
             self.metrics.desired_replicas.labels(ns, name).set(replicas)
             self.metrics.ready_replicas.labels(ns, name).set(status.get("readyReplicas", 0))
             self.metrics.crashlooping.labels(ns, name).set(len(crashlooping_pods(observed.pods)))
-            self.metrics.reconcile_total.labels("InferenceService", "child_rejected" if rejected else "ok").inc()
+            result = "child_conflict" if conflict else "child_rejected" if rejected else "ok"
+            self.metrics.reconcile_total.labels("InferenceService", result).inc()
             self.last_reconciled[key] = self._clock()
         except ApiError:
             self.metrics.reconcile_errors.labels(ns, name).inc()

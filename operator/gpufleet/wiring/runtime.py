@@ -128,7 +128,7 @@ class OperatorRuntime:
                                figures_interval=s.status_figures_interval)
         auditor = ClusterAuditor(objects=self.kube, events=self.kube, status=self.controller, metrics=self.metrics,
                                  watched=self.known, leadership=self, interval=s.audit_interval,
-                                 first_pass=self.fleet.first_pass_done)
+                                 first_pass=self.fleet.first_pass_done, namespaces=s.listed_namespaces)
         demand = RouterDemand(pods=self.kube, publish=self.fleet.set_demand, leadership=self,
                               interval=s.fleet_interval, addresses=s.router_addresses or None)
         self._loops = {"service_loops": self.fleet.run_forever, "cluster_audits": auditor.run_forever,
@@ -271,6 +271,12 @@ class OperatorRuntime:
             self._failures.pop((ns, name), None)
         except Exception as e:
             self._failed(ns, name, apply, e)
+            return
+        conflict_in = self.controller.conflict_retry_in(ns, name)
+        if conflict_in is not None:
+            # A child's name is held by an object the watches do not show (ChildConflict): look again
+            # then; the reconcile applies once the backoff is due, nothing before.
+            self._retry_later((ns, name), False, conflict_in)
 
     async def reconcile_all(self, keys: Iterable[Key]) -> None:
         """A new leader's reconcile of ``keys``, TAKEOVER_RECONCILE_CONCURRENCY at a time, the most
@@ -324,6 +330,10 @@ class OperatorRuntime:
         if delay is None:
             self._failures.pop(key, None)
             return
+        self._retry_later(key, apply, delay)
+
+    def _retry_later(self, key: Key, apply: bool, delay: float) -> None:
+        """Reconcile ``key`` again in ``delay`` seconds (replacing a retry already set)."""
         old = self._retries.pop(key, None)
         if old is not None:
             old.cancel()
@@ -331,7 +341,7 @@ class OperatorRuntime:
         def retry() -> None:
             self._retries.pop(key, None)
             if key in self.known:
-                self.trigger(ns, name, apply)
+                self.trigger(*key, apply)
         self._retries[key] = asyncio.get_running_loop().call_later(delay, retry)
 
     async def run_resync(self) -> None:

@@ -39,7 +39,7 @@ def pool_deployment(role, replicas):
     """A pool's Deployment with every replica ready (the reconcile after an action reads it)."""
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": f"chat-{role}", "namespace": "ml", "generation": 1,
-                         "labels": names.selector_labels("chat")},
+                         "labels": names.selector_labels("chat"), "ownerReferences": [names.owner_reference(isvc())]},
             "spec": {"replicas": replicas},
             "status": {"observedGeneration": 1, "replicas": replicas, "readyReplicas": replicas,
                        "updatedReplicas": replicas}}

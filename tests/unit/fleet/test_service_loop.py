@@ -49,8 +49,10 @@ def isvc(desired=2, ready=2, autoscaling=None, generation=1, **spec):
 
 
 def deployment(replicas, ready):
+    """The service's own Deployment (its owner reference: the operator applies over it)."""
     return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "chat-engine", "namespace": "ml", "generation": 1},
+            "metadata": {"name": "chat-engine", "namespace": "ml", "generation": 1,
+                         "ownerReferences": [names.owner_reference(isvc())]},
             "spec": {"replicas": replicas},
             "status": {"observedGeneration": 1, "replicas": replicas, "readyReplicas": ready,
                        "updatedReplicas": replicas}}

@@ -95,7 +95,7 @@ def fleet_of(kube: FakeKube, reader: Reader, n_calm: int, *, follow_interval: fl
         body = isvc(desired=1, ready=1)
         body["metadata"].update(name=name, uid=f"u-{name}")
         dep = deployment(1, 1)
-        dep["metadata"]["name"] = f"{name}-engine"
+        dep["metadata"].update(name=f"{name}-engine", ownerReferences=[names.owner_reference(body)])
         kube.put(dep)
         fleet.upsert_service(kube.put(body))
         fleet.upsert_pod("ml", name, f"{name}-0", {"ip": "10.0.0.1", "ready": True, "deleting": False,

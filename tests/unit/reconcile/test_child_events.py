@@ -56,3 +56,22 @@ def test_children_are_told_apart_by_kind_and_name():
     applied = AppliedChildren()
     applied.applied(deployment("10", 2))
     assert applied.event("MODIFIED", deployment("10", 2, name="svc-engine-canary")) is Action.APPLY
+
+
+def owned(obj: dict, uid: str) -> dict:
+    obj["metadata"]["ownerReferences"] = [{"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceService",
+                                           "name": "svc", "uid": uid, "controller": True}]
+    return obj
+
+
+def test_the_owner_of_a_child_is_known_from_the_apply_and_from_the_watch_until_it_is_deleted():
+    applied = AppliedChildren()
+    assert applied.owner("ConfigMap", "ns", "svc-guard") is None
+    applied.applied(owned(configmap("11"), "u-1"))
+    assert applied.owner("ConfigMap", "ns", "svc-guard") == "u-1"
+    applied.event("ADDED", owned(deployment("12", 1), "u-1"))   # listed after a restart
+    assert applied.owner("Deployment", "ns", "svc-engine") == "u-1"
+    applied.event("DELETED", owned(configmap("13"), "u-1"))
+    assert applied.owner("ConfigMap", "ns", "svc-guard") is None   # a foreign object may take the name now
+    applied.event("MODIFIED", deployment("14", 2))                  # its owner reference removed
+    assert applied.owner("Deployment", "ns", "svc-engine") is None
