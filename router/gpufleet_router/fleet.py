@@ -21,6 +21,7 @@ from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.errors import NotFound
 from gpufleet_kit.kube.pods import is_serving
 
+from .loop_lag import LoopLag
 from .metrics import RouterMetrics
 from .policy import adapters
 from .policy.choice import Picker
@@ -41,6 +42,7 @@ class Fleet:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
+        self.lag = LoopLag(metrics, clock=clock)   # watched by serve(): retry windows leave out its stalls
         self.table = Table({})
         self.catalog = adapters.EMPTY       # the LoRA adapters in scope
         self.pickers: dict[tuple[str, str], Picker] = {}   # (model, role) -> that pool's picker

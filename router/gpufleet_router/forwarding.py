@@ -131,14 +131,15 @@ class Forwarder:
         revision: str | None = None   # the first replica's: a retry stays with it when it can
         broken: Broken | None = None
         unreachable_rounds = 0
+        # How long a request nothing answered is sent again: the router's own stalls do not count.
+        window = self.fleet.lag.window(call.arrived, self.settings.unreachable_retry_timeout)
         while True:
             if attempt >= 2:
                 if not refusals:
                     # Nothing answered: not a capacity question. Nothing was admitted either, so the
                     # request goes out again after a pause while its arrival is recent enough.
                     pause = delay(unreachable_rounds + 1, UNREACHABLE_PAUSE_SECONDS, UNREACHABLE_PAUSE_MAX_SECONDS)
-                    if not failure or self.fleet.clock() + pause > \
-                            call.arrived + self.settings.unreachable_retry_timeout:
+                    if not failure or not window.allows(self.fleet.clock() + pause):
                         break
                     await asyncio.sleep(pause)
                     unreachable_rounds += 1

@@ -37,7 +37,7 @@ from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_kit.body_budget import BodyBudget, BodyTooLarge, BudgetExhausted, Claim, read_body
 from gpufleet_kit.kube.client import KubeClient
 
-from . import discovery, loop_lag
+from . import discovery
 from .exchange import Call, Relay, client_session, error_response, refuse
 from .fleet import Fleet
 from .forwarding import Forwarder
@@ -198,7 +198,7 @@ async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int
     router = Router(fleet, http)
     tasks = [asyncio.create_task(discovery.run(fleet, kube), name="router-discovery"),
              asyncio.create_task(fleet.read(http), name="router-readings"),
-             asyncio.create_task(loop_lag.watch(metrics), name="router-loop-lag")]
+             asyncio.create_task(fleet.lag.watch(), name="router-loop-lag")]
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=settings.drain_timeout)
     await runner.setup()

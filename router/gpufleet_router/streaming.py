@@ -25,6 +25,7 @@ from .exchange import (
     retry_after_of,
 )
 from .fleet import Fleet
+from .loop_lag import Window
 from .metrics import Outcome, Resumption
 from .policy import resume
 from .policy.choice import Pick, Picker
@@ -93,7 +94,7 @@ class Streams:
         refusals: list[float | None] = []
         unreachable_rounds = 0  # rounds that ended with a replica whose connection failed (nothing was sent)
         connect_failed = False
-        deadline = self.fleet.clock() + self.settings.resume_timeout
+        deadline = self.fleet.lag.window(self.fleet.clock(), self.settings.resume_timeout)
         failure = f"the replica {broken.pod} broke off mid-answer"
         while True:
             if stream.finished:
@@ -152,7 +153,7 @@ class Streams:
                 picker.finished(pod, ticket)
 
     def _resume_wait(self, picker: Picker | None, revision: str, broke: list[str], refusals: list[float | None],
-                     deadline: float, unreachable_round: int | None = None) -> float | None:
+                     deadline: Window, unreachable_round: int | None = None) -> float | None:
         """How long a continuation that found no replica waits before it looks again (None: it does not,
         the stream ends): for the earliest room the replicas that refused it expect (429/503: the load of
         the one that died came to them); for a replica whose connection failed this round (``unreachable_round``:
@@ -167,7 +168,7 @@ class Streams:
             waits.append(max(MIN_RESUME_WAIT_SECONDS, min(hints) if hints else self.settings.reading_interval))
         if picker is not None and picker.recovering(revision, exclude=broke):
             waits.append(max(MIN_RESUME_WAIT_SECONDS, self.settings.reading_interval / 4))
-        return next((w for w in waits if self.fleet.clock() + w <= deadline), None)
+        return next((w for w in waits if deadline.allows(self.fleet.clock() + w)), None)
 
     async def _continue(self, call: Call, relay: Relay, pick: Pick, before_end: Callable[[], None]) -> bool:
         """The continuation to one replica: True when its answer ended the stream (``before_end`` ran
