@@ -9,7 +9,7 @@ import yaml
 
 from gpufleet_dev.devcluster.binaries import ensure_helm
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
-from gpufleet_kit.kube.config import KubeConfig
+from tests.support.kubeconfigs import service_account_kubeconfig
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,15 +60,7 @@ def test_rbac_is_narrow(control_plane, installed, verb, resource, allowed):
 
 async def test_operator_under_the_chart_rbac_reconciles_a_sample(control_plane, installed, kube, namespace,
                                                                  tmp_path):
-    token = control_plane.kubectl("-n", RELEASE_NS, "create", "token", "gpufleet-operator",
-                                  "--duration=1h").stdout.strip()
-    ca = KubeConfig.from_file(control_plane.kubeconfig).ca_file
-    kc = tmp_path / "operator.kubeconfig"
-    kc.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "c", "cluster": {"server": control_plane.server, "certificate-authority": ca}}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}]}))
+    kc = service_account_kubeconfig(control_plane, RELEASE_NS, "gpufleet-operator", tmp_path / "operator.kubeconfig")
     # As the chart runs it: electing a leader on the Lease in the release namespace (its Role suffices).
     # And giving the sample its NetworkPolicy, as the chart's defaults have it do.
     # The token the chart projects into the operator's pod: its ServiceAccount's, for the guards' audience.

@@ -11,7 +11,7 @@ import yaml
 
 from gpufleet_dev.devcluster.binaries import ensure_helm
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
-from gpufleet_kit.kube.config import KubeConfig
+from tests.support.kubeconfigs import service_account_kubeconfig
 from tests.support.waiting import PODS_START_SECONDS, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,17 +81,13 @@ def test_the_router_reads_in_the_watched_namespace_only(control_plane, installed
 async def test_the_operator_under_namespaced_rbac_reconciles_and_audits_a_sample(control_plane, installed, kube,
                                                                                  namespaces, tmp_path):
     watched, _ = namespaces
-    token = control_plane.kubectl("-n", RELEASE_NS, "create", "token", "gpufleet-operator",
-                                  "--duration=1h").stdout.strip()
-    ca = KubeConfig.from_file(control_plane.kubeconfig).ca_file
-    kc = tmp_path / "operator.kubeconfig"
-    kc.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "c", "cluster": {"server": control_plane.server, "certificate-authority": ca}}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}]}))
+    kc = service_account_kubeconfig(control_plane, RELEASE_NS, "gpufleet-operator", tmp_path / "operator.kubeconfig")
+    # The token the chart projects into the operator's pod: its ServiceAccount's, for the guards' audience.
+    guard_token = tmp_path / "guard-token"
+    guard_token.write_text(control_plane.kubectl("-n", RELEASE_NS, "create", "token", "gpufleet-operator",
+                                                 "--audience=gpufleet-guard", "--duration=1h").stdout.strip())
     # As the chart runs it in this scope: told the watched namespace, electing a leader in its own.
-    op = OperatorProcess(str(kc), tmp_path / "operator.log", (
+    op = OperatorProcess(str(kc), tmp_path / "operator.log", guard_token_file=guard_token, extra_args=(
         "--namespace", watched, "--audit-interval-seconds", "2", "--leader-elect",
         "--leader-elect-resource-namespace", RELEASE_NS, "--leader-elect-identity", f"test-{watched}",
         "--network-policies", "--network-policy-operator-namespace", RELEASE_NS,

@@ -61,3 +61,13 @@ def exec_user(script: Path) -> dict:
 def plugin_runs(directory: Path) -> int:
     runs = directory / "runs"
     return int(runs.read_text()) if runs.exists() else 0
+
+
+def service_account_kubeconfig(control_plane, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig logging in as ServiceAccount ``namespace/account`` (an hour's token), to the control
+    plane's server and CA: a process run with the rights a chart gives that account."""
+    from gpufleet_kit.kube.config import KubeConfig
+    token = control_plane.kubectl("-n", namespace, "create", "token", account, "--duration=1h").stdout.strip()
+    ca = KubeConfig.from_file(control_plane.kubeconfig).ca_file
+    return write_kubeconfig(path, server=control_plane.server, user={"token": token},
+                            cluster={"certificate-authority": ca}, name="sa")
