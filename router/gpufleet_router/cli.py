@@ -36,7 +36,7 @@ from .server import RouterSettings
                    "spilled off its prefix's replica loads the prefix from the tier, so spilling is cheap.")
 @click.option("--max-body-bytes", default=8 << 20, show_default=True, type=click.IntRange(1),
               help="Larger request bodies get 413.")
-@click.option("--body-budget-bytes", default=256 << 20, show_default=True, type=click.IntRange(1),
+@click.option("--body-budget-bytes", default=128 << 20, show_default=True, type=click.IntRange(1),
               help="Request-body bytes held at once across all requests (counted before a body is read); "
                    "a body that does not fit gets 503 with Retry-After. At least --max-body-bytes.")
 @click.option("--drain-grace-seconds", default=5.0, show_default=True, type=click.FloatRange(0.0),

@@ -50,7 +50,7 @@ class RouterSettings:
     max_body_bytes: int = 8 << 20
     # Request bodies held at once across every request (gpufleet_kit.body_budget): more get 503 with
     # Retry-After. At least max_body_bytes (cli.py checks), or a body under the cap could never fit.
-    body_budget_bytes: int = 256 << 20
+    body_budget_bytes: int = 128 << 20  # about 3x in memory: inside the chart's 512Mi limit
     connect_timeout: float = 2.0
     guard_port: int = names.GUARD_PORT
     # On SIGTERM: this long unready but still serving, so Services and clients' pooled

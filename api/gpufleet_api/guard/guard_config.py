@@ -46,7 +46,7 @@ PROXIED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 CLASS_HEADER = "x-gpufleet-class"
 # The guard's bodyBudgetBytes when guard.json names none (the operator writes this default): some 28 bodies
 # at the limit of a 128k-token context (admission/core.py's max_body_bytes), far more of a typical size.
-DEFAULT_BODY_BUDGET_BYTES = 256 << 20
+DEFAULT_BODY_BUDGET_BYTES = 128 << 20  # about 3x in memory: well inside the guard container's 1Gi
 # LowerOnly: the class header may ask for the route's default class or a lower
 # priority (a higher level number), never a higher one. Trusted: any class, for
 # a gateway in front that sets the header itself and drops the client's.
