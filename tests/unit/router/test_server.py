@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -285,6 +286,50 @@ async def test_a_request_no_replica_answers_fails_with_502_once_its_retry_time_i
             assert (await r.json())["error"]["code"] == "replica_unreachable"
         assert h.count("gpufleet_router_retries_total", model=MODEL, role="unified", reason="connect_failed") >= 1
     finally:
+        await h.client.close()
+        await h.http.close()
+        await h.server.close()
+
+
+class _StalledFirstTry:
+    """The router's client session, its first request made during a stall of ``seconds`` of the router's
+    loop (counted where the loop-lag watcher counts it)."""
+
+    def __init__(self, http, lag, seconds: float):
+        self.http, self.lag, self.seconds = http, lag, seconds
+
+    def post(self, *args, **kwargs):
+        if self.seconds:
+            self.lag.stalled, self.seconds = self.lag.stalled + self.seconds, 0.0
+        return self.http.post(*args, **kwargs)
+
+
+async def test_the_time_the_router_itself_did_not_run_does_not_count_against_a_retry_window():
+    """A starved router (no CPU for seconds) judges connections late; its loop-lag watcher counts those
+    seconds (``fleet.lag``), and the retry window ends that much later: the request is still tried, and
+    answered once the replica listens, where a 0.6 s window of wall-clock time would have given a 502."""
+    h = Harness([], RouterSettings(unreachable_retry_timeout=0.6))
+    await h.server.start_server()
+    port = _free_port()
+    h.publish([h.route(Replica("late", f"127.0.0.1:{port}"))])
+    late = None
+    try:
+        # The first try is made while the router has no CPU for 30 s, as its loop-lag watcher then records.
+        h.router.forwarder.http = _StalledFirstTry(h.http, h.fleet.lag, 30.0)
+        started = time.monotonic()
+        answer = asyncio.create_task(h.client.post(h.url + "/v1/completions", data=json.dumps(completion()).encode(),
+                                                   headers={"Content-Type": "application/json"}))
+        # Past the nominal window (which alone would have ended the request with a 502 by now).
+        await wait_for(lambda: time.monotonic() - started > 1.2, timeout=10, what="the nominal window passed")
+        assert not answer.done(), "the request ended inside the router's own stall"
+        late = await FakeGuard("late").start(port)
+        r = await answer
+        assert r.status == 200 and r.headers["X-Replica"] == "late"
+        await r.read()
+        r.release()
+    finally:
+        if late is not None:
+            await late.server.close()
         await h.client.close()
         await h.http.close()
         await h.server.close()
