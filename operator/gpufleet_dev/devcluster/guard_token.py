@@ -4,6 +4,7 @@ TokenRequest API for a ServiceAccount of its own and written to a file for --gua
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from pathlib import Path
 
 from gpufleet_api.guard.control_auth import GUARD_AUDIENCE
@@ -20,7 +21,11 @@ EXPIRATION_SECONDS = 7 * 24 * 3600
 def mint(kubeconfig: str, path: Path, *, namespace: str = NAMESPACE, service_account: str = SERVICE_ACCOUNT,
          expiration_seconds: int = EXPIRATION_SECONDS) -> Path:
     """Write a token of ``namespace``/``service_account`` (created when missing) to ``path``."""
-    token = asyncio.run(_request(KubeConfig.auto(kubeconfig), namespace, service_account, expiration_seconds))
+    # On a thread of its own: callers start operators from inside a running event loop (async fixtures),
+    # where asyncio.run cannot run.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        token = pool.submit(asyncio.run, _request(KubeConfig.auto(kubeconfig), namespace, service_account,
+                                                  expiration_seconds)).result()
     path.write_text(token)
     path.chmod(0o600)
     return path
