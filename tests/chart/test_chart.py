@@ -143,7 +143,8 @@ def test_two_replicas_elect_a_leader_on_a_lease_by_default(helm):
     role = next(d for d in docs if d["kind"] == "Role")
     assert role["metadata"]["namespace"] == "gpufleet-system"
     assert {(r["resources"][0], tuple(r.get("resourceNames", ())), tuple(r["verbs"])) for r in role["rules"]} == {
-        ("leases", (), ("create",)), ("leases", ("gpufleet-operator",), ("get", "watch", "update"))}
+        ("leases", (), ("create",)), ("leases", ("gpufleet-operator",), ("get", "watch", "update")),
+        ("events", (), ("create",))}  # the LeaderElection events, recorded on the Lease
     binding = next(d for d in docs if d["kind"] == "RoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert "kopfpeering" not in template(helm).stdout  # kopf's peering is gone

@@ -100,3 +100,17 @@ def test_the_cluster_scope_stays_the_default(helm):  # noqa: F811
     items = docs(helm, "--set", "watchNamespaces={ml}")
     assert not rbac(items, "Role", "gpufleet-operator")
     assert ("apps", "deployments") in grants(rbac(items, "ClusterRole", "gpufleet-operator")[None]["rules"])
+
+
+def test_events_are_recorded_on_the_lease_and_on_nodes_with_create_only(helm):  # noqa: F811
+    """Found on the real API server (tests/integration/test_helm_namespaced.py): a namespaced operator was
+    refused its LeaderElection events (in its own namespace) and its node events (StrandedGPUs, in default,
+    where Kubernetes records node events)."""
+    items = docs(helm, *NAMESPACED)
+    lease_role = rbac(items, "Role", "gpufleet-operator-leader-election")["gpufleet-system"]
+    assert grants(lease_role["rules"])[("", "events")] == {"create"}
+    node_events = rbac(items, "Role", "gpufleet-operator-node-events")
+    assert set(node_events) == {"default"} and grants(node_events["default"]["rules"]) == {("", "events"): {"create"}}
+    assert rbac(items, "RoleBinding", "gpufleet-operator-node-events")["default"]["roleRef"]["name"] == \
+        "gpufleet-operator-node-events"
+    assert rbac(docs(helm), "Role", "gpufleet-operator-node-events") == {}  # the cluster scope's ClusterRole has it
