@@ -81,7 +81,12 @@ def test_the_wheel_server_keeps_its_address_so_install_layers_stay_cached(tmp_pa
 
     from gpufleet_dev.devcluster import wheelhouses
 
+    from gpufleet_kit.ports import unused_port
+
     monkeypatch.setenv("GPUFLEET_CACHE", str(tmp_path))
+    # Not the real fixed port: `make test` runs these tests while setup's image builds serve their
+    # wheels there, and a build holding it would look like the fallback below.
+    monkeypatch.setattr(wheelhouses, "WHEEL_SERVER_PORT", unused_port("127.0.0.1"))
     house = tmp_path / "wheelhouse" / "engine-abc"
     house.mkdir(parents=True)
     (house / "x-1.0-py3-none-any.whl").write_bytes(b"wheel")
