@@ -80,7 +80,6 @@ def test_the_wheel_server_keeps_its_address_so_install_layers_stay_cached(tmp_pa
     import httpx
 
     from gpufleet_dev.devcluster import wheelhouses
-
     from gpufleet_kit.ports import unused_port
 
     monkeypatch.setenv("GPUFLEET_CACHE", str(tmp_path))
