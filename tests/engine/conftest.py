@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.token_issuer import Issuer
+from tests.support.token_issuer import SESSION
 
 pytestmark = pytest.mark.engine
 
@@ -30,7 +30,7 @@ if importlib.util.find_spec("vllm") is None:
 
 KV_BLOCKS = 64
 # The operator's tokens: the guards' control routes (/audit, /adapters, vLLM's admin routes) accept nobody else.
-OPERATOR = Issuer()
+OPERATOR = SESSION  # the one key the session engine and the tests share (token_issuer.SESSION)
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
 

@@ -49,3 +49,10 @@ class Issuer:
 
     def bearer(self, **kwargs: Any) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token(**kwargs)}"}
+
+
+# One issuer for a whole test session: the engine tier's session engine trusts its key, and the test
+# modules sign with it. Kept here, not in a conftest: pytest imports tests/engine/conftest.py as
+# "conftest", and a test's `from tests.engine.conftest import ...` is a second copy of that module,
+# with a second random key every token of it is refused by.
+SESSION = Issuer()
