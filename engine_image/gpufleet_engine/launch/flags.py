@@ -106,17 +106,40 @@ def _cpu_env(engine: EngineConfig, cpu_count: int, cpu_cores: str | None = None)
     # engine runs on the host. So prefill and decode engines with a KV connector share one host
     # without it (tests/engine/test_pd_handoff.py starts two).
     cores = max(1, cpu_count)
+    bind = cpu_cores or ("0" if cores == 1 else f"0-{cores - 1}")
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(space),
         # Several engines on one host each get their own cores (``cpu_cores``, e.g. "1"):
         # OpenMP threads spin, and two engines bound to the same cores starve each other.
         # "nobind" (a budget smaller than the node, see cpu_budget.py): vLLM leaves the
         # threads unbound and their number to OMP_NUM_THREADS.
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_cores or ("0" if cores == 1 else f"0-{cores - 1}"),
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
         # The default reserves one core for the API server, leaving a
         # two-core machine one core for the model.
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        # The model runs in the engine-core process, as on one GPU, not in a third process:
+        # vLLM-CPU otherwise turns the one-process executor into its multiprocessing one, which
+        # imports torch and vLLM once more (20-30 s of every start on two cores) and spins on a
+        # shared-memory queue between the two (decode measured twice as slow beside it).
+        # docs/dev-cluster.md, "Where the tiers' time goes".
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
-    if cpu_cores == "nobind":
+    if bind == "nobind":
         env["OMP_NUM_THREADS"] = str(cores)
+    else:
+        # What vLLM's multiprocessing executor sets for its worker (utils/ompmultiprocessing.py),
+        # set here for the engine core: as many OpenMP threads as cores, kept on those cores.
+        ids = core_ids(bind)
+        env["OMP_NUM_THREADS"] = str(len(ids))
+        env["OMP_PLACES"] = "{" + ",".join(str(i) for i in ids) + "}"
+        env["OMP_PROC_BIND"] = "true"
     return env
+
+
+def core_ids(cores: str) -> list[int]:
+    """A CPU list as Linux and VLLM_CPU_OMP_THREADS_BIND write it ("0-2,5") → [0, 1, 2, 5]."""
+    ids: list[int] = []
+    for part in cores.split(","):
+        first, _, last = part.strip().partition("-")
+        ids += range(int(first), int(last or first) + 1)
+    return ids

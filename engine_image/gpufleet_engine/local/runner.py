@@ -85,6 +85,13 @@ class LocalEngine:
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="gpufleet-local-"))
         self.lora = lora
         self.config_dict = _merge(self._base_config(), guard or {})
+        engine = self.config_dict["engine"]
+        if "--enforce-eager" not in engine.get("extraArgs", ()):
+            # vLLM-CPU's torch.compile here is Dynamo without Inductor (vLLM turns Inductor off on
+            # CPU), and its cache of compiled graphs fails to load in vLLM-CPU 0.32 ("'function'
+            # object has no attribute 'finalize_loading'"), so every start traced the model again:
+            # 7-10 s of a start for no faster decode (measured: eager decoded the tiny model faster).
+            engine["extraArgs"] = ["--enforce-eager", *engine.get("extraArgs", ())]
         # Validate before starting anything: a bad override fails in a second, not after vLLM's start.
         self.config = guard_config.parse(self.config_dict)
         self.config_path = self.work_dir / "guard.json"

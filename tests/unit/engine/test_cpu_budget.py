@@ -8,7 +8,7 @@ import pytest
 from gpufleet_api.guard.guard_config import EngineConfig
 from gpufleet_engine.launch import cpu_budget
 from gpufleet_engine.launch.cpu_budget import CpuBudget, plan, quota_cores
-from gpufleet_engine.launch.flags import vllm_launch
+from gpufleet_engine.launch.flags import core_ids, vllm_launch
 
 
 @pytest.mark.parametrize(("cpu_max", "v1", "expected"), [
@@ -52,7 +52,21 @@ def test_nobind_sets_the_thread_count_itself():
     engine = EngineConfig(model="/m", runtime="vllm-cpu")
     env = vllm_launch(engine, cpu_count=1, cpu_cores="nobind").env
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"
-    assert "OMP_NUM_THREADS" not in vllm_launch(engine, cpu_count=2, cpu_cores="0-1").env
+    assert "OMP_PLACES" not in env and "OMP_PROC_BIND" not in env
+
+
+def test_bound_cores_set_the_threads_and_their_places_for_the_engine_core():
+    engine = EngineConfig(model="/m", runtime="vllm-cpu")
+    env = vllm_launch(engine, cpu_count=4, cpu_cores="2-3,5").env
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3,5"
+    assert (env["OMP_NUM_THREADS"], env["OMP_PLACES"], env["OMP_PROC_BIND"]) == ("3", "{2,3,5}", "true")
+    # The model runs in the engine-core process: no third process importing torch and vLLM again.
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.mark.parametrize("cores, ids", [("0", [0]), ("0-1", [0, 1]), ("1", [1]), ("0-2,7,9-10", [0, 1, 2, 7, 9, 10])])
+def test_core_lists_read_as_linux_writes_them(cores, ids):
+    assert core_ids(cores) == ids
 
 
 def test_read_uses_the_cgroup_files(tmp_path: Path, monkeypatch):

