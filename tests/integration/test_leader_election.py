@@ -28,6 +28,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from gpufleet_dev.devcluster import guard_token
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from gpufleet_dev.fake_replicas import FakeReplicaMetrics
 from gpufleet_kit.kube.config import KubeConfig
@@ -141,15 +142,18 @@ class RecordingProxy:
 class Operator:
     """One `gpufleet run --leader-elect` process behind its own proxy."""
 
-    def __init__(self, name: str, proxy: RecordingProxy, namespace: str, tmp: Path):
+    def __init__(self, name: str, proxy: RecordingProxy, namespace: str, tmp: Path, guard_token_file: Path):
         self.name, self.proxy = name, proxy
         self.log = tmp / f"{name}.log"
+        # The guard token comes from outside, as the kubelet's projected volume gives it to the chart's
+        # pod: minted through this operator's proxy, it would be a write of the follower's.
         self.process = OperatorProcess(
             proxy.kubeconfig(tmp / f"{name}.kubeconfig", namespace), self.log,
-            ("--namespace", namespace, "--leader-elect", "--leader-elect-resource-namespace", namespace,
-             "--leader-elect-identity", name, "--fleet-interval-seconds", "1", "--audit-interval-seconds", "3600",
-             "--leader-elect-lease-duration", str(LEASE_DURATION), "--leader-elect-renew-deadline",
-             str(RENEW_DEADLINE), "--leader-elect-retry-period", str(RETRY_PERIOD)))
+            guard_token_file=guard_token_file, extra_args=(
+                "--namespace", namespace, "--leader-elect", "--leader-elect-resource-namespace", namespace,
+                "--leader-elect-identity", name, "--fleet-interval-seconds", "1", "--audit-interval-seconds", "3600",
+                "--leader-elect-lease-duration", str(LEASE_DURATION), "--leader-elect-renew-deadline",
+                str(RENEW_DEADLINE), "--leader-elect-retry-period", str(RETRY_PERIOD)))
 
     async def start(self) -> "Operator":
         await asyncio.to_thread(self.process.start)
@@ -219,11 +223,12 @@ async def ha(control_plane, crds_installed, namespace, kube, tmp_path, request):
     fake = FakeReplicaMetrics()
     ops: list[Operator] = []
     proxies: list[RecordingProxy] = []
+    token = await asyncio.to_thread(guard_token.mint, control_plane.kubeconfig, tmp_path / "guard-token")
     try:
         async def operator(name: str) -> Operator:
             proxy = await RecordingProxy(control_plane.kubeconfig).start()
             proxies.append(proxy)
-            op = await Operator(name, proxy, namespace, tmp_path).start()
+            op = await Operator(name, proxy, namespace, tmp_path, token).start()
             ops.append(op)
             return op
 
