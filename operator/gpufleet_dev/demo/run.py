@@ -27,7 +27,7 @@ from gpufleet.manifests import names
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
 
-from ..devcluster import binaries, cluster
+from ..devcluster import binaries, cluster, guard_token
 from . import report as rep
 from .load import EndpointLoad
 from .operator_gauges import kv_percent
@@ -122,12 +122,13 @@ def operator_kubeconfig(state: dict, work: Path) -> str:
     return str(path)
 
 
-def start_operator(kubeconfig: str, work: Path, port: int) -> subprocess.Popen:
+def start_operator(kubeconfig: str, work: Path, port: int, guard_token_file: Path) -> subprocess.Popen:
     log = open(work / "operator.log", "ab")
     # The demo's namespace only: services of other work on the same local cluster are not its own.
     return subprocess.Popen([sys.executable, "-m", "gpufleet.cli", "run", "--kubeconfig", kubeconfig,
                              "--namespace", NAMESPACE, "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
-                             "--audit-interval-seconds", "10"], stdout=log, stderr=subprocess.STDOUT)
+                             "--audit-interval-seconds", "10", "--guard-token-file", str(guard_token_file)],
+                            stdout=log, stderr=subprocess.STDOUT)
 
 
 async def wait_ready(kube: KubeClient, replicas: int, timeout: float) -> None:
@@ -255,7 +256,11 @@ async def run_demo(model: str, surge_clients: int, out_dir: Path, real_node: boo
     say("installing the Helm chart (CRD, ServiceAccount, least-privilege RBAC)")
     helm_install(state["kubeconfig"])
     port = cluster.free_port()
-    operator = start_operator(operator_kubeconfig(state, work), work, port)
+    # The guards answer the operator's control calls (adapters, the fragmentation audit, demand) for its
+    # token only: the chart's ServiceAccount's, for the guards' audience, as the chart projects it.
+    token = guard_token.mint(state["kubeconfig"], work / "guard-token", namespace="gpufleet-system",
+                             service_account="gpufleet-operator")
+    operator = start_operator(operator_kubeconfig(state, work), work, port, token)
     say(f"operator running under the chart's ServiceAccount (log {work / 'operator.log'})")
     prom = LocalPrometheus(work / "prometheus", f"127.0.0.1:{port}").start()
     say(f"Prometheus at {prom.url} with gpufleet's alert and recording rules")
