@@ -244,13 +244,6 @@ async def kill_mid_answer(kube, control_plane, ns: str, load, kills: list) -> No
                    describe=_describe(control_plane, ns))
 
 
-# Quarantined, not hidden: it runs on every `make test` and reports XFAIL or XPASS. Two of three fresh runs
-# failed it before its two causes were found (docs/dev-cluster.md, "The killed-engine test on the real
-# node"): kills that cut only streams not yet answered (now it waits for an answer under way), and routers
-# starved of CPU on this 2-core node writing live guards off as timed out (now their retry windows leave
-# their own stalls out). Issue 51 stays open until fresh-clone runs with both fixes pass it.
-@pytest.mark.xfail(strict=False, reason="was flaky on the 2-core real node: kills that cut nothing under way, "
-                                        "starved routers (issue 51, docs/dev-cluster.md)")
 async def test_an_engine_killed_mid_stream_is_resumed_and_a_scale_in_loses_no_stream(service, install, kube,
                                                                                      control_plane, router):
     ns = install.work_ns
@@ -268,7 +261,8 @@ async def test_an_engine_killed_mid_stream_is_resumed_and_a_scale_in_loses_no_st
 async def killed_and_scaled_in(install, kube, control_plane, router) -> None:
     ns = install.work_ns
     routers = await _pods(kube, install.operator_ns, ROUTER_SELECTOR)
-    await _set_spec(kube, ns, {"autoscaling": {"minReplicas": 2}})
+    # Both bounds: a run after this test's own cleanup (maxReplicas 1, `--count`) starts from the same spec.
+    await _set_spec(kube, ns, {"autoscaling": {"minReplicas": 2, "maxReplicas": 2}})
     await wait_for(lambda: _service_ready(kube, ns, 2), timeout=720, what="two Ready replicas",
                    describe=_describe(control_plane, ns))
     await wait_for(lambda: model_listed(router), timeout=60, what="the router listing the model")
