@@ -54,6 +54,7 @@ lint:
 generate:
 	.venv/bin/gpufleet crd -o crds/inferenceservices.serving.gpufleet.dev.yaml
 	.venv/bin/gpufleet crd --kind InferenceAdapter -o crds/inferenceadapters.serving.gpufleet.dev.yaml
+	.venv/bin/gpufleet crd --kind InferenceTenants -o crds/inferencetenants.serving.gpufleet.dev.yaml
 	.venv/bin/gpufleet crd --markdown -o docs/api.md
 	.venv/bin/python dashboards/build.py
 	.venv/bin/python scripts/sync_chart.py

@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "gpufleet"
 PAIRS = [(ROOT / "crds" / crd, CHART / "crds" / crd)
-         for crd in ("inferenceservices.serving.gpufleet.dev.yaml", "inferenceadapters.serving.gpufleet.dev.yaml")]
+         for crd in ("inferenceservices.serving.gpufleet.dev.yaml", "inferenceadapters.serving.gpufleet.dev.yaml",
+                     "inferencetenants.serving.gpufleet.dev.yaml")]
 PAIRS += [(ROOT / "rules" / "gpufleet.rules.yaml", CHART / "files" / "gpufleet.rules.yaml")]
 PAIRS += [(p, CHART / "files" / "dashboards" / p.name) for p in sorted((ROOT / "dashboards").glob("*.json"))]
 

@@ -9,6 +9,8 @@ import yaml
 
 from . import schema
 from . import v1alpha1 as t
+from .tenants import usage as tenancy
+from .tenants.declaration import TenantsSpec
 
 
 def _strip_status_defaults(schema: dict) -> dict:
@@ -86,11 +88,13 @@ class Kind:
     singular: str
     short_names: list[str]
     spec: type
-    status: type
+    status: type | None  # None: a declaration nobody writes a status for
     description: str
     columns: list[dict]
     subresources: dict
     metadata_schema: dict = field(default_factory=lambda: {"type": "object"})
+    # CEL rules on the whole object: the only place a rule may read metadata.name.
+    validations: list[dict] = field(default_factory=list)
 
 
 SERVICE = Kind(
@@ -108,7 +112,25 @@ ADAPTER = Kind(
     ADAPTER_PRINTER_COLUMNS, {"status": {}},
     # The name is what clients send as `model`, a folder name and a metric label.
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 63, "pattern": t.DNS_LABEL}}})
-KINDS = {k.kind: k for k in (SERVICE, ADAPTER)}
+TENANTS_PRINTER_COLUMNS: list[dict] = [
+    {"name": "Identity", "type": "string", "jsonPath": ".spec.identity",
+     "description": "How callers are identified: Keys (Bearer keys) or Trusted (a gateway's header)"},
+    {"name": "Tenants", "type": "string", "jsonPath": ".spec.tenants[*].name", "description": "The tenants' names"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+TENANTS_NAME_MESSAGE = (f"one declaration per namespace: name it {tenancy.TENANTS_NAME} "
+                        f"(metadata.name: {tenancy.TENANTS_NAME}); the router reads no other")
+TENANTS = Kind(
+    tenancy.TENANTS_KIND, tenancy.TENANTS_PLURAL, tenancy.TENANTS_SINGULAR, [tenancy.TENANTS_NAME], TenantsSpec,
+    None,
+    "The tenants of a namespace, for every InferenceService and InferenceAdapter in it: who is asking (API "
+    "keys or a trusted gateway's header), the limits each may use, and its fair-share weight "
+    f"(docs/tenants.md). One per namespace, named {tenancy.TENANTS_NAME}.",
+    TENANTS_PRINTER_COLUMNS, {},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 253}}},
+    [schema.rule(f"self.metadata.name == '{tenancy.TENANTS_NAME}'", TENANTS_NAME_MESSAGE,
+                 field_path=".metadata.name")])
+KINDS = {k.kind: k for k in (SERVICE, ADAPTER, TENANTS)}
 
 
 def crd_file_name(kind: Kind = SERVICE) -> str:
@@ -116,8 +138,18 @@ def crd_file_name(kind: Kind = SERVICE) -> str:
 
 
 def build_crd(kind: Kind = SERVICE) -> dict:
-    spec_schema = schema.openapi(kind.spec)
-    status_schema = _strip_status_defaults(schema.openapi(kind.status))
+    properties = {
+        "apiVersion": {"type": "string", "description": "API version of this object."},
+        "kind": {"type": "string", "description": "Kind of this object."},
+        "metadata": kind.metadata_schema,
+        "spec": schema.openapi(kind.spec),
+    }
+    if kind.status is not None:
+        properties["status"] = _strip_status_defaults(schema.openapi(kind.status))
+    root: dict[str, Any] = {"type": "object", "description": kind.description, "required": ["spec"],
+                            "properties": properties}
+    if kind.validations:
+        root["x-kubernetes-validations"] = kind.validations
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -133,25 +165,15 @@ def build_crd(kind: Kind = SERVICE) -> dict:
                 "name": t.VERSION, "served": True, "storage": True,
                 "subresources": kind.subresources,
                 "additionalPrinterColumns": kind.columns,
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": kind.description,
-                    "required": ["spec"],
-                    "properties": {
-                        "apiVersion": {"type": "string", "description": "API version of this object."},
-                        "kind": {"type": "string", "description": "Kind of this object."},
-                        "metadata": kind.metadata_schema,
-                        "spec": spec_schema,
-                        "status": status_schema,
-                    },
-                }},
+                "schema": {"openAPIV3Schema": root},
             }],
         },
     }
 
 
 def render_yaml(kind: Kind = SERVICE) -> str:
-    header = "# Generated from api/gpufleet_api/v1alpha1/ by `gpufleet crd`. Do not edit.\n"
+    source = "api/gpufleet_api/tenants/declaration.py" if kind is TENANTS else "api/gpufleet_api/v1alpha1/"
+    header = f"# Generated from {source} by `gpufleet crd`. Do not edit.\n"
     return header + yaml.safe_dump(build_crd(kind), sort_keys=False, width=100)
 
 
@@ -167,7 +189,8 @@ def _default_text(default: Any) -> str:
 
 def _tables(kind: Kind) -> tuple[list[str], list[str], list[str]]:
     """(spec rows, status rows, CEL rule lines) of a kind's field reference."""
-    root = build_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    whole = build_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root = whole["properties"]
     rows: list[str] = []
 
     def walk(schema: dict, path: str) -> None:
@@ -198,22 +221,26 @@ def _tables(kind: Kind) -> tuple[list[str], list[str], list[str]]:
                 walk_status(sub, p)
             elif sub.get("items", {}).get("properties"):
                 walk_status(sub["items"], p + "[]")
-    walk_status(root["status"], "status")
-    rules: list[str] = []
+    walk_status(root.get("status", {}), "status")
+    # Rules on the whole object (they read metadata) are named by the field they are about.
+    rules = [f"- `{r['fieldPath'].lstrip('.')}`: {r['message']}" for r in whole.get("x-kubernetes-validations", [])]
 
     def collect(schema: dict, path: str) -> None:
         for r in schema.get("x-kubernetes-validations", []):
             rules.append(f"- `{path}`: {r['message']}")
         for name, sub in schema.get("properties", {}).items():
             collect(sub, f"{path}.{name}")
+        if "items" in schema:
+            collect(schema["items"], path + "[]")
     collect(root["spec"], "spec")
     return rows, status_rows, rules
 
 
 def render_markdown() -> str:
-    """docs/api.md: every spec field with type, default and description, of both kinds."""
+    """docs/api.md: every spec field with type, default and description, of every kind."""
     rows, status_rows, rules = _tables(SERVICE)
     adapter_rows, adapter_status_rows, adapter_rules = _tables(ADAPTER)
+    tenants_rows, _, tenants_rules = _tables(TENANTS)
     return "\n".join([
         "# InferenceService API (serving.gpufleet.dev/v1alpha1)", "",
         "Generated from `api/gpufleet_api/v1alpha1/` (`gpufleet crd --markdown`); "
@@ -244,4 +271,12 @@ def render_markdown() -> str:
         "| field | type | default | description |", "|---|---|---|---|", *adapter_rows, "",
         "## Status (written by the operator)", "",
         "| field | type | description |", "|---|---|---|", *adapter_status_rows, "",
-        "## Rules (checked by the API server)", "", *adapter_rules, ""])
+        "## Rules (checked by the API server)", "", *adapter_rules, "",
+        f"# {TENANTS.kind} API ({t.GROUP}/{t.VERSION})", "",
+        f"The tenants of a namespace (`kubectl get {TENANTS.short_names[0]}`), generated from "
+        "`api/gpufleet_api/tenants/declaration.py`: one object per namespace, named "
+        f"`{tenancy.TENANTS_NAME}`, for every InferenceService and InferenceAdapter in it (docs/tenants.md). "
+        "It has no status: the router reads it and reports what it refuses in its log and metrics.", "",
+        "| field | type | default | description |", "|---|---|---|---|", *tenants_rows, "",
+        "## Rules (checked by the API server)", "",
+        "- `spec.tenants`: each name once (a list keyed by `name`).", *tenants_rules, ""])

@@ -2,8 +2,8 @@
 
 Declared per namespace, for every InferenceService in it (docs/tenants.md, "Where tenants are
 declared"): the Secrets holding a tenant's key hashes live in that namespace, and a team's budget is
-one across the models it calls there. Not part of a CRD yet: ``parse`` reads the document the way the
-other API types are read (every problem at once, each named by its camelCase path with the fix). An
+one across the models it calls there. ``TenantsSpec`` is the spec of the InferenceTenants kind (its CRD is
+generated from these types, ``crd.TENANTS``); ``parse`` reads one the way the other API types are read (every problem at once, each named by its camelCase path with the fix). An
 unknown field is refused, not ignored: a misspelt ``limit`` must not read as "no limit".
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from msgspec import Meta
 
 from gpufleet_api.typed import Invalid, Model, Problem, convert
 
+from ..schema import rule
 from ..v1alpha1.common import DNS_LABEL, SecretKeyRef
 
 # The header a trusted gateway names the tenant in, and the fairness ids of the Gateway API Inference
@@ -25,6 +26,13 @@ FAIRNESS_ID_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fai
 UNKNOWN_TENANT = "unknown"
 MAX_TENANTS = 256
 HEADER_NAME = r"^[a-z0-9!#$%&'*+.^_`|~-]+$"  # an HTTP field name (RFC 9110 token), lower case
+
+# Said by ``problems`` and by the CRD's CEL rules alike.
+UNKNOWN_NAME_MESSAGE = (f"{UNKNOWN_TENANT!r} is the label of callers who are not a declared tenant; "
+                        f"name the tenant otherwise, e.g. {UNKNOWN_TENANT}-team")
+KEYS_NEEDED_MESSAGE = ("identity is Keys, so each tenant needs keys: the Secret (name, key) holding its "
+                       "key hashes; or set identity: Trusted behind a gateway that authenticates")
+KEYS_UNREAD_MESSAGE = "identity is Trusted, so keys are never read; remove keys or set identity: Keys"
 
 
 class TenantLimits(Model, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -48,7 +56,9 @@ class Tenant(Model, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One team sharing the fleet."""
     name: Annotated[str, Meta(
         description="The tenant's name: the label its usage is counted under.",
-        pattern=DNS_LABEL, min_length=1, max_length=63)]
+        pattern=DNS_LABEL, min_length=1, max_length=63,
+        extra_json_schema={"x-kubernetes-validations": [rule(
+            f"self != '{UNKNOWN_TENANT}'", UNKNOWN_NAME_MESSAGE)]})]
     weight: Annotated[int, Meta(
         description="Fair share under saturation, relative to the other tenants of the same queue "
                     "class: a tenant of weight 2 is served twice the tokens of one of weight 1 while both "
@@ -75,6 +85,14 @@ class TrustedIdentity(Model, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 class TenantsSpec(Model, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The tenants of one namespace and how their callers are identified."""
+    # What ``problems`` says of a parsed spec, said by the API server too so `kubectl apply` refuses it (a
+    # duplicate name it refuses by the list's map key).
+    __schema__ = {"x_kubernetes_validations": [
+        rule("self.identity != 'Keys' || self.tenants.all(t, has(t.keys))", KEYS_NEEDED_MESSAGE,
+             field_path=".tenants"),
+        rule("self.identity != 'Trusted' || self.tenants.all(t, !has(t.keys))", KEYS_UNREAD_MESSAGE,
+             field_path=".tenants"),
+    ]}
     identity: Annotated[Literal["Keys", "Trusted"], Meta(
         description="Keys: a caller sends Authorization: Bearer <key>, checked against the hashes in each "
                     "tenant's Secret; no valid key, 401. Trusted: a gateway in front authenticates callers "
@@ -107,19 +125,14 @@ def problems(spec: TenantsSpec) -> list[Problem]:
     seen: dict[str, int] = {}
     for i, t in enumerate(spec.tenants):
         if t.name == UNKNOWN_TENANT:
-            out.append(Problem(("tenants", i, "name"),
-                               f"{UNKNOWN_TENANT!r} is the label of callers who are not a declared tenant; "
-                               f"name the tenant otherwise, e.g. {UNKNOWN_TENANT}-team"))
+            out.append(Problem(("tenants", i, "name"), UNKNOWN_NAME_MESSAGE))
         if t.name in seen:
             out.append(Problem(("tenants", i, "name"),
                                f"{t.name!r} is already the name of tenants[{seen[t.name]}]; each tenant needs "
                                "its own name (merge the two or rename one)"))
         seen.setdefault(t.name, i)
         if spec.identity == "Keys" and t.keys is None:
-            out.append(Problem(("tenants", i, "keys"),
-                               "identity is Keys, so each tenant needs keys: the Secret (name, key) holding its "
-                               "key hashes; or set identity: Trusted behind a gateway that authenticates"))
+            out.append(Problem(("tenants", i, "keys"), KEYS_NEEDED_MESSAGE))
         if spec.identity == "Trusted" and t.keys is not None:
-            out.append(Problem(("tenants", i, "keys"),
-                               "identity is Trusted, so keys are never read; remove keys or set identity: Keys"))
+            out.append(Problem(("tenants", i, "keys"), KEYS_UNREAD_MESSAGE))
     return out

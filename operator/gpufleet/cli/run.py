@@ -193,10 +193,11 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
               help="Write to this file instead of stdout.")
 @click.option("--markdown", is_flag=True, help="The field reference (docs/api.md) instead of the YAML.")
-@click.option("--kind", type=click.Choice(["InferenceService", "InferenceAdapter"]), default="InferenceService",
-              show_default=True, help="Which CRD to print (the field reference covers both).")
+@click.option("--kind", type=click.Choice(["InferenceService", "InferenceAdapter", "InferenceTenants"]),
+              default="InferenceService", show_default=True,
+              help="Which CRD to print (the field reference covers every kind).")
 def crd(output: str | None, markdown: bool, kind: str) -> None:
-    """Print a CRD (InferenceService or InferenceAdapter) generated from the API types."""
+    """Print a CRD (InferenceService, InferenceAdapter or InferenceTenants) generated from the API types."""
     from gpufleet_api.crd import KINDS, render_markdown, render_yaml
     text = render_markdown() if markdown else render_yaml(KINDS[kind])
     if output:
