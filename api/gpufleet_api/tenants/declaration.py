@@ -2,9 +2,10 @@
 
 Declared per namespace, for every InferenceService in it (docs/tenants.md, "Where tenants are
 declared"): the Secrets holding a tenant's key hashes live in that namespace, and a team's budget is
-one across the models it calls there. ``TenantsSpec`` is the spec of the InferenceTenants kind (its CRD is
-generated from these types, ``crd.TENANTS``); ``parse`` reads one the way the other API types are read (every problem at once, each named by its camelCase path with the fix). An
-unknown field is refused, not ignored: a misspelt ``limit`` must not read as "no limit".
+one across the models it calls there. ``TenantsSpec`` is the spec of the InferenceTenants kind (its CRD
+is generated from these types: ``crd.TENANTS``); ``parse`` reads one the way the other API types are
+read (every problem at once, each named by its camelCase path with the fix). An unknown field is
+refused, not ignored: a misspelt ``limit`` must not read as "no limit".
 """
 from __future__ import annotations
 
