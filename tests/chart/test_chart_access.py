@@ -107,6 +107,10 @@ def test_bad_network_policy_values_are_refused_naming_the_value(helm, args, mess
     assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
+def one_of(rules: list[dict], resource: str) -> dict:
+    return next(r for r in rules if resource in r["resources"])
+
+
 def test_inferenceservices_aggregate_into_the_built_in_roles(helm):
     docs = render(helm)
     view = one(docs, "ClusterRole", "gpufleet-inferenceservices-view")
@@ -118,6 +122,8 @@ def test_inferenceservices_aggregate_into_the_built_in_roles(helm):
             if k.startswith("rbac.authorization.k8s.io/aggregate-to-")} == {
         "rbac.authorization.k8s.io/aggregate-to-edit", "rbac.authorization.k8s.io/aggregate-to-admin"}
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in view["rules"])
+    # A namespace's tenants are read and written by whoever may read and write its services.
+    assert all("inferencetenants" in one_of(role["rules"], "inferenceservices")["resources"] for role in (view, edit))
     # Status is the operator's: no user role writes it.
     assert not [r for r in edit["rules"] if "inferenceservices/status" in r["resources"]]
     assert not [d for d in render(helm, "--set", "rbac.aggregateToDefaultRoles=false")

@@ -73,6 +73,10 @@ def test_the_routers_read_only_in_the_namespaces_they_route(helm):  # noqa: F811
     # router.namespaces, when set, says where the routers route and so where their Roles are.
     only = docs(helm, *NAMESPACED, "--set", "router.namespaces={ml}")
     assert set(rbac(only, "Role", "gpufleet-router")) == {"ml"}
+    # The tenants' key Secrets: readable in the routed namespaces only, and nowhere cluster-wide.
+    assert grants(rbac(only, "Role", "gpufleet-router")["ml"]["rules"])[("", "secrets")] == {"get", "list", "watch"}
+    assert not [r for d in only if d["kind"] == "ClusterRole" for r in d.get("rules") or []
+                if "secrets" in r["resources"]]
 
 
 def test_the_operator_is_told_the_namespaces_its_roles_are_in(helm):  # noqa: F811

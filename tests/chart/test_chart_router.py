@@ -1,5 +1,6 @@
 """The chart's router: a Deployment of two replicas with a PDB, its own Service,
-read-only RBAC (get, list, watch) on InferenceServices, InferenceAdapters and pods, discovery
+read-only RBAC (get, list, watch) on InferenceServices, InferenceAdapters, InferenceTenants, pods and
+(unless told not to) Secrets for the tenants' key hashes, discovery
 by watch unless told to list, the engines' NetworkPolicy admitting it, and an HTTPRoute only
 when asked for and pointed at a Gateway."""
 import yaml
@@ -35,17 +36,29 @@ def test_the_router_runs_two_replicas_behind_its_own_service_and_a_pdb(helm):  #
         "gpufleet-operator"
 
 
-def test_the_router_may_only_read_inferenceservices_their_adapters_and_pods(helm):  # noqa: F811
+def test_the_router_may_only_read_services_adapters_tenants_pods_and_key_secrets(helm):  # noqa: F811
     docs = objects(helm)
     rules = docs[("ClusterRole", "gpufleet-router")]["rules"]
     assert {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]} == {
-        ("serving.gpufleet.dev", "inferenceservices"), ("serving.gpufleet.dev", "inferenceadapters"), ("", "pods")}
+        ("serving.gpufleet.dev", "inferenceservices"), ("serving.gpufleet.dev", "inferenceadapters"),
+        ("serving.gpufleet.dev", "inferencetenants"), ("", "pods"), ("", "secrets")}
     # list and watch: the default discovery watches each of them (router.discovery=watch)
     assert all(set(rule["verbs"]) == {"get", "list", "watch"} for rule in rules)
     binding = docs[("ClusterRoleBinding", "gpufleet-router")]
     assert binding["subjects"][0]["name"] == "gpufleet-router"
     assert docs[("Deployment", "gpufleet-router")]["spec"]["template"]["spec"]["serviceAccountName"] == \
         "gpufleet-router"
+
+
+def test_without_key_secrets_the_router_reads_no_secret_but_still_the_tenants(helm):  # noqa: F811
+    rules = objects(helm, "--set", "router.tenants.readKeySecrets=false")[("ClusterRole", "gpufleet-router")]["rules"]
+    resources = {r for rule in rules for r in rule["resources"]}
+    assert "secrets" not in resources and "inferencetenants" in resources
+
+
+def test_a_misspelt_tenants_value_is_refused(helm):  # noqa: F811
+    out = template(helm, "--set", "router.tenants.readKeySecret=false", check=False)
+    assert out.returncode != 0 and "additional properties 'readKeySecret' not allowed" in out.stderr
 
 
 def test_the_engines_policy_admits_the_routers_namespace(helm):  # noqa: F811

@@ -21,9 +21,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- /* The routers' rules, in a ClusterRole (rbac.scope Cluster) or a Role per namespace (Namespaced). */ -}}
 {{- define "gpufleet.router.rules" -}}
 - apiGroups: [serving.gpufleet.dev]
-  resources: [inferenceservices, inferenceadapters]
+  resources: [inferenceservices, inferenceadapters, inferencetenants]
   verbs: [get, list, watch]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+{{- if .Values.router.tenants.readKeySecrets }}
+# The tenants' key hashes (docs/tenants.md, "Keys"). The routers watch only Secrets labelled
+# gpufleet.dev/tenant-keys=true (a label-selected watch), but RBAC cannot grant by label: this lets them
+# read every Secret where the rules apply (the cluster with rbac.scope Cluster, each routed namespace
+# with Namespaced). router.tenants.readKeySecrets=false drops it (identity: Trusted needs no Secret).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, list, watch]
+{{- end }}
 {{- end -}}
