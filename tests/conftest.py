@@ -62,6 +62,7 @@ def crds_installed(control_plane):
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(root / "crds"))
     control_plane.wait_established("inferenceservices.serving.gpufleet.dev")
     control_plane.wait_established("inferenceadapters.serving.gpufleet.dev")
+    control_plane.wait_established("inferencetenants.serving.gpufleet.dev")
     return True
 
 

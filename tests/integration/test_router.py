@@ -7,11 +7,16 @@ that service's pods; an unknown model gets 404 naming the served ones; a
 stream arrives as several SSE chunks; chat requests sharing a long system
 prompt land on one replica, whose vLLM reports prefix-cache hits; distinct
 prompts use both replicas; a replica deleted under load drains without a
-failed request."""
+failed request. Then tenants (docs/tenants.md): 401 without a valid key before
+any guard, 429 over a tenant's tokens per minute and served after its
+Retry-After, usage equal to what the clients received, and a key rotated
+without a restart."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import secrets
 import subprocess
 import sys
 import uuid
@@ -24,6 +29,16 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufleet.manifests import names
+from gpufleet_api.tenants import keys
+from gpufleet_api.tenants.usage import (
+    ANSWER_TOKENS,
+    KEYS_SECRET_LABEL,
+    PROMPT_TOKENS,
+    REQUESTS,
+    TENANTS_KIND,
+    TENANTS_NAME,
+    TOKEN_LIMIT,
+)
 from gpufleet_kit.kube.pods import is_serving
 from tests.support.waiting import wait_for
 
@@ -244,3 +259,146 @@ async def test_a_replica_deleted_under_load_drains_without_a_failed_request(flee
         stop.set()
         await asyncio.gather(*clients)
     assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+
+
+# Tenants (docs/tenants.md): the namespace declares two tenants with API keys. The router answers 401 before
+# any guard, 429 with a Retry-After over a tenant's tokens per minute (served once it has passed), takes a
+# rotated key without a restart, and counts what each tenant's clients received. Last in the module: from
+# the declaration on, every request to the namespace needs a key.
+TENANT_TPM = 600            # team-a: about five 110-token requests a minute
+ANSWER = 100                # tokens per answer (ignore_eos: exactly this many)
+
+
+class Tenancy:
+    def __init__(self, fleet: Fleet, control_plane):
+        self.fleet, self.control_plane = fleet, control_plane
+        self.keys = {t: keys.new_key(secrets.token_bytes(keys.KEY_BYTES)) for t in ("team-a", "team-b")}
+
+    def apply(self, records: dict[str, list[str]]) -> None:
+        docs: list[dict] = [{"apiVersion": "v1", "kind": "Secret", "metadata": {
+            "name": f"{t}-keys", "labels": {KEYS_SECRET_LABEL: "true"}},
+            "stringData": {"keys": "\n".join(keys.record(k, secrets.token_bytes(keys.SALT_BYTES)) for k in ks)}}
+            for t, ks in records.items()]
+        docs.append({"apiVersion": API, "kind": TENANTS_KIND, "metadata": {"name": TENANTS_NAME}, "spec": {
+            "identity": "Keys", "tenants": [
+                {"name": "team-a", "limits": {"tokensPerMinute": TENANT_TPM}, "keys": {"name": "team-a-keys",
+                                                                                       "key": "keys"}},
+                {"name": "team-b", "weight": 2, "keys": {"name": "team-b-keys", "key": "keys"}}]}})
+        self.control_plane.kubectl("apply", "-n", self.fleet.namespace, "-f", "-", input=yaml.safe_dump_all(docs))
+
+    async def ask(self, key: str | None, prompt: str = "Count to ten.", *, authorization: str | None = None,
+                  **extra) -> tuple[int, dict, dict]:
+        """(status, headers, JSON body) of a completion of tiny-b with ``key`` (or a raw Authorization)."""
+        headers = {"Authorization": authorization or f"Bearer {key}"} if (key or authorization) else {}
+        async with self.fleet.http.post(f"{self.fleet.router.url}/v1/completions", headers=headers, json={
+                "model": "tiny-b", "prompt": prompt, "max_tokens": ANSWER, "ignore_eos": True, **extra}) as r:
+            return r.status, dict(r.headers), await r.json(content_type=None)
+
+    async def guard_requests(self) -> float:
+        """Requests the namespace's guards saw, whatever their outcome."""
+        total = 0.0
+        for service_name in (TWO, ONE):
+            for p in await self.fleet.pods(service_name):
+                async with self.fleet.http.get(f"http://{p['status']['podIP']}:{names.GUARD_PORT}/metrics") as r:
+                    total += sum(s.value for f in text_string_to_metric_families(await r.text())
+                                 for s in f.samples if s.name == "gpufleet_guard_requests_total")
+        return total
+
+    async def usage(self, tenant: str) -> dict[str, float]:
+        async with self.fleet.http.get(f"{self.fleet.router.url}/metrics") as r:
+            text = await r.text()
+        got = {PROMPT_TOKENS: 0.0, ANSWER_TOKENS: 0.0, REQUESTS: 0.0}
+        for f in text_string_to_metric_families(text):
+            for s in f.samples:
+                if s.name in got and s.labels.get("tenant") == tenant:
+                    got[s.name] += s.value
+        return got
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tenancy(fleet, control_plane):
+    t = Tenancy(fleet, control_plane)
+    t.apply({tenant: [key] for tenant, key in t.keys.items()})
+
+    async def enforced():
+        return (await t.ask(None))[0] == 401
+    await wait_for(enforced, timeout=60, what="the router enforcing the namespace's tenants", describe=fleet.describe)
+    return t
+
+
+async def test_a_request_without_a_valid_key_gets_401_and_reaches_no_guard(tenancy):
+    before = await tenancy.guard_requests()
+    refused = {
+        "key_missing": await tenancy.ask(None),
+        "key_malformed": await tenancy.ask(None, authorization="Basic dGVhbTpzZWNyZXQ="),
+        "key_unknown": await tenancy.ask(keys.new_key(secrets.token_bytes(keys.KEY_BYTES))),
+    }
+    for code, (status, headers, body) in refused.items():
+        assert status == 401 and headers.get("WWW-Authenticate", "").startswith("Bearer"), (code, status, body)
+        assert body["error"]["code"] == code, body
+        assert "gfk_" not in json.dumps(body), "a refusal echoed a key"
+    assert await tenancy.guard_requests() == before, "a request without a valid key reached a guard"
+    status, _, body = await tenancy.ask(tenancy.keys["team-b"])
+    assert status == 200, body
+    assert await tenancy.guard_requests() == before + 1
+
+
+async def test_a_tenant_over_its_tokens_per_minute_gets_429_and_is_served_after_its_retry_after(tenancy):
+    served = 0
+    for _ in range(TENANT_TPM // ANSWER + 2):
+        status, headers, body = await tenancy.ask(tenancy.keys["team-a"])
+        if status != 200:
+            break
+        served += 1
+    assert status == 429, f"team-a was never refused after {served} answers of {ANSWER} tokens: {body}"
+    assert body["error"]["code"] == TOKEN_LIMIT, body
+    retry_after = int(headers["Retry-After"])
+    assert 1 <= retry_after <= 60 and served >= 1, (served, retry_after)
+    # team-b is not held back by team-a's budget.
+    assert (await tenancy.ask(tenancy.keys["team-b"]))[0] == 200
+    await asyncio.sleep(retry_after)   # what the client was told to wait: the budget has refilled by then
+    status, _, body = await tenancy.ask(tenancy.keys["team-a"])
+    assert status == 200, f"refused again after waiting its Retry-After of {retry_after} s: {body}"
+
+
+async def test_usage_counts_the_tokens_the_clients_received(tenancy):
+    before = await tenancy.usage("team-b")
+    prompt = answer = 0
+    for i in range(2):
+        status, _, body = await tenancy.ask(tenancy.keys["team-b"], f"Plain answer {i}.")
+        assert status == 200, body
+        prompt += body["usage"]["prompt_tokens"]
+        answer += body["usage"]["completion_tokens"]
+    async with tenancy.fleet.http.post(f"{tenancy.fleet.router.url}/v1/completions", headers={
+            "Authorization": f"Bearer {tenancy.keys['team-b']}"}, json={
+            "model": "tiny-b", "prompt": "A streamed answer.", "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status == 200
+        last_usage = None
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                last_usage = usage or last_usage
+    assert last_usage is not None, "the stream carried no usage"
+    prompt += last_usage["prompt_tokens"]
+    answer += last_usage["completion_tokens"]
+    after = await tenancy.usage("team-b")
+    assert after[REQUESTS] - before[REQUESTS] == 3
+    assert (after[PROMPT_TOKENS] - before[PROMPT_TOKENS], after[ANSWER_TOKENS] - before[ANSWER_TOKENS]) == \
+        (prompt, answer)
+
+
+async def test_a_rotated_key_takes_effect_without_a_restart(tenancy):
+    pid = tenancy.fleet.router.proc.pid
+    old = tenancy.keys["team-b"]
+    new = keys.new_key(secrets.token_bytes(keys.KEY_BYTES))
+    tenancy.apply({"team-a": [tenancy.keys["team-a"]], "team-b": [old, new]})     # both during the move
+
+    async def takes(key: str, status: int):
+        return (await tenancy.ask(key, max_tokens=1))[0] == status
+    await wait_for(lambda: takes(new, 200), timeout=30, what="the new key accepted", describe=tenancy.fleet.describe)
+    assert (await tenancy.ask(old, max_tokens=1))[0] == 200, "the old key was refused while both were listed"
+    tenancy.apply({"team-a": [tenancy.keys["team-a"]], "team-b": [new]})          # the old line deleted
+    await wait_for(lambda: takes(old, 401), timeout=30, what="the old key refused", describe=tenancy.fleet.describe)
+    assert (await tenancy.ask(new, max_tokens=1))[0] == 200
+    assert tenancy.fleet.router.proc.poll() is None and tenancy.fleet.router.proc.pid == pid
