@@ -6,7 +6,7 @@ import click
 from gpufleet_router.cli import router
 
 # The commands' modules, not their functions, in this namespace: ``gpufleet.cli.audit`` is the module.
-from . import audit, plan, run
+from . import audit, plan, run, tenants, usage
 
 
 @click.group()
@@ -19,6 +19,8 @@ main.add_command(run.run)
 main.add_command(run.crd)
 main.add_command(audit.audit)
 main.add_command(plan.plan)
+main.add_command(tenants.tenants)
+main.add_command(usage.usage)
 main.add_command(router)
 
 

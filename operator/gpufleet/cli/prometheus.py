@@ -1,6 +1,6 @@
-"""The request distribution of a running service, read from Prometheus for ``gpufleet plan``: the
-queries and what their answers mean are ``gpufleet.planning.queries``; this module sends them. The HTTP
-client (``httpx``) is injectable."""
+"""Instant queries to Prometheus for ``gpufleet plan`` (a running service's request distribution: the
+queries and what their answers mean are ``gpufleet.planning.queries``) and ``gpufleet usage`` (the
+tenants' usage: ``usage_report``); this module sends them. The HTTP client (``httpx``) is injectable."""
 from __future__ import annotations
 
 import asyncio
@@ -36,6 +36,10 @@ class PrometheusClient:
     async def value(self, promql: str) -> float | None:
         """The one value of an aggregated instant query; None when it has no
         samples or is not a finite number (e.g. 0/0, or a quantile of no data)."""
+        return single_value(await self.data(promql), promql)
+
+    async def data(self, promql: str) -> dict:
+        """The ``data`` of an instant query's answer (resultType and result), as Prometheus sent it."""
         endpoint = f"{self.url}/api/v1/query"
         try:
             async with asyncio.timeout(self._timeout):
@@ -53,7 +57,7 @@ class PrometheusClient:
         if body["status"] != "success":
             raise PrometheusError(f"Prometheus refused the query {promql}: "
                                   f"{body.get('errorType', 'error')}: {body.get('error', 'no detail')}")
-        return single_value(body.get("data") or {}, promql)
+        return body.get("data") or {}
 
 
 async def read_sample(client: PrometheusClient, *, service: str, namespace: str | None,
