@@ -1,4 +1,5 @@
-"""How the router learns the InferenceServices, their engine pods and LoRA adapters (docs/router.md, Discovery).
+"""How the router learns the InferenceServices, their engine pods, LoRA adapters and tenants (docs/router.md,
+Discovery; docs/tenants.md).
 
 ``watch`` (the default): an informer (kube/informer.py) per kind and namespace
 keeps the objects current from the API server's watch streams, and after a
@@ -9,6 +10,9 @@ Ready is routable the moment its event arrives, plus at most that delay.
 
 ``list``: the listing every ``--discovery-interval-seconds`` that came first
 (``Fleet.discover``), for clusters where the router may not watch.
+
+Tenants are read either way: each namespace's InferenceTenants and the Secrets labelled
+``gpufleet.dev/tenant-keys=true`` (the ones holding tenants' key records; no other Secret is read).
 """
 from __future__ import annotations
 
@@ -20,10 +24,11 @@ from typing import Callable, Protocol
 from gpufleet_api import API_VERSION, KIND
 from gpufleet_api import engine_pods as names
 from gpufleet_api.guard.adapters import ADAPTER_KIND
+from gpufleet_api.tenants import usage
 from gpufleet_kit.kube.informer import Informer, Watchable
 from gpufleet_kit.kube.pods import is_serving
 
-from .policy import adapters
+from .policy import adapters, tenancy
 from .policy.table import Table, build_table
 
 log = logging.getLogger("gpufleet_router")
@@ -39,7 +44,8 @@ MODES = (Discovery.WATCH, Discovery.LIST)
 COALESCE_SECONDS = 0.1
 ENGINE_PODS = names.engine_pods_selector()
 # What the log says when the API server refuses the router a verb.
-REFUSED_HINT = ("the router needs get, list and watch on InferenceServices, InferenceAdapters and pods (the chart's "
+REFUSED_HINT = ("the router needs get, list and watch on InferenceServices, InferenceAdapters, InferenceTenants, pods "
+                "and Secrets (only those labelled gpufleet.dev/tenant-keys=true are asked for; the chart's "
                 "gpufleet-router ClusterRole grants them); where watch cannot be granted, run it with "
                 "--discovery list (chart: router.discovery=list)")
 
@@ -59,12 +65,14 @@ class Routed(Protocol):
 
     def update(self, table: Table, catalog: adapters.Catalog = adapters.EMPTY) -> None: ...
 
+    def update_tenants(self, declarations: list[dict], secrets: list[dict]) -> None: ...
+
     async def discover(self, kube) -> None: ...
 
 
 def connections_needed(namespaces: tuple[str, ...]) -> int:
     """API connections a watching router holds open (a watch per kind and namespace), and room for more."""
-    return 3 * max(1, len(namespaces)) + 8
+    return 5 * max(1, len(namespaces)) + 8
 
 
 async def run(fleet: Routed, kube: Watchable) -> None:
@@ -94,20 +102,23 @@ class Watcher:
         self.services = informers(API_VERSION, KIND)
         self.pods = informers("v1", "Pod", ENGINE_PODS)
         self.adapters = informers(API_VERSION, ADAPTER_KIND)
+        self.tenants = informers(API_VERSION, usage.TENANTS_KIND)
+        self.key_secrets = informers("v1", "Secret", tenancy.KEYS_SELECTOR)
 
     @property
     def informers(self) -> list[Informer]:
-        return self.services + self.pods + self.adapters
+        return self.services + self.pods + self.adapters + self.tenants + self.key_secrets
 
     async def run(self) -> None:
         tasks = [asyncio.create_task(i.run(), name=f"router-watch {i}") for i in self.informers]
         try:
-            # Routable once the services and pods are known; adapters once their first LIST answered,
-            # either way (without their CRD, or without the right to list them, base models are routed).
+            # Routable once the services and pods are known; adapters and tenants once their first LIST
+            # answered, either way (without their CRD, or without the right to list them, base models are
+            # routed; a namespace whose declaration names Secrets the router cannot read refuses its callers).
             await asyncio.gather(*(i.synced.wait() for i in self.services + self.pods),
-                                 *(i.tried.wait() for i in self.adapters))
-            log.info("watching InferenceServices, engine pods and InferenceAdapters (%s); routes rebuilt within "
-                     "%g s of a change", ", ".join(self.fleet.settings.namespaces) or "every namespace",
+                                 *(i.tried.wait() for i in self.adapters + self.tenants + self.key_secrets))
+            log.info("watching InferenceServices, engine pods, InferenceAdapters and InferenceTenants (%s); routes "
+                     "rebuilt within %g s of a change", ", ".join(self.fleet.settings.namespaces) or "every namespace",
                      self.coalesce)
             while True:
                 self.changed.clear()
@@ -126,5 +137,7 @@ class Watcher:
         items = [o for i in self.adapters for o in i.items()]
         table = build_table(services, pods, is_serving, self.fleet.settings.guard_port, adapters=items)
         self.fleet.update(table, adapters.build_catalog(items, table))
+        self.fleet.update_tenants([o for i in self.tenants for o in i.items()],
+                                  [o for i in self.key_secrets for o in i.items()])
         self.fleet.listed.set()
         self.builds += 1

@@ -13,8 +13,8 @@ from gpufleet_kit.http_limits import JSON_REPLY_CAP, ReplyTooLarge, read_capped
 
 from .errors import RouterError
 from .metrics import RouterMetrics
+from .policy import metering, resume
 from .policy import requests as rq
-from .policy import resume
 from .policy.choice import Pick
 from .policy.prefixes import Prefix
 from .policy.table import Route
@@ -34,6 +34,7 @@ class Call:
     prefix: Prefix | None           # the prompt's leading blocks, for prefix affinity
     adapter: str | None = None      # the LoRA adapter the request names; None: the base model
     relay: Relay | None = None     # a streamed completion relayed event by event, to resume it on a break
+    meter: Meter = dataclasses.field(default_factory=lambda: Meter())   # what the answer used, for its tenant
 
     @property
     def model(self) -> str:
@@ -47,6 +48,14 @@ class Relay:
     stream: resume.Stream
     response: web.StreamResponse | None = None   # the client's, once prepared
     broke_at: float | None = None                 # the last break, until the next replica's first event
+
+
+@dataclasses.dataclass
+class Meter:
+    """What forwarding learns of the answer for its tenant's usage (server.py reads it once the answer ended):
+    a JSON answer's usage, and the guards' refusal passed on to the client. A stream's is its relay's."""
+    counted: metering.Counted | None = None
+    guard_refusal: str | None = None    # the refusal's reason code (metering.refusal_reason)
 
 
 class Refused(RouterError):

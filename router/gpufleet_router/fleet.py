@@ -1,5 +1,5 @@
-"""The router's view of the fleet, kept current by two loops: the route table and adapters from the API
-server (discovery.py watches, or ``discover`` lists), each replica's reading from its guard (``read``);
+"""The router's view of the fleet, kept current by two loops: the route table, adapters and tenants from the
+API server (discovery.py watches, or ``discover`` lists), each replica's reading from its guard (``read``);
 and the requests held through a cold start until a replica can answer them."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from gpufleet_api import engine_pods as names
 from gpufleet_api.engine_pods import DECODE, ROLES, UNIFIED
 from gpufleet_api.guard.adapters import ADAPTER_KIND
 from gpufleet_api.guard.endpoints import GUARD_METRICS_PATH
+from gpufleet_api.tenants import usage
 from gpufleet_kit.http_limits import METRICS_REPLY_CAP, ReplyTooLarge, text_capped
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.errors import NotFound
@@ -23,7 +24,7 @@ from gpufleet_kit.kube.pods import is_serving
 
 from .loop_lag import LoopLag
 from .metrics import RouterMetrics
-from .policy import adapters
+from .policy import adapters, tenancy
 from .policy.choice import Picker
 from .policy.cold_start import ColdStarts
 from .policy.replicas import Reading
@@ -50,6 +51,10 @@ class Fleet:
         self.draining = False
         self._problems: tuple[str, ...] = ()
         self._adapter_items: list[dict] = []   # the last InferenceAdapters listed
+        self.tenancies: dict[str, tenancy.Tenancy | tenancy.Closed] = {}   # namespace -> its tenants
+        self._tenant_problems: tuple[str, ...] = ()
+        self._tenant_items: tuple[list[dict], list[dict]] = ([], [])   # the last declarations and Secrets listed
+        metrics.limits_in_use = self._limits_in_use
         self.held: dict[str, collections.deque[asyncio.Future]] = {}
         self.cold_since: dict[str, float] = {}   # model -> when its first request found no replica
         self.cold_starts: dict[str, ColdStarts] = {}
@@ -73,6 +78,22 @@ class Fleet:
         self._prune(table, catalog)
         self._count_replicas()
         self.release_held()
+
+    def update_tenants(self, declarations: list[dict], secrets: list[dict]) -> None:
+        """The tenants of each namespace from its InferenceTenants and the labelled Secrets (tenancy.py);
+        a limiter and the last good declaration are kept across updates."""
+        built = tenancy.build(declarations, secrets, self.tenancies, self.clock())
+        for problem in sorted(set(built.problems) - set(self._tenant_problems)):
+            log.warning("%s", problem)
+        self._tenant_problems = built.problems
+        self.tenancies = built.namespaces
+        self.metrics.prune_tenants({ns: t.declared for ns, t in built.namespaces.items()
+                                    if isinstance(t, tenancy.Tenancy)})
+
+    def _limits_in_use(self) -> list[tuple[str, str, str, float]]:
+        now = self.clock()
+        return [(ns, tenant, limit, used) for ns, t in self.tenancies.items() if isinstance(t, tenancy.Tenancy)
+                for tenant, limit, used in tenancy.limit_used(t, now)]
 
     def _prune(self, table: Table, catalog: adapters.Catalog) -> None:
         """Forget what the router keeps per model, service or adapter once it leaves the table or the catalog:
@@ -114,7 +135,27 @@ class Fleet:
         # claimed first, and the catalog serves the adapters that own theirs.
         table = build_table(services, pods, is_serving, self.settings.guard_port, adapters=items)
         self.update(table, adapters.build_catalog(items, table))
+        self.update_tenants(*await self._list_tenants(kube))
         self.listed.set()
+
+    async def _list_tenants(self, kube: KubeClient) -> tuple[list[dict], list[dict]]:
+        """The InferenceTenants and the tenants' key Secrets in scope, as the watch reads them. Without the
+        CRD there are none; when they cannot be listed, the last ones listed are kept (a namespace that
+        declared tenants is never served anonymously because a listing failed)."""
+        declarations: list[dict] = []
+        secrets: list[dict] = []
+        try:
+            for ns in self.settings.namespaces or (None,):
+                try:
+                    declarations += await kube.list(API_VERSION, usage.TENANTS_KIND, ns)
+                except NotFound:
+                    pass
+                secrets += await kube.list("v1", "Secret", ns, label_selector=tenancy.KEYS_SELECTOR)
+        except Exception as e:
+            log.warning("cannot list InferenceTenants and their key Secrets (tenants as last listed): %s", e)
+            return self._tenant_items
+        self._tenant_items = (declarations, secrets)
+        return self._tenant_items
 
     async def _list_adapters(self, kube: KubeClient) -> list[dict]:
         """The InferenceAdapters in scope. Without their CRD (a chart older than adapters) there are none;

@@ -29,7 +29,7 @@ from .exchange import (
 )
 from .fleet import Fleet
 from .metrics import Outcome
-from .policy import handoff, shedding
+from .policy import handoff, metering, shedding
 from .policy import requests as rq
 from .policy.choice import Pick
 from .policy.prefixes import Prefix
@@ -192,6 +192,7 @@ class Forwarder:
             hints = [r.retry_after for r in refusals if r.retry_after is not None]
             last = refusals[-1]
             self.metrics.requests.labels(model, Outcome.REJECTED).inc()
+            call.meter.guard_refusal = metering.refusal_reason(last.body)
             out = web.Response(status=last.status, body=last.body, content_type=last.content_type)
             if hints:
                 out.headers["Retry-After"] = str(max(1, math.ceil(min(hints))))
@@ -243,8 +244,15 @@ class Forwarder:
                     relay.stream.broke()
                     raise Broken(pick.replica.pod, pick.replica.revision)
             else:
+                # A JSON answer's usage is read as it passes (bounded): what its tenant is charged.
+                tap = metering.BodyTap() if upstream.content_type == "application/json" and \
+                    upstream.headers.get("Content-Encoding", "identity") == "identity" else None
                 async for chunk in upstream.content.iter_any():
+                    if tap is not None:
+                        tap.feed(chunk)
                     await response.write(chunk)
+                if tap is not None:
+                    call.meter.counted = tap.counted()
             done = True
             await response.write_eof()
             outcome = Outcome.OK if upstream.status < 400 else (

@@ -5,11 +5,22 @@ scope, or "" for requests naming no known model (a request for a LoRA adapter
 counts under its service's model, and under the adapter's name, an
 InferenceAdapter in scope, in the ``adapter_*`` counters only); ``role`` is a pool
 (table.ROLES); ``outcome``, ``reason`` and ``transfer_params`` come from the
-fixed lists here and in policy/choice.py."""
+fixed lists here and in policy/choice.py.
+
+The tenants' usage (gpufleet_tenant_*, names and labels from gpufleet_api.tenants.usage) is counted by
+namespace, service, model (the name the request asked for: a served model or an adapter in scope) and
+tenant (a declared one, else "unknown": labels.tenant_label), so it is bounded by the declarations."""
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
+
+from gpufleet_api.tenants import usage
+from gpufleet_api.tenants.declaration import UNKNOWN_TENANT
 
 PREFIX = "gpufleet_router_"
 
@@ -70,9 +81,29 @@ _COLD_START_SECONDS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+# (namespace, tenant, limit, share in use) of every declared limit, read when /metrics is scraped.
+LimitsInUse = Callable[[], Iterable[tuple[str, str, str, float]]]
+
+
+class _LimitUsed(Collector):
+    """The gauge of each tenant's limits in use, computed when scraped: a bucket refills between requests."""
+
+    def __init__(self, source: Callable[[], LimitsInUse]):
+        self.source = source
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(usage.LIMIT_USED, "The share of each tenant's limit in use now (0..1; a "
+                                   "tokens-per-minute budget in debt reads over 1).", labels=["namespace", "tenant",
+                                                                                              "limit"])
+        for namespace, tenant, limit, used in self.source()():
+            family.add_metric([namespace, tenant, limit], used)
+        yield family
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        self.limits_in_use: LimitsInUse = lambda: ()   # the fleet's tenancies set it
         self.requests = Counter(PREFIX + "requests", "Requests by model and outcome.", ["model", "outcome"],
                                 registry=r)
         self.picks = Counter(PREFIX + "picks", "Replica choices by pool and reason (choice.py).",
@@ -136,6 +167,25 @@ class RouterMetrics:
                                      "--body-budget-bytes.", registry=r)
         self.readings_failed = Counter(PREFIX + "readings_failed", "Guard /metrics reads that failed.",
                                        ["model"], registry=r)
+        labels = list(usage.USAGE_LABELS)
+        self.tenant_requests = Counter(usage.REQUESTS, "Requests forwarded to a replica, by tenant.", labels,
+                                       registry=r)
+        self.tenant_refusals = Counter(usage.REFUSALS, "Requests refused, by reason: the router's own (no valid "
+                                       "identity, over a limit) and the guards' 429/503 passed on to the client.",
+                                       [*labels, "reason"], registry=r)
+        self.tenant_prompt_tokens = Counter(usage.PROMPT_TOKENS, "Prompt tokens of answered requests, as their "
+                                            "usage told the client.", labels, registry=r)
+        self.tenant_cached_prompt_tokens = Counter(usage.CACHED_PROMPT_TOKENS, "Of the prompt tokens, those found "
+                                                   "in the prefix cache (vLLM's prompt_tokens_details).", labels,
+                                                   registry=r)
+        self.tenant_answer_tokens = Counter(usage.ANSWER_TOKENS, "Answer tokens of answered requests, as their "
+                                            "usage told the client.", labels, registry=r)
+        r.register(_LimitUsed(lambda: self.limits_in_use))
+
+    @property
+    def tenant_usage(self) -> tuple[Counter, ...]:
+        return (self.tenant_requests, self.tenant_refusals, self.tenant_prompt_tokens,
+                self.tenant_cached_prompt_tokens, self.tenant_answer_tokens)
 
     def prune(self, models: set[str], adapters: set[str], services: set[tuple[str, str]]) -> None:
         """Remove the label sets of models, adapters and services no longer in scope (fleet.py, as the table
@@ -158,6 +208,19 @@ class RouterMetrics:
         for metric in (self.resumed_streams, self.resume_gap_seconds):
             for service in _label_values(metric, "service") - names:
                 metric.remove_by_labels({"service": service})
+        for metric in self.tenant_usage:
+            for model in _label_values(metric, "model") - models - adapters:
+                metric.remove_by_labels({"model": model})
+            for namespace, service in _label_pairs(metric, "namespace", "service") - services:
+                metric.remove_by_labels({"namespace": namespace, "service": service})
+
+    def prune_tenants(self, declared: dict[str, frozenset[str]]) -> None:
+        """Remove the usage series of tenants no longer declared in their namespace (``declared``: namespace
+        -> its tenants; a namespace without tenancy keeps only "unknown")."""
+        for metric in self.tenant_usage:
+            for namespace, tenant in _label_pairs(metric, "namespace", "tenant"):
+                if tenant != UNKNOWN_TENANT and tenant not in declared.get(namespace, frozenset()):
+                    metric.remove_by_labels({"namespace": namespace, "tenant": tenant})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,10 @@ fails before it answers, is sent once more to another replica: nothing has
 gone to the client yet. Refused twice, the client gets the 429 with the
 earlier of the replicas' Retry-After hints.
 
+In a namespace that declares tenants (docs/tenants.md), the caller is identified and the tenant's limits
+checked before any of that (tenants.py): 401 or 429 from the router itself, and the guard gets the tenant
+and its weight, never the caller's key.
+
 A disaggregated service (prefill and decode pools) takes each request in two
 steps (handoff.py): a prefill replica, chosen by prefix affinity and load,
 computes the prompt's KV and answers with one token; a decode replica, chosen
@@ -19,8 +23,8 @@ is skipped: decode then computes the prompt itself.
 Here: the aiohttp app and its routes, and ``serve``. The rest, by job: the fleet's state and discovery
 (fleet.py, discovery.py), forwarding and retries (forwarding.py, exchange.py), streams and their
 resumption (streaming.py, policy/resume.py), the P/D hand-off (prefill.py, policy/handoff.py), the settings
-(settings.py); the pure policy in policy/ (choice.py, table.py over the API's route view, shedding.py,
-requests.py).
+(settings.py), the tenants' gate (tenants.py); the pure policy in policy/ (choice.py, table.py over the API's
+route view, shedding.py, requests.py, tenancy.py, metering.py).
 """
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ from .metrics import Outcome, RouterMetrics
 from .policy import adapters, resume
 from .policy import requests as rq
 from .policy.prefixes import prefix_of
-from .settings import BODY_BUDGET_RETRY_AFTER_SECONDS, HOP_BY_HOP, RouterSettings
+from .settings import BODY_BUDGET_RETRY_AFTER_SECONDS, RouterSettings
+from .tenants import Gate
 
 __all__ = ["Fleet", "Router", "RouterSettings", "client_session", "serve"]
 
@@ -61,6 +66,7 @@ class Router:
         self.metrics = fleet.metrics
         self.settings = fleet.settings
         self.forwarder = Forwarder(fleet, http)
+        self.gate = Gate(fleet)
         self.body_budget = BodyBudget(self.settings.body_budget_bytes)
         self.metrics.body_bytes_held.set_function(lambda: self.body_budget.held)
 
@@ -151,19 +157,27 @@ class Router:
         target, adapter = resolved.route, resolved.adapter
         if adapter is not None:
             self.metrics.adapter_requests.labels(adapter.name).inc()
+        admission = self.gate.admit(request, route, parsed, target, adapter.name if adapter else target.model)
+        if isinstance(admission, web.Response):
+            return admission
         prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks,
                            adapter=adapter.name if adapter else None)
         if prefix is not None:
             self.metrics.prefix_keyed.labels(target.model).inc()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         relay = self._relay(body, route, parsed)
         if relay is not None and relay.stream.refusal is None:
             # Counted from vLLM's usage in each chunk (what the client did not ask for is taken out again).
             body = json.dumps(resume.upstream_body(relay.stream.doc)).encode()
+        call = Call(request, route, body, admission.headers(request.headers), parsed, target, arrived, prefix,
+                    adapter.name if adapter else None, relay)
+        self.gate.forwarded(admission)
+        status: int | None = None
         try:
-            return await self.forwarder.forward(Call(request, route, body, headers, parsed, target, arrived, prefix,
-                                             adapter.name if adapter else None, relay))
+            response = await self.forwarder.forward(call)
+            status = response.status
+            return response
         finally:
+            self.gate.settle(admission, call, status)
             self.metrics.request_seconds.labels(target.model).observe(self.fleet.clock() - arrived)
 
     def _relay(self, body: bytes, route: str, parsed: rq.Parsed) -> Relay | None:

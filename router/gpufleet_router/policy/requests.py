@@ -56,10 +56,16 @@ class Parsed:
 
     def cost_blocks(self, block_size: int, route: str) -> int:
         """KV blocks the request will hold at most, estimated from characters."""
+        return max(1, math.ceil(self.estimated_tokens(route) / max(1, block_size)))
+
+    def estimated_tokens(self, route: str) -> int:
+        """The prompt's tokens estimated from characters, plus the answer's limit (``max_tokens`` or
+        ``max_completion_tokens``; DEFAULT_OUTPUT_TOKENS where it names none). Embeddings have no answer.
+        What a tenant's tokens-per-minute budget is charged at admission, until the real count."""
         tokens = math.ceil(len(self.prompt) / CHARS_PER_TOKEN)
         if route != EMBEDDINGS:
             tokens += self.max_tokens if self.max_tokens is not None else DEFAULT_OUTPUT_TOKENS
-        return max(1, math.ceil(tokens / max(1, block_size)))
+        return tokens
 
 
 def parse(body: bytes, route: str) -> Parsed:

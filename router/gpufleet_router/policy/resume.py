@@ -25,6 +25,7 @@ from typing import Any
 
 from gpufleet_api import bounded_json
 
+from . import metering
 from .requests import CHAT, COMPLETIONS, error_body
 
 RESUMABLE_ROUTES = (CHAT, COMPLETIONS)
@@ -138,6 +139,7 @@ class Stream:
         self.base_tokens = 0        # those sent before the current attempt
         self._attempt_tokens = 0    # the current attempt's, as its usage (or its chunks) count them
         self.prompt_tokens: int | None = None   # the original prompt's, from the first replica's usage
+        self.cached_tokens = 0      # of those, found in its prefix cache (prompt_tokens_details)
         self.finish_reason: str | None = None
         self.usage_sent = False
         self.done = False           # data: [DONE] went to the client
@@ -229,6 +231,7 @@ class Stream:
         if isinstance(usage, dict):
             if self.attempt == 0 and isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
+                self.cached_tokens = metering.cached_tokens(usage)
             if isinstance(usage.get("completion_tokens"), int):
                 self._attempt_tokens = usage["completion_tokens"]
         elif produced:
@@ -261,6 +264,13 @@ class Stream:
         usage["completion_tokens"] = self.tokens
         usage["total_tokens"] = prompt + self.tokens
         return usage
+
+    def counted(self) -> metering.Counted | None:
+        """The tokens as the client's usage says them (the original prompt, every token of the answer);
+        None before any replica reported usage."""
+        if self.prompt_tokens is None:
+            return None
+        return metering.Counted(self.prompt_tokens, self.tokens, self.cached_tokens)
 
     # --- after a break ------------------------------------------------------------------------
 

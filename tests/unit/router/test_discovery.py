@@ -76,7 +76,8 @@ async def test_a_pod_turning_ready_is_routable_from_the_watch_without_another_li
     async with Running(kube) as r:
         assert serving(r.fleet, "org/tiny") == ["tiny-0"]
         lists = {k: n for k, n in kube.calls.items() if k[0] == "list"}
-        assert lists == {("list", KIND): 1, ("list", "Pod"): 1, ("list", "InferenceAdapter"): 1}
+        assert lists == {("list", KIND): 1, ("list", "Pod"): 1, ("list", "InferenceAdapter"): 1,
+                         ("list", "InferenceTenants"): 1, ("list", "Secret"): 1}
 
         await kube.merge_patch("v1", "Pod", "tiny-1", ready_patch(), "ml", subresource="status")
         await wait_for(lambda: serving(r.fleet, "org/tiny") == ["tiny-0", "tiny-1"], timeout=ROUTABLE_SECONDS,
