@@ -403,6 +403,8 @@ def fleet_overview() -> dict[str, Any]:
                              f"gpufleet_router_cold_start_seconds_bucket{{{sel}}}[$__rate_interval])))",
                              "cold start p90 (s): {{namespace}}/{{service}}")], unit="none"), 6)
 
+    _tenants_row(g, sel)
+
     g.row("Prefill / decode")
     g.add(timeseries("Prefill fallbacks", "Share of each disaggregated service's requests the router sent to "
                      "decode without a prefill (no prefill replica, refused, failed): decode computed the prompt.",
@@ -441,6 +443,36 @@ def fleet_overview() -> dict[str, Any]:
         annotations=[_scaling_annotation("up", sel, "{{namespace}}/{{service}} scaled up", "green"),
                      _scaling_annotation("down", sel, "{{namespace}}/{{service}} scaled down", "blue"),
                      *_pod_annotations(sel)])
+
+
+# --- tenants ----------------------------------------------------------------
+
+def _tenants_row(g: Grid, sel: str) -> None:
+    """Per tenant of the namespaces shown (docs/tenants.md): what it uses, what it is refused and why,
+    and how full its limits are. The limits are the namespace's, not a service's: no service filter."""
+    def tokens(metric: str) -> str:
+        return f"sum by (namespace, tenant) (rate({metric}{{{sel}}}[$__rate_interval]))"
+    g.row("Tenants")
+    g.add(timeseries("Tokens by tenant", "Prompt plus answer tokens per second of each tenant's answered "
+                     "requests, across the services shown: what tokensPerMinute limits and `gpufleet usage` "
+                     "apportions replicas by.",
+                     [target(tokens("gpufleet_tenant_prompt_tokens_total") + " + "
+                             + tokens("gpufleet_tenant_answer_tokens_total"), "{{namespace}}/{{tenant}}")],
+                     unit="short", stack=True), 6)
+    g.add(timeseries("Requests by tenant", "Requests per second each tenant sent on to a replica; `unknown` "
+                     "is every caller that is not a declared tenant.",
+                     [target(f"sum by (namespace, tenant) (rate(gpufleet_tenant_requests_total{{{sel}}}"
+                             "[$__rate_interval]))", "{{namespace}}/{{tenant}}")], unit="reqps", stack=True), 6)
+    g.add(timeseries("Refusals by tenant and reason", "Requests per second refused: 401 for a missing, malformed "
+                     "or unknown key (GpufleetTenantKeyFailures), 429 for a limit with no room "
+                     "(GpufleetTenantAtQuota), or a guard's own refusal passed on.",
+                     [target(f"sum by (namespace, tenant, reason) (rate(gpufleet_tenant_refusals_total{{{sel}}}"
+                             "[$__rate_interval]))", "{{namespace}}/{{tenant}} {{reason}}")], unit="reqps"), 6)
+    g.add(timeseries("Limits in use", "Share of each tenant's limits in use now, the fullest router's view "
+                     "(each router holds its own budgets); 100% refuses, a token budget in debt reads above.",
+                     [target('max by (namespace, tenant, limit) (gpufleet_tenant_limit_used_ratio'
+                             '{namespace=~"$namespace"})', "{{namespace}}/{{tenant}} {{limit}}")],
+                     unit="percentunit", threshold=1), 6)
 
 
 # --- one service ------------------------------------------------------------

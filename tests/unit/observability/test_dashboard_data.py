@@ -24,7 +24,7 @@ SERVICE = "gpufleet-service.json"
 # The rows checked here, by dashboard.
 ADAPTER_ROW = "LoRA adapters: $adapter"   # repeated per adapter; checked for ADAPTER
 ROWS = {SERVICE: ("Prefill / decode", "KV tier (KV shared through the connector)", ADAPTER_ROW),
-        FLEET: ("Prefill / decode",)}
+        FLEET: ("Prefill / decode", "Tenants")}
 NAMESPACE = "default"
 ADAPTER = "customer-a"
 ADAPTER_STATES = ("Fetching", "Loading", "Loaded", "Failed", "Unloading")
@@ -130,6 +130,26 @@ def router_pod(scrape: Scrape, pod: str, ip: str, model: str, *, handoffs: float
         scrape.per_minute("gpufleet_router_prefill_seconds_bucket", {**target, "le": le}, per_minute)
 
 
+def tenant_usage(scrape: Scrape, pod: str, ip: str) -> None:
+    """A router's tenant series as its ServiceMonitor keeps them (honorLabels): the namespace and service
+    the request was for, not the router's own."""
+    target = {"pod": pod, "instance": f"{ip}:8000", "job": "gpufleet-router"}
+    usage = {**target, "namespace": NAMESPACE, "service": "chat", "model": "chat-model"}
+    # tenant: requests, prompt, cached and answer tokens a minute
+    for tenant, requests, prompt, cached, answer in (("search", 60, 30000, 12000, 6000), ("batch", 30, 12000, 0, 3000)):
+        labels = {**usage, "tenant": tenant}
+        scrape.per_minute("gpufleet_tenant_requests_total", labels, requests)
+        scrape.per_minute("gpufleet_tenant_prompt_tokens_total", labels, prompt)
+        scrape.per_minute("gpufleet_tenant_cached_prompt_tokens_total", labels, cached)
+        scrape.per_minute("gpufleet_tenant_answer_tokens_total", labels, answer)
+    scrape.per_minute("gpufleet_tenant_refusals_total", {**usage, "tenant": "search", "reason": "tokens_per_minute"}, 6)
+    scrape.per_minute("gpufleet_tenant_refusals_total", {**usage, "tenant": "unknown", "reason": "key_unknown"}, 3)
+    scrape.constant("gpufleet_tenant_limit_used_ratio",
+                    {**target, "namespace": NAMESPACE, "tenant": "search", "limit": "tokens_per_minute"}, 0.9)
+    scrape.constant("gpufleet_tenant_limit_used_ratio",
+                    {**target, "namespace": NAMESPACE, "tenant": "batch", "limit": "concurrent_requests"}, 0.5)
+
+
 def fleet() -> Scrape:
     s = Scrape()
     # chat: one prefill and two decode pods sharing KV through the shared-storage connector; the
@@ -150,6 +170,7 @@ def fleet() -> Scrape:
     s.constant("gpufleet_service_slo_ttft_p99_seconds", {"namespace": NAMESPACE, "service": "chat"}, 1)
     router_pod(s, "gpufleet-router-a", "10.1.0.1", "chat-model", handoffs=45, fallbacks={"refused": 3, "timeout": 2},
                prefill=(40, 5))
+    tenant_usage(s, "gpufleet-router-a", "10.1.0.1")
     # tier: a unified service with kvTier Shared; both replicas write and read the tier.
     for pod, ip in (("tier-engine-a", "10.0.1.1"), ("tier-engine-b", "10.0.1.2")):
         engine_pod(s, "tier", pod, ip, None, model="tier-model", requests={"ok": 31}, ttft=(30, 1), itl=(1500, 5),
@@ -202,6 +223,10 @@ SERIES = {
     (FLEET, "Prefill fallbacks", "A"): {"": 1},
     (FLEET, "Refused per pool", "A"): {"": 2},
     (FLEET, "Decode KV hit rate", "A"): {"": 1},
+    (FLEET, "Tokens by tenant", "A"): {"": 2},
+    (FLEET, "Requests by tenant", "A"): {"": 2},
+    (FLEET, "Refusals by tenant and reason", "A"): {"": 2},
+    (FLEET, "Limits in use", "A"): {"": 2},
 }
 
 # (dashboard, panel, refId, service) → {labels: value}, rounded to 0.001.
@@ -229,6 +254,13 @@ VALUES = {
         '{namespace="default", service="chat", role="prefill"}': 0,
         '{namespace="default", service="chat", role="decode"}': 0.043},   # 2 of 47 a minute
     (FLEET, "Decode KV hit rate", "A", ""): {'{namespace="default", service="chat", role="decode"}': 0.95},
+    (FLEET, "Tokens by tenant", "A", ""): {'{namespace="default", tenant="search"}': 600,
+                                          '{namespace="default", tenant="batch"}': 250},
+    (FLEET, "Refusals by tenant and reason", "A", ""): {
+        '{namespace="default", tenant="search", reason="tokens_per_minute"}': 0.1,
+        '{namespace="default", tenant="unknown", reason="key_unknown"}': 0.05},
+    (FLEET, "Limits in use", "A", ""): {'{namespace="default", tenant="search", limit="tokens_per_minute"}': 0.9,
+                                       '{namespace="default", tenant="batch", limit="concurrent_requests"}': 0.5},
 }
 
 
@@ -248,7 +280,7 @@ def checked_targets() -> dict[tuple[str, str, str], str]:
 
 def query(dashboard: str, expr: str, service: str) -> str:
     if dashboard == FLEET:
-        return expr.replace("$namespace", ".+").replace("$service", ".+")
+        return substitute_grafana_variables(expr.replace("$namespace", ".+").replace("$service", ".+"))
     return substitute_grafana_variables(expr.replace("$namespace", NAMESPACE).replace("$service", service)
                                         .replace("$adapter", ADAPTER))
 
