@@ -48,7 +48,7 @@ class Admission:
         dropped = DROPPED | self.tenancy.dropped_headers
         out = {k: v for k, v in client.items() if k.lower() not in dropped}
         out[usage.GUARD_TENANT_HEADER] = self.tenant
-        out[usage.GUARD_WEIGHT_HEADER] = str(self.tenancy.weight(self.tenant))
+        out[usage.GUARD_WEIGHT_HEADER] = self.tenancy.weights[self.tenant]
         return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 from typing import Iterable, Mapping
 
 from gpufleet_api.tenants import declaration, keys, trusted, usage
@@ -43,12 +44,14 @@ class Tenancy:
     keys: keys.KeyTable
     limiter: Limiter
 
-    @property
+    @functools.cached_property
     def declared(self) -> frozenset[str]:
         return frozenset(t.name for t in self.spec.tenants)
 
-    def weight(self, tenant: str) -> int:
-        return self.spec.by_name()[tenant].weight
+    @functools.cached_property
+    def weights(self) -> dict[str, str]:
+        """Each tenant's weight as the guard's header carries it."""
+        return {t.name: str(t.weight) for t in self.spec.tenants}
 
     def identify(self, headers: Mapping[str, str]) -> Identified | Refused:
         """The caller's tenant from the request's headers (names in any case: aiohttp's are
@@ -57,7 +60,7 @@ class Tenancy:
             return trusted.identify(headers, self.spec.trusted, self.declared)
         return self.keys.identify(headers.get("Authorization"))
 
-    @property
+    @functools.cached_property
     def dropped_headers(self) -> frozenset[str]:
         """The client's headers that never reach a guard: its key, and the names the tenant travels in."""
         return GUARD_TENANCY_HEADERS | {"authorization", self.spec.trusted.tenant_header}
