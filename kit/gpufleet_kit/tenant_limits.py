@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Iterator, Literal, Mapping
 
 from gpufleet_api.tenants.declaration import TenantLimits
 
@@ -152,6 +152,19 @@ class Limiter:
         if state.tokens is not None:
             state.tokens.take(real_tokens - ticket.estimated_tokens, now)
         state.in_flight = max(0, state.in_flight - 1)
+
+    def used(self, now: float) -> Iterator[tuple[str, Limit, float]]:
+        """(tenant, limit, share in use now) for each declared limit: a bucket's share taken (over 1 while
+        in debt), requests in flight over the concurrency limit."""
+        for tenant, state in self._states.items():
+            buckets: tuple[tuple[Limit, TokenBucket | None], ...] = (("requests_per_second", state.requests),
+                                                                     ("tokens_per_minute", state.tokens))
+            for limit, bucket in buckets:
+                if bucket is not None:
+                    yield tenant, limit, (bucket.capacity - bucket.level(now)) / bucket.capacity
+            cap = state.limits.concurrent_requests
+            if cap is not None:
+                yield tenant, "concurrent_requests", state.in_flight / cap
 
     def in_flight(self, tenant: str) -> int:
         state = self._states.get(tenant)

@@ -65,7 +65,8 @@ class Routed(Protocol):
 
     def update(self, table: Table, catalog: adapters.Catalog = adapters.EMPTY) -> None: ...
 
-    def update_tenants(self, declarations: list[dict], secrets: list[dict]) -> None: ...
+    def update_tenants(self, declarations: list[dict], secrets: list[dict],
+                       unread: frozenset[str | None] = frozenset()) -> None: ...
 
     async def discover(self, kube) -> None: ...
 
@@ -137,7 +138,10 @@ class Watcher:
         items = [o for i in self.adapters for o in i.items()]
         table = build_table(services, pods, is_serving, self.fleet.settings.guard_port, adapters=items)
         self.fleet.update(table, adapters.build_catalog(items, table))
+        # A namespace whose InferenceTenants were never listed (refused, or the API server failing; a kind not
+        # served counts as listed: none can exist) is refused, never served anonymously.
         self.fleet.update_tenants([o for i in self.tenants for o in i.items()],
-                                  [o for i in self.key_secrets for o in i.items()])
+                                  [o for i in self.key_secrets for o in i.items()],
+                                  frozenset(i.namespace for i in self.tenants if not i.synced.is_set()))
         self.fleet.listed.set()
         self.builds += 1

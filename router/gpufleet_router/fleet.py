@@ -53,7 +53,10 @@ class Fleet:
         self._adapter_items: list[dict] = []   # the last InferenceAdapters listed
         self.tenancies: dict[str, tenancy.Tenancy | tenancy.Closed] = {}   # namespace -> its tenants
         self._tenant_problems: tuple[str, ...] = ()
+        # Namespaces (None: all) whose InferenceTenants were never read: refused rather than served anonymously.
+        self.tenants_unread: frozenset[str | None] = frozenset()
         self._tenant_items: tuple[list[dict], list[dict]] = ([], [])   # the last declarations and Secrets listed
+        self._tenants_listed: set[str | None] = set()     # namespaces whose InferenceTenants were listed once
         metrics.limits_in_use = self._limits_in_use
         self.held: dict[str, collections.deque[asyncio.Future]] = {}
         self.cold_since: dict[str, float] = {}   # model -> when its first request found no replica
@@ -79,9 +82,12 @@ class Fleet:
         self._count_replicas()
         self.release_held()
 
-    def update_tenants(self, declarations: list[dict], secrets: list[dict]) -> None:
+    def update_tenants(self, declarations: list[dict], secrets: list[dict],
+                       unread: frozenset[str | None] = frozenset()) -> None:
         """The tenants of each namespace from its InferenceTenants and the labelled Secrets (tenancy.py);
-        a limiter and the last good declaration are kept across updates."""
+        a limiter and the last good declaration are kept across updates. ``unread``: the namespaces (None:
+        every one) whose InferenceTenants could not be read yet; their requests are refused (503)."""
+        self.tenants_unread = unread
         built = tenancy.build(declarations, secrets, self.tenancies, self.clock())
         for problem in sorted(set(built.problems) - set(self._tenant_problems)):
             log.warning("%s", problem)
@@ -138,24 +144,36 @@ class Fleet:
         self.update_tenants(*await self._list_tenants(kube))
         self.listed.set()
 
-    async def _list_tenants(self, kube: KubeClient) -> tuple[list[dict], list[dict]]:
-        """The InferenceTenants and the tenants' key Secrets in scope, as the watch reads them. Without the
-        CRD there are none; when they cannot be listed, the last ones listed are kept (a namespace that
-        declared tenants is never served anonymously because a listing failed)."""
+    async def _list_tenants(self, kube: KubeClient) -> tuple[list[dict], list[dict], frozenset[str | None]]:
+        """The InferenceTenants and the tenants' key Secrets in scope, as the watch reads them, and the
+        namespaces whose InferenceTenants were never listed. Without the CRD there are none. A namespace
+        whose listing fails keeps what was last listed there; one never listed is refused (a namespace
+        that declared tenants is never served anonymously because a listing failed). Secrets that cannot be
+        listed (the chart's router.tenants.readKeySecrets off) leave those tenants without keys."""
+        last_declarations, last_secrets = self._tenant_items
         declarations: list[dict] = []
         secrets: list[dict] = []
-        try:
-            for ns in self.settings.namespaces or (None,):
-                try:
-                    declarations += await kube.list(API_VERSION, usage.TENANTS_KIND, ns)
-                except NotFound:
-                    pass
+        unread: set[str | None] = set()
+        for ns in self.settings.namespaces or (None,):
+            def here(items: list[dict], ns: str | None = ns) -> list[dict]:
+                return [o for o in items if ns is None or o["metadata"].get("namespace") == ns]
+            try:
+                declarations += await kube.list(API_VERSION, usage.TENANTS_KIND, ns)
+                self._tenants_listed.add(ns)
+            except NotFound:
+                self._tenants_listed.add(ns)
+            except Exception as e:
+                log.warning("cannot list the InferenceTenants of %s (as last listed): %s", ns or "the cluster", e)
+                declarations += here(last_declarations)
+                if ns not in self._tenants_listed:
+                    unread.add(ns)
+            try:
                 secrets += await kube.list("v1", "Secret", ns, label_selector=tenancy.KEYS_SELECTOR)
-        except Exception as e:
-            log.warning("cannot list InferenceTenants and their key Secrets (tenants as last listed): %s", e)
-            return self._tenant_items
+            except Exception as e:
+                log.warning("cannot list the tenants' key Secrets of %s (as last listed): %s", ns or "the cluster", e)
+                secrets += here(last_secrets)
         self._tenant_items = (declarations, secrets)
-        return self._tenant_items
+        return declarations, secrets, frozenset(unread)
 
     async def _list_adapters(self, kube: KubeClient) -> list[dict]:
         """The InferenceAdapters in scope. Without their CRD (a chart older than adapters) there are none;

@@ -27,8 +27,10 @@ from .settings import HOP_BY_HOP
 
 # The client's headers never forwarded to a guard from a namespace without tenants.
 DROPPED = HOP_BY_HOP | tenancy.GUARD_TENANCY_HEADERS
-# The 503 code of a namespace whose tenants' declaration never parsed (tenancy.Closed).
-TENANTS_INVALID = "tenants_invalid"
+TENANTS_INVALID = usage.TENANTS_INVALID     # a namespace whose declaration never parsed (tenancy.Closed)
+TENANTS_UNREAD = usage.TENANTS_UNREAD       # a namespace whose InferenceTenants the router could not read yet
+# A namespace the router could not read the tenants of: tried again within seconds.
+UNREAD_RETRY_AFTER_SECONDS = 5
 
 
 @dataclasses.dataclass
@@ -60,6 +62,14 @@ class Gate:
               model: str) -> Admission | web.Response:
         """Let the request through, or the router's answer refusing it (nothing reached a guard)."""
         ns = target.namespace
+        if ns in self.fleet.tenants_unread or None in self.fleet.tenants_unread:
+            self.metrics.requests.labels(target.model, Outcome.UNAVAILABLE).inc()
+            return error_response(503, rq.error_body(
+                f"The router could not read the InferenceTenants of namespace {ns} yet, so it cannot tell whether "
+                f"callers need a key here, and refuses rather than serve them anonymously. It keeps trying; if "
+                f"this lasts, grant the router get, list and watch on inferencetenants (the chart's router role "
+                f"does) and read its log.", "service_unavailable", code=TENANTS_UNREAD),
+                UNREAD_RETRY_AFTER_SECONDS)
         found = self.fleet.tenancies.get(ns)
         if isinstance(found, tenancy.Closed):
             self.metrics.requests.labels(target.model, Outcome.UNAVAILABLE).inc()

@@ -43,3 +43,7 @@ CONCURRENCY_LIMIT = "concurrent_requests"
 AUTH_REASONS = (KEY_MISSING, KEY_MALFORMED, KEY_UNKNOWN)
 LIMITS = (RATE_LIMIT, TOKEN_LIMIT, CONCURRENCY_LIMIT)
 REFUSAL_REASONS = AUTH_REASONS + LIMITS
+# The 503 codes of a namespace the router cannot judge: its declaration never parsed, or the router could not
+# read whether it declares tenants (it refuses rather than serve anonymously a namespace that may need keys).
+TENANTS_INVALID = "tenants_invalid"
+TENANTS_UNREAD = "tenants_unread"

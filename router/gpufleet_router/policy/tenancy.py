@@ -151,14 +151,5 @@ def key_table(ns: str, spec: TenantsSpec, data: Mapping[tuple[str, str], Mapping
 
 
 def limit_used(tenancy: Tenancy, now: float) -> Iterable[tuple[str, str, float]]:
-    """(tenant, limit, share in use now) for each declared limit: a bucket's share taken (over 1 in debt),
-    requests in flight over the concurrency limit."""
-    # The Limiter has no reading of its buckets yet: its state is read here, in this one place.
-    states = tenancy.limiter._states
-    for tenant, state in states.items():
-        for limit, bucket in ((usage.RATE_LIMIT, state.requests), (usage.TOKEN_LIMIT, state.tokens)):
-            if bucket is not None:
-                yield tenant, limit, (bucket.capacity - bucket.level(now)) / bucket.capacity
-        cap = state.limits.concurrent_requests
-        if cap is not None:
-            yield tenant, usage.CONCURRENCY_LIMIT, state.in_flight / cap
+    """(tenant, limit, share in use now) for each declared limit (Limiter.used)."""
+    return tenancy.limiter.used(now)

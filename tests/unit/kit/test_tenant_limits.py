@@ -125,3 +125,15 @@ def test_a_bucket_needs_positive_capacity_and_rate():
     b.take(10, 0.0)
     assert b.level(-5.0) == 0.0  # a clock read before the last take refills nothing
     assert b.level(4.0) == 4.0 and b.level(100.0) == 10.0
+
+
+def test_used_reads_each_declared_limits_share_in_use_over_one_in_debt():
+    lim = Limiter({"a": TenantLimits(requests_per_second=4, tokens_per_minute=600, concurrent_requests=2),
+                   "b": TenantLimits()}, now=0.0)
+    ticket = lim.admit("a", 300, now=0.0)
+    assert isinstance(ticket, Ticket)
+    assert sorted(lim.used(0.0)) == [("a", "concurrent_requests", 0.5), ("a", "requests_per_second", 0.25),
+                                     ("a", "tokens_per_minute", 0.5)]
+    lim.finish(ticket, 900, now=0.0)           # 600 more than estimated: the bucket is in debt
+    used = {limit: share for _, limit, share in lim.used(0.0)}
+    assert used["tokens_per_minute"] == 1.5 and used["concurrent_requests"] == 0.0

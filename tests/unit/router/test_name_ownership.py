@@ -86,7 +86,7 @@ class FakeKube:
 
     async def list(self, api_version, kind, namespace=None, *, label_selector=None):
         return {(API_VERSION, KIND): self.services, ("v1", "Pod"): self.pods,
-                (API_VERSION, ADAPTER_KIND): self.adapters}[(api_version, kind)]
+                (API_VERSION, ADAPTER_KIND): self.adapters}.get((api_version, kind), [])   # no tenants
 
 
 def ready_pod(name: str, service: str, ip: str, ns: str) -> dict:

@@ -19,6 +19,8 @@ from aiohttp.test_utils import TestServer
 from gpufleet_api import API_VERSION
 from gpufleet_api.tenants import keys, usage
 from gpufleet_api.tenants.declaration import FAIRNESS_ID_HEADERS
+from gpufleet_kit.backoff import Backoff
+from gpufleet_kit.kube.errors import error_for
 from gpufleet_router import discovery
 from gpufleet_router.metrics import RouterMetrics
 from gpufleet_router.policy import tenancy
@@ -497,3 +499,79 @@ async def test_list_mode_reads_the_tenants_too():
     found = fleet.tenancies[NS]
     assert isinstance(found, tenancy.Tenancy)
     assert found.identify(bearer(SEARCH)).tenant == "search"   # type: ignore[union-attr]
+
+
+async def test_a_namespace_whose_tenants_were_never_read_is_refused_not_served_anonymously(rig_of):
+    """Until the router has listed a namespace's InferenceTenants once (refused, or the API server failing at
+    its start), it cannot know whether callers there need a key: 503 with Retry-After, never anonymous."""
+    rig = await rig_of(Engine("a"))
+    for unread in (frozenset({NS}), frozenset({None})):      # the namespace, or the whole cluster's listing
+        rig.fleet.update_tenants([], [], unread)
+        async with rig.post(completion()) as r:
+            body = await r.json()
+            assert r.status == 503 and r.headers["Retry-After"] == "5", body
+        assert body["error"]["code"] == usage.TENANTS_UNREAD and "inferencetenants" in body["error"]["message"]
+    assert rig.engines["a"].headers == []
+    rig.fleet.update_tenants([], [], frozenset({"elsewhere"}))
+    async with rig.post(completion()) as r:
+        assert r.status == 200
+
+
+class RefusingKube(FakeKube):
+    """Lists of the kinds in ``refused`` fail as the API server refuses them (403), others as FakeKube."""
+
+    def __init__(self, refused: set[str]):
+        super().__init__()
+        self.refused = refused
+
+    async def list(self, api_version, kind, namespace=None, **kw):
+        if kind in self.refused:
+            raise error_for(403, {}, f"{kind} is forbidden")
+        return await super().list(api_version, kind, namespace, **kw)
+
+
+async def test_list_mode_refuses_a_namespace_whose_tenants_it_cannot_list_and_reads_them_once_it_can():
+    kube = RefusingKube({usage.TENANTS_KIND})
+    kube.put(isvc("tiny"))
+    kube.put(declaration(keyed({"name": "search"})))
+    kube.put(key_secret("search-keys", SEARCH))
+    fleet = Fleet(RouterSettings(discovery=discovery.Discovery.LIST, namespaces=(NS,)), RouterMetrics())
+    await fleet.list_once(kube)
+    assert fleet.tenants_unread == frozenset({NS}) and NS not in fleet.tenancies
+    kube.refused = set()
+    await fleet.list_once(kube)
+    assert fleet.tenants_unread == frozenset() and isinstance(fleet.tenancies[NS], tenancy.Tenancy)
+    kube.refused = {usage.TENANTS_KIND}        # read once: a later failure keeps what was listed
+    await fleet.list_once(kube)
+    assert fleet.tenants_unread == frozenset() and isinstance(fleet.tenancies[NS], tenancy.Tenancy)
+
+
+async def test_list_mode_without_the_right_to_read_secrets_leaves_keyed_tenants_without_keys():
+    """The chart's router.tenants.readKeySecrets off: Trusted declarations work, Keys ones answer 401."""
+    kube = RefusingKube({"Secret"})
+    kube.put(isvc("tiny"))
+    kube.put(declaration(keyed({"name": "search"})))
+    fleet = Fleet(RouterSettings(discovery=discovery.Discovery.LIST, namespaces=(NS,)), RouterMetrics())
+    await fleet.list_once(kube)
+    found = fleet.tenancies[NS]
+    assert fleet.tenants_unread == frozenset() and isinstance(found, tenancy.Tenancy)
+    assert found.identify(bearer(SEARCH)).reason == "unknown"   # type: ignore[union-attr]
+
+
+async def test_the_watch_refuses_the_namespaces_until_it_has_listed_their_tenants():
+    kube = RefusingKube({usage.TENANTS_KIND})
+    kube.put(isvc("tiny"))
+    kube.put(declaration(keyed({"name": "search"})))
+    kube.put(key_secret("search-keys", SEARCH))
+    fleet = Fleet(RouterSettings(prefix_blocks=0), RouterMetrics())
+    watch = asyncio.create_task(discovery.Watcher(fleet, kube, backoff=Backoff(first=0.01, cap=0.05)).run())
+    try:
+        await asyncio.wait_for(fleet.listed.wait(), 5)
+        assert fleet.tenants_unread == frozenset({None}), "served anonymously before the tenants were read"
+        kube.refused = set()
+        await wait_for(lambda: isinstance(fleet.tenancies.get(NS), tenancy.Tenancy), timeout=5, interval=0.01,
+                       what="the tenants read once the listing was allowed")
+        assert fleet.tenants_unread == frozenset()
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
