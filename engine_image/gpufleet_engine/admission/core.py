@@ -1,7 +1,8 @@
 """``Admission``: the guard's admission core in one object, configured in one place.
 
 It holds the KV ledger, the demand model, the queue, the scheduler with its
-TTFT control, the retry hints, the parse lane and the context limits, and
+TTFT control, the tenants its fair lanes are keyed on, the retry hints, the
+parse lane and the context limits, and
 decides with them: what a request costs, what it reserves, whether it may
 ever fit, its grant, its growth, what its answer taught. ``configure(config)``
 puts a guard.json into effect: ``__init__`` calls it, and so does every live
@@ -16,6 +17,7 @@ from typing import Any, Callable
 
 from gpufleet_api.guard.guard_config import GuardConfig, QueueClass
 from gpufleet_api.guard.guard_metrics import Reason
+from gpufleet_api.tenants.declaration import UNKNOWN_TENANT
 from gpufleet_engine.admission import kv_handoff, route_costs
 from gpufleet_engine.admission.context import Limits, Prepared
 from gpufleet_engine.admission.demand import Demand, OutputPredictor
@@ -26,6 +28,7 @@ from gpufleet_engine.admission.queues import MultiLevelQueue
 from gpufleet_engine.admission.reservations import Learned, Reservation, per_sequence
 from gpufleet_engine.admission.retry_hint import RetryAdvisor
 from gpufleet_engine.admission.scheduler import Scheduler
+from gpufleet_engine.admission.tenant_keys import TenantKeys
 from gpufleet_engine.admission.tokens import Tokenizer
 from gpufleet_engine.admission.ttft_limit import ttft_limit_for
 
@@ -62,6 +65,7 @@ class Admission:
         self.ledger = KvLedger(config.kv_watermark_percent)
         self.queue: MultiLevelQueue = MultiLevelQueue(config.queue_classes, config.aging_seconds,
                                                       config.max_queue_length)
+        self.tenants = TenantKeys(self.queue.weigh, self.queue.forget)
         self.retry = RetryAdvisor(config.retry_after_seconds, clock=clock)
         self.scheduler = Scheduler(self.ledger, self.queue, config.max_concurrency,
                                    config.retry_after_seconds, clock=clock, crowd=self.retry.crowd,
@@ -191,15 +195,18 @@ class Admission:
             f"({total} blocks, {total * bs} tokens). Send fewer or shorter prompts, fewer sequences (n) "
             f"or a lower max_tokens.")
 
-    async def acquire(self, reservation: Reservation, queue_class: QueueClass) -> Grant:
-        """A slot and the reservation's blocks, now or after a wait in the queue; Rejection else."""
+    async def acquire(self, reservation: Reservation, queue_class: QueueClass,
+                      tenant: str = UNKNOWN_TENANT) -> Grant:
+        """A slot and the reservation's blocks, now or after a wait in the queue; Rejection else.
+        ``tenant``: its key (``tenants.enter``), charged the prompt tokens vLLM computes at dispatch."""
         bs = self.block_size
         grant = await self.scheduler.acquire(reservation.cost(bs), queue_class, reservation.block_variance(bs),
-                                             start_tokens=reservation.start_tokens(bs))
+                                             start_tokens=reservation.start_tokens(bs), tenant=tenant,
+                                             prompt_tokens=reservation.computed_prompt_tokens(bs))
         self.retry.admitted()
         return grant
 
-    def grant_ahead(self, queue_class: QueueClass) -> Grant | None:
+    def grant_ahead(self, queue_class: QueueClass, tenant: str = UNKNOWN_TENANT) -> Grant | None:
         """A grant for sending a request on before it is parsed, where the replica is far from
         full: its bound is one sequence of the whole context, the most a single-sequence request
         can hold (a request found to need more, n > 1 or a batch, is settled or admitted anew
@@ -212,19 +219,25 @@ class Admission:
         context_tokens = limits.max_context_tokens
         if limits.max_model_len is not None and context_tokens < limits.max_model_len:
             return None
-        return self.scheduler.grant_ahead(-(-context_tokens // self.block_size), queue_class, context_tokens)
+        return self.scheduler.grant_ahead(-(-context_tokens // self.block_size), queue_class, context_tokens,
+                                          tenant)
 
     def settle(self, grant: Grant, reservation: Reservation) -> bool:
         """Keep a grant taken ahead for the request as parsed, if it holds what it needs."""
         bs = self.block_size
         kept = self.scheduler.settle(grant, reservation.cost(bs), reservation.block_variance(bs),
-                                     reservation.start_tokens(bs))
+                                     reservation.start_tokens(bs), reservation.computed_prompt_tokens(bs))
         if kept:
             self.retry.admitted()
         return kept
 
     def release(self, grant: Grant) -> None:
         self.scheduler.release(grant)
+
+    def charge_answer(self, grant: Grant, tokens: int) -> None:
+        """``tokens`` more of ``grant``'s answer were counted: charged to its tenant."""
+        if tokens > 0:
+            self.scheduler.charge_answer(grant, tokens)
 
     def refused(self, r: Rejection) -> None:
         """A 429 with a retry hint gets one sized to the crowd of clients refused (retry_hint.py)."""

@@ -1,5 +1,6 @@
 """Fair shares between tenants inside one queue class: the Virtual Token Counter (VTC) of "Fairness in
-Serving Large Language Models" (Sheng et al., OSDI '24). Pure; not used by the guard yet (issue 45).
+Serving Large Language Models" (Sheng et al., OSDI '24). Pure; each queue class of the guard's
+``queues.MultiLevelQueue`` is one.
 
 Each tenant has a counter of the service it received, in weighted tokens divided by its declared weight:
 a prompt token counts ``prompt_weight``, an answer token ``answer_weight`` (answers cost the engine more
@@ -22,13 +23,14 @@ with its answer tokens as they are counted. Levels still decide between classes;
 decide within one.
 
 State: one counter per tenant seen, kept while the tenant is idle (lifting needs it); ``retain`` drops
-the tenants no longer declared. Tenants are the declared ones plus one label for the rest
-(``gpufleet_api.tenants.labels``), so the state is bounded by the declaration.
+the tenants no longer declared, ``forget`` one idle tenant. The guard keys its lanes on a bounded set
+of tenants (``tenant_keys.TenantKeys``), so the state is bounded whatever the headers say.
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from typing import Generic, Hashable, Iterable, Iterator, Mapping, TypeVar
+from typing import Callable, Generic, Hashable, Iterable, Iterator, Mapping, TypeVar
 
 E = TypeVar("E", bound=Hashable)
 
@@ -64,6 +66,16 @@ class FairLane(Generic[E]):
         """New weights (a reload); counters are kept."""
         self._weights = dict(weights)
 
+    def weigh(self, tenant: str, weight: int) -> None:
+        """``tenant``'s weight from now on (its counter so far is kept)."""
+        self._weights[tenant] = weight
+
+    def forget(self, tenant: str) -> None:
+        """Drop the counter and weight of ``tenant`` if it has nothing waiting; else nothing."""
+        if tenant not in self._waiting:
+            self._counters.pop(tenant, None)
+            self._weights.pop(tenant, None)
+
     def retain(self, tenants: Iterable[str]) -> None:
         """Forget the counters of idle tenants not in ``tenants`` (no longer declared)."""
         keep = set(tenants) | set(self._waiting)
@@ -90,6 +102,25 @@ class FairLane(Generic[E]):
         """The entry that has waited longest, whichever its tenant (for aging)."""
         heads = [line[0] for line in self._waiting.values()]
         return min(heads, key=lambda h: h[0])[1] if heads else None
+
+    def ordered(self, prompt_tokens: Callable[[E], int]) -> list[E]:
+        """Every entry, in the order ``popleft`` would take them if each were charged its
+        ``prompt_tokens`` when taken and nothing else changed (answers are not known yet)."""
+        lines = {tenant: list(line) for tenant, line in self._waiting.items()}
+        heap = [(self._counters[tenant], line[0][0], tenant) for tenant, line in lines.items()]
+        heapq.heapify(heap)
+        taken = dict.fromkeys(lines, 0)
+        out: list[E] = []
+        while heap:
+            counter, _, tenant = heapq.heappop(heap)
+            line, i = lines[tenant], taken[tenant]
+            entry = line[i][1]
+            out.append(entry)
+            taken[tenant] = i + 1
+            if i + 1 < len(line):
+                counter += prompt_tokens(entry) * self._prompt_weight / self._weights.get(tenant, 1)
+                heapq.heappush(heap, (counter, line[i + 1][0], tenant))
+        return out
 
     def popleft(self) -> E:
         tenant = self._head_tenant()

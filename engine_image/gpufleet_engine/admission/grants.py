@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_api.tenants.declaration import UNKNOWN_TENANT
 from gpufleet_engine.errors import GuardError
 
 
@@ -31,3 +32,4 @@ class Grant:
     running_at_dispatch: int = 1   # requests in vLLM once this one was dispatched, itself included
     start_tokens: int = 0          # a streamed request's prompt tokens until its first token comes back
     start_set_tokens: int = 0      # prompt tokens starting once it was dispatched, its own included
+    tenant: str = UNKNOWN_TENANT   # the key its service is charged to in its class's fair lane

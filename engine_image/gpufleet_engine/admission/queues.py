@@ -1,18 +1,26 @@
 """Multi-level queue with aging. Pure: callers pass the clock in.
 
 Lower levels go first (L1 interactive before L2 standard before L3
-background). FIFO inside a class. Waiting promotes an entry by one level per
-``aging_seconds``, so a background request that has waited long enough
-competes with interactive ones by arrival order and cannot starve.
+background). Waiting promotes an entry by one level per ``aging_seconds``, so
+a background request that has waited long enough competes with interactive
+ones by arrival order and cannot starve.
+
+Inside a class, tenants share fairly: each class's lane is a
+``fair_share.FairLane`` keyed by the entry's tenant, and the scheduler charges
+it the service each tenant receives (``charge``). A class competes with the
+level of its longest-waiting entry (aging promises it that), and offers its
+fair head, which may be younger. With one tenant (no tenant headers: every
+entry is ``UNKNOWN_TENANT``'s) the lane is first come, first served.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, Iterable, TypeVar
+from typing import Callable, Generic, Iterable, TypeVar
 
 from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_api.tenants.declaration import UNKNOWN_TENANT
+from gpufleet_engine.admission.fair_share import FairLane
 from gpufleet_engine.errors import GuardError
 
 T = TypeVar("T")
@@ -39,7 +47,8 @@ class MultiLevelQueue(Generic[T]):
         self._classes = {c.name: c for c in classes}
         if not self._classes:
             raise ValueError("at least one queue class is needed")
-        self._lanes: dict[str, deque[Entry[T]]] = {name: deque() for name in self._classes}
+        self._weights: dict[str, int] = {}  # tenants' weights, for every lane (tenant_keys.TenantKeys)
+        self._lanes: dict[str, FairLane[Entry[T]]] = {name: FairLane(self._weights) for name in self._classes}
         self._aging = aging_seconds
         self._max_length = max_length
         self._top_level = min(c.level for c in self._classes.values())
@@ -65,19 +74,38 @@ class MultiLevelQueue(Generic[T]):
             raise ValueError("at least one queue class is needed")
         self._classes = new
         for name in new:
-            self._lanes.setdefault(name, deque())
+            if name not in self._lanes:
+                self._lanes[name] = FairLane(self._weights)
         for name in [n for n, lane in self._lanes.items() if n not in new and not lane]:
             del self._lanes[name]
         self._aging = aging_seconds
         self._max_length = max_length
         self._top_level = min(c.level for c in new.values())
 
-    def push(self, item: T, class_name: str, now: float) -> Entry[T]:
+    def weigh(self, tenant: str, weight: int) -> None:
+        """``tenant``'s fair-share weight in every class from now on."""
+        self._weights[tenant] = weight
+        for lane in self._lanes.values():
+            lane.weigh(tenant, weight)
+
+    def forget(self, tenant: str) -> None:
+        """Drop what the lanes keep of ``tenant`` (no request of it is in the guard)."""
+        self._weights.pop(tenant, None)
+        for lane in self._lanes.values():
+            lane.forget(tenant)
+
+    def charge(self, class_name: str, tenant: str, prompt_tokens: int = 0, answer_tokens: int = 0) -> None:
+        """Service ``tenant`` received in class ``class_name`` (ignored for a class no longer served)."""
+        lane = self._lanes.get(class_name)
+        if lane is not None:
+            lane.charge(tenant, prompt_tokens, answer_tokens)
+
+    def push(self, item: T, class_name: str, now: float, tenant: str = UNKNOWN_TENANT) -> Entry[T]:
         if self._size >= self._max_length:
             raise QueueFull(f"queue holds {self._size} requests (maxQueueLength {self._max_length})")
         entry = Entry(item, self._classes[class_name], now, self._seq)
         self._seq += 1
-        self._lanes[class_name].append(entry)
+        self._lanes[class_name].append(entry, tenant)
         self._size += 1
         return entry
 
@@ -90,27 +118,49 @@ class MultiLevelQueue(Generic[T]):
         best: Entry[T] | None = None
         best_key: tuple[int, int] | None = None
         for lane in self._lanes.values():
-            if not lane:
+            oldest = lane.oldest()
+            if oldest is None:
                 continue
-            # The head of a lane is its oldest entry, hence also its most promoted.
-            head = lane[0]
-            key = (self.effective_level(head, now), head.seq)
+            # A class competes with its oldest entry, also its most promoted; it offers its fair head.
+            key = (self.effective_level(oldest, now), oldest.seq)
             if best_key is None or key < best_key:
-                best, best_key = head, key
+                best, best_key = lane.head(), key
         return best
 
     def entries(self) -> list[Entry[T]]:
         """Every entry, in no particular order."""
         return [entry for lane in self._lanes.values() for entry in lane]
 
-    def ordered(self, now: float) -> list[Entry[T]]:
-        """Every entry, in the order ``pop`` would return them if nothing changed meanwhile."""
-        return sorted(self.entries(), key=lambda e: (self.effective_level(e, now), e.seq))
+    def ordered(self, now: float, prompt_tokens: Callable[[T], int] = lambda item: 0) -> list[Entry[T]]:
+        """Every entry, in the order ``pop`` would return them if nothing changed meanwhile and each
+        were charged its ``prompt_tokens`` when popped."""
+        # Per class: its entries in fair order, and by age (its oldest left gives the class's level).
+        fair = [lane.ordered(lambda e: prompt_tokens(e.item)) for lane in self._lanes.values() if lane]
+        by_age = [sorted(entries, key=lambda e: e.seq) for entries in fair]
+        next_fair, next_old = [0] * len(fair), [0] * len(fair)
+        taken: set[int] = set()
+        out: list[Entry[T]] = []
+        for _ in range(sum(map(len, fair))):
+            best, best_key = 0, None
+            for i, ages in enumerate(by_age):
+                while next_old[i] < len(ages) and ages[next_old[i]].seq in taken:
+                    next_old[i] += 1
+                if next_old[i] == len(ages):
+                    continue
+                oldest = ages[next_old[i]]
+                key = (self.effective_level(oldest, now), oldest.seq)
+                if best_key is None or key < best_key:
+                    best, best_key = i, key
+            entry = fair[best][next_fair[best]]
+            next_fair[best] += 1
+            taken.add(entry.seq)
+            out.append(entry)
+        return out
 
     def pop(self, now: float) -> Entry[T] | None:
         entry = self.peek(now)
         if entry is not None:
-            self._lanes[entry.queue_class.name].popleft()
+            self._lanes[entry.queue_class.name].remove(entry)
             self._size -= 1
             entry.queued = False
         return entry

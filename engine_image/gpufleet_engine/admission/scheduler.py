@@ -33,6 +33,11 @@ from the queue ahead of it and the pace at which slots free is longer, it
 gets 429 at once; and a request the start bound holds (a slot free, but the
 requests starting already hold the prompt tokens the engine starts in time)
 gets 429 too, since it would wait about the engine's share of the objective.
+
+Inside a class the queue shares fairly between tenants (queues.py): the
+scheduler charges a request's tenant its prompt tokens when it is dispatched
+(or, sent ahead of its parse, when the parse settles it), and its answer
+tokens as the exchange counts them (``charge_answer``).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from typing import Callable
 
 from gpufleet_api.guard.guard_config import QueueClass
 from gpufleet_api.guard.guard_metrics import Reason
+from gpufleet_api.tenants.declaration import UNKNOWN_TENANT
 from gpufleet_engine.admission.grants import Grant, Rejection
 from gpufleet_engine.admission.kv_ledger import Decision, KvLedger
 from gpufleet_engine.admission.overload_gate import OVERLOAD_HOLD_SECONDS, OverloadGate
@@ -65,6 +71,8 @@ class _Waiter:
     variance: float
     start_tokens: int
     future: asyncio.Future
+    tenant: str
+    prompt_tokens: int
 
 
 class Scheduler(OverloadGate):
@@ -168,8 +176,11 @@ class Scheduler(OverloadGate):
         return self._kv_rejection(d)
 
     def _grant(self, cost: int, variance: float, start_tokens: int, queue_class: QueueClass,
-               queued_seconds: float) -> Grant:
-        grant = Grant(cost, queue_class, queued_seconds, self._clock(), self.running + 1, start_tokens)
+               queued_seconds: float, tenant: str, prompt_tokens: int) -> Grant:
+        grant = Grant(cost, queue_class, queued_seconds, self._clock(), self.running + 1, start_tokens,
+                      tenant=tenant)
+        if prompt_tokens:
+            self.queue.charge(queue_class.name, tenant, prompt_tokens=prompt_tokens)
         if start_tokens:
             self.starting += 1
             self.starting_tokens += start_tokens
@@ -191,7 +202,12 @@ class Scheduler(OverloadGate):
         level = grant.queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) + blocks
 
-    def grant_ahead(self, bound: int, queue_class: QueueClass, bound_start_tokens: int) -> Grant | None:
+    def charge_answer(self, grant: Grant, tokens: int) -> None:
+        """``tokens`` more of ``grant``'s answer were counted: service its tenant received."""
+        self.queue.charge(grant.queue_class.name, grant.tenant, answer_tokens=tokens)
+
+    def grant_ahead(self, bound: int, queue_class: QueueClass, bound_start_tokens: int,
+                    tenant: str = UNKNOWN_TENANT) -> Grant | None:
         """A grant of ``bound`` blocks at once, for a request not parsed yet whose cost and prompt
         tokens are at most ``bound`` and ``bound_start_tokens`` (``Guard._send_ahead``), or None.
         Only on a replica far from full: nothing queued, a slot free, no TTFT control acting, and
@@ -201,12 +217,13 @@ class Scheduler(OverloadGate):
                 or not self._may_start(bound_start_tokens)
                 or not self.ledger.evaluate(2 * bound).admitted):
             return None
-        return self._grant(bound, 0.0, 0, queue_class, 0.0)
+        return self._grant(bound, 0.0, 0, queue_class, 0.0, tenant, 0)
 
-    def settle(self, grant: Grant, cost: int, variance: float, start_tokens: int) -> bool:
+    def settle(self, grant: Grant, cost: int, variance: float, start_tokens: int, prompt_tokens: int = 0) -> bool:
         """``grant`` (from ``grant_ahead``) measured: ``cost`` blocks, ``variance`` around them,
-        ``start_tokens`` as ``acquire`` takes them. False, and nothing changed, when it needs more
-        than it holds and the pool has no room for the rest: release it and admit it anew."""
+        ``start_tokens`` and ``prompt_tokens`` as ``acquire`` takes them. False, and nothing changed,
+        when it needs more than it holds and the pool has no room for the rest: release it and admit
+        it anew."""
         extra = cost - grant.cost
         if extra > 0 and not self.ledger.evaluate(extra, variance).admitted:
             return False
@@ -214,6 +231,8 @@ class Scheduler(OverloadGate):
         level = grant.queue_class.level
         self._held_by_level[level] = self._held_by_level.get(level, 0) + extra
         grant.cost = cost
+        if prompt_tokens:
+            self.queue.charge(grant.queue_class.name, grant.tenant, prompt_tokens=prompt_tokens)
         if start_tokens:
             self.starting += 1
             self.starting_tokens += start_tokens
@@ -224,10 +243,11 @@ class Scheduler(OverloadGate):
         return True
 
     async def acquire(self, cost: int, queue_class: QueueClass, variance: float = 0.0,
-                      start_tokens: int = 0) -> Grant:
+                      start_tokens: int = 0, tenant: str = UNKNOWN_TENANT, prompt_tokens: int = 0) -> Grant:
         """A grant for a request of ``cost`` blocks (``variance`` blocks² around them);
         ``start_tokens``: its prompt tokens, if it streams (its first token will be reported,
-        ``first_token``); 0 if it does not."""
+        ``first_token``); 0 if it does not. ``tenant``: its key in its class's fair lane, charged
+        ``prompt_tokens`` when it is dispatched."""
         arrived = self._clock()
         decision = self.ledger.evaluate(cost, variance)
         starving = self._starving(queue_class, arrived)
@@ -237,7 +257,7 @@ class Scheduler(OverloadGate):
             raise self._kv_rejection(decision)
         if (decision.admitted and self.running < self.limit and self._may_start(start_tokens)
                 and len(self.queue) == 0):
-            return self._grant(cost, variance, start_tokens, queue_class, 0.0)
+            return self._grant(cost, variance, start_tokens, queue_class, 0.0, tenant, prompt_tokens)
         if decision.admitted:
             slow = self._ttft_rejection(queue_class.level, known_size=True)
             if slow is not None:
@@ -246,9 +266,10 @@ class Scheduler(OverloadGate):
             # Aging counts from the class's first refusal: it has waited that long, in retries.
             arrived = self._refused_since[queue_class.name]
 
-        waiter = _Waiter(cost, variance, start_tokens, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(cost, variance, start_tokens, asyncio.get_running_loop().create_future(), tenant,
+                         prompt_tokens)
         try:
-            entry = self.queue.push(waiter, queue_class.name, arrived)
+            entry = self.queue.push(waiter, queue_class.name, arrived, tenant)
         except QueueFull as e:
             raise Rejection(Reason.QUEUE_FULL, 429, f"The guard's queue is full ({e}). Retry later.",
                             self.retry_after) from None
@@ -314,7 +335,8 @@ class Scheduler(OverloadGate):
                 break  # a request starting returns its first token soon: the head waits for it
             self.queue.pop(now)
             waiter.future.set_result(self._grant(waiter.cost, waiter.variance, waiter.start_tokens,
-                                                 entry.queue_class, entry.waited(now)))
+                                                 entry.queue_class, entry.waited(now), waiter.tenant,
+                                                 waiter.prompt_tokens))
         self._shed_late()
 
     def _shed_late(self) -> None:
@@ -326,7 +348,7 @@ class Scheduler(OverloadGate):
             return
         now = self._clock()
         kept = kept_tokens = 0
-        for entry in self.queue.ordered(now):
+        for entry in self.queue.ordered(now, lambda waiter: waiter.prompt_tokens):
             wait = self._predicted_wait(kept, kept_tokens)
             if wait <= self.ttft.wait_budget:
                 kept += 1

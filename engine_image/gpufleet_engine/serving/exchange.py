@@ -35,6 +35,9 @@ log = logging.getLogger("gpufleet_engine.serving.guard")
 TRUNCATED_HEADER = "x-gpufleet-truncated-tokens"
 # A long stream's inter-chunk gaps reach the ITL histogram every this many gaps, not only at its end.
 _FLUSH_GAPS = 256
+# A stream's answer tokens are charged to its tenant's fair share every this many events, and the rest
+# at its end: often enough that a long answer counts while it runs, seldom enough to cost nothing per token.
+CHARGE_EVERY_EVENTS = 16
 # usage.completion_tokens (OpenAI routes) or usage.output_tokens (/v1/responses, /v1/messages).
 _COMPLETION_TOKENS = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 
@@ -73,6 +76,9 @@ class Services:
             self.adapters_in_use[adapter] -= 1
             if not self.adapters_in_use[adapter]:
                 del self.adapters_in_use[adapter]
+
+    def charge_answer(self, grant: Grant, tokens: int) -> None:
+        self.admission.charge_answer(grant, tokens)
 
     def grow(self, grant: Grant, reservation: Reservation) -> None:
         if self.admission.grow(grant, reservation):
@@ -175,7 +181,9 @@ class Exchange:
             self.first_token(grant, self.services.admission.clock())
         self.finish(_outcome(resp.status))
         if resp.status == 200:
-            self.services.learn(self.reservation, _completion_tokens(body))
+            counted = _completion_tokens(body)
+            self.services.charge_answer(grant, counted or 0)  # the guard learns a whole answer's length here
+            self.services.learn(self.reservation, counted)
         return web.Response(body=body, status=resp.status, headers=out_headers)
 
     def unreachable(self) -> web.Response:
@@ -217,6 +225,8 @@ class Exchange:
         out = web.StreamResponse(status=resp.status, headers=headers)
         self.response = out
         reservation = self.reservation
+        charge_answer = self.services.charge_answer
+        charged = 0  # events charged to the tenant so far
         last: float | None = None
         previous = chunk = b""
         try:
@@ -249,10 +259,15 @@ class Exchange:
                         tracked.tokens += events
                     if 0 <= reservation.next_extension <= reservation.events:
                         self.services.grow(grant, reservation)
+                    if reservation.events - charged >= CHARGE_EVERY_EVENTS:
+                        charge_answer(grant, reservation.events - charged)
+                        charged = reservation.events
             finally:
-                # However the stream ends (done, the client gone, the timeout): its gaps count.
+                # However the stream ends (done, the client gone, the timeout): its gaps and tokens count.
                 itl.add(counts, gap_sum)
                 self.gaps, self.late_gaps = gaps, late
+                charge_answer(grant, reservation.events - charged)
+                charged = reservation.events
         except ConnectionResetError:
             self.finish("cancelled")  # the client went away; leaving the context aborts vLLM's request
             return out
@@ -264,6 +279,8 @@ class Exchange:
                 # Without usage: the events, less [DONE] and chat's role event per sequence.
                 overhead = 1 + (reservation.sequences if route == context.CHAT else 0)
                 counted = max(0, reservation.events - overhead)
+            else:
+                charge_answer(grant, counted - charged)  # usage counts more tokens than events arrived
             self.services.learn(reservation, counted)
         return out
 

@@ -18,10 +18,12 @@ from aiohttp import web
 
 from gpufleet_api.guard.guard_config import GuardConfig, QueueClass
 from gpufleet_api.guard.guard_metrics import Reason
+from gpufleet_api.tenants.usage import GUARD_TENANT_HEADER, GUARD_WEIGHT_HEADER
 from gpufleet_engine.admission import context
 from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Grant, Rejection
+from gpufleet_engine.admission.tenant_keys import tenant_name, tenant_weight
 from gpufleet_engine.admission.tokens import Tokenizer
 from gpufleet_engine.serving.drain import Drain
 from gpufleet_engine.serving.errors import Refusals
@@ -191,12 +193,17 @@ class Guard:
                 Reason.ENGINE_DOWN, 503, f"The model engine is not available: {problem}",
                 config.retry_after_seconds))
         self.drain.enter()
+        # The tenant's key in the class's fair lane, kept until the request is done with the guard.
+        tenants = self.admission.tenants
+        tenant = tenants.enter(tenant_name(request.headers.get(GUARD_TENANT_HEADER)),
+                               tenant_weight(request.headers.get(GUARD_WEIGHT_HEADER)))
         try:
             # The body counts in bodyBudgetBytes from before it is read until the answer is done (it is
             # held through the queue and sent on from it), however the handling ends.
             with self.body_budget.claim() as claim:
-                return await self._admit_and_forward(request, route, queue_class, arrived, claim)
+                return await self._admit_and_forward(request, route, queue_class, arrived, claim, tenant)
         finally:
+            tenants.leave(tenant)
             self.drain.leave()
 
     async def _prepare(self, raw: bytes, path: str, queue_class: QueueClass, arrived: float) -> context.Prepared:
@@ -245,7 +252,7 @@ class Guard:
                          f"The request body is larger than this model's limit of {limit} bytes ({why}).")
 
     async def _admit_and_forward(self, request: web.Request, route: str, queue_class: QueueClass,
-                                 arrived: float, claim: Claim) -> web.StreamResponse:
+                                 arrived: float, claim: Claim, tenant: str) -> web.StreamResponse:
         refuse = self.refusals.refuse
         early = self.admission.early_refusal(queue_class)
         if early is not None:
@@ -255,7 +262,7 @@ class Guard:
             return refuse(queue_class, early)
         try:
             raw = await self._read_body(request, claim)
-            grant = self.send_ahead.grant_ahead(raw, queue_class)
+            grant = self.send_ahead.grant_ahead(raw, queue_class, tenant)
             if grant is not None:
                 return await self.send_ahead.send(request, route, queue_class, arrived, raw, grant)
             prepared = await self._prepare(raw, request.path, queue_class, arrived)
@@ -266,15 +273,15 @@ class Guard:
         except InvalidRequest as e:
             return refuse(queue_class, Rejection(Reason.INVALID_REQUEST, 400, f"Invalid request: {e}",
                                                  param=e.param))
-        return await self._admit(request, route, queue_class, arrived, raw, prepared)
+        return await self._admit(request, route, queue_class, arrived, raw, prepared, tenant)
 
     async def _admit(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
-                     raw: bytes, prepared: context.Prepared) -> web.StreamResponse:
+                     raw: bytes, prepared: context.Prepared, tenant: str) -> web.StreamResponse:
         with self.services.using(prepared.adapter):
-            return await self._admit_prepared(request, route, queue_class, arrived, raw, prepared)
+            return await self._admit_prepared(request, route, queue_class, arrived, raw, prepared, tenant)
 
     async def _admit_prepared(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
-                              raw: bytes, prepared: context.Prepared) -> web.StreamResponse:
+                              raw: bytes, prepared: context.Prepared, tenant: str) -> web.StreamResponse:
         admission = self.admission
         adapter = prepared.adapter
         reservation = admission.reserve(route, queue_class, prepared)
@@ -285,7 +292,7 @@ class Guard:
         exchange = Exchange(self.services, request, route, queue_class, arrived, prepared, reservation)
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
-                grant = await admission.acquire(reservation, queue_class)
+                grant = await admission.acquire(reservation, queue_class, tenant)
                 try:
                     return await exchange.forward(raw, grant)
                 finally:

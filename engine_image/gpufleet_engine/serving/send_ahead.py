@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gpufleet_api import bounded_json
 from gpufleet_api.guard.guard_config import QueueClass
+from gpufleet_api.tenants.declaration import UNKNOWN_TENANT
 from gpufleet_engine.admission import context
 from gpufleet_engine.admission.context import InvalidRequest
 from gpufleet_engine.admission.grants import Grant
@@ -33,8 +34,10 @@ from gpufleet_engine.serving.exchange import Exchange, Services, abort, forward
 INLINE_TOKENIZE_BYTES = 16384
 _NOT_TEXT = b"0123456789,.-+[]{}: \n"
 
-# Admit anew a parsed request the copy sent ahead did not fit: (request, route, class, arrived, raw, prepared).
-Admit = Callable[[web.Request, str, QueueClass, float, bytes, context.Prepared], Awaitable[web.StreamResponse]]
+# Admit anew a parsed request the copy sent ahead did not fit: (request, route, class, arrived, raw, prepared,
+# tenant).
+Admit = Callable[[web.Request, str, QueueClass, float, bytes, context.Prepared, str],
+                 Awaitable[web.StreamResponse]]
 
 
 def text_bytes(raw: bytes) -> int:
@@ -60,13 +63,13 @@ class SendAhead:
         self._admit = admit
         self.sending = 0  # requests sent ahead of their parse, not parsed yet
 
-    def grant_ahead(self, raw: bytes, queue_class: QueueClass) -> Grant | None:
+    def grant_ahead(self, raw: bytes, queue_class: QueueClass, tenant: str = UNKNOWN_TENANT) -> Grant | None:
         """A grant for sending ``raw`` on before it is parsed, where the replica is far from full
         and nobody is in line to be parsed; else None (``Admission.grant_ahead`` has the bound)."""
         admission = self._services.admission
         if self.sending or admission.lane.waiting or text_bytes(raw) > INLINE_TOKENIZE_BYTES:
             return None
-        return admission.grant_ahead(queue_class)
+        return admission.grant_ahead(queue_class, tenant)
 
     async def send(self, request: web.Request, route: str, queue_class: QueueClass, arrived: float,
                    raw: bytes, grant: Grant) -> web.StreamResponse:
@@ -93,7 +96,7 @@ class SendAhead:
             raise
         if not kept:
             await self._withdraw(sent, grant, queue_class)
-            return await self._admit(request, route, queue_class, arrived, raw, prepared)
+            return await self._admit(request, route, queue_class, arrived, raw, prepared, grant.tenant)
         with services.using(prepared.adapter):
             return await self._keep(sent, verdict, request, route, queue_class, arrived, prepared, reservation,
                                     grant)
