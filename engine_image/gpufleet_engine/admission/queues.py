@@ -94,6 +94,15 @@ class MultiLevelQueue(Generic[T]):
         for lane in self._lanes.values():
             lane.forget(tenant)
 
+    def tenants(self) -> set[str]:
+        """The tenants any lane keeps a counter or a weight for."""
+        return set(self._weights).union(*(lane.tenants() for lane in self._lanes.values()))
+
+    def counter(self, class_name: str, tenant: str) -> float:
+        """The service ``tenant`` received in class ``class_name``, over its weight (fair_share.py)."""
+        lane = self._lanes.get(class_name)
+        return 0.0 if lane is None else lane.counter(tenant)
+
     def charge(self, class_name: str, tenant: str, prompt_tokens: int = 0, answer_tokens: int = 0) -> None:
         """Service ``tenant`` received in class ``class_name`` (ignored for a class no longer served)."""
         lane = self._lanes.get(class_name)
