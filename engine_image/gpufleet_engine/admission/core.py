@@ -157,8 +157,9 @@ class Admission:
         raise Rejection(Reason.INVALID_REQUEST, 404, f"The model `{model}` does not exist. Valid aliases: "
                         f"{self.config.served_model_name}.", param="model")
 
-    def early_refusal(self, queue_class: QueueClass, waited: float = 0.0) -> Rejection | None:
-        return self.scheduler.early_refusal(queue_class, waited)
+    def early_refusal(self, queue_class: QueueClass, waited: float = 0.0,
+                      tenant: str = UNKNOWN_TENANT) -> Rejection | None:
+        return self.scheduler.early_refusal(queue_class, waited, tenant)
 
     def reserve(self, route: str, queue_class: QueueClass, prepared: Prepared) -> Reservation:
         """Output tokens per sequence to reserve: the learned mean and its variance (Predicted), or

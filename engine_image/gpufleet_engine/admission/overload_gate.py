@@ -138,8 +138,8 @@ class OverloadGate:
         budget = self.ttft.start_budget if self._control_acts() else self.ttft.loose_start_budget
         return self.starting_tokens + prompt_tokens <= budget
 
-    def _ahead(self, level: int) -> int:
-        return sum(self.queue.depth(c.name) for c in self._classes_at_or_above(level))
+    def _ahead(self, queue_class: QueueClass, tenant: str) -> int:
+        return self.queue.ahead(queue_class, tenant)
 
     def _held_by_control(self, waits_with_a_slot_free: bool) -> bool:
         """Whether what keeps a request from starting is the TTFT control: its limit, below
@@ -150,14 +150,15 @@ class OverloadGate:
             return self.limit < self.max_concurrency
         return waits_with_a_slot_free
 
-    def _ttft_rejection(self, level: int, *, known_size: bool = False) -> Rejection | None:
+    def _ttft_rejection(self, queue_class: QueueClass, tenant: str, *, known_size: bool = False) -> Rejection | None:
         """The 429 for a request that would wait longer than the TTFT objective leaves, while the
         control acts (the replica is overloaded) and is what holds it. ``known_size``: the
         request was found unable to start now (else it is judged before its size is known, by
-        the slots taken and the queue ahead)."""
+        the slots taken and the queue ahead: of its own class, its tenant's fair position)."""
         if self.ttft is None or not self._control_acts():
             return None
-        ahead = self._ahead(level)
+        level = queue_class.level
+        ahead = self._ahead(queue_class, tenant)
         if not self._held_by_control(known_size or ahead > 0):
             return None
         # The queued prompt tokens matter only when the start bound holds (a slot free).

@@ -94,6 +94,19 @@ class MultiLevelQueue(Generic[T]):
         for lane in self._lanes.values():
             lane.forget(tenant)
 
+    def ahead(self, queue_class: QueueClass, tenant: str) -> int:
+        """About how many queued entries a new one of ``queue_class`` and ``tenant`` would wait
+        behind, before aging: every one of a better or equal class, and of its own class its fair
+        position (``FairLane.ahead``)."""
+        total = 0
+        for name, lane in self._lanes.items():
+            c = self._classes.get(name)
+            if name == queue_class.name:
+                total += lane.ahead(tenant)
+            elif c is None or c.level <= queue_class.level:
+                total += len(lane)
+        return total
+
     def tenants(self) -> set[str]:
         """The tenants any lane keeps a counter or a weight for."""
         return set(self._weights).union(*(lane.tenants() for lane in self._lanes.values()))

@@ -155,7 +155,8 @@ class Scheduler(OverloadGate):
         since = self._refused_since.get(queue_class.name)
         return since is not None and now - since >= self.aging_seconds
 
-    def early_refusal(self, queue_class: QueueClass, waited: float = 0.0) -> Rejection | None:
+    def early_refusal(self, queue_class: QueueClass, waited: float = 0.0,
+                      tenant: str = UNKNOWN_TENANT) -> Rejection | None:
         """The 429 for a request of ``queue_class`` when not even one block could be admitted and
         waiting could not help, or the TTFT control would refuse it whatever its size, so the
         caller can refuse before parsing the body; else None. ``waited``: seconds it already
@@ -164,7 +165,7 @@ class Scheduler(OverloadGate):
         now = self._clock()
         if self.ttft is not None and waited > self.ttft.wait_budget and self._control_acts():
             return self._ttft_refusal(waited)
-        slow = self._ttft_rejection(queue_class.level)
+        slow = self._ttft_rejection(queue_class, tenant)
         if slow is not None:
             return slow
         d = self.ledger.evaluate(1)
@@ -259,7 +260,7 @@ class Scheduler(OverloadGate):
                 and len(self.queue) == 0):
             return self._grant(cost, variance, start_tokens, queue_class, 0.0, tenant, prompt_tokens)
         if decision.admitted:
-            slow = self._ttft_rejection(queue_class.level, known_size=True)
+            slow = self._ttft_rejection(queue_class, tenant, known_size=True)
             if slow is not None:
                 raise slow
         if starving:

@@ -206,7 +206,8 @@ class Guard:
             tenants.leave(tenant)
             self.drain.leave()
 
-    async def _prepare(self, raw: bytes, path: str, queue_class: QueueClass, arrived: float) -> context.Prepared:
+    async def _prepare(self, raw: bytes, path: str, queue_class: QueueClass, arrived: float,
+                       tenant: str) -> context.Prepared:
         """``path``: vLLM's route the request was sent to; its cost model is route_costs'. Raises
         Rejection when, its turn come (parse_lane.py), the request is refused before parsing."""
         admission = self.admission
@@ -216,11 +217,11 @@ class Guard:
             return await asyncio.to_thread(admission.prepare, path, body)
         # The requests read since it arrived may have shown an overload; the ones ahead in line,
         # once it is its turn.
-        early = admission.early_refusal(queue_class)
+        early = admission.early_refusal(queue_class, tenant=tenant)
         if early is not None:
             raise early
         async with admission.lane.turn():
-            early = admission.early_refusal(queue_class, waited=self.clock() - arrived)
+            early = admission.early_refusal(queue_class, waited=self.clock() - arrived, tenant=tenant)
             if early is not None:
                 raise early   # raised inside: the lane passes on without a loop turn
             return admission.prepare(path, parse_json(raw))
@@ -254,7 +255,7 @@ class Guard:
     async def _admit_and_forward(self, request: web.Request, route: str, queue_class: QueueClass,
                                  arrived: float, claim: Claim, tenant: str) -> web.StreamResponse:
         refuse = self.refusals.refuse
-        early = self.admission.early_refusal(queue_class)
+        early = self.admission.early_refusal(queue_class, tenant=tenant)
         if early is not None:
             # Not even a one-block request fits: refuse before parsing and
             # tokenizing. Under overload most traffic is retries, and the CPU
@@ -265,7 +266,7 @@ class Guard:
             grant = self.send_ahead.grant_ahead(raw, queue_class, tenant)
             if grant is not None:
                 return await self.send_ahead.send(request, route, queue_class, arrived, raw, grant)
-            prepared = await self._prepare(raw, request.path, queue_class, arrived)
+            prepared = await self._prepare(raw, request.path, queue_class, arrived, tenant)
         except Rejection as r:
             return refuse(queue_class, r)
         except ContextTooLong as e:

@@ -67,3 +67,17 @@ def test_without_tenants_ordered_is_by_level_then_arrival():
         queue.push(str(i), rng.choice(CLASSES).name, i * 0.05)
     ordered = queue.ordered(6.0)
     assert ordered == sorted(ordered, key=lambda e: (queue.effective_level(e, 6.0), e.seq))
+
+
+def test_a_newcomer_of_a_quiet_tenant_waits_behind_its_fair_share_not_the_whole_flood():
+    queue = q()
+    for i in range(50):
+        queue.push(f"a{i}", "standard", 0.0, "flood")
+    queue.push("int", "interactive", 0.0, "other")
+    standard = CLASSES[1]
+    assert queue.ahead(standard, "quiet") == 1 + 1          # the interactive one, and one of the flood's
+    assert queue.ahead(standard, "flood") == 1 + 50
+    queue.weigh("flood", 3)
+    assert queue.ahead(standard, "quiet") == 1 + 3
+    # Without tenants: every entry of its class and of better ones, as a single line.
+    assert q().ahead(standard, "unknown") == 0
