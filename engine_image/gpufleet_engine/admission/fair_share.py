@@ -94,6 +94,15 @@ class FairLane(Generic[E]):
         self._seq += 1
         self._tenant_of[entry] = tenant
 
+    def passed(self, tenant: str) -> None:
+        """An entry of ``tenant`` went straight to the engine with nothing waiting in the lane: as if
+        it were appended and taken at once (lifted, then the last to leave). Without this, service
+        received while nobody waited would count against the tenant once others arrive."""
+        if self._waiting:
+            return
+        self._counters[tenant] = max(self._counters.get(tenant, 0.0), self._last_left)
+        self._last_left = self._counters[tenant]
+
     def head(self) -> E | None:
         """The entry ``popleft`` would take: the oldest of the backlogged tenant with the least counter."""
         best = self._head_tenant()

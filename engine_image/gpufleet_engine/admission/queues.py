@@ -122,6 +122,12 @@ class MultiLevelQueue(Generic[T]):
         if lane is not None:
             lane.charge(tenant, prompt_tokens, answer_tokens)
 
+    def passed(self, class_name: str, tenant: str) -> None:
+        """A request of ``tenant`` and class ``class_name`` was dispatched without queueing."""
+        lane = self._lanes.get(class_name)
+        if lane is not None:
+            lane.passed(tenant)
+
     def push(self, item: T, class_name: str, now: float, tenant: str = UNKNOWN_TENANT) -> Entry[T]:
         if self._size >= self._max_length:
             raise QueueFull(f"queue holds {self._size} requests (maxQueueLength {self._max_length})")

@@ -218,6 +218,7 @@ class Scheduler(OverloadGate):
                 or not self._may_start(bound_start_tokens)
                 or not self.ledger.evaluate(2 * bound).admitted):
             return None
+        self.queue.passed(queue_class.name, tenant)
         return self._grant(bound, 0.0, 0, queue_class, 0.0, tenant, 0)
 
     def settle(self, grant: Grant, cost: int, variance: float, start_tokens: int, prompt_tokens: int = 0) -> bool:
@@ -258,6 +259,7 @@ class Scheduler(OverloadGate):
             raise self._kv_rejection(decision)
         if (decision.admitted and self.running < self.limit and self._may_start(start_tokens)
                 and len(self.queue) == 0):
+            self.queue.passed(queue_class.name, tenant)
             return self._grant(cost, variance, start_tokens, queue_class, 0.0, tenant, prompt_tokens)
         if decision.admitted:
             slow = self._ttft_rejection(queue_class, tenant, known_size=True)

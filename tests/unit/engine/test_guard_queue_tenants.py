@@ -81,3 +81,18 @@ def test_a_newcomer_of_a_quiet_tenant_waits_behind_its_fair_share_not_the_whole_
     assert queue.ahead(standard, "quiet") == 1 + 3
     # Without tenants: every entry of its class and of better ones, as a single line.
     assert q().ahead(standard, "unknown") == 0
+
+
+def test_service_received_while_nobody_waited_does_not_count_against_a_tenant_later():
+    queue = q()
+    for _ in range(100):                     # a tenant alone: straight to the engine, never queued
+        queue.passed("standard", "early")
+        queue.charge("standard", "early", prompt_tokens=256, answer_tokens=32)
+    for i in range(4):
+        queue.push(("late", i), "standard", 0.0, "late")
+    for i in range(2):
+        queue.push(("early", i), "standard", 0.0, "early")
+    # The newcomer starts where the early tenant's last request left the lane, not at 0 (which would
+    # give it the next 100 turns): it catches up that one request, then they take turns.
+    order = [item[0] for item in drain(queue, 1.0, prompt_tokens=320)]
+    assert order == ["late", "late", "early", "late", "early", "late"]
