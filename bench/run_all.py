@@ -25,6 +25,8 @@ SUITE = [
     ("Overload protection: guard vs unguarded vLLM vs vLLM's own shedding", ["bench/guard_overload.py"]),
     ("Real traffic: answers that end early, guard vs vLLM alone", ["bench/guard_realistic.py"]),
     ("Recovery: a surge, a lull, then a burst from clients that do not retry", ["bench/guard_recovery.py"]),
+    ("Tenants at a saturated guard: a quiet tenant beside one sending 10x, fair lane vs FCFS",
+     ["bench/tenant_fairness.py"]),
     ("A new replica's first minute: cold, seeded from the service, warm", ["bench/guard_scaleout.py"]),
     ("Prefill/decode: unified x2, P/D behind gpufleet's router and behind vllm-router", ["bench/pd_disaggregation.py"]),
     ("LoRA adapters: placement by traffic vs round robin over every adapter", ["bench/lora_placement.py"]),
