@@ -14,13 +14,12 @@ A tenant that becomes backlogged has its counter lifted to the least counter of 
 would let it take the whole class for a while on its return.
 
 How it fits the guard's queue (``queues.MultiLevelQueue``): a ``FairLane`` has the deque operations a
-class's lane uses there (``append``, ``popleft``, ``remove``, ``len``, iteration, and ``head`` for
-``lane[0]``), so each class's deque can become a ``FairLane``, with the entry's tenant passed to
-``append``. Two things change there: ``peek`` takes a lane's effective level from ``oldest()`` (aging
-promises a class its longest-waiting entry's level; the head the lane offers is the fair one, which may
-be younger), and the scheduler calls ``charge`` with a request's prompt tokens when it dispatches it and
-with its answer tokens as they are counted. Levels still decide between classes; the counters only
-decide within one.
+class's lane uses there (``append`` with the entry's tenant, ``popleft``, ``remove``, ``len``, iteration,
+and ``head`` for ``lane[0]``). ``peek`` takes a lane's effective level from ``oldest()`` (aging promises a
+class its longest-waiting entry's level; the head the lane offers is the fair one, which may be younger).
+The scheduler charges a request's prompt tokens when it dispatches it, and the exchange its answer tokens
+as they stream (every 16 events, the rest at the end); a request dispatched with nothing waiting
+``passed`` through the lane. Levels still decide between classes; the counters only decide within one.
 
 State: one counter per tenant seen, kept while the tenant is idle (lifting needs it); ``retain`` drops
 the tenants no longer declared, ``forget`` one idle tenant. The guard keys its lanes on a bounded set
