@@ -276,6 +276,9 @@ def test_pod_settings_pass_the_crd_and_the_deployment_they_build_passes_the_apis
     spec = parse_spec(stored["spec"])
     _, config_hash = children.build_configmap(owner, spec)
     deployment = children.build_deployment(owner, spec, 1, config_hash["unified"])
-    result = control_plane.kubectl("apply", "-n", namespace, "--dry-run=server", "-f", "-",
+    # Under a name of its own: the operator creates podded-engine meanwhile, and a dry run under that name
+    # raced it (kubectl's GET found none, its dry-run create found the operator's: AlreadyExists).
+    deployment["metadata"]["name"] = "podded-engine-dry-run"
+    result = control_plane.kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-",
                                    input=yaml.safe_dump(deployment), check=False)
     assert result.returncode == 0, result.stderr
