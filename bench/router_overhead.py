@@ -66,7 +66,9 @@ def serve_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def serve_router(port: int, upstream: str) -> None:
+def serve_router(port: int, upstream: str, tenancy: tuple[list[dict], list[dict]] | None = None) -> None:
+    """The router on ``port`` with a fixed route to ``upstream``; ``tenancy``: InferenceTenants and key
+    Secrets for its namespace ("bench"; bench/router_tenancy_overhead.py)."""
     from gpufleet_router.metrics import RouterMetrics
     from gpufleet_router.policy.replicas import Replica
     from gpufleet_router.policy.table import Route, Table
@@ -77,6 +79,8 @@ def serve_router(port: int, upstream: str) -> None:
         fleet = Fleet(settings, RouterMetrics())
         http = client_session(settings)
         fleet.update(Table({"tiny": Route("bench", "tiny", "tiny", 16, 1, 1, (Replica("upstream-0", upstream),))}))
+        if tenancy is not None:
+            fleet.update_tenants(*tenancy)
         fleet.listed.set()
         reads = asyncio.create_task(fleet.read(http))
         runner = web.AppRunner(Router(fleet, http).app(), handler_cancellation=True, access_log=None)

@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import base64
 import json
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,19 +29,16 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import router_overhead as overhead  # noqa: E402
+from router_overhead import METRICS, free_port, pct, start  # noqa: E402
+
 EVENTS = 8
 PROMPT = "fleet " * 200
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": EVENTS, "stream": True}
-METRICS = ("gpufleet_guard_kv_free_blocks 900\ngpufleet_guard_kv_reserved_blocks 0\n"
-           "gpufleet_guard_kv_total_blocks 1000\ngpufleet_guard_kv_watermark_blocks 50\ngpufleet_guard_ready 1\n")
 RECORDS = 10
 KEY_SEED = 7   # the client's key: the last of the tenant's records
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def event(n: int, text: str | None) -> bytes:
@@ -78,6 +73,11 @@ def client_key() -> str:
     return keys.new_key(bytes([KEY_SEED]) * keys.KEY_BYTES)
 
 
+def serve_router(port: int, upstream: str, tenants: bool) -> None:
+    """router_overhead.py's router, with the bench tenancy or without."""
+    overhead.serve_router(port, upstream, tenancy_objects() if tenants else None)
+
+
 def tenancy_objects() -> tuple[list[dict], list[dict]]:
     """One tenant, identity Keys, its Secret holding RECORDS key records (the client's the last one)."""
     from gpufleet_api import API_VERSION
@@ -94,43 +94,6 @@ def tenancy_objects() -> tuple[list[dict], list[dict]]:
                        "limits": {"requestsPerSecond": 1_000_000, "tokensPerMinute": 1_000_000_000,
                                   "concurrentRequests": 1_000_000}}]}}
     return [declaration], [secret]
-
-
-def serve_router(port: int, upstream: str, tenants: bool) -> None:
-    from gpufleet_router.metrics import RouterMetrics
-    from gpufleet_router.policy.replicas import Replica
-    from gpufleet_router.policy.table import Route, Table
-    from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
-
-    async def main() -> None:
-        settings = RouterSettings()
-        fleet = Fleet(settings, RouterMetrics())
-        http = client_session(settings)
-        fleet.update(Table({"tiny": Route("bench", "tiny", "tiny", 16, 1, 1, (Replica("upstream-0", upstream),))}))
-        if tenants:
-            fleet.update_tenants(*tenancy_objects())
-        fleet.listed.set()
-        reads = asyncio.create_task(fleet.read(http))
-        runner = web.AppRunner(Router(fleet, http).app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            reads.cancel()
-    asyncio.run(main())
-
-
-def start(args: list[str], port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit(f"{args} did not listen on {port}")
 
 
 async def one(http: aiohttp.ClientSession, url: str, headers: dict) -> float:
@@ -177,11 +140,6 @@ def gate_cost_us(n: int = 20000) -> float:
         headers["x-gpufleet-tenant"], headers["x-gpufleet-tenant-weight"] = "bench", t.weights["bench"]
         t.limiter.finish(ticket, 208, time.monotonic())   # type: ignore[arg-type]
     return (time.perf_counter() - started) / n * 1e6
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 async def run(rounds: int, requests: int) -> dict:
