@@ -4,7 +4,6 @@ tests/integration/test_samples.py has a real API server take the sample) and wha
 parses to."""
 from pathlib import Path
 
-import celpy
 import msgspec
 import pytest
 import yaml
@@ -14,30 +13,12 @@ from gpufleet.reconcile.ratio import ratio_status
 from gpufleet_api import SpecError, parse_spec, to_api
 from gpufleet_api.crd import build_crd
 from gpufleet_api.v1alpha1 import InferenceServiceStatus
+from tests.support.cel import refusals
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-ENV = celpy.Environment()
 CPU = {"runtime": "vllm-cpu", "kvCache": {"blockSize": 32}}
 SHARED = {"connector": "SharedStorage", "sharedStorage": {"hostPath": {"path": "/var/lib/kv"}}}
-
-
-def refusals(schema: dict, value) -> list[str]:
-    """The messages of every CEL rule the value breaks, at every level of the schema."""
-    out = []
-    for r in schema.get("x-kubernetes-validations", []):
-        if not bool(ENV.program(ENV.compile(r["rule"])).evaluate({"self": celpy.json_to_cel(value)})):
-            out.append(r["message"])
-    if isinstance(value, dict):
-        for key, sub in value.items():
-            if key in schema.get("properties", {}):
-                out += refusals(schema["properties"][key], sub)
-            elif "additionalProperties" in schema and isinstance(schema["additionalProperties"], dict):
-                out += refusals(schema["additionalProperties"], sub)
-    elif isinstance(value, list) and "items" in schema:
-        for item in value:
-            out += refusals(schema["items"], item)
-    return out
 
 
 def checked(**spec) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import celpy
 import pytest
 import yaml
 
@@ -14,27 +13,11 @@ from gpufleet_api.crd import KINDS, TENANTS, build_crd, render_yaml
 from gpufleet_api.tenants import declaration
 from gpufleet_api.tenants.declaration import TenantsSpec
 from gpufleet_api.tenants.usage import TENANTS_KIND, TENANTS_NAME, TENANTS_PLURAL
+from tests.support.cel import refusals
 
 ROOT = Path(__file__).resolve().parents[3]
 FILE = f"{TENANTS_PLURAL}.serving.gpufleet.dev.yaml"
 ROOT_SCHEMA = build_crd(TENANTS)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-ENV = celpy.Environment()
-
-
-def refusals(schema: dict, value) -> list[str]:
-    """The messages of every CEL rule the value breaks, at every level of the schema."""
-    out = []
-    for r in schema.get("x-kubernetes-validations", []):
-        if not bool(ENV.program(ENV.compile(r["rule"])).evaluate({"self": celpy.json_to_cel(value)})):
-            out.append(r["message"])
-    if isinstance(value, dict):
-        for key, sub in value.items():
-            if key in schema.get("properties", {}):
-                out += refusals(schema["properties"][key], sub)
-    elif isinstance(value, list) and "items" in schema:
-        for item in value:
-            out += refusals(schema["items"], item)
-    return out
 
 
 def checked(spec: dict, name: str = TENANTS_NAME) -> list[str]:
