@@ -99,7 +99,7 @@ class Fleet:
     def _limits_in_use(self) -> list[tuple[str, str, str, float]]:
         now = self.clock()
         return [(ns, tenant, limit, used) for ns, t in self.tenancies.items() if isinstance(t, tenancy.Tenancy)
-                for tenant, limit, used in tenancy.limit_used(t, now)]
+                for tenant, limit, used in t.limiter.used(now)]
 
     def _prune(self, table: Table, catalog: adapters.Catalog) -> None:
         """Forget what the router keeps per model, service or adapter once it leaves the table or the catalog:

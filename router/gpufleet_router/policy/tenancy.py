@@ -148,8 +148,3 @@ def key_table(ns: str, spec: TenantsSpec, data: Mapping[tuple[str, str], Mapping
             continue
         texts[tenant.name] = text
     return keys.KeyTable.parse(texts)
-
-
-def limit_used(tenancy: Tenancy, now: float) -> Iterable[tuple[str, str, float]]:
-    """(tenant, limit, share in use now) for each declared limit (Limiter.used)."""
-    return tenancy.limiter.used(now)
