@@ -46,9 +46,9 @@ from .exchange import Call, Relay, client_session, error_response, refuse
 from .fleet import Fleet
 from .forwarding import Forwarder
 from .metrics import Outcome, RouterMetrics
-from .policy import adapters, resume
+from .policy import resume
 from .policy import requests as rq
-from .policy.prefixes import prefix_of
+from .policy.placement import UnknownModel, place
 from .settings import BODY_BUDGET_RETRY_AFTER_SECONDS, RouterSettings
 from .tenants import Gate
 
@@ -137,14 +137,10 @@ class Router:
         arrived = self.fleet.clock()
         try:
             body = await self._read_body(request, claim)
-            parsed = rq.parse(body, route)
-            resolved = adapters.resolve(parsed.model, self.fleet.table, self.fleet.catalog)
-            if resolved is None:
-                self.metrics.unknown_model_requests.inc()
-                # vLLM's 404 (OpenAI's shape, vLLM's type and numeric code), naming what is served here.
-                raise rq.BadRequest(404, adapters.not_found_message(parsed.model, self.fleet.table,
-                                                                    self.fleet.catalog),
-                                    param="model", code=404, kind="NotFoundError")
+            placement = place(body, route, self.fleet.table, self.fleet.catalog, self.settings.prefix_blocks)
+        except UnknownModel as e:
+            self.metrics.unknown_model_requests.inc()
+            return refuse(self.metrics, "", Outcome.INVALID, e.status, e.body())
         except rq.BadRequest as e:
             return refuse(self.metrics, "", Outcome.INVALID, e.status, e.body())
         except BudgetExhausted as e:
@@ -154,14 +150,12 @@ class Router:
                 f"pass its budget of {e.limit} bytes (--body-budget-bytes, the chart's router.bodyBudgetBytes); "
                 f"retry shortly.", "service_unavailable", code=Reason.BODY_BUDGET),
                 BODY_BUDGET_RETRY_AFTER_SECONDS)
-        target, adapter = resolved.route, resolved.adapter
+        parsed, target, adapter, prefix = placement.parsed, placement.target, placement.adapter, placement.prefix
         if adapter is not None:
             self.metrics.adapter_requests.labels(adapter.name).inc()
-        admission = self.gate.admit(request, route, parsed, target, adapter.name if adapter else target.model)
+        admission = self.gate.admit(request.headers, route, parsed, target, adapter.name if adapter else target.model)
         if isinstance(admission, web.Response):
             return admission
-        prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, self.settings.prefix_blocks,
-                           adapter=adapter.name if adapter else None)
         if prefix is not None:
             self.metrics.prefix_keyed.labels(target.model).inc()
         relay = self._relay(body, route, parsed)

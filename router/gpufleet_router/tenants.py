@@ -20,6 +20,7 @@ from gpufleet_kit.tenant_limits import Refusal, Ticket
 from .exchange import Call, error_response
 from .fleet import Fleet
 from .metrics import Outcome
+from .policy import metering
 from .policy import requests as rq
 from .policy import tenancy
 from .policy.table import Route
@@ -58,9 +59,10 @@ class Gate:
     def __init__(self, fleet: Fleet):
         self.fleet, self.metrics = fleet, fleet.metrics
 
-    def admit(self, request: web.Request, route: str, parsed: rq.Parsed, target: Route,
+    def admit(self, headers: Mapping[str, str], route: str, parsed: rq.Parsed, target: Route,
               model: str) -> Admission | web.Response:
-        """Let the request through, or the router's answer refusing it (nothing reached a guard)."""
+        """Let the request through, or the router's answer refusing it (nothing reached a guard). ``headers``:
+        the request's, names in any case (aiohttp's) or lower case (the endpoint picker's)."""
         ns = target.namespace
         if ns in self.fleet.tenants_unread or None in self.fleet.tenants_unread:
             self.metrics.requests.labels(target.model, Outcome.UNAVAILABLE).inc()
@@ -76,7 +78,7 @@ class Gate:
             return error_response(503, rq.error_body(found.message, "service_unavailable", code=TENANTS_INVALID))
         if found is None:
             return Admission((ns, target.service, model, UNKNOWN_TENANT))
-        who = found.identify(request.headers)
+        who = found.identify(headers)
         if isinstance(who, Refused):
             reason = tenancy.REFUSAL_REASON[who.reason]
             self.metrics.tenant_refusals.labels(ns, target.service, model, UNKNOWN_TENANT, reason).inc()
@@ -102,17 +104,23 @@ class Gate:
         counted, as its usage told the client, and the tenant's admission corrected by them; where no usage
         is known, the estimate stands (an answer refused or failed before any usage: nothing was used).
         Once per admission: retries and resumptions are one request."""
+        counted = call.relay.stream.counted() if call.relay is not None and call.relay.response is not None \
+            else call.meter.counted
+        self.settle_usage(admission, counted, call.meter.guard_refusal, status)
+
+    def settle_usage(self, admission: Admission, counted: metering.Counted | None, guard_refusal: str | None,
+                     status: int | None) -> None:
+        """``settle`` from what is known of the answer: its usage (None: not known) and the guard's refusal code.
+        The endpoint picker settles this way: the gateway, not the router, relays the answer."""
         if admission.settled:
             return
         admission.settled = True
-        counted = call.relay.stream.counted() if call.relay is not None and call.relay.response is not None \
-            else call.meter.counted
         if counted is not None:
             self.metrics.tenant_prompt_tokens.labels(*admission.usage_labels).inc(counted.prompt)
             self.metrics.tenant_cached_prompt_tokens.labels(*admission.usage_labels).inc(counted.cached)
             self.metrics.tenant_answer_tokens.labels(*admission.usage_labels).inc(counted.answer)
-        if call.meter.guard_refusal is not None:
-            self.metrics.tenant_refusals.labels(*admission.usage_labels, call.meter.guard_refusal).inc()
+        if guard_refusal is not None:
+            self.metrics.tenant_refusals.labels(*admission.usage_labels, guard_refusal).inc()
         if admission.tenancy is None or admission.ticket is None:
             return
         if counted is not None:
@@ -122,4 +130,3 @@ class Gate:
         else:
             used = admission.ticket.estimated_tokens
         admission.tenancy.limiter.finish(admission.ticket, used, self.fleet.clock())
-
