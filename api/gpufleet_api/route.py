@@ -10,9 +10,9 @@ import dataclasses
 
 from . import SpecError, parse_spec
 from .engine_pods import DECODE, PREFILL, UNIFIED, Role
-from .v1alpha1 import InferenceServiceSpec
+from .v1alpha1 import ROUTER, InferenceServiceSpec
 
-__all__ = ["RouteView", "SpecError", "max_replicas", "route_view", "served_name"]
+__all__ = ["RouteView", "SpecError", "gateway_via_router", "max_replicas", "route_view", "served_name"]
 
 
 def served_name(spec: InferenceServiceSpec) -> str:
@@ -42,8 +42,15 @@ class RouteView:
     kv_tier: bool = False      # spec.engine.kvTier Shared with a KV connector: replicas share computed KV
     canary_revision: str = ""  # status.rollout.canaryRevision: the canary pods' gpufleet.dev/revision
     canary_weight: int = 0     # its share of new requests, 0..100
+    gateway: bool = False      # spec.gateway: an InferencePool <service> names the router's Endpoint Picker
     created: str = ""          # metadata.creationTimestamp: the older of two services claiming a name keeps it
     deleting: bool = False
+    # spec.admission.queueClasses' names: what a gateway's objective header may name as the request's class.
+    queue_classes: tuple[str, ...] = ()
+    # Behind a Gateway API gateway, the endpoint picker sends this service's requests to the router's own pods
+    # rather than to an engine pod: the prefill/decode hand-off and stream resumption need the router in the
+    # data path (docs/gateway-epp.md). ``gateway_via_router`` computes it.
+    via_router: bool = False
 
 
 def route_view(isvc: dict) -> RouteView:
@@ -59,7 +66,19 @@ def route_view(isvc: dict) -> RouteView:
         if spec.disaggregation else (),
         kv_tier=spec.engine.kv_tier == "Shared" and spec.engine.kv_transfer is not None,
         canary_revision=canary_revision, canary_weight=canary_weight,
-        created=meta.get("creationTimestamp") or "", deleting=bool(meta.get("deletionTimestamp")))
+        gateway=spec.gateway is not None,
+        created=meta.get("creationTimestamp") or "", deleting=bool(meta.get("deletionTimestamp")),
+        queue_classes=tuple(c.name for c in spec.admission.queue_classes), via_router=gateway_via_router(spec))
+
+
+def gateway_via_router(spec: InferenceServiceSpec) -> bool:
+    """Whether a gateway's endpoint picker sends this service's requests through the router (its own pods) rather
+    than straight to an engine pod: spec.gateway.dataPath Router; unset, a disaggregated service (its request needs
+    a prefill and then a decode with the prefill's hand-off, which no single pick of one endpoint can carry)."""
+    data_path = spec.gateway.data_path if spec.gateway is not None else None
+    if data_path is not None:
+        return data_path == ROUTER
+    return spec.disaggregation is not None
 
 
 def _canary(isvc: dict) -> tuple[str, int]:

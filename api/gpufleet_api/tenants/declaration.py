@@ -16,13 +16,14 @@ from msgspec import Meta
 
 from gpufleet_api.typed import Invalid, Model, Problem, convert
 
+from ..gateway_api import FAIRNESS_ID_HEADER
 from ..schema import rule
 from ..v1alpha1.common import DNS_LABEL, SecretKeyRef
 
 # The header a trusted gateway names the tenant in, and the fairness ids of the Gateway API Inference
 # Extension / llm-d flow control (the second is its newer name), accepted as the tenant where trusted.
 TENANT_HEADER = "x-gpufleet-tenant"
-FAIRNESS_ID_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
+FAIRNESS_ID_HEADERS = (FAIRNESS_ID_HEADER, "x-llm-d-inference-fairness-id")
 # The metric label of every caller that is not a declared tenant (labels.py); no tenant may take it.
 UNKNOWN_TENANT = "unknown"
 MAX_TENANTS = 256

@@ -1,5 +1,5 @@
 """serving.gpufleet.dev/v1alpha1: the InferenceService and InferenceAdapter kinds, the one source of the
-CRDs' schemas. One module per part of the spec (model, engine, placement, pod, admission, rollout) and
+CRDs' schemas. One module per part of the spec (model, engine, placement, pod, admission, rollout, gateway) and
 per kind (inferenceservice, inferenceadapter); this package names them all, as ``t.EngineSpec``.
 
 Every field has a description (``kubectl explain`` shows it) and a default
@@ -60,6 +60,17 @@ from .engine import (
     LoraSpec,
     SharedStorageSpec,
     SpeculativeSpec,
+)
+from .gateway import (
+    DIRECT,
+    DIRECT_DISAGGREGATION_MESSAGE,
+    ROUTER,
+    DataPath,
+    GatewayParentCondition,
+    GatewayParentStatus,
+    GatewaySpec,
+    GatewayStatus,
+    ParentGatewayRef,
 )
 from .inferenceadapter import (
     ADAPTER_KIND,
@@ -162,6 +173,15 @@ __all__ = [
     "ROLLOUT_DISAGGREGATION_MESSAGE",
     "RolloutAnalysis",
     "RolloutSpec",
+    "DataPath",
+    "DIRECT",
+    "ROUTER",
+    "DIRECT_DISAGGREGATION_MESSAGE",
+    "ParentGatewayRef",
+    "GatewaySpec",
+    "GatewayParentCondition",
+    "GatewayParentStatus",
+    "GatewayStatus",
     "InferenceServiceSpec",
     "ScalingDecision",
     "FragmentationStatus",

@@ -53,7 +53,9 @@ class Condition(Model, frozen=True, kw_only=True):
                     "(MetricsUnavailable) or decides on the ready replicas only because others never became ready "
                     "(ReplicasNotReady). NameConflict is True (NameClaimedElsewhere) while another object, in "
                     "the namespace that claimed the model name first, serves it: the router sends this one none "
-                    "of its requests; False (NameOwned) once that has gone.")]
+                    "of its requests; False (NameOwned) once that has gone. GatewayReady (with spec.gateway) is "
+                    "True once a gateway accepted the InferencePool with its references resolved; False says why "
+                    "not (e.g. InferencePoolCRDMissing, EndpointPickerMissing, NotAccepted).")]
     status: Annotated[Literal["True", "False", "Unknown"], Meta(description="True, False or Unknown.")]
     reason: Annotated[str, Meta(description="CamelCase reason.")]
     message: Annotated[str, Meta(description="What is going on, for a human.")] = ""

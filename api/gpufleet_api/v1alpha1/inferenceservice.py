@@ -12,6 +12,7 @@ from ..schema import rule
 from .admission import AdmissionSpec, AuditSpec, AutoscalingSpec, MonitoringSpec, SLOSpec
 from .common import Condition
 from .engine import EngineSpec
+from .gateway import DIRECT_DISAGGREGATION_MESSAGE, GatewaySpec, GatewayStatus
 from .model import ModelSpec
 from .placement import DisaggregationSpec, IsolationSpec, ResourceSpec
 from .pod import PodSpec
@@ -80,6 +81,8 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
              field_path=".engine.lora"),
         rule("!has(self.rollout) || !has(self.disaggregation)", ROLLOUT_DISAGGREGATION_MESSAGE,
              field_path=".rollout"),
+        rule("!has(self.gateway) || !has(self.gateway.dataPath) || self.gateway.dataPath != 'Direct' || "
+             "!has(self.disaggregation)", DIRECT_DISAGGREGATION_MESSAGE, field_path=".gateway.dataPath"),
     ]}
     model: Annotated[ModelSpec, Meta(description="The model served.")]
     engine: Annotated[EngineSpec, Meta(
@@ -110,6 +113,10 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
     rollout: Optional[Annotated[RolloutSpec, Meta(
         description="How a change of what a replica serves rolls out: Rolling (unset) or Canary steps with SLO "
                     "analysis and automatic rollback (docs/rollouts.md). Unified services only.")]] = None
+    gateway: Optional[Annotated[GatewaySpec, Meta(
+        description="Serve through a Gateway API gateway with the Inference Extension: an InferencePool "
+                    "<service> whose Endpoint Picker is the router, and optionally an HTTPRoute from a Gateway "
+                    "(docs/gateway-api.md).")]] = None
 
 
 class ScalingDecision(Model, frozen=True, kw_only=True):
@@ -276,6 +283,9 @@ class InferenceServiceStatus(Model, frozen=True, kw_only=True):
         description="Present while engine pods sit on cordoned nodes.")]] = None
     rollout: Optional[Annotated[RolloutStatus, Meta(
         description="Revisions and the canary's traffic split (spec.rollout).")]] = None
+    gateway: Optional[Annotated[GatewayStatus, Meta(
+        description="With spec.gateway: the InferencePool and HTTPRoute rendered, and the gateways that "
+                    "accepted the pool (its status.parents).")]] = None
     isolation_violations: Annotated[list[str], Meta(
         description="Foreign pods found on nodes reserved for this service.")] = msgspec.field(default_factory=list)
     conditions: Annotated[list[Condition], Meta(

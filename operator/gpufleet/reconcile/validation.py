@@ -5,6 +5,8 @@ import re
 
 from gpufleet_api.guard.engine_flags import extra_args_problems
 from gpufleet_api.v1alpha1 import (
+    DIRECT,
+    DIRECT_DISAGGREGATION_MESSAGE,
     ROLLOUT_DISAGGREGATION_MESSAGE,
     SERVED_NAME_FORBIDDEN,
     SERVED_NAME_MESSAGE,
@@ -44,6 +46,8 @@ def validate(spec: InferenceServiceSpec) -> list[str]:
                         f"spec.model.maxModelLen to at most {fits}")
     problems += _model_problems(spec)
     problems += rollout_problems(spec)
+    if spec.gateway is not None and spec.gateway.data_path == DIRECT and spec.disaggregation is not None:
+        problems.append(DIRECT_DISAGGREGATION_MESSAGE)  # the CRD's CEL rule says it at admission
     return problems
 
 
