@@ -59,6 +59,8 @@ PRINTER_COLUMNS: list[dict] = [
     {"name": "Figures", "type": "date", "jsonPath": ".status.figuresUpdateTime", "priority": 1,
      "description": "When KV%, P99-TTFT(ms) and KVWaste% last changed (written at most every "
                     "--status-figures-interval-seconds)"},
+    {"name": "Gateway", "type": "string", "jsonPath": '.status.conditions[?(@.type=="GatewayReady")].reason',
+     "priority": 1, "description": "spec.gateway: Accepted once a gateway took the InferencePool, else why not"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": 1},
     {"name": "Isolation", "type": "string", "jsonPath": ".spec.isolation.mode", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

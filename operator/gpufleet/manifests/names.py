@@ -92,6 +92,15 @@ def networkpolicy_name(service: str) -> str:
     return f"{service}-engine"
 
 
+def inference_pool_name(service: str) -> str:
+    """spec.gateway's InferencePool: the name an HTTPRoute's backendRef gives."""
+    return service
+
+
+def http_route_name(service: str) -> str:
+    return service
+
+
 def kv_store_claim_name(service: str) -> str:
     return f"{service}-kv-store"
 

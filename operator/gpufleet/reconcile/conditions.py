@@ -13,7 +13,9 @@ SCALING = "Scaling"
 FRAGMENTATION_OK = "FragmentationOK"
 NAME_CONFLICT = name_claims.CONDITION   # the model name is another namespace's (reconcile/name_conflicts.py)
 
-ORDER = [READY, PROGRESSING, DEGRADED, ISOLATED, SCALING, FRAGMENTATION_OK, NAME_CONFLICT]
+GATEWAY_READY = "GatewayReady"           # spec.gateway's InferencePool (reconcile/gateway_status.py)
+
+ORDER = [READY, PROGRESSING, DEGRADED, ISOLATED, SCALING, FRAGMENTATION_OK, NAME_CONFLICT, GATEWAY_READY]
 
 
 def now_iso(now: datetime | None = None) -> str:

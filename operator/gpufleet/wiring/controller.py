@@ -37,6 +37,7 @@ from ..reconcile.validation import validate
 from ..rollout import steps
 from ..rollout.status import rollout_conditions, rollout_patch
 from .children import ServiceChildren
+from .gateway import ServiceGateway
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class Controller:
                                         engine_ingress=engine_ingress, wall=wall,
                                         adapter_private_sources=adapter_private_sources)
         self.cordons, self.applied = self.children.cordons, self.children.applied
+        # spec.gateway's InferencePool and HTTPRoute: reported in GatewayReady, never failing the reconcile.
+        self.gateway = ServiceGateway(kube, clock)
         # Who owns each model name across namespaces, fed by the runtime's watches: a service that lost its
         # name gets the NameConflict condition in its reconcile.
         self.names = name_conflicts.NameClaimIndex()
@@ -212,6 +215,7 @@ class Controller:
                     await self.children.prune_budgets(isvc, spec)
             if plan is not None and not rejected:
                 await self._post(isvc, plan.events)
+            gateway = await self.gateway.reconcile(isvc, spec, apply=apply_children)
 
             def compute(current: dict) -> StatusUpdate:
                 status = derive_status(service=name, namespace=ns, generation=gen, spec=spec, desired=replicas,
@@ -232,6 +236,10 @@ class Controller:
                                                     current.get("conditions"), gen)
                 if apply_children and not conflict:  # every child's name was looked at and is the service's
                     updates += cleared(current, gen)
+                if gateway.fields is not None:
+                    status.update(gateway.fields)
+                if gateway.condition is not None:
+                    updates.append(gateway.condition)
                 return status, updates
 
             first = compute(previous)[1]
