@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 import click
@@ -61,11 +62,28 @@ from .server import RouterSettings
 @click.option("--resume-timeout-seconds", default=30.0, show_default=True, type=click.FloatRange(0.0),
               help="A continuation that every replica of its revision refuses (429/503) waits for their "
                    "Retry-After, this long at most from the break; then the stream ends in an error event.")
+@click.option("--epp-port", default=None, type=click.IntRange(0, 65535),
+              help="Also serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc over gRPC, with "
+                   "grpc.health.v1) on this port, with the same policy (docs/gateway-epp.md); default: off.")
+@click.option("--epp-secure-serving/--no-epp-secure-serving", default=True, show_default=True,
+              help="The endpoint picker speaks TLS (gateways expect it); --no-epp-secure-serving: plaintext.")
+@click.option("--epp-cert-path", default=None, type=click.Path(file_okay=False),
+              help="A folder with tls.crt and tls.key for the endpoint picker; default: a self-signed certificate "
+                   "made at start.")
+@click.option("--epp-fallbacks", default=3, show_default=True, type=click.IntRange(1, 16),
+              help="Endpoints the picker names per request: its pick, then the fallbacks a gateway retrying goes to.")
+@click.option("--epp-fairness-as-tenant/--no-epp-fairness-as-tenant", default=True, show_default=True,
+              help="In a namespace without tenants, the gateway's x-gateway-inference-fairness-id keys the guard's "
+                   "fair lane as a tenant would; off: ignored.")
+@click.option("--router-endpoints", envvar="GPUFLEET_ROUTER_ENDPOINTS", default="",
+              help="host:port of the router pods (comma-separated) the picker sends a service to whose gateway data "
+                   "path is the router; default: this pod's $POD_IP and --port.")
 @click.option("-v", "--verbose", is_flag=True)
 def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_seconds, reading_interval_seconds,
            prefix_blocks, load_factor, tier_load_factor, max_body_bytes, body_budget_bytes, drain_grace_seconds,
            hold_timeout_seconds, hold_max_requests, prefill_timeout_seconds, policy, resume_streams, max_resumptions,
-           resume_timeout_seconds, verbose) -> None:
+           resume_timeout_seconds, epp_port, epp_secure_serving, epp_cert_path, epp_fallbacks,
+           epp_fairness_as_tenant, router_endpoints, verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
     from gpufleet_kit.kube.client import KubeClient
     from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
@@ -90,7 +108,14 @@ def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_sec
                               drain_grace=drain_grace_seconds, hold_timeout=hold_timeout_seconds,
                               hold_max_requests=hold_max_requests, prefill_timeout=prefill_timeout_seconds,
                               policy=policy, resume_streams=resume_streams, max_resumptions=max_resumptions,
-                              resume_timeout=resume_timeout_seconds)
+                              resume_timeout=resume_timeout_seconds, epp_port=epp_port,
+                              epp_secure=epp_secure_serving, epp_cert_path=epp_cert_path, epp_fallbacks=epp_fallbacks,
+                              epp_fairness_as_tenant=epp_fairness_as_tenant,
+                              router_endpoints=endpoints_of(router_endpoints, os.environ.get("POD_IP"), port))
+
+    if epp_cert_path and not epp_secure_serving:
+        raise click.BadParameter("a certificate is for TLS; drop --no-epp-secure-serving or the path",
+                                 param_hint="--epp-cert-path")
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -101,3 +126,15 @@ def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_sec
             await serve(kube, settings, host, port, stop)
 
     asyncio.run(main())
+
+
+def endpoints_of(listed: str, pod_ip: str | None, port: int) -> tuple[str, ...]:
+    """The router endpoints named (comma-separated host:port), else this pod's own address where known."""
+    named = tuple(e.strip() for e in listed.split(",") if e.strip())
+    for endpoint in named:
+        host, sep, number = endpoint.rpartition(":")
+        if not sep or not host or not number.isdigit():
+            raise click.BadParameter(f"{endpoint!r} is not host:port", param_hint="--router-endpoints")
+    if named:
+        return named
+    return (f"{pod_ip}:{port}",) if pod_ip else ()

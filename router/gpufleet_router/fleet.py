@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -25,14 +26,22 @@ from gpufleet_kit.kube.pods import is_serving
 from .loop_lag import LoopLag
 from .metrics import RouterMetrics
 from .policy import adapters, tenancy
+from .policy import requests as rq
 from .policy.choice import Picker
 from .policy.cold_start import ColdStarts
 from .policy.replicas import Reading
 from .policy.signals import parse_guard
-from .policy.table import Table, build_table
+from .policy.table import Route, Table, build_table
 from .settings import RouterSettings
 
 log = logging.getLogger("gpufleet_router")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unserved:
+    """Why a held request gets 503: its body (OpenAI's error shape) and Retry-After."""
+    body: dict
+    retry_after: float
 
 
 class Fleet:
@@ -248,6 +257,23 @@ class Fleet:
             if waiter in queue:
                 queue.remove(waiter)
             self.metrics.held.labels(*self._service(model)).set(len(queue))
+
+    async def wait_for_pool(self, model: str, target: Route, arrived: float, deadline: float) -> Unserved | None:
+        """Hold a request for a service no pool can answer now (no replica yet, all starting, scaled to zero)
+        until one can (None), or say why not (503): too many held already, or none ready by ``deadline``.
+        Both front doors hold this way: the router's requests and the endpoint picker's."""
+        if self.held_count(model) >= self.settings.hold_max_requests:
+            return Unserved(rq.error_body(
+                f"{self.settings.hold_max_requests} requests already wait for a replica of "
+                f"{target.namespace}/{target.service} (model {model!r}); retry later.",
+                "service_unavailable", code="hold_queue_full"), self.cold(model).retry_after(self.clock() - arrived))
+        if not await self.hold(model, deadline):
+            waited = self.clock() - arrived
+            return Unserved(rq.error_body(
+                f"No replica of {target.namespace}/{target.service} (model {model!r}) became ready "
+                f"within {waited:.0f}s.", "service_unavailable", code="no_ready_replica"),
+                self.cold(model).retry_after(waited))
+        return None
 
     def _service(self, model: str) -> tuple[str, str]:
         route = self.table.routes.get(model)

@@ -29,7 +29,7 @@ from .exchange import (
 )
 from .fleet import Fleet
 from .metrics import Outcome
-from .policy import handoff, metering, shedding
+from .policy import adapters, handoff, metering, shedding
 from .policy import requests as rq
 from .policy.choice import Pick
 from .policy.prefixes import Prefix
@@ -91,31 +91,19 @@ class Forwarder:
         return picker is not None and bool(picker.holders(adapter))
 
     def _adapter_not_loaded(self, call: Call) -> web.Response:
-        adapter, target = call.adapter or "", call.target
+        adapter = call.adapter or ""
         self.metrics.adapter_not_loaded.labels(adapter).inc()
         return refuse(self.metrics, call.model, Outcome.UNAVAILABLE, 503, rq.error_body(
-            f"The adapter `{adapter}` of {target.namespace}/{target.service} is not loaded on any ready replica "
-            f"now; retry shortly (kubectl -n {target.namespace} get inferenceadapter {adapter} says where it is "
-            f"loaded, or why not).", "adapter_not_loaded", code="adapter_not_loaded"),
+            adapters.not_loaded_message(adapter, call.target), "adapter_not_loaded", code="adapter_not_loaded"),
             ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS)
 
     async def _hold(self, call: Call, deadline: float) -> web.Response | None:
         """No pool can answer (no replica yet, all starting, or scaled to zero): hold the request until
         one can (None), or answer why not."""
-        model, target = call.model, call.target
-        if self.fleet.held_count(model) >= self.settings.hold_max_requests:
-            return refuse(self.metrics, model, Outcome.UNAVAILABLE, 503, rq.error_body(
-                f"{self.settings.hold_max_requests} requests already wait for a replica of "
-                f"{target.namespace}/{target.service} (model {model!r}); retry later.",
-                "service_unavailable", code="hold_queue_full"),
-                self.fleet.cold(model).retry_after(self.fleet.clock() - call.arrived))
-        if not await self.fleet.hold(model, deadline):
-            waited = self.fleet.clock() - call.arrived
-            return refuse(self.metrics, model, Outcome.UNAVAILABLE, 503, rq.error_body(
-                f"No replica of {target.namespace}/{target.service} (model {model!r}) became ready "
-                f"within {waited:.0f}s.", "service_unavailable", code="no_ready_replica"),
-                self.fleet.cold(model).retry_after(waited))
-        return None
+        refusal = await self.fleet.wait_for_pool(call.model, call.target, call.arrived, deadline)
+        if refusal is None:
+            return None
+        return refuse(self.metrics, call.model, Outcome.UNAVAILABLE, 503, refusal.body, refusal.retry_after)
 
     async def _send(self, call: Call, role: str, body: bytes, prefix: Prefix | None) -> web.StreamResponse | None:
         """Send ``body`` to a replica of the ``role`` pool and stream its answer to the client, with the

@@ -135,6 +135,13 @@ class RouterMetrics:
                                             "ready replica to the first replica ready for it.",
                                             ["namespace", "service"],
                                             buckets=_COLD_START_SECONDS, registry=r)
+        self.epp_pick_seconds = Histogram(PREFIX + "epp_pick_seconds", "The endpoint picker: from a request's whole "
+                                          "body in to its destination (or its immediate answer) out.",
+                                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                   0.1, 0.25, 1, 10, 120), registry=r)
+        self.epp_answers = Counter(PREFIX + "epp_answers", "The endpoint picker's answers: routed (a destination), "
+                                   "or the status of its immediate answer (400, 404, 413, 429, 503, ...).",
+                                   ["answer"], registry=r)
         self.prefill_seconds = Histogram(PREFIX + "prefill_seconds", "Disaggregated requests: from the first "
                                          "send to a prefill replica to its answer, for prefills handed to decode.",
                                          ["model"], buckets=_SECONDS, registry=r)

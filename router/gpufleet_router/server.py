@@ -42,12 +42,13 @@ from gpufleet_kit.body_budget import BodyBudget, BodyTooLarge, BudgetExhausted, 
 from gpufleet_kit.kube.client import KubeClient
 
 from . import discovery
+from .epp.server import EppServer
 from .exchange import Call, Relay, client_session, error_response, refuse
 from .fleet import Fleet
 from .forwarding import Forwarder
 from .metrics import Outcome, RouterMetrics
-from .policy import resume
 from .policy import requests as rq
+from .policy import resume
 from .policy.placement import UnknownModel, place
 from .settings import BODY_BUDGET_RETRY_AFTER_SECONDS, RouterSettings
 from .tenants import Gate
@@ -210,16 +211,24 @@ async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int
     runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None,
                            shutdown_timeout=settings.drain_timeout)
     await runner.setup()
+    # The gateways' endpoint picker (epp/): the same fleet and policy behind a second front door.
+    epp = EppServer(fleet, router.body_budget, host) if settings.epp_port is not None else None
     try:
         await web.TCPSite(runner, host, port).start()
         log.info("router listening on %s:%d (%s)", host, port,
                  ", ".join(settings.namespaces) if settings.namespaces else "every namespace")
+        if epp is not None:
+            await epp.start()
         await stop.wait()
         fleet.draining = True
+        if epp is not None:
+            await epp.draining()
         log.info("draining: unready for %gs, then answers in progress get up to %gs", settings.drain_grace,
                  settings.drain_timeout)
         await asyncio.sleep(settings.drain_grace)
     finally:
+        if epp is not None:
+            await epp.stop(settings.drain_timeout)
         await runner.cleanup()
         for task in tasks:
             task.cancel()

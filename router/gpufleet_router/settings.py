@@ -28,6 +28,9 @@ UNREACHABLE_PAUSE_SECONDS = 0.25
 UNREACHABLE_PAUSE_MAX_SECONDS = 2.0
 # A continuation refused everywhere waits at least this long before asking again (a Retry-After of 0).
 MIN_RESUME_WAIT_SECONDS = 0.05
+# The endpoint picker's 429 when every candidate's reading says it has no room: about when the next reading
+# (--reading-interval-seconds, 1 s by default) may say otherwise.
+EPP_REFUSED_RETRY_AFTER_SECONDS = 1
 # A body refused for want of room in --body-budget-bytes: the bodies held now are read and sent on within
 # about this long on a healthy fleet.
 BODY_BUDGET_RETRY_AFTER_SECONDS = 1
@@ -76,3 +79,11 @@ class RouterSettings:
     # with a doubling pause, this long at most from its arrival: a replica starved of CPU or between
     # an engine's death and its unready probe should not make a client's request fail outright.
     unreachable_retry_timeout: float = 10.0
+    # The Gateway API Inference Extension's endpoint picker (epp/, docs/gateway-epp.md): off without a port.
+    epp_port: int | None = None
+    epp_secure: bool = True                 # TLS (a self-signed certificate made at start, or epp_cert_path's)
+    epp_cert_path: str | None = None        # a folder with tls.crt and tls.key (GIE's --cert-path)
+    epp_fallbacks: int = 3                  # endpoints per pick: the first and those a gateway retrying goes to
+    epp_fairness_as_tenant: bool = True     # the gateway's fairness id keys the guard's fair lane (no tenants)
+    # The router pods a service behind a gateway with dataPath Router is sent to (host:port of their OpenAI port).
+    router_endpoints: tuple[str, ...] = ()

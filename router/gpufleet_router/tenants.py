@@ -20,9 +20,8 @@ from gpufleet_kit.tenant_limits import Refusal, Ticket
 from .exchange import Call, error_response
 from .fleet import Fleet
 from .metrics import Outcome
-from .policy import metering
+from .policy import metering, tenancy
 from .policy import requests as rq
-from .policy import tenancy
 from .policy.table import Route
 from .settings import HOP_BY_HOP
 

@@ -131,3 +131,10 @@ def not_found_message(model: str, table: Table, catalog: Catalog) -> str:
     more = f" and {len(names) - LISTED_IN_404} more (GET /v1/models lists them all)" \
         if len(names) > LISTED_IN_404 else ""
     return f"The model `{model}` does not exist. Served here: {listed}{more}."
+
+
+def not_loaded_message(adapter: str, target: Route) -> str:
+    """Why a request for ``adapter`` finds no replica to take it (503, retried shortly)."""
+    return (f"The adapter `{adapter}` of {target.namespace}/{target.service} is not loaded on any ready replica "
+            f"now; retry shortly (kubectl -n {target.namespace} get inferenceadapter {adapter} says where it is "
+            f"loaded, or why not).")

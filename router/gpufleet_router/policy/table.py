@@ -46,6 +46,10 @@ class Route:
     # A canary in progress (status.rollout): its pods' gpufleet.dev/revision and its share of new requests.
     canary_revision: str = ""
     canary_weight: int = 0
+    # spec.admission.queueClasses' names, and whether a gateway's picker sends the service's requests through
+    # the router (RouteView.via_router).
+    queue_classes: tuple[str, ...] = ()
+    via_router: bool = False
 
     @property
     def root(self) -> str:
@@ -122,5 +126,6 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
                                    min_replicas=view.min_replicas, max_replicas=view.max_replicas,
                                    replicas=pools[UNIFIED], pool_max=view.pool_max, kv_tier=view.kv_tier,
                                    prefill=pools[PREFILL], decode=pools[DECODE], model_root=view.model_root,
-                                   canary_revision=view.canary_revision, canary_weight=view.canary_weight)
+                                   canary_revision=view.canary_revision, canary_weight=view.canary_weight,
+                                   queue_classes=view.queue_classes, via_router=view.via_router)
     return Table(routes, tuple(problems), claims)
