@@ -58,3 +58,4 @@ generate:
 	.venv/bin/gpufleet crd --markdown -o docs/api.md
 	.venv/bin/python dashboards/build.py
 	.venv/bin/python scripts/sync_chart.py
+	.venv/bin/python scripts/gie_crd.py
