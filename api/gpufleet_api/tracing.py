@@ -42,6 +42,10 @@ def http_traces_url(endpoint: str) -> str:
     return base if base.rstrip("/").endswith("/v1/traces") else base.rstrip("/") + "/v1/traces"
 
 
+# Resource service.name of each process that exports spans.
+GUARD_SERVICE_NAME = "gpufleet-guard"
+ROUTER_SERVICE_NAME = "gpufleet-router"
+
 # Span names, one per hop's step.
 GUARD_REQUEST_SPAN = "guard.request"      # the guard's server span: the request from arrival to its end
 GUARD_ADMISSION_SPAN = "guard.admission"  # from the parse to the grant: reservation, queue wait

@@ -11,6 +11,7 @@ asyncio code, and attaching a context on every await would cost more than the sp
 """
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Optional
@@ -81,8 +82,9 @@ class RequestTrace:
         """W3C ``traceparent`` (and ``tracestate``) of the open client step, else of the root."""
         span = self._step or self.root
         context = span.get_span_context()
+        # Only the sampled flag: W3C level 1, which every hop after us reads.
         headers[TRACEPARENT] = (f"00-{context.trace_id:032x}-{context.span_id:016x}-"
-                                f"{int(context.trace_flags):02x}")
+                                f"{'01' if context.trace_flags.sampled else '00'}")
         if context.trace_state:
             headers[TRACESTATE] = context.trace_state.to_header()
         else:
@@ -151,6 +153,23 @@ class _NoTrace(RequestTrace):
 
 
 NO_TRACE: RequestTrace = _NoTrace()
+# The request a task serves: set once where the request arrives, read where a step of it happens
+# (tasks started for the request inherit it), so no signature on the way needs a trace argument.
+_CURRENT: contextvars.ContextVar[RequestTrace] = contextvars.ContextVar("gpufleet_trace", default=NO_TRACE)
+
+
+def current() -> RequestTrace:
+    """The trace of the request this task serves (``NO_TRACE`` outside one, or with tracing off)."""
+    return _CURRENT.get()
+
+
+def bind(trace: RequestTrace) -> contextvars.Token[RequestTrace]:
+    """Make ``trace`` the current request's for this task and those it starts (``unbind`` after)."""
+    return _CURRENT.set(trace)
+
+
+def unbind(token: contextvars.Token[RequestTrace]) -> None:
+    _CURRENT.reset(token)
 
 
 @dataclass
@@ -179,7 +198,13 @@ class Tracing:
         from .tail_sampling import HeadSampler, TailKeepProcessor
         provider = TracerProvider(sampler=HeadSampler(config.sample_ratio), resource=Resource.create(
             {"service.name": service_name, **(resource_attributes or {})}))
-        exporter = exporter or otlp_exporter(config)
+        if exporter is None:
+            problem = otlp_problem()
+            if problem is not None:
+                raise TracingUnavailable(f"tracing is configured (endpoint {config.endpoint}) but this build "
+                                         f"cannot export spans: {problem}; install opentelemetry-sdk and "
+                                         f"opentelemetry-exporter-otlp, or remove tracing")
+            exporter = otlp_exporter(config)
         exporting: SpanProcessor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         provider.add_span_processor(TailKeepProcessor(exporting))
         return cls(provider.get_tracer("gpufleet"), provider)
@@ -214,6 +239,27 @@ def extract(headers: Mapping[str, str]) -> Any:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     carrier = {k: headers[k] for k in (TRACEPARENT, TRACESTATE) if k in headers}
     return TraceContextTextMapPropagator().extract(carrier)
+
+
+class TracingUnavailable(RuntimeError):
+    """Tracing is configured and this build cannot export spans."""
+
+
+# What exporting over OTLP imports: the SDK and both exporters. vLLM's --otlp-traces-endpoint needs
+# the same (vllm/tracing/otel.py refuses the flag when any of them does not import).
+OTLP_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+
+
+def otlp_problem() -> str | None:
+    """Why spans cannot be exported over OTLP from this Python (None: they can)."""
+    import importlib
+    for module in OTLP_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return f"{module} does not import ({e})"
+    return None
 
 
 def otlp_exporter(config: TracingConfig) -> SpanExporter:

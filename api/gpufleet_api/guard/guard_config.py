@@ -24,6 +24,7 @@ from msgspec import Meta
 
 from .. import typed
 from ..errors import ContractError
+from ..tracing import TracingConfig
 from .control_auth import ControlAuthConfig
 from .engine_flags import extra_args_problems
 
@@ -242,6 +243,8 @@ class GuardConfig(_Section, frozen=True):
     adapters: Annotated[AdapterFetchConfig, LIVE] = msgspec.field(default_factory=AdapterFetchConfig)
     # Who may call the control routes (control_auth.py); None: nobody, each gets 401.
     control_auth: Annotated[Optional[ControlAuthConfig], LIVE] = None
+    # Where the guard (and, with engineSpans, vLLM) sends spans; None: no tracing (docs/tracing.md).
+    tracing: Optional[TracingConfig] = None
     engine: Optional[EngineConfig] = None
 
     def queue_class(self, name: str) -> QueueClass | None:

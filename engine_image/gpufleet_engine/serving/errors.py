@@ -8,11 +8,13 @@ from typing import Callable
 
 from aiohttp import web
 
+from gpufleet_api import tracing as names
 from gpufleet_api.guard.guard_config import QueueClass
 from gpufleet_engine.admission import sli
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Rejection
 from gpufleet_engine.serving.prometheus import GuardMetrics
+from gpufleet_kit.tracing import current
 
 
 def invalid_response(status: int, message: str, param: str | None = None) -> web.Response:
@@ -54,6 +56,11 @@ class Refusals:
         """``stream``: whether the refused request asked to stream; None when it was not read.
         ``adapter``: the LoRA adapter it asked for, once read."""
         self._admission.refused(r)
+        trace = current()
+        if trace.on:
+            trace.set_all({names.CLASS: queue_class.name, names.REFUSAL_REASON: r.reason,
+                           names.ERROR_TYPE: r.reason})
+            trace.keep("refused")
         m = self._metrics
         m.rejections.labels(queue_class.name, r.reason).inc()
         m.count_sli(queue_class.name, sli.judge_refusal(r.reason, stream))

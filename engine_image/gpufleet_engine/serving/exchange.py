@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable, Iterator
 import aiohttp
 from aiohttp import web
 
+from gpufleet_api import tracing as names
 from gpufleet_api.guard.guard_config import QueueClass
 from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_engine.admission import context, kv_handoff, sli
@@ -29,6 +30,7 @@ from gpufleet_engine.admission.reservations import Reservation
 from gpufleet_engine.serving.errors import Refusals, error_response
 from gpufleet_engine.serving.prometheus import GuardMetrics
 from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS, Upstream
+from gpufleet_kit.tracing import RequestTrace, current
 
 log = logging.getLogger("gpufleet_engine.serving.guard")
 
@@ -116,6 +118,7 @@ class Exchange:
         self.finished = False
         self.ttft_seconds: float | None = None
         self.gaps = self.late_gaps = 0
+        self.trace: RequestTrace = current()
 
     def finish(self, outcome: str) -> None:
         if self.finished:
@@ -129,20 +132,37 @@ class Exchange:
         phase = self.prepared.phase
         if phase != kv_handoff.WHOLE:
             m.kv_handoffs.labels(phase, outcome).inc()
-        if outcome == "ok":
-            m.request_seconds.labels(self.queue_class.name).observe(seconds)
         # A prefill's answer is its first token: judged against the TTFT objective, streamed or not.
         first_token_only = phase == kv_handoff.PREFILL
-        m.count_sli(self.queue_class.name, sli.judge(self.services.admission.config.slo, sli.Request(
+        judgement = sli.judge(self.services.admission.config.slo, sli.Request(
             self.prepared.stream or first_token_only, outcome, seconds, self.ttft_seconds, self.gaps,
-            self.late_gaps)))
+            self.late_gaps))
+        trace = self.trace
+        if trace.on:
+            # The tail rule: whatever head sampling decided, a failed or slow request is kept.
+            trace.set(names.OUTCOME, outcome)
+            if outcome in ("error", "timeout"):
+                trace.keep("error")
+            elif outcome == "invalid":
+                trace.keep("refused")
+            elif any(good < events for _, good, events in judgement):
+                trace.keep("slo")
+        if outcome == "ok":
+            m.request_seconds.labels(self.queue_class.name).observe(seconds, trace.exemplar())
+        m.count_sli(self.queue_class.name, judgement)
 
     def first_token(self, grant: Grant, now: float) -> None:
         """The first token reached the client: its TTFT observed, and a sample for the TTFT control
         with the prompt tokens vLLM computed (a decode's hand-off loads most of its prompt)."""
         self.ttft_seconds = now - self.arrived
         self.tracked.answering = True
-        self.services.metrics.ttft_seconds.labels(self.queue_class.name).observe(self.ttft_seconds)
+        trace = self.trace
+        if trace.on:
+            trace.set(names.TTFT_SECONDS, self.ttft_seconds)
+            if self.ttft_seconds > self.services.admission.config.slo.ttft_p99_seconds:
+                trace.keep("slo")  # before the exemplar: the slow bucket names a trace that is kept
+        self.services.metrics.ttft_seconds.labels(self.queue_class.name).observe(self.ttft_seconds,
+                                                                                 trace.exemplar())
         if self.prepared.adapter is not None:
             self.services.metrics.adapter_ttft_seconds.labels(self.prepared.adapter).observe(self.ttft_seconds)
         admission = self.services.admission
@@ -161,6 +181,12 @@ class Exchange:
         if self.prepared.adapter is not None:
             services.metrics.adapter_tokens.labels(self.prepared.adapter, "prompt").inc(
                 self.prepared.total_prompt_tokens)
+        trace = self.trace
+        if trace.on:
+            trace.set_all({names.CLASS: self.queue_class.name, names.RESERVED_BLOCKS: grant.cost,
+                           names.QUEUE_WAIT_SECONDS: grant.queued_seconds, names.STREAM: self.prepared.stream,
+                           names.GEN_AI_INPUT_TOKENS: self.prepared.total_prompt_tokens,
+                           **({names.ADAPTER: self.prepared.adapter} if self.prepared.adapter else {})})
         single = len(self.prepared.prompt_tokens) == 1 and self.prepared.sequences_per_prompt == 1
         self.tracked = Tracked(self.prepared.prompt_tokens[0] if single and self.prepared.stream else None)
         services.tracked[grant] = self.tracked
@@ -182,6 +208,8 @@ class Exchange:
         self.finish(_outcome(resp.status))
         if resp.status == 200:
             counted = _completion_tokens(body)
+            if counted is not None:
+                self.trace.set(names.GEN_AI_OUTPUT_TOKENS, counted)
             self.services.charge_answer(grant, counted or 0)  # the guard learns a whole answer's length here
             self.services.learn(self.reservation, counted)
         return web.Response(body=body, status=resp.status, headers=out_headers)
@@ -221,6 +249,7 @@ class Exchange:
         itl_objective = self.services.admission.config.slo.itl_p99_seconds
         bisect_left = bisect.bisect_left
         late = gaps = 0
+        worst = 0.0  # the stream's longest gap: its exemplar in the ITL histogram
         flush_at = _FLUSH_GAPS
         out = web.StreamResponse(status=resp.status, headers=headers)
         self.response = out
@@ -245,6 +274,8 @@ class Exchange:
                         gaps += 1
                         if gap > itl_objective:
                             late += 1
+                        if gap > worst:
+                            worst = gap
                         if gaps == flush_at:
                             itl.add(counts, gap_sum)
                             counts = [0] * len(counts)
@@ -266,6 +297,12 @@ class Exchange:
                 # However the stream ends (done, the client gone, the timeout): its gaps and tokens count.
                 itl.add(counts, gap_sum)
                 self.gaps, self.late_gaps = gaps, late
+                if gaps and self.trace.on:
+                    if late:
+                        self.trace.keep("slo")
+                    exemplar = self.trace.exemplar()
+                    if exemplar is not None:
+                        itl.exemplar(m.itl_seconds.bucket_of(worst), worst, exemplar)
                 charge_answer(grant, reservation.events - charged)
                 charged = reservation.events
         except ConnectionResetError:
@@ -281,6 +318,7 @@ class Exchange:
                 counted = max(0, reservation.events - overhead)
             else:
                 charge_answer(grant, counted - charged)  # usage counts more tokens than events arrived
+            self.trace.set(names.GEN_AI_OUTPUT_TOKENS, counted)
             self.services.learn(reservation, counted)
         return out
 
@@ -309,14 +347,25 @@ async def forward(upstream: Upstream, request: web.Request, payload: bytes, gran
     headers = {h: request.headers[h] for h in FORWARDED_REQUEST_HEADERS if h in request.headers}
     headers["content-type"] = "application/json"
     assert upstream.session is not None
+    trace = current()
+    # The exchange with vLLM: a client span whose context goes to vLLM, whose own spans join it.
+    step = trace.step(names.GUARD_ENGINE_SPAN, client=True)
+    trace.inject(headers)
+    error = ""
     try:
         async with _post_once_more_if_closed(upstream.session, upstream.url(request.path), payload,
                                              headers) as resp:
+            if resp.status >= 500:
+                error = f"vLLM answered {resp.status}"
             return await (await _admitted(exchange)).relay(resp, grant)
     except aiohttp.ClientConnectorError:
+        error = "vLLM unreachable"
         return (await _admitted(exchange)).unreachable()
     except aiohttp.ClientError as e:
+        error = type(e).__name__
         return (await _admitted(exchange)).failed(e)
+    finally:
+        trace.end_step(step, error=error)
 
 
 async def _admitted(exchange: Exchange | asyncio.Future[Exchange]) -> Exchange:

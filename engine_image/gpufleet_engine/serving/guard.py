@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gpufleet_api.guard.guard_config import GuardConfig, QueueClass
 from gpufleet_api.guard.guard_metrics import Reason
+from gpufleet_api import tracing as names
 from gpufleet_api.tenants.usage import GUARD_TENANT_HEADER, GUARD_WEIGHT_HEADER
 from gpufleet_engine.admission import context
 from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest
@@ -34,14 +35,16 @@ from gpufleet_engine.serving.send_ahead import INLINE_TOKENIZE_BYTES, SendAhead,
 from gpufleet_engine.serving.upstream import Upstream
 from gpufleet_engine.vllm.stats import VllmStats
 from gpufleet_kit.body_budget import BodyBudget, BodyTooLarge, BudgetExhausted, Claim, read_body
+from gpufleet_kit.tracing import Tracing, bind, current, unbind
 
 log = logging.getLogger("gpufleet_engine.serving.guard")
 
 
 class Guard:
     def __init__(self, config: GuardConfig, tokenizer: Tokenizer | None, upstream: Upstream,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, tracing: Tracing | None = None):
         self.upstream = upstream
+        self.tracing = tracing or Tracing.off()
         self.clock = clock
         self.context_problem = "not read from vLLM's /v1/models yet"
         self.metrics = GuardMetrics([c.name for c in config.queue_classes], slo=config.slo, role=config.role)
@@ -163,6 +166,28 @@ class Guard:
     # --- the proxied routes ---------------------------------------------
 
     async def handle(self, request: web.Request, route: str) -> web.StreamResponse:
+        if not self.tracing.on:
+            return await self._handle(request, route)
+        # The request's server span (docs/tracing.md): a client's W3C traceparent honoured, the
+        # steps below (admission, the exchange with vLLM, a refusal) written to it where they happen.
+        tenant = request.headers.get(GUARD_TENANT_HEADER)
+        trace = self.tracing.begin(names.GUARD_REQUEST_SPAN, request.headers, {
+            names.HTTP_ROUTE: route, names.GEN_AI_OPERATION: names.OPERATIONS.get(route, route),
+            names.GEN_AI_REQUEST_MODEL: self.config.served_model_name, names.SERVICE: self.config.service,
+            **({names.TENANT: tenant} if tenant else {})})
+        token = bind(trace)
+        status = 0
+        try:
+            response = await self._handle(request, route)
+            status = response.status
+            return response
+        finally:
+            unbind(token)
+            if status >= 500:
+                trace.keep("error")
+            trace.end({names.HTTP_STATUS: status} if status else {names.OUTCOME: "cancelled"})
+
+    async def _handle(self, request: web.Request, route: str) -> web.StreamResponse:
         arrived = self.clock()
         config = self.config
         refuse = self.refusals.refuse
@@ -291,9 +316,18 @@ class Guard:
             return self.refusals.refuse(queue_class, never, adapter=adapter)
 
         exchange = Exchange(self.services, request, route, queue_class, arrived, prepared, reservation)
+        trace = current()
+        step = trace.step(names.GUARD_ADMISSION_SPAN, {
+            names.CLASS: queue_class.name, names.RESERVED_BLOCKS: reservation.cost(admission.block_size)}
+            if trace.on else None)
         try:
             async with asyncio.timeout(self.config.request_timeout_seconds):
-                grant = await admission.acquire(reservation, queue_class, tenant)
+                try:
+                    grant = await admission.acquire(reservation, queue_class, tenant)
+                except BaseException as e:
+                    trace.end_step(step, error=getattr(e, "reason", type(e).__name__))
+                    raise
+                trace.end_step(step, {names.QUEUE_WAIT_SECONDS: grant.queued_seconds} if trace.on else None)
                 try:
                     return await exchange.forward(raw, grant)
                 finally:

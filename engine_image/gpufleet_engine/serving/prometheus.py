@@ -7,12 +7,14 @@ rate() and absent() in alert rules work before the first failure.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.core import Exemplar, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -83,11 +85,12 @@ class _AdapterStates(Collector):
 class BucketCounts:
     """One series of a ``CountedHistogram``: its bucket counts (the last one past every bound) and sum."""
 
-    __slots__ = ("counts", "sum")
+    __slots__ = ("counts", "sum", "exemplars")
 
     def __init__(self, buckets: int):
         self.counts = [0] * buckets
         self.sum = 0.0
+        self.exemplars: list[Exemplar | None] = [None] * buckets
 
     def add(self, counts: Sequence[int], total: float) -> None:
         """Observations counted elsewhere into the same buckets (``CountedHistogram.bounds``)."""
@@ -95,6 +98,10 @@ class BucketCounts:
             if n:
                 self.counts[i] += n
         self.sum += total
+
+    def exemplar(self, bucket: int, value: float, labels: dict[str, str]) -> None:
+        """An observation in ``bucket`` that opens a trace (OpenMetrics exemplar, the bucket's latest)."""
+        self.exemplars[bucket] = Exemplar(labels, value, time.time())
 
 
 class CountedHistogram(Collector):
@@ -123,6 +130,9 @@ class CountedHistogram(Collector):
             series = self._series[value] = BucketCounts(len(self.bounds) + 1)
         return series
 
+    def bucket_of(self, value: float) -> int:
+        return bisect.bisect_left(self.bounds, value)
+
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
 
@@ -130,7 +140,9 @@ class CountedHistogram(Collector):
         family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
         for value, series in list(self._series.items()):
             cumulative = list(itertools.accumulate(series.counts))
-            family.add_metric([value], list(zip(self._les, cumulative)), series.sum)
+            buckets: list[Any] = [(le, n, e) if e is not None else (le, n)
+                                  for le, n, e in zip(self._les, cumulative, series.exemplars)]
+            family.add_metric([value], buckets, series.sum)
         yield family
 
 
@@ -314,3 +326,9 @@ class GuardMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def render_for(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition the scraper's Accept header asks for: OpenMetrics (which carries the
+        latency histograms' exemplars: docs/tracing.md) or Prometheus' text format."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

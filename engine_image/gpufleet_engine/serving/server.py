@@ -16,6 +16,7 @@ from aiohttp import web
 from gpufleet_api.guard import demand_prior
 from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_api.guard.guard_config import GuardConfig
+from gpufleet_api.tracing import GUARD_SERVICE_NAME, SERVICE
 from gpufleet_engine.admission.core import max_body_bytes
 from gpufleet_engine.admission.tokens import HfTokenizer, Tokenizer, generation_default_max_tokens
 from gpufleet_engine.serving import (
@@ -32,9 +33,9 @@ from gpufleet_engine.serving.errors import error_response
 from gpufleet_engine.serving.guard import Guard
 from gpufleet_engine.serving.operator_only import operator_only
 from gpufleet_engine.serving.operator_tokens import OperatorTokens
-from gpufleet_engine.serving.prometheus import CONTENT_TYPE
 from gpufleet_engine.serving.upstream import EngineMonitor, Upstream
 from gpufleet_engine.vllm import shared_storage
+from gpufleet_kit.tracing import Tracing
 
 log = logging.getLogger("gpufleet_engine.serving.server")
 
@@ -69,7 +70,9 @@ def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None,
 
     async def metrics(request: web.Request) -> web.Response:
         guard.refresh_gauges()
-        return web.Response(body=guard.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        # OpenMetrics (with the latency histograms' exemplars) when the scraper asks for it.
+        body, content_type = guard.metrics.render_for(request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def vllm_metrics(request: web.Request) -> web.Response:
         # vLLM listens on the pod's loopback only: its metrics are scraped here.
@@ -167,9 +170,14 @@ def freeze_startup_heap() -> None:
 
 class GuardServer:
     def __init__(self, config: GuardConfig, tokenizer: Tokenizer | None = None,
-                 config_path: str | None = None, reload_seconds: float = reload.POLL_SECONDS):
-        """``config_path``: the file ``config`` came from; its live changes are applied (reload.py)."""
+                 config_path: str | None = None, reload_seconds: float = reload.POLL_SECONDS,
+                 tracing: Tracing | None = None):
+        """``config_path``: the file ``config`` came from; its live changes are applied (reload.py).
+        ``tracing``: the guard's spans (None: per ``config.tracing``; tests pass an in-memory one)."""
         self.config = config
+        self._owns_tracing = tracing is None
+        self.tracing = tracing or Tracing.start(config.tracing, GUARD_SERVICE_NAME, {
+            "service.namespace": config.namespace, SERVICE: config.service, "gpufleet.role": config.role})
         self._config_path = config_path
         self._reload_seconds = reload_seconds
         self.watcher: reload.ConfigWatcher | None = None
@@ -193,7 +201,7 @@ class GuardServer:
     async def start(self) -> None:
         upstream = Upstream(self.config.engine_url, max_connections=self.config.max_concurrency + 8)
         await upstream.start()
-        guard = Guard(self.config, self._tokenizer, upstream)
+        guard = Guard(self.config, self._tokenizer, upstream, tracing=self.tracing)
         if self._config_path:
             # Start from the output lengths the service's other replicas learned, not from the full
             # budget: a replica added under load needs them most (contract/demand_prior.py).
@@ -342,6 +350,8 @@ class GuardServer:
                 await runner.cleanup()
         if self.guard is not None:
             await self.guard.upstream.close()
+        if self._owns_tracing:
+            await asyncio.to_thread(self.tracing.shutdown)  # the spans still batched go out
 
 
 async def serve(config: GuardConfig, config_path: str | None = None) -> int:

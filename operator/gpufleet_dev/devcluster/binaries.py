@@ -23,6 +23,8 @@ KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.19.0"
 NETWORK_POLICIES_VERSION = "v0.8.0"
 COREDNS_VERSION = "v1.13.2"
+# Only this release is approved (issue 47): the newer ones are not.
+JAEGER_VERSION = "v1.75.0"
 
 Progress = Callable[[str], None]
 
@@ -108,6 +110,11 @@ COREDNS = Component(
         f'\t_ "github.com/coredns/coredns/plugin/{p}"\n' for p in COREDNS_PLUGINS) + ")\n\n"
         "func main() { coremain.Run() }\n",
     recipe="2",
+)
+# The local cluster's trace store (docs/tracing.md): Jaeger's all-in-one binary (OTLP in, query API and UI out).
+JAEGER = Component(
+    name="jaeger", version=JAEGER_VERSION, module="github.com/jaegertracing/jaeger",
+    packages=("github.com/jaegertracing/jaeger/cmd/jaeger",), outputs=("jaeger",),
 )
 CONTROL_PLANE = (ETCD, KUBERNETES, KWOK)
 NODE_SERVICES = (NETWORK_POLICIES, COREDNS)
