@@ -2,13 +2,16 @@
 gateway.crds=true (and kept on uninstall), the routers' Endpoint Picker on a Service the operator's pools name (its
 ports and selector read back by the operator's own parser), the router's flags for it as the router's CLI takes them,
 the EPP port open to the router's clients, and the operator's rights on InferencePools and HTTPRoutes."""
+import shutil
+import subprocess
+
 import yaml
 from click.testing import CliRunner
 
 from gpufleet.manifests import gateway as build
 from gpufleet_api import gateway_api as gie
 from gpufleet_router.cli import router as router_cli
-from tests.chart.test_chart import helm, template  # noqa: F401  (the helm fixture)
+from tests.chart.test_chart import CHART, KUBE_VERSION, helm, template  # noqa: F401  (the helm fixture)
 from tests.support.gie import crd_path
 
 EPP = ["--set", "router.epp.enabled=true"]
@@ -30,8 +33,8 @@ def test_by_default_no_gie_crd_no_epp_service_and_no_epp_flag(helm):  # noqa: F8
 
 
 def test_gateway_crds_installs_gies_inferencepool_crd_kept_on_uninstall(helm):  # noqa: F811
+    upstream = yaml.safe_load(crd_path().read_text())   # fetched into the chart first when it is not there
     crd = objects(helm, "--set", "gateway.crds=true")[("CustomResourceDefinition", gie.INFERENCE_POOL_CRD)]
-    upstream = yaml.safe_load(crd_path().read_text())
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert crd["metadata"]["annotations"]["inference.networking.k8s.io/bundle-version"] == gie.GIE_VERSION
     assert crd["spec"] == upstream["spec"]      # GIE's schema as published, nothing of it changed
@@ -89,3 +92,11 @@ def test_the_operator_may_manage_pools_and_routes_and_read_their_status(helm):  
                                 (gie.GATEWAY_GROUP, "httproutes")):
             assert rules[(group, resource)] == {"get", "list", "watch", "create", "patch", "delete"}
             assert rules[(group, f"{resource}/status")] == {"get"}
+
+
+def test_a_chart_without_gies_crd_refuses_gateway_crds_with_the_fix(helm, tmp_path):  # noqa: F811
+    chart = tmp_path / "gpufleet"
+    shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns(crd_path().parent.name))
+    out = subprocess.run([helm, "template", "gpufleet", str(chart), "--kube-version", KUBE_VERSION,
+                          "--set", "gateway.crds=true"], capture_output=True, text=True)
+    assert out.returncode != 0 and "run scripts/gie_crd.py" in out.stderr
