@@ -93,6 +93,7 @@ class OperatorSettings:
     network_policies: NetworkPolicies | None = None
     router_addresses: tuple[str, ...] = ()     # fixed routers to read held requests from
     adapter_private_sources: bool = False      # guards may fetch adapters from private addresses
+    otlp_endpoint: str = ""                    # the fleet's OTLP receiver for the guards' spans (docs/tracing.md)
     # The operator's projected ServiceAccount token for the guards' audience (fleet/guard_identity.py);
     # None: no identity, and every guard refuses the operator's control calls (adapters, audits, demand).
     guard_token_file: str | None = None

@@ -14,6 +14,7 @@ from .common import Condition
 from .engine import EngineSpec
 from .gateway import DIRECT_DISAGGREGATION_MESSAGE, GatewaySpec, GatewayStatus
 from .model import ModelSpec
+from .observability import ObservabilitySpec
 from .placement import DisaggregationSpec, IsolationSpec, ResourceSpec
 from .pod import PodSpec
 from .rollout import ROLLOUT_DISAGGREGATION_MESSAGE, RolloutSpec
@@ -99,6 +100,9 @@ class InferenceServiceSpec(Model, frozen=True, kw_only=True):
     slo: Annotated[SLOSpec, Meta(description="Service level objectives.")] = msgspec.field(default_factory=SLOSpec)
     monitoring: Annotated[MonitoringSpec, Meta(
         description="How Prometheus finds the engines.")] = msgspec.field(default_factory=MonitoringSpec)
+    observability: Annotated[ObservabilitySpec, Meta(
+        description="Traces of the service's requests (docs/tracing.md).")] = msgspec.field(
+        default_factory=ObservabilitySpec)
     pod: Annotated[PodSpec, Meta(
         description="Engine pod settings: labels, annotations, image pull secrets, priority class, "
                     "extra volumes.")] = msgspec.field(default_factory=PodSpec)

@@ -30,6 +30,7 @@ from gpufleet_api.guard import guard_config
 from gpufleet_engine.launch import cpu_budget
 from gpufleet_engine.launch.flags import EngineLaunch, vllm_launch
 from gpufleet_engine.launch.processes import ManagedProcess
+from gpufleet_kit.tracing import otlp_problem
 
 DEFAULT_CONFIG = "/etc/gpufleet/guard.json"
 ENGINE_STOP_SECONDS = 30.0
@@ -42,7 +43,7 @@ def plan(cfg: guard_config.GuardConfig, config_path: str, python: str,
     if cfg.engine is None:
         raise guard_config.ConfigError(["engine: required by the container entrypoint; it says how to "
                                         "start vLLM (see docs/guard-config.md)"])
-    return (vllm_launch(cfg.engine, python=python, cpu_count=cpu.threads, cpu_cores=cpu.bind),
+    return (vllm_launch(cfg.engine, python=python, cpu_count=cpu.threads, cpu_cores=cpu.bind, tracing=cfg.tracing),
             [python, "-m", "gpufleet_engine", "serve", "--config", config_path])
 
 
@@ -50,6 +51,15 @@ def exec_vllm(config_path: str) -> None:
     """Replace this process with vLLM (it then gets the container's signals itself)."""
     cfg = guard_config.load(config_path)
     launch, _ = plan(cfg, config_path, sys.executable, cpu_budget.read())
+    if cfg.tracing is not None and cfg.tracing.engine_spans:
+        # vLLM refuses --otlp-traces-endpoint, after seconds of start-up, when its OpenTelemetry
+        # imports fail (vllm/config/observability.py): say which field asked for it, now.
+        problem = otlp_problem()
+        if problem is not None:
+            raise guard_config.ConfigError([
+                f"tracing.engineSpans (spec.observability.tracing.engineSpans): this engine image's vLLM cannot "
+                f"export spans: {problem}; use an image with opentelemetry-sdk and opentelemetry-exporter-otlp, "
+                f"or set engineSpans Off"])
     _say(f"exec {' '.join(launch.argv)}")
     os.execvpe(launch.argv[0], list(launch.argv), {**os.environ, **launch.env})
 

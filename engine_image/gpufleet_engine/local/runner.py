@@ -148,7 +148,7 @@ class LocalEngine:
         self.config_path.write_text(json.dumps(self.config_dict, indent=2))
         assert self.config.engine is not None  # _base_config always writes the engine section
         launch = vllm_launch(self.config.engine, python=self.python, cpu_count=self.cpu_threads,
-                             cpu_cores=self.cpu_cores)
+                             cpu_cores=self.cpu_cores, tracing=self.config.tracing)
         self.engine_proc = ManagedProcess("vllm", launch.argv, {**launch.env, **self._shared_env()},
                                           self.work_dir / "vllm.log")
         self.engine_proc.start()

@@ -109,6 +109,10 @@ def label_pairs(pairs: tuple[str, ...]) -> dict[str, str]:
                    "private, unspecified and multicast addresses: an object store inside the cluster or the "
                    "company network. Off, only public addresses are fetched (guard.json "
                    "adapters.allowPrivateSources; docs/guard-config.md).")
+@click.option("--otlp-endpoint", default="", metavar="URL",
+              help="The fleet's OTLP/HTTP trace receiver (e.g. http://jaeger-collector:4318): the guards of "
+                   "services with spec.observability.tracing On send their spans there, and vLLM its own with "
+                   "engineSpans On (guard.json tracing; docs/tracing.md). Empty: no tracing.")
 @click.option("--guard-token-file", envvar="GPUFLEET_GUARD_TOKEN_FILE", default=None,
               type=click.Path(dir_okay=False),
               help="The operator's ServiceAccount token for the audience gpufleet-guard (a projected token; the "
@@ -165,7 +169,7 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
                         network_policy_prometheus_namespaces: tuple[str, ...],
                         network_policy_same_namespace: bool, router_addresses: tuple[str, ...],
                         adapter_private_sources: bool = False,
-                        guard_token_file: str | None = None) -> OperatorSettings:
+                        guard_token_file: str | None = None, otlp_endpoint: str = "") -> OperatorSettings:
     """`gpufleet run`'s flags as the one settings object; a SettingsError names a flag at fault."""
     # The timing is checked even without --leader-elect: a bad value is a mistake either way.
     timing = leader_timing(leader_elect_lease_duration, leader_elect_renew_deadline, leader_elect_retry_period)
@@ -186,7 +190,8 @@ def settings_from_flags(*, namespaces: tuple[str, ...], metrics_port: int, metri
         status_figures_interval=status_figures_interval_seconds, resync_seconds=resync_seconds,
         audit_interval=audit_interval_seconds, podmonitor_labels=podmonitor_labels,
         network_policies=policies, router_addresses=tuple(router_addresses),
-        adapter_private_sources=adapter_private_sources, guard_token_file=guard_token_file)
+        adapter_private_sources=adapter_private_sources, guard_token_file=guard_token_file,
+        otlp_endpoint=otlp_endpoint)
 
 
 @click.command()

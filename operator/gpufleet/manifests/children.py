@@ -57,7 +57,8 @@ def _meta(isvc: dict, name: str, extra_labels: dict | None = None) -> dict:
 def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[Role] = (), *,
                     stable_running: GuardConfig | None = None,
                     canary: bool = False, allow_private_sources: bool = False,
-                    control_auth: ControlAuthConfig | None = None) -> tuple[dict, dict[Role, str]]:
+                    control_auth: ControlAuthConfig | None = None,
+                    otlp_endpoint: str = "") -> tuple[dict, dict[Role, str]]:
     """The guard ConfigMap and, per pool, the hash of its restart fields (rolls that pool's pods
     when it changes). One key per pool (``names.guard_config_key``: guard.json for the unified pool,
     guard-prefill.json and guard-decode.json for a disaggregated service's), each pod reading its
@@ -72,13 +73,14 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[R
     while the spec's live fields still reach it. The hash is the spec's, whichever is written.
     ``allow_private_sources``: the operator's --adapter-private-sources (guard.json's
     adapters.allowPrivateSources, a live field). ``control_auth``: who the guards' control routes
-    accept (guard.json's controlAuth, a live field: a rotated key reaches running guards)."""
+    accept (guard.json's controlAuth, a live field: a rotated key reaches running guards).
+    ``otlp_endpoint``: the fleet's OTLP receiver, into guard.json's tracing (docs/tracing.md)."""
     meta = isvc["metadata"]
     data, hashes = {}, {}
     for pool in pools.pools(spec):
         config = guard_config.build_guard_config(meta["name"], meta["namespace"], pool.spec, pool.role,
                                                  allow_private_sources=allow_private_sources,
-                                                 control_auth=control_auth)
+                                                 control_auth=control_auth, otlp_endpoint=otlp_endpoint)
         data[names.guard_config_key(pool.role)] = guard_config.render(config)
         # Only what a restart applies is hashed: admission changes reach the running guards live.
         hashes[pool.role] = guard_config.config_hash(config)
@@ -91,7 +93,7 @@ def build_configmap(isvc: dict, spec: InferenceServiceSpec, draining: Iterable[R
         data[names.guard_config_key(role)] = guard_config.render(
             guard_config.build_guard_config(meta["name"], meta["namespace"], spec, role,
                                             allow_private_sources=allow_private_sources,
-                                            control_auth=control_auth))
+                                            control_auth=control_auth, otlp_endpoint=otlp_endpoint))
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(isvc, names.configmap_name(meta["name"])),
           "data": data}
     return cm, hashes

@@ -29,6 +29,7 @@ from gpufleet_api.guard.guard_config import (
     with_live_fields,
 )
 from gpufleet_api.route import served_name
+from gpufleet_api.tracing import TracingConfig
 from gpufleet_api.v1alpha1 import KV_CONNECTORS, KV_STORE_MOUNT, InferenceServiceSpec
 
 from . import lora as lora_volumes
@@ -81,13 +82,24 @@ def adapter_fetch(spec: InferenceServiceSpec, allow_private_sources: bool = Fals
                               **({"max_bytes": share} if share is not None else {}))
 
 
+def tracing(spec: InferenceServiceSpec, otlp_endpoint: str) -> TracingConfig | None:
+    """spec.observability.tracing with the fleet's OTLP endpoint as guard.json's ``tracing``; None
+    (no spans) where the fleet has no endpoint or the service turned tracing off."""
+    t = spec.observability.tracing
+    if not otlp_endpoint or t.mode == "Off":
+        return None
+    return TracingConfig(endpoint=otlp_endpoint, sample_ratio=t.sampled_per_mille / 1000,
+                         engine_spans=t.engine_spans == "On")
+
+
 def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
                        role: Role = "unified", *, allow_private_sources: bool = False,
-                       control_auth: ControlAuthConfig | None = None) -> GuardConfig:
+                       control_auth: ControlAuthConfig | None = None, otlp_endpoint: str = "") -> GuardConfig:
     """``role``: the pool whose guards read it (``pools.pools``); ``spec`` has that pool's resources.
     ``allow_private_sources``: adapters may be fetched from private addresses (the operator's flag).
     ``control_auth``: the operator's identity and the issuer's keys its guards check its tokens with
-    (``fleet.guard_identity``); None: the guards accept no caller on their control routes."""
+    (``fleet.guard_identity``); None: the guards accept no caller on their control routes.
+    ``otlp_endpoint``: the fleet's OTLP receiver (the operator's --otlp-endpoint); empty: no tracing."""
     engine, adm = spec.engine, spec.admission
     hf = spec.model.source.hugging_face
     classes = tuple(QueueClass(c.name, c.level, float(c.max_queue_seconds)) for c in adm.queue_classes)
@@ -145,6 +157,7 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
                                 **{r.route: r.default_class for r in adm.route_classes}},
         class_header_policy=adm.class_header_policy,
         adapters=adapter_fetch(spec, allow_private_sources),
+        tracing=tracing(spec, otlp_endpoint),
         slo=SLOConfig(ttft_p99_seconds=spec.slo.ttft_p99_milliseconds / 1000,
                       itl_p99_seconds=spec.slo.itl_p99_milliseconds / 1000,
                       request_p99_seconds=spec.slo.request_p99_milliseconds / 1000),

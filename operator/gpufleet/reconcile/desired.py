@@ -44,18 +44,18 @@ def desired_children(isvc: dict, spec: InferenceServiceSpec, replicas: Mapping[R
                      engine_ingress: EngineIngress | None = None,
                      draining_roles: Iterable[Role] = (), surge: drains.Surge | None = None,
                      canary: CanaryChildren | None = None, allow_private_sources: bool = False,
-                     control_auth: ControlAuthConfig | None = None) -> list[dict]:
+                     control_auth: ControlAuthConfig | None = None, otlp_endpoint: str = "") -> list[dict]:
     """``replicas``: of each pool, by role (``replicas.desired_replicas``). ``engine_ingress``: who may
     reach the engines; None renders no NetworkPolicy. ``draining_roles``: pools of a shape the service
     left whose pods still run (``draining_roles``). ``surge``: pods on cordoned nodes, each of which
     adds a replica to its pool's Deployment but not to its budget's minAvailable (``drains``).
     ``canary``: a unified service's canary (None: none). ``allow_private_sources``: the operator's
     --adapter-private-sources, into guard.json. ``control_auth``: who the guards' control routes accept
-    (``fleet.guard_identity``), into guard.json."""
+    (``fleet.guard_identity``), into guard.json. ``otlp_endpoint``: the fleet's OTLP receiver, into guard.json."""
     canary = canary or CanaryChildren()
     cm, config_hashes = children.build_configmap(isvc, spec, draining_roles, stable_running=canary.stable_running,
                                                  canary=canary.canary_key, allow_private_sources=allow_private_sources,
-                                                 control_auth=control_auth)
+                                                 control_auth=control_auth, otlp_endpoint=otlp_endpoint)
     deployed = drains.with_surge(replicas, surge or drains.Surge())
     deployments = [children.build_deployment(isvc, pool.spec, deployed[pool.role], config_hashes[pool.role],
                                              pool.role) for pool in pools.pools(spec)]

@@ -68,6 +68,8 @@ class ServiceChildren:
         self.adapter_private_sources = adapter_private_sources
         # Who the guards' control routes accept, into guard.json (the runtime's GuardIdentity sets it).
         self.control_auth: ControlAuthConfig | None = None
+        # The fleet's OTLP receiver (--otlp-endpoint), into guard.json's tracing; empty: none.
+        self.otlp_endpoint = ""
         self._clock = clock
         self._wall = wall  # the time a canary step starts (status.rollout.stepStartedAt)
         self._podmonitor_checked_at = -1e9
@@ -221,7 +223,7 @@ class ServiceChildren:
                                 podmonitor_labels=self.podmonitor_labels,
                                 engine_ingress=self.engine_ingress, draining_roles=draining, surge=surge,
                                 canary=canary, allow_private_sources=self.adapter_private_sources,
-                                control_auth=self.control_auth)
+                                control_auth=self.control_auth, otlp_endpoint=self.otlp_endpoint)
         foreign = await self.foreign_children(isvc, objs)
         if foreign:
             log.warning("%s/%s: not applied: %s", key[0], key[1],

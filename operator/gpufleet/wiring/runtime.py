@@ -96,6 +96,7 @@ class OperatorRuntime:
         self.controller = Controller(self.kube, self.metrics, podmonitor_labels=settings.podmonitor_labels,
                                      engine_ingress=None if policies is None else policies.ingress(namespace),
                                      adapter_private_sources=settings.adapter_private_sources)
+        self.controller.children.otlp_endpoint = settings.otlp_endpoint
         self._pending: dict[Key, bool] = {}  # key -> re-apply children?
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []

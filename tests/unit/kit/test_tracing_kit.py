@@ -2,8 +2,8 @@
 requests head sampling dropped, context propagation, and nothing when off."""
 from __future__ import annotations
 
-import sys
 import subprocess
+import sys
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
