@@ -74,8 +74,8 @@ class ServiceGateway:
             await self._remove(isvc, before.get("inferencePool"), before.get("httpRoute"))
             return Outcome({"gateway": None}, gs.no_gateway(gen))
         previous = cond.get(status.get("conditions"), gs.GATEWAY_READY) or {}
-        apply = apply or previous.get("reason") in (*gs.RETRIED, CHILD_CONFLICT, CHILD_REJECTED) \
-            or previous.get("observedGeneration") != gen
+        # A refusal or a name held waits for the next apply (a new spec, the resync): no retry on every pod event.
+        apply = apply or previous.get("reason") in gs.RETRIED or previous.get("observedGeneration") != gen
         try:
             fields = await self._render(isvc, spec, before, apply=apply)
         except _Problem as p:
