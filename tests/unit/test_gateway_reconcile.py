@@ -214,11 +214,14 @@ async def test_a_pool_of_the_same_name_that_is_not_ours_is_left_alone(kube, cont
     ready = gateway_ready(kube)
     assert ready["reason"] == "ChildConflict" and "no owner; written by helm" in ready["message"]
     assert ("Deployment", "chat-engine") in applied(kube)
-    # Once the name is free: not on every pod event, at the next apply (a new spec, the resync).
+    # A status refresh (a pod event) neither writes over it nor reads its status as the service's.
+    writes = len(kube.writes)
+    await controller.reconcile_key("ml", "chat", apply_children=False)
+    assert not [w for w in kube.writes[writes:] if w[1][0] == "InferencePool"]
+    assert gateway_ready(kube)["reason"] == "ChildConflict" and "gateway" not in status(kube)
+    # Once the name is free, the pool is rendered at the next reconcile.
     await kube.delete(gie.INFERENCE_POOL_API_VERSION, "InferencePool", "chat", "ml")
     await controller.reconcile_key("ml", "chat", apply_children=False)
-    assert kube.obj("InferencePool", "chat") is None
-    await controller.reconcile_key("ml", "chat")
     assert kube.obj("InferencePool", "chat")["metadata"]["ownerReferences"][0]["uid"] == "u-chat"
     assert gateway_ready(kube)["reason"] == gs.AWAITING_GATEWAY
 

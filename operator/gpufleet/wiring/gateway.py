@@ -43,6 +43,13 @@ class _Problem(Exception):
         self.reason, self.message = reason, message
 
 
+def _check_ours(isvc: dict, existing: dict) -> None:
+    who = holder(isvc, existing)
+    if who is not None:
+        raise _Problem(CHILD_CONFLICT, f"{existing.get('kind')} {existing['metadata']['name']} already exists and "
+                                       f"is not this InferenceService's ({who}): delete or rename it")
+
+
 class ServiceGateway:
     def __init__(self, kube: KubeClient, clock: Callable[[], float] = time.monotonic):
         self.kube = kube
@@ -74,7 +81,8 @@ class ServiceGateway:
             await self._remove(isvc, before.get("inferencePool"), before.get("httpRoute"))
             return Outcome({"gateway": None}, gs.no_gateway(gen))
         previous = cond.get(status.get("conditions"), gs.GATEWAY_READY) or {}
-        # A refusal or a name held waits for the next apply (a new spec, the resync): no retry on every pod event.
+        # A refusal waits for the next apply (a new spec, the resync): no retry on every pod event. A pool gone
+        # (deleted by hand, or a name held by another object freed) is rendered again at once.
         apply = apply or previous.get("reason") in gs.RETRIED or previous.get("observedGeneration") != gen
         try:
             fields = await self._render(isvc, spec, before, apply=apply)
@@ -92,6 +100,8 @@ class ServiceGateway:
             raise _Problem(gs.CRD_MISSING, gs.CRD_MISSING_MESSAGE)
         pool_name = names.inference_pool_name(service)
         live = None if apply else await self._get(POOL, pool_name, ns)
+        if live is not None:
+            _check_ours(isvc, live)  # a pool someone else made is not read as this service's
         route_name: str | None = before.get("httpRoute")
         if live is None:
             svc = await self.kube.get_or_none("v1", "Service", gie.EPP_SERVICE, ns)
@@ -127,10 +137,8 @@ class ServiceGateway:
         kind = (obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         existing = await self._get(kind, meta["name"], meta["namespace"])
-        who = None if existing is None else holder(isvc, existing)
-        if who is not None:
-            raise _Problem(CHILD_CONFLICT, f"{obj['kind']} {meta['name']} already exists and is not this "
-                                           f"InferenceService's ({who}): delete or rename it")
+        if existing is not None:
+            _check_ours(isvc, existing)
         try:
             return await self.kube.apply(obj)
         except NotFound:
