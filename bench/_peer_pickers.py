@@ -107,7 +107,9 @@ class PickerProcess:
     def __init__(self, name: str, argv: list[str], work: Path, kubeconfig: Path | None,
                  env: dict[str, str] | None = None, cpu_cores: str | None = None):
         self.name, self.argv, self.work = name, argv, work
-        self.env = {**os.environ, **({"KUBECONFIG": str(kubeconfig)} if kubeconfig else {}), **(env or {})}
+        # Standalone, GIE's runner names its pool after its own pod (the downward API's POD_NAME).
+        self.env = {**os.environ, **({"KUBECONFIG": str(kubeconfig), "POD_NAME": name, "NAMESPACE": "default"}
+                                     if kubeconfig else {}), **(env or {})}
         self.cpu_cores = cpu_cores
 
     def start(self) -> "PickerProcess":

@@ -265,7 +265,7 @@ async def run(args: argparse.Namespace) -> dict:
                 q0, h0 = await counters(guards)
                 outcomes, wall = await run_trace(url, requests)
                 q1, h1 = await counters(guards)
-                await asyncio.sleep(1.0)  # Envoy writes a request's log line when its stream ends
+                await asyncio.sleep(1.0)  # Envoy flushes its access log every 0.2 s
                 rows = read_access_log("\n".join(log.read_text().splitlines()[seen:]))
                 pick_us = [r["pick_us"] for r in rows if r.get("pick_us") is not None]
                 results[arm] = gt.summarise(outcomes, wall, h1 - h0, q1 - q0, args.ttft_slo_ms / 1000, pick_us)
