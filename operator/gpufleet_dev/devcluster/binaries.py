@@ -247,10 +247,12 @@ def ensure_node_agents(progress: Progress = print) -> dict[str, Path]:
 
 
 def ensure_all(progress: Progress = print) -> None:
-    """Every Go binary the tests and the demo use: the control plane, Helm and the real node's agents."""
+    """Every Go binary the tests and the demo use: the control plane, Helm, the real node's agents and
+    the trace store (last: only `gpufleet dev up` and the tracing tests need it)."""
     ensure_control_plane(progress)
     ensure_helm(progress)
     ensure_node_agents(progress)
+    build(JAEGER, progress)
 
 
 if __name__ == "__main__":

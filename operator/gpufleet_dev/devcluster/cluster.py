@@ -21,13 +21,13 @@ from typing import Callable
 
 import httpx
 
-from . import binaries, pki
+from . import binaries, pki, traces
 from .layout import POD_CIDR, SERVICE_CIDR, ClusterError, free_port, kubeconfig_path, state_dir
 
 Progress = Callable[[str], None]
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "containerd",
-              "kubelet", "kube-proxy", "kube-network-policies", "coredns", "engine-backer")
+              "kubelet", "kube-proxy", "kube-network-policies", "coredns", "jaeger", "engine-backer")
 # The engine backer runs only with --engine-nodes, the real node's agents only with --real-node.
 OPTIONAL = {"engine-backer", "containerd", "kubelet", "kube-proxy", "kube-network-policies", "coredns"}
 
@@ -191,6 +191,7 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
                              f"use `gpufleet dev status`, or `gpufleet dev down` first")
     started = time.monotonic()
     bins = binaries.ensure_control_plane(progress)
+    jaeger = binaries.build(binaries.JAEGER, progress) / "jaeger"
     host = "127.0.0.1"
     if fleet.real_node:
         from . import node
@@ -217,7 +218,7 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
     state = {"server": server, "ports": ports, "processes": {}, "fleet": dataclasses.asdict(fleet),
              "kubeconfig": str(kubeconfig_path()), "versions": {
                  "kubernetes": binaries.KUBERNETES_VERSION, "etcd": binaries.ETCD_VERSION,
-                 "kwok": binaries.KWOK_VERSION}}
+                 "kwok": binaries.KWOK_VERSION, "jaeger": binaries.JAEGER_VERSION}}
     procs = state["processes"]
 
     def record():
@@ -297,6 +298,16 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
             f"--cidr={POD_CIDR}", "--node-ip=127.0.0.1", f"--server-address=127.0.0.1:{ports['kwok']}",
         ], logs)
         record()
+
+        # The trace store (docs/tracing.md): OTLP on OpenTelemetry's ports, the query API on Jaeger's, on the
+        # address the pods reach the host on (a real node's pods reach it there; simulated pods are local).
+        progress("starting Jaeger (traces: OTLP on 4317/4318, query API and UI on 16686)")
+        jaeger_ports = traces.JaegerPorts()
+        procs["jaeger"] = _spawn("jaeger", traces.argv(jaeger, traces.write_config(
+            root / "jaeger.yaml", jaeger_ports, host)), logs)
+        state["traces"] = traces.state(jaeger_ports, host)
+        record()
+        _wait("Jaeger's query API", lambda: traces.ready(jaeger_ports, host), 60, state, ("jaeger",))
 
         from . import fleet as fleet_mod
         progress(f"registering {fleet.nodes} simulated GPU nodes x {fleet.gpus_per_node} nvidia.com/gpu "
@@ -384,6 +395,8 @@ def status_report() -> tuple[bool, str]:
     comps = component_status(state)
     lines = [f"API server: {state['server']}", f"kubeconfig: export KUBECONFIG={state['kubeconfig']}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in state.get("versions", {}).items())]
+    if "traces" in state:
+        lines.append(f"traces: OTLP {state['traces']['otlpHttp']}, Jaeger UI and query API {state['traces']['query']}")
     healthy = True
     for name in COMPONENTS:
         c = comps.get(name)

@@ -90,6 +90,7 @@ def trace(ports: JaegerPorts, trace_id: str, host: str = "127.0.0.1") -> dict | 
     return data[0] if data else None
 
 
-def state(ports: JaegerPorts) -> dict:
-    """What cluster.py records in its state file: the ports and the addresses others use."""
-    return {"ports": asdict(ports), "otlpHttp": otlp_http_endpoint(ports), "query": query_url(ports)}
+def state(ports: JaegerPorts, host: str = "127.0.0.1") -> dict:
+    """What cluster.py records in its state file: the ports and the addresses others use (the
+    operator's --otlp-endpoint is ``otlpHttp``)."""
+    return {"ports": asdict(ports), "otlpHttp": otlp_http_endpoint(ports, host), "query": query_url(ports, host)}

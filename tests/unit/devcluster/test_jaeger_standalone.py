@@ -23,8 +23,10 @@ async def test_a_span_from_the_kit_is_read_back_from_jaegers_query_api():
         trace.end_step(trace.step("hop.step"))
         trace.end()
         await asyncio.to_thread(tracing.shutdown)
-        found = await wait_for(lambda: traces.trace(ports, trace.trace_id), timeout=30,
-                               what=f"trace {trace.trace_id} in Jaeger")
+        def both_spans() -> dict | None:   # the two spans may reach the store in separate batches
+            found = traces.trace(ports, trace.trace_id)
+            return found if found and len(found["spans"]) == 2 else None
+        found = await wait_for(both_spans, timeout=30, what=f"trace {trace.trace_id}'s two spans in Jaeger")
     names = {s["operationName"] for s in found["spans"]}
     assert names == {"hop.request", "hop.step"}
     services = {p["serviceName"] for p in found["processes"].values()}
