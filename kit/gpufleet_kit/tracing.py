@@ -12,6 +12,8 @@ asyncio code, and attaching a context on every await would cost more than the sp
 from __future__ import annotations
 
 import contextvars
+import random
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Optional
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
+
+    from .tail_sampling import Replayer
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -153,6 +157,96 @@ class _NoTrace(RequestTrace):
 
 
 NO_TRACE: RequestTrace = _NoTrace()
+
+
+class _Recorded:
+    """A step of a recorded request (``RecordedTrace``)."""
+    __slots__ = ("name", "span_id", "client", "start_ns", "end_ns", "attributes", "error")
+
+    def __init__(self, name: str, client: bool, start_ns: int, attributes: Mapping[str, Any] | None):
+        self.name, self.client, self.start_ns = name, client, start_ns
+        self.span_id = random.getrandbits(64)
+        self.end_ns = 0
+        self.attributes = dict(attributes) if attributes else {}
+        self.error = ""
+
+
+class RecordedTrace(RequestTrace):
+    """A request head sampling dropped: its spans recorded as plain objects, at a fraction of the
+    SDK's cost, and dropped at its end unless the tail rule kept it, which replays them into the
+    exporter (``tail_sampling.Replayer``) with the ids and times they had. Its ``traceparent``
+    goes on unsampled."""
+
+    __slots__ = ("_replayer", "_trace_id", "_span_id", "_parent_span_id", "_tracestate", "_name", "_start_ns",
+                 "_attributes", "_steps", "_open")
+
+    def __init__(self, replayer: Replayer, name: str, trace_id: int, parent_span_id: int, tracestate: str,
+                 attributes: Mapping[str, Any] | None, start_ns: int):
+        self._replayer = replayer
+        self._trace_id, self._parent_span_id, self._tracestate = trace_id, parent_span_id, tracestate
+        self._span_id = random.getrandbits(64)
+        self._name, self._start_ns = name, start_ns
+        self._attributes: dict[str, Any] = dict(attributes) if attributes else {}
+        self._steps: list[_Recorded] = []
+        self._open: _Recorded | None = None
+        self.kept = ""
+
+    def set(self, key: str, value: Any) -> None:
+        self._attributes[key] = value
+
+    def set_all(self, attributes: Mapping[str, Any]) -> None:
+        self._attributes.update(attributes)
+
+    def keep(self, reason: str) -> None:
+        if not self.kept:
+            self.kept = reason
+            self._attributes[KEPT] = reason
+
+    def step(self, name: str, attributes: Mapping[str, Any] | None = None, client: bool = False,
+             start: float | None = None) -> Any:
+        step = _Recorded(name, client, _ns(start) if start is not None else time.time_ns(), attributes)
+        self._steps.append(step)
+        self._open = step
+        return step
+
+    def end_step(self, span: Any, attributes: Mapping[str, Any] | None = None, error: str = "") -> None:
+        if span is None:
+            return
+        if attributes:
+            span.attributes.update(attributes)
+        span.error = error
+        span.end_ns = time.time_ns()
+        if self._open is span:
+            self._open = None
+
+    def inject(self, headers: MutableMapping[str, str]) -> None:
+        span_id = self._open.span_id if self._open is not None else self._span_id
+        headers[TRACEPARENT] = f"00-{self._trace_id:032x}-{span_id:016x}-00"
+        if self._tracestate:
+            headers[TRACESTATE] = self._tracestate
+        else:
+            headers.pop(TRACESTATE, None)
+
+    def exemplar(self) -> dict[str, str] | None:
+        return {"trace_id": f"{self._trace_id:032x}"} if self.kept else None
+
+    @property
+    def trace_id(self) -> str:
+        return f"{self._trace_id:032x}"
+
+    def end(self, attributes: Mapping[str, Any] | None = None, error: str = "") -> None:
+        if not self.kept:
+            return
+        if attributes:
+            self._attributes.update(attributes)
+        self._replayer.replay(
+            trace_id=self._trace_id, span_id=self._span_id, parent_span_id=self._parent_span_id, name=self._name,
+            start_ns=self._start_ns, end_ns=time.time_ns(), attributes=self._attributes, error=error,
+            steps=[(s.name, s.span_id, s.client, s.start_ns, s.end_ns, s.attributes, s.error) for s in self._steps])
+
+
+# W3C trace context, version 00: trace id, parent span id, flags (sampled: the low bit).
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 # The request a task serves: set once where the request arrives, read where a step of it happens
 # (tasks started for the request inherit it), so no signature on the way needs a trace argument.
 _CURRENT: contextvars.ContextVar[RequestTrace] = contextvars.ContextVar("gpufleet_trace", default=NO_TRACE)
@@ -174,9 +268,15 @@ def unbind(token: contextvars.Token[RequestTrace]) -> None:
 
 @dataclass
 class Tracing:
-    """A process's tracing: ``begin`` one ``RequestTrace`` per request."""
+    """A process's tracing: ``begin`` one ``RequestTrace`` per request.
+
+    Head sampling here, not in the SDK's sampler: a request with a valid W3C ``traceparent`` follows
+    its sampled flag, one without is sampled at ``ratio``. A sampled request gets the SDK's spans;
+    a dropped one a ``RecordedTrace``, which the tail rule may still keep."""
     tracer: Optional[Tracer] = None
     provider: Optional[TracerProvider] = None
+    ratio: float = 0.0
+    replayer: Optional[Replayer] = None
 
     @classmethod
     def off(cls) -> Tracing:
@@ -194,10 +294,14 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-        from .tail_sampling import HeadSampler, TailKeepProcessor
-        provider = TracerProvider(sampler=HeadSampler(config.sample_ratio), resource=Resource.create(
-            {"service.name": service_name, **(resource_attributes or {})}))
+        from .tail_sampling import PresetIds, Replayer
+        resource = Resource.create({"service.name": service_name, **(resource_attributes or {})})
+        # Every span that reaches the SDK is sampled: ``begin`` decided before.
+        provider = TracerProvider(sampler=ALWAYS_ON, resource=resource)
+        ids = PresetIds()
+        replaying = TracerProvider(sampler=ALWAYS_ON, resource=resource, id_generator=ids)
         if exporter is None:
             problem = otlp_problem()
             if problem is not None:
@@ -206,8 +310,10 @@ class Tracing:
                                          f"opentelemetry-exporter-otlp, or remove tracing")
             exporter = otlp_exporter(config)
         exporting: SpanProcessor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
-        provider.add_span_processor(TailKeepProcessor(exporting))
-        return cls(provider.get_tracer("gpufleet"), provider)
+        provider.add_span_processor(exporting)
+        replaying.add_span_processor(exporting)
+        return cls(provider.get_tracer("gpufleet"), provider, config.sample_ratio,
+                   Replayer(replaying.get_tracer("gpufleet"), ids))
 
     @property
     def on(self) -> bool:
@@ -220,15 +326,26 @@ class Tracing:
         tracer = self.tracer
         if tracer is None:
             return NO_TRACE
-        from opentelemetry.trace import SpanKind
-        context = extract(headers) if headers is not None and TRACEPARENT in headers else None
-        root = tracer.start_span(name, context, SpanKind.SERVER, attributes,
-                                 start_time=_ns(start) if start is not None else None)
-        return RequestTrace(tracer, root)
+        parent = headers.get(TRACEPARENT) if headers is not None else None
+        found = _TRACEPARENT.fullmatch(parent.strip().lower()) if parent else None
+        if found is not None and (found[1] == "0" * 32 or found[2] == "0" * 16):
+            found = None  # invalid ids: a new trace (W3C)
+        sampled = bool(int(found[3], 16) & 1) if found is not None else random.random() < self.ratio
+        if sampled:
+            from opentelemetry.trace import SpanKind
+            context = extract(headers) if found is not None and headers is not None else None
+            root = tracer.start_span(name, context, SpanKind.SERVER, attributes,
+                                     start_time=_ns(start) if start is not None else None)
+            return RequestTrace(tracer, root)
+        assert self.replayer is not None
+        tracestate = (headers.get(TRACESTATE) or "") if found is not None and headers is not None else ""
+        return RecordedTrace(self.replayer, name, int(found[1], 16) if found else random.getrandbits(128),
+                             int(found[2], 16) if found else 0, tracestate, attributes,
+                             _ns(start) if start is not None else time.time_ns())
 
     def shutdown(self) -> None:
         if self.provider is not None:
-            self.provider.shutdown()
+            self.provider.shutdown()   # the exporting processor, shared with the replayer's provider
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.provider.force_flush(timeout_millis) if self.provider is not None else True
