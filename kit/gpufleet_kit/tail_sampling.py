@@ -15,9 +15,8 @@ import threading
 from typing import Any, Iterable, Mapping
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import Tracer
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, Tracer
 
 
 class PresetIds(IdGenerator):
