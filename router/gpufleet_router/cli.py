@@ -70,8 +70,10 @@ from .server import RouterSettings
 @click.option("--epp-cert-path", default=None, type=click.Path(file_okay=False),
               help="A folder with tls.crt and tls.key for the endpoint picker; default: a self-signed certificate "
                    "made at start.")
-@click.option("--epp-fallbacks", default=3, show_default=True, type=click.IntRange(1, 16),
-              help="Endpoints the picker names per request: its pick, then the fallbacks a gateway retrying goes to.")
+@click.option("--epp-fallbacks", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="Endpoints the picker names per request: its pick, then the fallbacks a gateway retrying goes to. "
+                   "More than 1 only for gateways whose balancer reads a list (Envoy's override_host); an "
+                   "ORIGINAL_DST cluster reads one address.")
 @click.option("--epp-fairness-as-tenant/--no-epp-fairness-as-tenant", default=True, show_default=True,
               help="In a namespace without tenants, the gateway's x-gateway-inference-fairness-id keys the guard's "
                    "fair lane as a tenant would; off: ignored.")

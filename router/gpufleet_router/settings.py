@@ -83,7 +83,9 @@ class RouterSettings:
     epp_port: int | None = None
     epp_secure: bool = True                 # TLS (a self-signed certificate made at start, or epp_cert_path's)
     epp_cert_path: str | None = None        # a folder with tls.crt and tls.key (GIE's --cert-path)
-    epp_fallbacks: int = 3                  # endpoints per pick: the first and those a gateway retrying goes to
+    # Endpoints per pick: the first, then the fallbacks a gateway retrying goes to. 1 by default: Envoy's ORIGINAL_DST
+    # cluster (GIE's test gateway) reads one address from the header; a list needs an override_host balancer.
+    epp_fallbacks: int = 1
     epp_fairness_as_tenant: bool = True     # the gateway's fairness id keys the guard's fair lane (no tenants)
     # The router pods a service behind a gateway with dataPath Router is sent to (host:port of their OpenAI port).
     router_endpoints: tuple[str, ...] = ()
