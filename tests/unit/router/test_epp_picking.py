@@ -30,11 +30,11 @@ def completion(prompt: str = "hello", **extra) -> dict:
 
 @pytest.fixture
 async def picker():
-    """Replicas a, b, c behind the picker (plaintext), read once; a and c hold LORA."""
+    """Replicas a, b, c behind the picker (plaintext, naming up to 3 endpoints), read once; a and c hold LORA."""
     guards = [await FakeGuard(n).start() for n in ("a", "b", "c")]
     guards[0].adapters = {LORA: "Loaded"}
     guards[2].adapters = {LORA: "Loaded"}
-    h = Harness(guards, RouterSettings(prefix_blocks=4, epp_secure=False, hold_timeout=0.0))
+    h = Harness(guards, RouterSettings(prefix_blocks=4, epp_secure=False, hold_timeout=0.0, epp_fallbacks=3))
     h.publish([h.route(*(Replica(g.name, g.address) for g in guards))], CATALOG)
     await h.fleet.read_once(h.http)
     h.fleet.listed.set()
@@ -71,6 +71,14 @@ async def test_the_destination_is_the_policys_pick_with_fallbacks_in_the_header_
     header, meta = envoy.destination(answers[0])
     assert header == meta == ",".join([addr(picker, "b"), addr(picker, "c"), addr(picker, "a")])
     assert answers[0].request_headers.response.clear_route_cache
+    await stream.close()
+
+
+async def test_by_default_one_endpoint_is_named_as_an_original_dst_gateway_reads_it(picker):
+    picker.fleet.settings.epp_fallbacks = RouterSettings().epp_fallbacks
+    stream, answers = await envoy.request(picker.stub, completion())
+    header, meta = envoy.destination(answers[0])
+    assert header == meta and "," not in header
     await stream.close()
 
 
