@@ -37,8 +37,9 @@ ADAPTER_VARIABLE = "adapter"
 
 # --- panels -----------------------------------------------------------------
 
-def target(expr: str, legend: str = "", *, instant: bool = False) -> dict[str, Any]:
-    """One Prometheus query; refIds are assigned by the panel."""
+def target(expr: str, legend: str = "", *, instant: bool = False, exemplar: bool = False) -> dict[str, Any]:
+    """One Prometheus query; refIds are assigned by the panel. ``exemplar``: show the series' exemplars,
+    each a sampled request's trace id (docs/tracing.md)."""
     return {
         "datasource": DATASOURCE,
         "expr": expr,
@@ -46,6 +47,7 @@ def target(expr: str, legend: str = "", *, instant: bool = False) -> dict[str, A
         "range": not instant,
         "instant": instant,
         **({"format": "table"} if instant else {}),
+        **({"exemplar": True} if exemplar else {}),
     }
 
 
@@ -477,9 +479,12 @@ def _tenants_row(g: Grid, sel: str) -> None:
 
 # --- one service ------------------------------------------------------------
 
-def _quantiles(histogram: str, selector: str, by: str = "le") -> list[dict[str, Any]]:
+def _quantiles(histogram: str, selector: str, by: str = "le", exemplars: bool = False) -> list[dict[str, Any]]:
+    """p50, p95 and p99; ``exemplars``: the p99's query shows the histogram's exemplars (one query does:
+    each would show the same points)."""
     return [target(f"histogram_quantile({q}, sum by ({by}) (rate({histogram}_bucket{{{selector}}}"
-                   "[$__rate_interval])))", f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)]
+                   "[$__rate_interval])))", f"p{round(q * 100)}", exemplar=exemplars and q == 0.99)
+            for q in (0.5, 0.95, 0.99)]
 
 
 def _quantiles_by_class(histogram: str, selector: str) -> list[dict[str, Any]]:
@@ -663,17 +668,19 @@ def service() -> dict[str, Any]:
                       target(f"up{{{sel}}}", "scraped {{pod}} {{endpoint}}")], unit="none", max_value=1), 8)
 
     g.row("Latency (as clients see it; all classes but background)")
-    g.add(timeseries("Time to first token", "TTFT quantiles and the p99 objective.",
-                     _quantiles("gpufleet_guard_ttft_seconds", latency_sel)
+    exemplars = (" The points are exemplars: a traced request in that bucket, its trace one click away "
+                 "(docs/tracing.md).")
+    g.add(timeseries("Time to first token", "TTFT quantiles and the p99 objective." + exemplars,
+                     _quantiles("gpufleet_guard_ttft_seconds", latency_sel, exemplars=True)
                      + [target(f"namespace_service:gpufleet_slo_ttft_p99_seconds:objective{{{sel}}}",
                                "p99 objective")], unit="s"), 8)
-    g.add(timeseries("Inter-token latency", "Gap between streamed tokens: quantiles and the p99 objective.",
-                     _quantiles("gpufleet_guard_itl_seconds", latency_sel)
+    g.add(timeseries("Inter-token latency", "Gap between streamed tokens: quantiles and the p99 objective."
+                     + exemplars, _quantiles("gpufleet_guard_itl_seconds", latency_sel, exemplars=True)
                      + [target(f"namespace_service:gpufleet_slo_itl_p99_seconds:objective{{{sel}}}",
                                "p99 objective")], unit="s"), 8)
     g.add(timeseries("End-to-end latency", "Whole-request latency of admitted requests, and the p99 "
-                     "objective of non-streaming requests (slo.requestP99Milliseconds).",
-                     _quantiles("gpufleet_guard_request_seconds", latency_sel)
+                     "objective of non-streaming requests (slo.requestP99Milliseconds)." + exemplars,
+                     _quantiles("gpufleet_guard_request_seconds", latency_sel, exemplars=True)
                      + [target(f"max(gpufleet_service_slo_request_p99_seconds{{{sel}}})",
                                "non-streaming p99 objective")],
                      unit="s"), 8)
