@@ -23,7 +23,6 @@ from aiohttp import web
 
 from gpufleet_api import bounded_json
 from gpufleet_api.engine_pods import UNIFIED
-from gpufleet_api.guard.guard_config import CLASS_HEADER
 
 from ..fleet import Fleet
 from ..metrics import Outcome
@@ -38,11 +37,13 @@ from . import protocol
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """The picker's own answer instead of a destination."""
+    """The picker's own answer instead of a destination: counted in gpufleet_router_requests_total under
+    ``model`` with ``outcome`` (None: counted already, as the tenants' gate counts its refusals)."""
     status: int
     body: dict
     retry_after: float | None = None
-    outcome: str = Outcome.INVALID
+    outcome: str | None = Outcome.INVALID
+    model: str = ""
 
 
 @dataclasses.dataclass
@@ -93,6 +94,10 @@ class Chooser:
         except rq.BadRequest as e:
             return Refusal(e.status, e.body())
         target, adapter = placed.target, placed.adapter_name
+        if target.via_router:
+            # The router pod admits it (its own tenants' gate) and places it: nothing is decided here twice.
+            return self._to_router(target.model, subset, protocol.gateway_headers(headers, target.queue_classes,
+                                                                                  False))
         admission = self.gate.admit(headers, route, placed.parsed, target, adapter or target.model)
         if isinstance(admission, web.Response):
             return _from_response(admission)
@@ -105,8 +110,6 @@ class Chooser:
         else:
             remove = DROPPED
         remove = frozenset(h for h in remove if h in headers) - protocol.NEVER_REMOVED
-        if target.via_router:
-            return self._to_router(target.model, subset, set_headers, remove, admission)
         routed = await self._to_replica(placed, subset, arrived)
         if isinstance(routed, Refusal):
             self.gate.settle_usage(admission, None, None, routed.status)
@@ -126,18 +129,18 @@ class Chooser:
         if pool is None:
             unserved = await self.fleet.wait_for_pool(model, target, arrived, arrived + self.settings.hold_timeout)
             if unserved is not None:
-                return Refusal(503, unserved.body, unserved.retry_after, Outcome.UNAVAILABLE)
+                return Refusal(503, unserved.body, unserved.retry_after, Outcome.UNAVAILABLE, model)
             pool = self.fleet.serving_pool(model)
         picker = self.fleet.picker(model, pool) if pool is not None else None
         if picker is None or pool is None:
             return Refusal(503, rq.error_body(f"No replica of {target.namespace}/{target.service} is ready.",
                                               "service_unavailable", code="no_ready_replica"),
-                           self.fleet.cold(model).retry_after(0.0), Outcome.UNAVAILABLE)
+                           self.fleet.cold(model).retry_after(0.0), Outcome.UNAVAILABLE, model)
         if placed.adapter is not None and not picker.holders(placed.adapter.name):
             self.metrics.adapter_not_loaded.labels(placed.adapter.name).inc()
             return Refusal(503, rq.error_body(adapters.not_loaded_message(placed.adapter.name, target),
                                               "adapter_not_loaded", code="adapter_not_loaded"),
-                           ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS, Outcome.UNAVAILABLE)
+                           ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS, Outcome.UNAVAILABLE, model)
         pods = {r.address: r.pod for r in picker.replicas.values()}
         outside = [r.pod for r in picker.replicas.values() if subset is not None and r.address not in subset]
         prefix = placed.prefix if pool == UNIFIED else None
@@ -148,13 +151,12 @@ class Chooser:
                 f"{where[0].upper()}{where[1:]} of {target.namespace}/{target.service} can take the request now "
                 f"(not ready, draining{', or not holding the adapter' if placed.adapter else ''}).",
                 "service_unavailable", code="no_ready_replica"), self.fleet.cold(model).retry_after(0.0),
-                Outcome.UNAVAILABLE)
+                Outcome.UNAVAILABLE, model)
         if placement.all_refuse(picker, picks, placed.cost):
-            self.metrics.requests.labels(model, Outcome.REJECTED).inc()
             return Refusal(429, rq.error_body(
                 f"Every replica of {target.namespace}/{target.service} the request could go to is full now (their "
                 f"guards' readings leave no room for its ~{placed.cost} KV blocks); retry after the Retry-After.",
-                "rate_limit_error", code="no_room"), EPP_REFUSED_RETRY_AFTER_SECONDS, Outcome.REJECTED)
+                "rate_limit_error", code="no_room"), EPP_REFUSED_RETRY_AFTER_SECONDS, Outcome.REJECTED, model)
         first = picks[0]
         self.metrics.picks.labels(model, pool, first.reason).inc()
         if first.affinity_hit:
@@ -163,25 +165,22 @@ class Chooser:
         return Routed(model, [p.replica.address for p in picks], {}, frozenset(), first.reason,
                       InFlight(picker, first.replica.pod, ticket, placed.cost, prefix, pods))
 
-    def _to_router(self, model: str, subset: frozenset[str] | None, set_headers: dict[str, str],
-                   remove: frozenset[str], admission: Admission) -> Routed | Refusal:
+    def _to_router(self, model: str, subset: frozenset[str] | None, set_headers: dict[str, str]) -> Routed | Refusal:
         """A router pod: the fewest of this picker's requests in flight, then in turn; the rest as fallbacks.
-        The router there admits the request again (its own gate), so this admission is settled at once."""
-        self.gate.settle_usage(admission, None, None, None)
+        The client's headers pass as they came (the router's gate reads them), with the class the gateway's
+        objective names."""
         endpoints = [e for e in self.settings.router_endpoints if subset is None or e in subset]
         if not endpoints:
             return Refusal(503, rq.error_body(
                 f"The model {model!r} is served through the router, and no router endpoint is known"
                 f"{' in the gateway subset hint' if subset is not None else ''} (--router-endpoints).",
-                "service_unavailable", code="no_ready_replica"), None, Outcome.UNAVAILABLE)
+                "service_unavailable", code="no_ready_replica"), None, Outcome.UNAVAILABLE, model)
         turn = next(self._turn)
         order = sorted(range(len(endpoints)), key=lambda i: (self.routers_in_flight.get(endpoints[i], 0),
                                                              (i - turn) % len(endpoints)))
         chosen = [endpoints[i] for i in order][:max(1, self.settings.epp_fallbacks)]
         self.routers_in_flight[chosen[0]] = self.routers_in_flight.get(chosen[0], 0) + 1
-        # The router's own tenants' gate reads the client's headers: pass them as they came.
-        return Routed(model, chosen, {k: v for k, v in set_headers.items() if k == CLASS_HEADER},
-                      frozenset(), "router", router_endpoint=chosen[0])
+        return Routed(model, chosen, set_headers, frozenset(), "router", router_endpoint=chosen[0])
 
     def choose_bodyless(self, subset: frozenset[str] | None) -> Routed | Refusal:
         """A request without a body (GET /v1/models, say): no model to place it by, so any ready replica in the
@@ -244,5 +243,4 @@ def _from_response(response: web.Response) -> Refusal:
     except ValueError:
         body = rq.error_body(response.reason or "refused", "invalid_request_error")
     retry = response.headers.get("Retry-After")
-    return Refusal(response.status, body, float(retry) if retry else None,
-                   Outcome.REJECTED if response.status == 429 else Outcome.INVALID)
+    return Refusal(response.status, body, float(retry) if retry else None, None)

@@ -135,8 +135,8 @@ class Exchange:
         if isinstance(decided, Refusal):
             self.answered = True
             self.metrics.epp_answers.labels(str(decided.status)).inc()
-            if decided.outcome not in (Outcome.REJECTED,):
-                self.metrics.requests.labels("", decided.outcome).inc()
+            if decided.outcome is not None:
+                self.metrics.requests.labels(decided.model, decided.outcome).inc()
             return [protocol.immediate(decided.status, decided.body, decided.retry_after)]
         self.routed = decided
         self.metrics.epp_answers.labels("routed").inc()

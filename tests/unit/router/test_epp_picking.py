@@ -285,3 +285,29 @@ async def test_the_health_service_says_serving_once_listed():
             got = await health.Check(health_pb2.HealthCheckRequest(service=protocol.SERVICE_NAME))
             return got.status == health_pb2.HealthCheckResponse.SERVING
         await wait_for(serving, timeout=10, what="SERVING")
+
+
+def _tenants(spec: dict) -> dict:
+    return {"apiVersion": "serving.gpufleet.dev/v1alpha1", "kind": "InferenceTenants",
+            "metadata": {"name": "tenants", "namespace": "ml"}, "spec": spec}
+
+
+async def test_a_namespace_with_tenants_is_gated_as_at_the_router(picker):
+    """Trusted identity with the fairness id as tenant: the gate names the tenant and its weight to the guard,
+    removes the header the gateway named it in, and refuses (401) a caller it cannot identify, as the router's
+    own front door does."""
+    picker.fleet.update_tenants([_tenants({"identity": "Trusted", "trusted": {"tenantHeader": "x-team",
+                                                                              "fairnessId": "AsTenant"},
+                                           "tenants": [{"name": "search", "weight": 2}, {"name": "batch"}]})], [])
+    stream, answers = await envoy.request(picker.stub, completion(), headers={
+        "x-gateway-inference-fairness-id": "search", "x-team": "search", GUARD_TENANT_HEADER: "batch"})
+    set_ = envoy.set_headers(answers[0])
+    assert set_[GUARD_TENANT_HEADER] == "search" and set_["x-gpufleet-tenant-weight"] == "2"
+    assert "x-team" in answers[0].request_headers.response.header_mutation.remove_headers
+    await stream.send(envoy.response_headers_message(200), envoy.response_body_message(b"{}", True))
+    await stream.expect(2)
+    await stream.close()
+    _, answers = await envoy.request(picker.stub, completion(), headers={"x-team": "nobody-declared"})
+    code, error, _ = immediate(answers)
+    assert code == 401 and error["error"]["code"] == "key_unknown"
+    assert picker.fleet.picker(MODEL).in_flight == {}
