@@ -15,6 +15,7 @@ from gpufleet_api import v1alpha1 as t
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.errors import ApiError, NotFound
 
+from ..errors import OperatorError
 from ..manifests import gateway as build
 from ..manifests import names
 from ..reconcile import conditions as cond
@@ -37,7 +38,9 @@ class Outcome:
     condition: dict | None = None
 
 
-class _Problem(Exception):
+class _Problem(OperatorError):
+    """What keeps spec.gateway from being rendered: GatewayReady's reason and message."""
+
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason, self.message = reason, message
