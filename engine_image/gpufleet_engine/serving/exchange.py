@@ -27,6 +27,7 @@ from gpufleet_engine.admission import context, kv_handoff, sli
 from gpufleet_engine.admission.core import Admission
 from gpufleet_engine.admission.grants import Grant, Rejection
 from gpufleet_engine.admission.reservations import Reservation
+from gpufleet_engine.serving import spans
 from gpufleet_engine.serving.errors import Refusals, error_response
 from gpufleet_engine.serving.prometheus import GuardMetrics
 from gpufleet_engine.serving.upstream import FORWARDED_REQUEST_HEADERS, FORWARDED_RESPONSE_HEADERS, Upstream
@@ -139,14 +140,7 @@ class Exchange:
             self.late_gaps))
         trace = self.trace
         if trace.on:
-            # The tail rule: whatever head sampling decided, a failed or slow request is kept.
-            trace.set(names.OUTCOME, outcome)
-            if outcome in ("error", "timeout"):
-                trace.keep("error")
-            elif outcome == "invalid":
-                trace.keep("refused")
-            elif any(good < events for _, good, events in judgement):
-                trace.keep("slo")
+            spans.finished(trace, outcome, judgement)
         if outcome == "ok":
             m.request_seconds.labels(self.queue_class.name).observe(seconds, trace.exemplar())
         m.count_sli(self.queue_class.name, judgement)
@@ -158,9 +152,7 @@ class Exchange:
         self.tracked.answering = True
         trace = self.trace
         if trace.on:
-            trace.set(names.TTFT_SECONDS, self.ttft_seconds)
-            if self.ttft_seconds > self.services.admission.config.slo.ttft_p99_seconds:
-                trace.keep("slo")  # before the exemplar: the slow bucket names a trace that is kept
+            spans.first_token(trace, self.ttft_seconds, self.services.admission.config.slo.ttft_p99_seconds)
         self.services.metrics.ttft_seconds.labels(self.queue_class.name).observe(self.ttft_seconds,
                                                                                  trace.exemplar())
         if self.prepared.adapter is not None:
@@ -181,12 +173,8 @@ class Exchange:
         if self.prepared.adapter is not None:
             services.metrics.adapter_tokens.labels(self.prepared.adapter, "prompt").inc(
                 self.prepared.total_prompt_tokens)
-        trace = self.trace
-        if trace.on:
-            trace.set_all({names.CLASS: self.queue_class.name, names.RESERVED_BLOCKS: grant.cost,
-                           names.QUEUE_WAIT_SECONDS: grant.queued_seconds, names.STREAM: self.prepared.stream,
-                           names.GEN_AI_INPUT_TOKENS: self.prepared.total_prompt_tokens,
-                           **({names.ADAPTER: self.prepared.adapter} if self.prepared.adapter else {})})
+        if self.trace.on:
+            spans.dispatched(self.trace, self.queue_class.name, grant, self.prepared)
         single = len(self.prepared.prompt_tokens) == 1 and self.prepared.sequences_per_prompt == 1
         self.tracked = Tracked(self.prepared.prompt_tokens[0] if single and self.prepared.stream else None)
         services.tracked[grant] = self.tracked
