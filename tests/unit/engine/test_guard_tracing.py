@@ -145,3 +145,30 @@ async def test_tracing_off_sends_the_clients_traceparent_unchanged(tokenizer):
         finally:
             await guard.stop()
     assert fake.traceparents == [parent]
+
+
+async def test_a_failed_request_is_kept_as_an_error(tokenizer):
+    async with traced_guard(tokenizer, ratio=0.0) as (guard, fake, exporter):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(guard.url + "/v1/completions", json={"model": "fail-500", "prompt": "x"}) as r:
+                assert r.status == 500
+    spans = _by_name(exporter)
+    assert spans[names.GUARD_REQUEST_SPAN].attributes[names.KEPT] == "error"
+    assert spans[names.GUARD_REQUEST_SPAN].attributes[names.OUTCOME] == "error"
+    assert not spans[names.GUARD_ENGINE_SPAN].status.is_ok   # the exchange with vLLM says it failed
+
+
+async def test_a_first_token_past_the_objective_is_kept_and_its_exemplar_names_it(tokenizer):
+    async with traced_guard(tokenizer, ratio=0.0, slo={"ttftP99Seconds": 0.001}) as (guard, fake, exporter):
+        fake.token_delay = 0.01   # the first token comes after 10 ms: past the 1 ms objective
+        async with aiohttp.ClientSession() as s:
+            async with s.post(guard.url + "/v1/completions",
+                              json={"prompt": "x", "max_tokens": 2, "stream": True}) as r:
+                await r.read()
+            async with s.get(guard.url + "/metrics", headers={"Accept": "application/openmetrics-text"}) as r:
+                openmetrics = await r.text()
+    root = _by_name(exporter)[names.GUARD_REQUEST_SPAN]
+    assert root.attributes[names.KEPT] == "slo"
+    ttft = [sample.exemplar.labels["trace_id"] for family in text_string_to_metric_families(openmetrics)
+            if family.name == "gpufleet_guard_ttft_seconds" for sample in family.samples if sample.exemplar]
+    assert ttft == [f"{root.context.trace_id:032x}"]
