@@ -118,6 +118,12 @@ def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_sec
     if epp_cert_path and not epp_secure_serving:
         raise click.BadParameter("a certificate is for TLS; drop --no-epp-secure-serving or the path",
                                  param_hint="--epp-cert-path")
+    if epp_cert_path:
+        from .epp.tls import CertificateError, from_folder
+        try:
+            from_folder(epp_cert_path)
+        except CertificateError as e:
+            raise click.BadParameter(str(e), param_hint="--epp-cert-path") from None
 
     async def main() -> None:
         stop = asyncio.Event()

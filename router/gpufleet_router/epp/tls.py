@@ -9,10 +9,6 @@ import pathlib
 import socket
 
 import grpc
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 CERT_FILE, KEY_FILE = "tls.crt", "tls.key"
 SELF_SIGNED_DAYS = 3650
@@ -20,6 +16,13 @@ SELF_SIGNED_DAYS = 3650
 
 def self_signed(host: str | None = None) -> tuple[bytes, bytes]:
     """(key, certificate) in PEM: an ECDSA P-256 key and a certificate for ``host`` (the machine's name)."""
+    # Imported here: only a picker serving TLS without a certificate of its own needs it, never the operator
+    # process that shares this package's image and CLI (tests/unit/test_packaging.py).
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
     name = host or socket.gethostname() or "gpufleet-router"
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "gpufleet"),
