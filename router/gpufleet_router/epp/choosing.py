@@ -26,12 +26,12 @@ from gpufleet_api.engine_pods import UNIFIED
 
 from ..fleet import Fleet
 from ..metrics import Outcome
-from ..policy import adapters, placement
+from ..policy import adapters, placement, tenancy
 from ..policy import requests as rq
 from ..policy.choice import Picker, Sent
 from ..policy.prefixes import Prefix
 from ..settings import ADAPTER_NOT_LOADED_RETRY_AFTER_SECONDS, EPP_REFUSED_RETRY_AFTER_SECONDS
-from ..tenants import DROPPED, Admission, Gate
+from ..tenants import Admission, Gate
 from . import protocol
 
 
@@ -106,9 +106,10 @@ class Chooser:
         if admission.tenancy is not None:
             # The tenant the gate identified and its weight, never what the client sent under those names.
             set_headers.update({k: v for k, v in admission.headers({}).items()})
-            remove = DROPPED | admission.tenancy.dropped_headers
+            remove = tenancy.GUARD_TENANCY_HEADERS | admission.tenancy.dropped_headers
         else:
-            remove = DROPPED
+            remove = tenancy.GUARD_TENANCY_HEADERS
+        # Hop-by-hop headers are the gateway's own business (the router drops them as a proxy; Envoy is one).
         remove = frozenset(h for h in remove if h in headers) - protocol.NEVER_REMOVED
         routed = await self._to_replica(placed, subset, arrived)
         if isinstance(routed, Refusal):
