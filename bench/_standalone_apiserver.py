@@ -96,7 +96,20 @@ class StandaloneApiserver:
         """Server-side apply of one object at its API path (a CRD, an InferencePool)."""
         r = self.http.patch(f"{path}?fieldManager=gpufleet-bench&force=true", json=obj,
                             headers={"Content-Type": "application/apply-patch+yaml"})
-        r.raise_for_status()
+        if r.status_code >= 400:
+            raise RuntimeError(f"apply {path}: {r.status_code} {r.text[:500]}")
+
+    def crd(self, crd: dict, timeout: float = 30.0) -> None:
+        """A CustomResourceDefinition, applied and waited for until Established."""
+        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
+        self.apply(path, {k: v for k, v in crd.items() if k != "status"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            conditions = (self.http.get(path).json().get("status") or {}).get("conditions") or []
+            if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"CRD {crd['metadata']['name']} not Established in {timeout:.0f} s")
 
     def stop(self) -> None:
         for p in reversed(self.procs):

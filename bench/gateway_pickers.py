@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -50,6 +51,7 @@ from _standalone_apiserver import StandaloneApiserver  # noqa: E402
 from lora_placement import OPERATOR, hold  # noqa: E402
 from router_vs_vllm_router import prefix_counters, reset_prefix_caches  # noqa: E402
 
+from gpufleet_engine.local.models import prepare as prepare_model  # noqa: E402
 from gpufleet_engine.local.runner import LocalEngine, free_port  # noqa: E402
 from tests.support.lora_adapters import make_adapters  # noqa: E402
 
@@ -77,14 +79,16 @@ def common_port(hosts: list[str]) -> int:
     raise RuntimeError("no port free on every replica address")
 
 
-async def one(http: aiohttp.ClientSession, url: str, req: gt.ChatRequest) -> gt.Outcome:
+async def one(http: aiohttp.ClientSession, url: str, req: gt.ChatRequest, template: str | None = None) -> gt.Outcome:
     out = gt.Outcome()
+    body = {"model": req.model, "max_tokens": req.max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": req.system}, {"role": "user", "content": req.user}]}
+    if template is not None:
+        body["chat_template"] = template
     sent = time.monotonic()
     try:
-        async with http.post(f"{url}/v1/chat/completions", json={
-                "model": req.model, "max_tokens": req.max_tokens, "ignore_eos": True, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True},
-                "messages": [{"role": "system", "content": req.system}, {"role": "user", "content": req.user}]}) as r:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as r:
             out.status = r.status
             if r.status != 200:
                 out.error = (await r.text())[:200]
@@ -104,14 +108,14 @@ async def one(http: aiohttp.ClientSession, url: str, req: gt.ChatRequest) -> gt.
     return out
 
 
-async def run_trace(url: str, requests: list[gt.ChatRequest]) -> tuple[list[gt.Outcome], float]:
+async def run_trace(url: str, requests: list[gt.ChatRequest], template: str | None) -> tuple[list[gt.Outcome], float]:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), connector=connector) as http:
         started = time.monotonic()
 
         async def at_its_time(req: gt.ChatRequest) -> gt.Outcome:
             await asyncio.sleep(max(0.0, started + req.at - time.monotonic()))
-            return await one(http, url, req)
+            return await one(http, url, req, template)
         outcomes = await asyncio.gather(*(at_its_time(r) for r in requests))
         return list(outcomes), time.monotonic() - started
 
@@ -122,7 +126,7 @@ async def counters(guards: list[str]) -> tuple[float, float]:
     return sum(q for q, _ in got), sum(h for _, h in got)
 
 
-async def until_serving(url: str, picker: object | None, deadline_s: float = 180.0) -> None:
+async def until_serving(url: str, picker: object | None, template: str | None, deadline_s: float = 180.0) -> None:
     """A picker is ready when a request through its listener is answered (its Pods read, its first metrics)."""
     probe = gt.ChatRequest(0, 0, MODEL, "Readiness probe.", "Hello?", 2)
     deadline = time.monotonic() + deadline_s
@@ -131,7 +135,7 @@ async def until_serving(url: str, picker: object | None, deadline_s: float = 180
         while time.monotonic() < deadline:
             if picker is not None and not picker.alive():
                 raise RuntimeError(f"picker exited: {picker.tail()}")
-            last = await one(http, url, probe)
+            last = await one(http, url, probe, template)
             if last.status == 200 and last.error is None:
                 return
             await asyncio.sleep(1.0)
@@ -145,17 +149,45 @@ def start_engines(args: argparse.Namespace, work: Path, port: int, events: list[
                         max_model_len=MAX_MODEL_LEN, cpu_cores=str(i % args.cores), work_dir=work / f"replica-{i}",
                         guard={"ttftControl": "Off", "controlAuth": OPERATOR.control_auth(), "engine": {
                             "lora": lora, "extraArgs": [
+                                *(["--trust-request-chat-template"] if args.template_in_body else []),
                                 "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", json.dumps({
                                     "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[i],
                                     "topic": f"kv@{h}@{MODEL}"})]}})
             for i, h in enumerate(HOSTS[:args.replicas])]
 
 
+OWN_FIGURES = ("inference_extension_scheduler_e2e_duration_seconds_sum",
+               "inference_extension_scheduler_e2e_duration_seconds_count", "kvcache_index_admissions_total",
+               "kvcache_index_lookup_requests_total", "kvcache_index_lookup_hits_total",
+               "kvcache_index_max_pod_hit_count_total")
+
+
+def own_figures(text: str) -> dict[str, float]:
+    """A peer's own account: its scheduler's time per pick, and llm-d's index (blocks admitted from the KV
+    events, lookups, lookups that found a block)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in OWN_FIGURES:
+                    got[sample.name] = got.get(sample.name, 0.0) + sample.value
+    except ValueError:
+        return {}
+    return got
+
+
 class Picker:
     """How one arm's picker starts and stops; None for the least-request arm."""
 
-    def __init__(self, arm: str, proc=None, relay=None):
-        self.arm, self.proc, self.relay = arm, proc, relay
+    def __init__(self, arm: str, proc=None, relay=None, metrics_port: int | None = None):
+        self.arm, self.proc, self.relay, self.metrics_port = arm, proc, relay, metrics_port
+
+    def metrics(self) -> str:
+        if self.proc is None or self.metrics_port is None:
+            return ""
+        return self.proc.metrics(self.metrics_port)
 
     def start(self) -> None:
         if self.relay is not None:
@@ -199,8 +231,13 @@ def pickers(args, work: Path, apiserver: StandaloneApiserver, port: int, grpc: d
             if why:
                 skipped[arm] = why
             else:
+                for crd in peers.gie_crds():
+                    apiserver.crd(crd)
+                pool = peers.inference_pool(port, "gie-epp", grpc[key])
+                apiserver.apply(f"/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools/{peers.POOL}",
+                                pool)
                 ready[arm] = Picker(arm, peers.PickerProcess(
-                    "gie-epp", peers.gie_argv(ports, port, METRICS_PATH), work, apiserver.kubeconfig))
+                    "gie-epp", peers.gie_argv(ports, METRICS_PATH), work, apiserver.kubeconfig), metrics_port=ports[2])
         elif key == "c":
             why = peers.missing_binary(peers.LLMD_BINARY, "llm-d's scheduler")
             if why:
@@ -216,7 +253,7 @@ def pickers(args, work: Path, apiserver: StandaloneApiserver, port: int, grpc: d
             env = peers.llmd_env(peers.site_packages(), peers.llmd_wrapper_dir())
             ready[arm] = Picker(arm, peers.PickerProcess(
                 "llmd-epp", peers.llmd_argv(ports, port, METRICS_PATH, config_file), work, apiserver.kubeconfig,
-                env=env), peers.EventRelay(events, f"tcp://127.0.0.1:{zmq_port}"))
+                env=env), peers.EventRelay(events, f"tcp://127.0.0.1:{zmq_port}"), metrics_port=ports[2])
     return ready, skipped
 
 
@@ -228,6 +265,10 @@ async def run(args: argparse.Namespace) -> dict:
     adapters = sorted(paths)
     applications = gt.apps(args.apps, MODEL, adapters, args.words, args.seed)
     requests = gt.trace(args.seed, applications, args.requests, args.rate)
+    # llm-d v0.4.0 cannot fetch a local model's chat template (it hands transformers the tokenizer.json path
+    # as a hub repo id); a template in the request is used as is. The engines apply the same template either
+    # way, so every arm gets it in every body, and vLLM is told to trust it.
+    template = (prepare_model(MODEL).path / "chat_template.jinja").read_text() if args.template_in_body else None
     port = common_port(HOSTS[:args.replicas])
     events = [f"ipc://{work}/kv-events-{i}.sock" for i in range(args.replicas)]
     listen = {key: free_port("127.0.0.1") for key in ARMS}
@@ -258,12 +299,12 @@ async def run(args: argparse.Namespace) -> dict:
             log = access_log_path(config, arm)
             picker.start()
             try:
-                await until_serving(url, picker)
+                await until_serving(url, picker, template)
                 await reset_prefix_caches(engines)
                 await asyncio.sleep(args.settle)  # the picker's next metrics read sees the emptied caches
                 seen = len(log.read_text().splitlines()) if log.exists() else 0
                 q0, h0 = await counters(guards)
-                outcomes, wall = await run_trace(url, requests)
+                outcomes, wall = await run_trace(url, requests, template)
                 q1, h1 = await counters(guards)
                 await asyncio.sleep(1.0)  # Envoy flushes its access log every 0.2 s
                 rows = read_access_log("\n".join(log.read_text().splitlines()[seen:]))
@@ -271,6 +312,9 @@ async def run(args: argparse.Namespace) -> dict:
                 results[arm] = gt.summarise(outcomes, wall, h1 - h0, q1 - q0, args.ttft_slo_ms / 1000, pick_us)
                 results[arm]["ext_proc_header_p50_us"] = gt.pct(
                     [float(r["ext_proc_header_us"]) for r in rows if r.get("ext_proc_header_us") is not None], 0.5)
+                text = picker.metrics()
+                (work / f"metrics-{key}.txt").write_text(text)
+                results[arm]["picker_own"] = own_figures(text)
                 results[arm]["upstreams"] = {u: sum(1 for r in rows if r.get("upstream") == u)
                                              for u in sorted({r.get("upstream") or "-" for r in rows})}
                 r = results[arm]
@@ -290,7 +334,8 @@ async def run(args: argparse.Namespace) -> dict:
         await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    report = {"replicas": args.replicas, "apps": args.apps, "words": args.words, "adapters": adapters,
+    report = {"template_in_body": args.template_in_body,
+              "replicas": args.replicas, "apps": args.apps, "words": args.words, "adapters": adapters,
               "requests": args.requests, "rate": args.rate, "ttft_slo_ms": args.ttft_slo_ms,
               "kv_blocks": KV_BLOCKS, "block_size": BLOCK_SIZE, "results": results, "not_run": skipped}
     base = ARMS["d"]
@@ -337,6 +382,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
     ap.add_argument("--ttft-slo-ms", type=int, default=1000)
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between emptying the caches and the trace")
+    ap.add_argument("--template-in-body", action=argparse.BooleanOptionalAction, default=True,
+                    help="the model's chat template in every request (llm-d v0.4.0 needs it; see run())")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, Envoy's access logs)")
     ap.add_argument("--json", type=Path)
@@ -344,6 +391,8 @@ def main() -> None:
     bad = set(args.arms) - set(ARMS)
     if bad:
         sys.exit(f"--arms: unknown {sorted(bad)}; use letters of {''.join(ARMS)}")
+    # A SIGTERM (timeout, kill) unwinds through run()'s finally: engines, pickers, Envoy and etcd stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = asyncio.run(run(args))
     print(table(report))
     if args.json:

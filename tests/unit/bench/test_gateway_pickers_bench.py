@@ -119,9 +119,14 @@ def test_the_access_log_reads_numbers_and_leaves_what_envoy_could_not_fill_empty
 
 
 def test_the_peers_run_standalone_in_plaintext_on_the_guards_engine_metrics():
-    argv = peers.gie_argv((9002, 9003, 9090), 8000, "/metrics/engine")
-    assert "--endpoint-selector=app=bench-replica" in argv and "--endpoint-target-ports=8000" in argv
+    argv = peers.gie_argv((9002, 9003, 9090), "/metrics/engine")
+    assert f"--pool-name={peers.POOL}" in argv and not any(a.startswith("--endpoint-selector") for a in argv)
     assert "--secure-serving=false" in argv and "--health-checking=true" in argv
+    pool = peers.inference_pool(8000, "gie-epp", 9002)["spec"]
+    assert pool["selector"]["matchLabels"] == peers.SELECTOR and pool["targetPorts"] == [{"number": 8000}]
+    assert pool["endpointPickerRef"] == {"name": "gie-epp", "port": {"number": 9002}}
+    llmd = peers.llmd_argv((9002, 9003, 9090), 8000, "/metrics/engine", Path("/c.json"))
+    assert "--endpoint-selector=app=bench-replica" in llmd and "--endpoint-target-ports=8000" in llmd
     config = json.loads(next(a for a in argv if a.startswith("--config-text=")).split("=", 1)[1])
     source = next(p for p in config["plugins"] if p["type"] == "metrics-data-source")
     assert source["parameters"]["path"] == "/metrics/engine"
