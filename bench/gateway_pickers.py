@@ -378,8 +378,8 @@ def main() -> None:
     ap.add_argument("--apps", type=int, default=12)
     ap.add_argument("--words", type=int, default=600, help="words per system prompt (600: about 20 KV blocks)")
     ap.add_argument("--adapters", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
+    ap.add_argument("--requests", type=int, default=240)
+    ap.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
     ap.add_argument("--ttft-slo-ms", type=int, default=1000)
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between emptying the caches and the trace")
     ap.add_argument("--template-in-body", action=argparse.BooleanOptionalAction, default=True,
