@@ -109,8 +109,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-rounds", type=int, default=200)
     parser.add_argument("--c32-seconds", type=float, default=30.0)
-    parser.add_argument("--rounds", type=int, default=4, help="rotating throughput rounds at 32 clients")
-    parser.add_argument("--round-seconds", type=float, default=8.0)
+    parser.add_argument("--rounds", type=int, default=8, help="rotating throughput rounds at 32 clients")
+    parser.add_argument("--round-seconds", type=float, default=6.0)
     parser.add_argument("--sample-ratio", type=float, default=DEFAULT_SAMPLE_RATIO)
     parser.add_argument("--engine-cores", default="1")
     parser.add_argument("--json", type=Path)
@@ -128,10 +128,14 @@ def main() -> int:
                            f"{median:+.3f} ms [{lo:+.2f}, {hi:+.2f}] (median of {len(values)} paired differences, "
                            f"95% interval)", median <= 0.2 if metric == "ttft" and c == "step" else None))
     traced, guard, direct = (throughput(saturation[p]) for p in ("traced", "guard", "direct"))
-    loss = 100 * (1 - traced / guard)
+    # Each round's traced throughput over the untraced round beside it: drift in what else the
+    # machine runs hits a pair alike, and the median of the pairs is the figure.
+    ratios = [t.goodput / g.goodput for t, g in zip(saturation["traced"], saturation["guard"])]
+    loss = 100 * (1 - statistics.median(ratios))
     checks.append(("throughput at saturation (32 clients): loss with tracing < 2%",
-                   f"traced {traced:.0f}, untraced {guard:.0f}, direct {direct:.0f} tok/s; loss {loss:.1f}%",
-                   loss < 2.0))
+                   f"median of {len(ratios)} paired rounds {loss:.1f}% (rounds from {100 * (1 - max(ratios)):.1f}% "
+                   f"to {100 * (1 - min(ratios)):.1f}%); all rounds: traced {traced:.0f}, untraced {guard:.0f}, "
+                   f"direct {direct:.0f} tok/s", loss < 2.0))
     checks.append(("guard CPU per request at 32 clients", f"traced {statistics.mean(cpu['traced']):.2f} ms, "
                    f"untraced {statistics.mean(cpu['guard']):.2f} ms", None))
     checks.append(("spans exported", f"{sink.requests} OTLP requests, {sink.bytes} bytes", None))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any, Iterable, Mapping
 
 from opentelemetry import trace
@@ -38,14 +39,34 @@ class PresetIds(IdGenerator):
 Step = tuple[str, int, bool, int, int, Mapping[str, Any], str]
 
 
+# Head-dropped requests the tail rule may keep a second, per process, beyond head sampling. Under
+# overload most requests are refused or slow: keeping every one would spend the CPU the engine needs
+# on traces that all say the same (the metrics count them all); the first ones each second are kept.
+KEPT_PER_SECOND = 20.0
+
+
 class Replayer:
     """Turns a recorded request into exported spans. ``tracer``'s provider samples everything and has
-    ``ids`` as its id generator."""
+    ``ids`` as its id generator. ``admit`` hands out the tail rule's budget: ``per_second`` a second,
+    as many at once."""
 
-    def __init__(self, tracer: Tracer, ids: PresetIds):
+    def __init__(self, tracer: Tracer, ids: PresetIds, per_second: float = KEPT_PER_SECOND):
         self.tracer, self.ids = tracer, ids
         self._lock = threading.Lock()
-        self.replayed = 0
+        self.per_second = per_second
+        self._tokens, self._refilled = per_second, time.monotonic()
+        self.replayed = self.over_budget = 0
+
+    def admit(self) -> bool:
+        """One more kept request, if the budget has room (else it is counted in ``over_budget``)."""
+        now = time.monotonic()
+        self._tokens = min(self.per_second, self._tokens + (now - self._refilled) * self.per_second)
+        self._refilled = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        self.over_budget += 1
+        return False
 
     def replay(self, *, trace_id: int, span_id: int, parent_span_id: int, name: str, start_ns: int, end_ns: int,
                attributes: Mapping[str, Any], error: str, steps: Iterable[Step]) -> None:

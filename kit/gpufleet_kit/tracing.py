@@ -198,7 +198,8 @@ class RecordedTrace(RequestTrace):
         self._attributes.update(attributes)
 
     def keep(self, reason: str) -> None:
-        if not self.kept:
+        """Kept, if the tail rule's budget a second has room (``tail_sampling.KEPT_PER_SECOND``)."""
+        if not self.kept and self._replayer.admit():
             self.kept = reason
             self._attributes[KEPT] = reason
 

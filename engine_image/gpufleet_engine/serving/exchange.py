@@ -286,7 +286,7 @@ class Exchange:
                 itl.add(counts, gap_sum)
                 self.gaps, self.late_gaps = gaps, late
                 if gaps and self.trace.on:
-                    if late:
+                    if spans.slow_stream(gaps, late):
                         self.trace.keep("slo")
                     exemplar = self.trace.exemplar()
                     if exemplar is not None:

@@ -172,3 +172,9 @@ async def test_a_first_token_past_the_objective_is_kept_and_its_exemplar_names_i
     ttft = [sample.exemplar.labels["trace_id"] for family in text_string_to_metric_families(openmetrics)
             if family.name == "gpufleet_guard_ttft_seconds" for sample in family.samples if sample.exemplar]
     assert ttft == [f"{root.context.trace_id:032x}"]
+
+
+def test_a_stream_is_kept_for_its_gaps_only_when_a_tenth_of_them_were_late():
+    from gpufleet_engine.serving.spans import slow_stream
+    assert not slow_stream(64, 1) and not slow_stream(64, 6)   # a p99 objective allows some late gaps
+    assert slow_stream(64, 7) and slow_stream(3, 1)

@@ -117,3 +117,14 @@ def test_off_never_imports_the_sdk():
 ])
 def test_http_traces_url(endpoint, url):
     assert http_traces_url(endpoint) == url
+
+
+def test_the_tail_rule_keeps_at_most_its_budget_a_second():
+    tracing, exporter = _tracing(0.0)
+    assert tracing.replayer is not None
+    budget = int(tracing.replayer.per_second)
+    kept = [trace for trace in (tracing.begin("hop.request") for _ in range(budget + 5))
+            if (trace.keep("refused"), trace.kept)[1]]
+    # A burst of refusals: the first ones within the second are kept, the rest counted and dropped.
+    assert budget <= len(kept) <= budget + 1
+    assert tracing.replayer.over_budget >= 4
