@@ -25,6 +25,8 @@ from gpufleet_api.guard.guard_config import CLASS_HEADER
 from gpufleet_api.tenants.declaration import FAIRNESS_ID_HEADERS
 from gpufleet_api.tenants.usage import GUARD_TENANT_HEADER
 
+from ..errors import RouterError
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -51,7 +53,7 @@ def metadata_of(request: pb.ProcessingRequest) -> dict[str, dict[str, Any]]:
     return {ns: json_format.MessageToDict(value) for ns, value in request.metadata_context.filter_metadata.items()}
 
 
-class BadSubset(ValueError):
+class BadSubset(RouterError, ValueError):
     """The subset hint is present but not a list of "ip:port" strings."""
 
 

@@ -10,6 +10,8 @@ import socket
 
 import grpc
 
+from ..errors import RouterError
+
 CERT_FILE, KEY_FILE = "tls.crt", "tls.key"
 SELF_SIGNED_DAYS = 3650
 
@@ -39,7 +41,7 @@ def self_signed(host: str | None = None) -> tuple[bytes, bytes]:
             cert.public_bytes(serialization.Encoding.PEM))
 
 
-class CertificateError(ValueError):
+class CertificateError(RouterError, ValueError):
     """The certificate folder lacks a file or holds one that is not PEM."""
 
 
