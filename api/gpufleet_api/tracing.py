@@ -50,6 +50,14 @@ ROUTER_SERVICE_NAME = "gpufleet-router"
 GUARD_REQUEST_SPAN = "guard.request"      # the guard's server span: the request from arrival to its end
 GUARD_ADMISSION_SPAN = "guard.admission"  # from the parse to the grant: reservation, queue wait
 GUARD_ENGINE_SPAN = "guard.vllm"          # the exchange with vLLM (a client span: vLLM's spans are its children)
+ROUTER_REQUEST_SPAN = "router.request"    # the router's server span: the request from arrival to its end
+ROUTER_REPLICA_SPAN = "router.replica"    # one send to a replica's guard, from its pick (a client span: the guard's
+#                                           spans are its children); a refusal or failure ends it in an error
+ROUTER_HOLD_SPAN = "router.hold"          # held for a replica through a cold start
+ROUTER_PREFILL_SPAN = "router.prefill"    # a disaggregated request's prefill step, to the hand-off or the fallback
+ROUTER_RESUME_SPAN = "router.resume"      # a stream continued after its replica broke off mid-answer
+EPP_PICK_SPAN = "router.epp.pick"         # the endpoint picker's decision for a gateway's request (a client span:
+#                                           the guard's spans are its children through the gateway)
 
 # OpenTelemetry GenAI semantic conventions.
 GEN_AI_OPERATION = "gen_ai.operation.name"        # chat, text_completion, embeddings
@@ -73,6 +81,19 @@ REFUSAL_REASON = "gpufleet.refusal.reason"
 TTFT_SECONDS = "gpufleet.ttft_seconds"
 OUTCOME = "gpufleet.outcome"
 ADAPTER = "gpufleet.adapter"
+# The router's.
+REPLICA = "gpufleet.replica"                 # the pod a send went to
+ROLE = "gpufleet.role"                       # its pool: unified, prefill or decode
+PICK_REASON = "gpufleet.pick.reason"         # why that replica (policy/choice.py's Reason)
+PICK_CANDIDATES = "gpufleet.pick.candidates"  # the replicas it was picked among (pod names)
+ATTEMPT = "gpufleet.attempt"                 # the how-manieth send of this request to the pool (1 first)
+RETRY_REASON = "gpufleet.retry.reason"       # why this send is a retry: rejected, connect_failed, scale_out
+FALLBACK_REASON = "gpufleet.prefill.fallback"  # the P/D hand-off skipped: decode computed the prompt (why)
+TRANSFER_PARAMS = "gpufleet.prefill.transfer_params"  # the hand-off carried kv_transfer_params or not
+HOLD_SECONDS = "gpufleet.hold.seconds"
+RESUME_GAP_SECONDS = "gpufleet.resume.gap_seconds"  # from the break to the continuing replica's first event
+BROKEN_REPLICA = "gpufleet.resume.broken_replica"
+RESUMPTION = "gpufleet.resume.outcome"       # resumed, refused, failed (the router's resumed_streams outcome)
 # Set on a request's local root span by the tail rule: why it was kept though head sampling dropped it.
 KEPT = "gpufleet.trace.kept"
 

@@ -8,6 +8,8 @@ import signal
 
 import click
 
+from gpufleet_api.tracing import DEFAULT_SAMPLE_RATIO, OTLP_PROTOCOLS, TracingConfig
+
 from .discovery import COALESCE_SECONDS, MODES, Discovery, connections_needed
 from .policy.choice import POLICIES, Policy
 from .server import RouterSettings
@@ -80,12 +82,23 @@ from .server import RouterSettings
 @click.option("--router-endpoints", envvar="GPUFLEET_ROUTER_ENDPOINTS", default="",
               help="host:port of the router pods (comma-separated) the picker sends a service to whose gateway data "
                    "path is the router; default: this pod's $POD_IP and --port.")
+@click.option("--otlp-endpoint", default="", metavar="URL",
+              help="The fleet's OTLP trace receiver (e.g. http://jaeger-collector:4318): the router's spans of each "
+                   "request go there, and its traceparent to the guards, whose spans join the trace "
+                   "(docs/tracing.md). Empty: no tracing.")
+@click.option("--otlp-protocol", type=click.Choice(OTLP_PROTOCOLS), default="http/protobuf", show_default=True,
+              help="How spans go to --otlp-endpoint.")
+@click.option("--trace-sampled-per-mille", default=round(DEFAULT_SAMPLE_RATIO * 1000), show_default=True,
+              type=click.IntRange(0, 1000),
+              help="With --otlp-endpoint: requests traced from their start, per thousand, besides those with a "
+                   "sampled traceparent and those the tail rule keeps (refused, failed, resumed, fell back).")
 @click.option("-v", "--verbose", is_flag=True)
 def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_seconds, reading_interval_seconds,
            prefix_blocks, load_factor, tier_load_factor, max_body_bytes, body_budget_bytes, drain_grace_seconds,
            hold_timeout_seconds, hold_max_requests, prefill_timeout_seconds, policy, resume_streams, max_resumptions,
            resume_timeout_seconds, epp_port, epp_secure_serving, epp_cert_path, epp_fallbacks,
-           epp_fairness_as_tenant, router_endpoints, verbose) -> None:
+           epp_fairness_as_tenant, router_endpoints, otlp_endpoint, otlp_protocol, trace_sampled_per_mille,
+           verbose) -> None:
     """Run the router: one OpenAI endpoint for the fleet."""
     from gpufleet_kit.kube.client import KubeClient
     from gpufleet_kit.kube.config import KubeConfig, KubeConfigError
@@ -113,7 +126,8 @@ def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_sec
                               resume_timeout=resume_timeout_seconds, epp_port=epp_port,
                               epp_secure=epp_secure_serving, epp_cert_path=epp_cert_path, epp_fallbacks=epp_fallbacks,
                               epp_fairness_as_tenant=epp_fairness_as_tenant,
-                              router_endpoints=endpoints_of(router_endpoints, os.environ.get("POD_IP"), port))
+                              router_endpoints=endpoints_of(router_endpoints, os.environ.get("POD_IP"), port),
+                              tracing=tracing_of(otlp_endpoint, otlp_protocol, trace_sampled_per_mille))
 
     if epp_cert_path and not epp_secure_serving:
         raise click.BadParameter("a certificate is for TLS; drop --no-epp-secure-serving or the path",
@@ -134,6 +148,19 @@ def router(kubeconfig, namespaces, host, port, discovery, discovery_interval_sec
             await serve(kube, settings, host, port, stop)
 
     asyncio.run(main())
+
+
+def tracing_of(endpoint: str, protocol: str, per_mille: int) -> TracingConfig | None:
+    """The router's tracing from its flags; None without an endpoint. Refused where this build cannot export."""
+    if not endpoint.strip():
+        return None
+    from gpufleet_kit.tracing import otlp_problem
+    problem = otlp_problem()
+    if problem is not None:
+        raise click.BadParameter(f"this build cannot export spans: {problem}; install opentelemetry-sdk and "
+                                 f"opentelemetry-exporter-otlp, or leave the flag out", param_hint="--otlp-endpoint")
+    return TracingConfig(endpoint=endpoint.strip(), protocol=protocol,  # type: ignore[arg-type]
+                         sample_ratio=per_mille / 1000)
 
 
 def endpoints_of(listed: str, pod_ip: str | None, port: int) -> tuple[str, ...]:

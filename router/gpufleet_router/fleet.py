@@ -14,6 +14,7 @@ import aiohttp
 
 from gpufleet_api import API_VERSION, KIND
 from gpufleet_api import engine_pods as names
+from gpufleet_api import tracing as trace_names
 from gpufleet_api.engine_pods import DECODE, ROLES, UNIFIED
 from gpufleet_api.guard.adapters import ADAPTER_KIND
 from gpufleet_api.guard.endpoints import GUARD_METRICS_PATH
@@ -22,6 +23,7 @@ from gpufleet_kit.http_limits import METRICS_REPLY_CAP, ReplyTooLarge, text_capp
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.errors import NotFound
 from gpufleet_kit.kube.pods import is_serving
+from gpufleet_kit.tracing import current
 
 from .loop_lag import LoopLag
 from .metrics import RouterMetrics
@@ -267,7 +269,14 @@ class Fleet:
                 f"{self.settings.hold_max_requests} requests already wait for a replica of "
                 f"{target.namespace}/{target.service} (model {model!r}); retry later.",
                 "service_unavailable", code="hold_queue_full"), self.cold(model).retry_after(self.clock() - arrived))
-        if not await self.hold(model, deadline):
+        trace = current()
+        held_at = self.clock()
+        span = trace.step(trace_names.ROUTER_HOLD_SPAN, {trace_names.SERVICE: target.service} if trace.on else None)
+        ready = await self.hold(model, deadline)
+        if trace.on:
+            trace.end_step(span, {trace_names.HOLD_SECONDS: self.clock() - held_at},
+                           error="" if ready else "no replica became ready")
+        if not ready:
             waited = self.clock() - arrived
             return Unserved(rq.error_body(
                 f"No replica of {target.namespace}/{target.service} (model {model!r}) became ready "

@@ -15,7 +15,9 @@ from aiohttp import web
 
 from gpufleet_api.engine_pods import DECODE, UNIFIED
 from gpufleet_kit.backoff import delay
+from gpufleet_kit.tracing import current
 
+from . import spans
 from .exchange import (
     Broken,
     Call,
@@ -117,6 +119,7 @@ class Forwarder:
         scale_out_deadline = call.arrived + min(self.settings.hold_timeout, self.fleet.cold(model).expected())
         attempt = 0
         revision: str | None = None   # the first replica's: a retry stays with it when it can
+        retry = ""                    # why the next send is a retry (its span says)
         broken: Broken | None = None
         unreachable_rounds = 0
         # How long a request nothing answered is sent again: the router's own stalls do not count.
@@ -133,6 +136,7 @@ class Forwarder:
                     unreachable_rounds += 1
                     attempt, tried = 0, []
                     self.metrics.retries.labels(model, role, "connect_failed").inc()
+                    retry = "connect_failed"
                     continue
                 route_now = self.fleet.table.routes.get(model, target)
                 wait = shedding.wait_before_retrying(
@@ -144,6 +148,7 @@ class Forwarder:
                 await asyncio.sleep(wait)
                 attempt, tried = 0, []
                 self.metrics.retries.labels(model, role, "scale_out").inc()
+                retry = "scale_out"
             picker = self.fleet.picker(model, role)
             if picker is None:
                 return None   # the service left the table: held until it is back or the hold times out
@@ -158,21 +163,35 @@ class Forwarder:
                 self.metrics.revision_requests.labels(model, revision).inc()
             attempt += 1
             pod = pick.replica.pod
-            tried.append(pod)
             if attempt > 1:
-                self.metrics.retries.labels(model, role, "rejected" if refusals else "connect_failed").inc()
+                retry = "rejected" if refusals else "connect_failed"
+                self.metrics.retries.labels(model, role, retry).inc()
+            trace = current()
+            span = spans.sending(trace, call.headers, role, pick, picker, tried, call.adapter, attempt, retry)
+            tried.append(pod)
             ticket = picker.sent(pod, cost, self.fleet.clock(), prefix)
+            status = 0
             try:
-                return await self._exchange(call, role, body, pick)
+                response = await self._exchange(call, role, body, pick)
+                status = response.status
+                return response
             except Refused as r:
                 refusals.append(r)
+                spans.refused(trace, span, r.status, r.body)
+                status = -1
             except Unreachable as u:
                 failure = u.message
+                spans.failed(trace, span, f"unreachable: {u.message}")
+                status = -1
             except Broken as b:
                 broken = b
+                spans.failed(trace, span, f"broken: {b.pod} broke off mid-answer")
+                status = -1
                 break
             finally:
                 picker.finished(pod, ticket)
+                if status >= 0:   # not ended above: answered, or (0) broke off mid-answer or cancelled
+                    spans.answered(trace, span, status)
         if broken is not None:
             return await self.streams.resume_after_break(call, role, broken, cost)
         if refusals:

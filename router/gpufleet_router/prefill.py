@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any
 
 import aiohttp
 
+from gpufleet_api import tracing as names
 from gpufleet_api.engine_pods import PREFILL
 from gpufleet_kit.http_limits import HANDOFF_REPLY_CAP, ReplyTooLarge, read_capped
+from gpufleet_kit.tracing import current
 
+from . import spans
 from .errors import RouterError
 from .exchange import Call, Refused, Unreachable, retry_after_of
 from .fleet import Fleet
@@ -42,9 +46,12 @@ class Prefills:
         was skipped (counted as a fallback; decode computes the prompt)."""
         model = call.model
         started = self.fleet.clock()
+        trace = current()
+        step = trace.step(names.ROUTER_PREFILL_SPAN)
         try:
             params = await asyncio.wait_for(self._prefill_attempts(call), self.settings.prefill_timeout)
         except PrefillSkipped as skipped:
+            self._fell_back(step, skipped.reason, skipped.detail)
             self.metrics.prefill_fallbacks.labels(model, skipped.reason).inc()
             # A replica failing is worth a line; capacity (refused, none ready) shows in the metric.
             level = logging.WARNING if skipped.reason in (Fallback.ERROR, Fallback.UNREACHABLE) else logging.DEBUG
@@ -52,6 +59,7 @@ class Prefills:
                     skipped.detail)
             return None
         except asyncio.TimeoutError:
+            self._fell_back(step, Fallback.TIMEOUT, f"no prefill answer within {self.settings.prefill_timeout:g}s")
             self.metrics.prefill_fallbacks.labels(model, Fallback.TIMEOUT).inc()
             log.debug("%s: no prefill answer within %gs, decode computes the prompt", model,
                       self.settings.prefill_timeout)
@@ -60,9 +68,19 @@ class Prefills:
             self.metrics.requests.labels(model, Outcome.CANCELLED).inc()
             raise
         self.metrics.prefill_seconds.labels(model).observe(self.fleet.clock() - started)
-        self.metrics.handoffs.labels(
-            model, TransferParams.NONE if params is None else TransferParams.RETURNED).inc()
+        transfer = TransferParams.NONE if params is None else TransferParams.RETURNED
+        self.metrics.handoffs.labels(model, transfer).inc()
+        if trace.on:
+            trace.end_step(step, {names.TRANSFER_PARAMS: transfer})
         return handoff.Handoff(params)
+
+    @staticmethod
+    def _fell_back(step: Any, reason: str, detail: str) -> None:
+        """The hand-off skipped: the prefill span says why, and the tail rule keeps the request."""
+        trace = current()
+        if trace.on:
+            trace.end_step(step, {names.FALLBACK_REASON: reason}, error=f"fell back: {detail[:300]}")
+            trace.keep("fallback")
 
     async def _prefill_attempts(self, call: Call) -> dict | None:
         """Up to two prefill replicas, the second after a refusal or a failed connection."""
@@ -82,19 +100,32 @@ class Prefills:
             if pick is None:
                 break
             pod = pick.replica.pod
-            tried.append(pod)
+            retry = ""
             if attempt:
-                self.metrics.retries.labels(
-                    model, PREFILL, "rejected" if reason == Fallback.REFUSED else "connect_failed").inc()
+                retry = "rejected" if reason == Fallback.REFUSED else "connect_failed"
+                self.metrics.retries.labels(model, PREFILL, retry).inc()
+            trace = current()
+            span = spans.sending(trace, headers, PREFILL, pick, picker, tried, call.adapter, attempt + 1, retry)
+            tried.append(pod)
             ticket = picker.sent(pod, cost, self.fleet.clock(), call.prefix)
+            ended = False
             try:
-                return await self._prefill_exchange(call, body, headers, pick)
+                params = await self._prefill_exchange(call, body, headers, pick)
+                spans.answered(trace, span, 200)
+                ended = True
+                return params
             except Refused as r:
                 reason, detail = Fallback.REFUSED, f"{pod} answered {r.status}"
+                spans.refused(trace, span, r.status, r.body)
+                ended = True
             except Unreachable as u:
                 reason, detail = Fallback.UNREACHABLE, u.message
+                spans.failed(trace, span, f"unreachable: {u.message}")
+                ended = True
             finally:
                 picker.finished(pod, ticket)
+                if not ended:   # skipped (an error answer), or the prefill's time ran out
+                    spans.failed(trace, span, "prefill failed")
         raise PrefillSkipped(reason, detail)
 
     async def _prefill_exchange(self, call: Call, body: bytes, headers: dict, pick: Pick) -> dict | None:

@@ -37,11 +37,14 @@ import aiohttp
 from aiohttp import web
 
 from gpufleet_api import bounded_json
+from gpufleet_api import tracing as names
 from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_kit.body_budget import BodyBudget, BodyTooLarge, BudgetExhausted, Claim, read_body
 from gpufleet_kit.kube.client import KubeClient
+from gpufleet_kit.openmetrics import exposition
+from gpufleet_kit.tracing import Tracing, bind, current, unbind
 
-from . import discovery
+from . import discovery, spans
 from .epp.server import EppServer
 from .exchange import Call, Relay, client_session, error_response, refuse
 from .fleet import Fleet
@@ -61,9 +64,11 @@ log = logging.getLogger("gpufleet_router")
 class Router:
     """The router's HTTP app: the OpenAI routes, /v1/models, /metrics and the probes."""
 
-    def __init__(self, fleet: Fleet, http: aiohttp.ClientSession):
+    def __init__(self, fleet: Fleet, http: aiohttp.ClientSession, tracing: Tracing | None = None):
+        """``tracing``: the router's spans (docs/tracing.md); None: none."""
         self.fleet = fleet
         self.http = http
+        self.tracing = tracing or Tracing.off()
         self.metrics = fleet.metrics
         self.settings = fleet.settings
         self.forwarder = Forwarder(fleet, http)
@@ -117,8 +122,9 @@ class Router:
         return web.json_response({"object": "list", "data": sorted(cards, key=lambda c: c["id"])})
 
     async def render_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        # OpenMetrics (with the request-latency histogram's exemplars) when the scraper asks for it.
+        body, content_type = exposition(self.metrics.registry, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"alive": True})
@@ -132,7 +138,26 @@ class Router:
         # The body is held until the answer has gone out (a retry or a stream's resumption sends it again):
         # its bytes count in the budget until then, however the handling ends.
         with self.body_budget.claim() as claim:
-            return await self._handle(request, route, claim)
+            if not self.tracing.on:
+                return await self._handle(request, route, claim)
+            # The request's server span: a client's W3C traceparent honoured; the steps (holds, sends to
+            # replicas, the prefill, a resumption) written to it where they happen (spans.py).
+            trace = self.tracing.begin(names.ROUTER_REQUEST_SPAN, request.headers, {names.HTTP_ROUTE: route},
+                                       start=self.fleet.clock())
+            token = bind(trace)
+            status = 0
+            try:
+                response = await self._handle(request, route, claim)
+                status = response.status
+                return response
+            except Exception as e:
+                trace.keep("error")
+                trace.set(names.ERROR_TYPE, type(e).__name__)
+                raise
+            finally:
+                unbind(token)
+                spans.finished(trace, status)   # the router's own refusals (the forwarded: in _handle)
+                trace.end({names.HTTP_STATUS: status} if status else {names.OUTCOME: "cancelled"})
 
     async def _handle(self, request: web.Request, route: str, claim: Claim) -> web.StreamResponse:
         arrived = self.fleet.clock()
@@ -152,11 +177,16 @@ class Router:
                 f"retry shortly.", "service_unavailable", code=Reason.BODY_BUDGET),
                 BODY_BUDGET_RETRY_AFTER_SECONDS)
         parsed, target, adapter, prefix = placement.parsed, placement.target, placement.adapter, placement.prefix
+        trace = current()
+        if trace.on:
+            spans.placed(trace, route, parsed, target, adapter.name if adapter else target.model)
         if adapter is not None:
             self.metrics.adapter_requests.labels(adapter.name).inc()
         admission = self.gate.admit(request.headers, route, parsed, target, adapter.name if adapter else target.model)
         if isinstance(admission, web.Response):
             return admission
+        if admission.tenant is not None and trace.on:
+            trace.set(names.TENANT, admission.tenant)
         if prefix is not None:
             self.metrics.prefix_keyed.labels(target.model).inc()
         relay = self._relay(body, route, parsed)
@@ -173,7 +203,9 @@ class Router:
             return response
         finally:
             self.gate.settle(admission, call, status)
-            self.metrics.request_seconds.labels(target.model).observe(self.fleet.clock() - arrived)
+            if trace.on:
+                spans.finished(trace, status or 0)   # before the exemplar: a kept request's trace exists
+            self.metrics.request_seconds.labels(target.model).observe(self.fleet.clock() - arrived, trace.exemplar())
 
     def _relay(self, body: bytes, route: str, parsed: rq.Parsed) -> Relay | None:
         """A streamed completion's relay event by event (resume.py), with resumption on; else None."""
@@ -204,7 +236,8 @@ async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int
     metrics = RouterMetrics()
     fleet = Fleet(settings, metrics)
     http = client_session(settings)
-    router = Router(fleet, http)
+    tracing = Tracing.start(settings.tracing, names.ROUTER_SERVICE_NAME)
+    router = Router(fleet, http, tracing)
     tasks = [asyncio.create_task(discovery.run(fleet, kube), name="router-discovery"),
              asyncio.create_task(fleet.read(http), name="router-readings"),
              asyncio.create_task(fleet.lag.watch(), name="router-loop-lag")]
@@ -212,7 +245,7 @@ async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int
                            shutdown_timeout=settings.drain_timeout)
     await runner.setup()
     # The gateways' endpoint picker (epp/): the same fleet and policy behind a second front door.
-    epp = EppServer(fleet, router.body_budget, host) if settings.epp_port is not None else None
+    epp = EppServer(fleet, router.body_budget, host, tracing) if settings.epp_port is not None else None
     try:
         await web.TCPSite(runner, host, port).start()
         log.info("router listening on %s:%d (%s)", host, port,
@@ -234,3 +267,4 @@ async def serve(kube: KubeClient, settings: RouterSettings, host: str, port: int
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await http.close()
+        await asyncio.to_thread(tracing.shutdown)   # the spans still batched go out

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpufleet_api import engine_pods as names
+from gpufleet_api.tracing import TracingConfig
 
 from .policy.choice import Policy
 
@@ -89,3 +90,5 @@ class RouterSettings:
     epp_fairness_as_tenant: bool = True     # the gateway's fairness id keys the guard's fair lane (no tenants)
     # The router pods a service behind a gateway with dataPath Router is sent to (host:port of their OpenAI port).
     router_endpoints: tuple[str, ...] = ()
+    # The router's spans (docs/tracing.md): --otlp-endpoint and its sampling; None: no tracing.
+    tracing: TracingConfig | None = None

@@ -11,8 +11,11 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
+from gpufleet_api import tracing as names
 from gpufleet_kit.backoff import delay
+from gpufleet_kit.tracing import current
 
+from . import spans
 from .exchange import (
     Broken,
     Call,
@@ -70,9 +73,12 @@ class Streams:
                 before_end = None
             for event in events:
                 if relay.broke_at is not None:
-                    self.metrics.resume_gap_seconds.labels(call.target.service).observe(
-                        self.fleet.clock() - relay.broke_at)
+                    gap = self.fleet.clock() - relay.broke_at
+                    self.metrics.resume_gap_seconds.labels(call.target.service).observe(gap)
                     relay.broke_at = None
+                    trace = current()
+                    if trace.on:
+                        trace.set(names.RESUME_GAP_SECONDS, gap)
                 await response.write(event)
             if stream.overflowed:
                 log.warning("%s: a replica sent a stream event over %d bytes; the stream ended in an error event",
@@ -96,6 +102,11 @@ class Streams:
         connect_failed = False
         deadline = self.fleet.lag.window(self.fleet.clock(), self.settings.resume_timeout)
         failure = f"the replica {broken.pod} broke off mid-answer"
+        trace = current()
+        if trace.on:
+            trace.keep("resumed")
+            trace.set(names.BROKEN_REPLICA, broken.pod)
+        continuations = 0
         while True:
             if stream.finished:
                 # It had said all it would: what is left is the ending (finish, usage, [DONE]).
@@ -129,28 +140,42 @@ class Streams:
                     f"revision{' holding the adapter' if call.adapter else ''} could continue it. Send it again."),
                     resume.Code.BROKEN)
             pod = pick.replica.pod
+            continuations += 1
+            span = spans.resuming(trace, call.headers, role, pick, picker, tried, call.adapter, continuations,
+                                  broken.pod)
             tried.append(pod)
             self.metrics.picks.labels(model, role, pick.reason).inc()
             ticket = picker.sent(pod, cost, self.fleet.clock(), None)
+            ended = False
             try:
                 if await self._continue(call, relay, pick,
                                         lambda: self._ended_now(model, service, Resumption.RESUMED)):
+                    spans.answered(trace, span, 200)
+                    ended = True
                     await response.write_eof()
                     return response
                 failure = f"then {pod} broke off too"
+                spans.failed(trace, span, f"broken: {failure}")
+                ended = True
                 broke.append(pod)
                 tried = list(broke)
             except Refused as r:
                 failure = f"{pod} refused the continuation ({r.status})"
+                spans.refused(trace, span, r.status, r.body)
+                ended = True
                 refusals.append(r.retry_after)
             except Unreachable as u:
                 failure = u.message
+                spans.failed(trace, span, f"unreachable: {u.message}")
+                ended = True
                 if u.connected:
                     broke.append(pod)   # it answered the continuation with a failure: not again
                 else:
                     connect_failed = True   # nothing was sent: the replica may take it after a pause
             finally:
                 picker.finished(pod, ticket)
+                if not ended:
+                    spans.answered(trace, span, 0)
 
     def _resume_wait(self, picker: Picker | None, revision: str, broke: list[str], refusals: list[float | None],
                      deadline: Window, unreachable_round: int | None = None) -> float | None:
@@ -214,5 +239,8 @@ class Streams:
         return response
 
     def _ended_now(self, model: str, service: str, outcome: str) -> None:
+        trace = current()
+        if trace.on:
+            trace.set(names.RESUMPTION, outcome)
         self.metrics.resumed_streams.labels(service, outcome).inc()
         self.metrics.requests.labels(model, Outcome.OK if outcome == Resumption.RESUMED else Outcome.ERROR).inc()

@@ -151,3 +151,20 @@ def test_the_routers_clients_narrow_to_what_the_values_name(helm):  # noqa: F811
     assert len(closed["spec"]["ingress"]) == 1  # the operator and Prometheus only
     assert ("NetworkPolicy", "gpufleet-router") not in objects(helm, "--set", "router.enabled=false")
     assert ("NetworkPolicy", "gpufleet-router") not in objects(helm, "--set", "networkPolicy.enabled=false")
+
+
+def test_the_routers_trace_to_the_fleets_otlp_endpoint_when_it_has_one(helm):  # noqa: F811
+    def args(*values: str) -> list[str]:
+        return objects(helm, *values)[("Deployment", "gpufleet-router")]["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+    assert not [a for a in args() if a.startswith(("--otlp", "--trace"))]
+    traced = args("--set", "tracing.otlpEndpoint=http://jaeger-collector.observability:4318",
+                  "--set", "router.tracing.sampledPerMille=50")
+    assert "--otlp-endpoint=http://jaeger-collector.observability:4318" in traced
+    assert "--trace-sampled-per-mille=50" in traced
+    from click.testing import CliRunner
+
+    from gpufleet_router.cli import router
+    # The flags the chart renders are the router's own (a misspelt one would stop the pod).
+    result = CliRunner().invoke(router, [a for a in traced[1:] if a.startswith(("--otlp", "--trace"))] + ["--help"])
+    assert result.exit_code == 0, result.output

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Exemplar, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -24,6 +24,7 @@ from gpufleet_api.guard.guard_config import SLOConfig
 from gpufleet_api.guard.guard_metrics import OUTCOMES, REASONS, SLIS
 from gpufleet_engine.vllm.gpu_memory import GpuMemoryCollector, GpuMemoryReader
 from gpufleet_engine.vllm.lora_stats import LoraStatsCollector
+from gpufleet_kit.openmetrics import exposition
 
 __all__ = ["CONTENT_TYPE", "OUTCOMES", "REASONS", "GuardMetrics"]
 
@@ -330,5 +331,4 @@ class GuardMetrics:
     def render_for(self, accept: str | None) -> tuple[bytes, str]:
         """The exposition the scraper's Accept header asks for: OpenMetrics (which carries the
         latency histograms' exemplars: docs/tracing.md) or Prometheus' text format."""
-        encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        return exposition(self.registry, accept)
