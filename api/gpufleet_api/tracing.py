@@ -56,8 +56,8 @@ ROUTER_REPLICA_SPAN = "router.replica"    # one send to a replica's guard, from 
 ROUTER_HOLD_SPAN = "router.hold"          # held for a replica through a cold start
 ROUTER_PREFILL_SPAN = "router.prefill"    # a disaggregated request's prefill step, to the hand-off or the fallback
 ROUTER_RESUME_SPAN = "router.resume"      # a stream continued after its replica broke off mid-answer
-EPP_PICK_SPAN = "router.epp.pick"         # the endpoint picker's decision for a gateway's request (a client span:
-#                                           the guard's spans are its children through the gateway)
+EPP_PICK_SPAN = "router.epp.pick"         # the endpoint picker's decision for a gateway's request: the guard's
+#                                           spans are its children (its context in the gateway's header mutation)
 
 # OpenTelemetry GenAI semantic conventions.
 GEN_AI_OPERATION = "gen_ai.operation.name"        # chat, text_completion, embeddings

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from gpufleet_kit.body_budget import BodyBudget
+from gpufleet_kit.tracing import Tracing
 
 from ..fleet import Fleet
 from ..tenants import Gate
@@ -29,11 +30,11 @@ HEALTH_SERVICES = ("", protocol.SERVICE_NAME)
 class EppServer:
     """The running picker: ``start``, then ``stop`` (graceful: streams in progress get ``grace`` seconds)."""
 
-    def __init__(self, fleet: Fleet, body_budget: BodyBudget, host: str = "0.0.0.0"):
+    def __init__(self, fleet: Fleet, body_budget: BodyBudget, host: str = "0.0.0.0", tracing: Tracing | None = None):
         self.fleet, self.host = fleet, host
         self.settings = fleet.settings
         self.chooser = Chooser(fleet, Gate(fleet))
-        self.processor = Processor(fleet, self.chooser, body_budget)
+        self.processor = Processor(fleet, self.chooser, body_budget, tracing)
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0

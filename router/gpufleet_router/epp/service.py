@@ -13,9 +13,12 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from gpufleet_api import tracing as names
 from gpufleet_api.guard.guard_metrics import Reason
 from gpufleet_kit.body_budget import BodyBudget, BudgetExhausted, Claim
+from gpufleet_kit.tracing import Tracing, bind, unbind
 
+from .. import spans
 from ..fleet import Fleet
 from ..metrics import Outcome
 from ..policy import requests as rq
@@ -27,9 +30,10 @@ log = logging.getLogger("gpufleet_router.epp")
 
 
 class Processor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, fleet: Fleet, chooser: Chooser, body_budget: BodyBudget):
+    def __init__(self, fleet: Fleet, chooser: Chooser, body_budget: BodyBudget, tracing: Tracing | None = None):
         self.fleet, self.chooser, self.body_budget = fleet, chooser, body_budget
         self.metrics = fleet.metrics
+        self.tracing = tracing or Tracing.off()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (gRPC's name)
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
@@ -123,11 +127,38 @@ class Exchange:
                 f"The gateway's request to the endpoint picker is malformed: {self.subset_error}. Fix the "
                 f"gateway's subset hint (GIE's endpoint-picker protocol).", "server_error",
                 code="bad_subset_hint"), None, Outcome.ERROR), body=None)
-        decided = await self.chooser.choose(self.headers.get(":path", ""), self.headers, bytes(self.body),
-                                            self.subset)
+        if self.p.tracing.on:
+            decided = await self._traced_choice(started)
+        else:
+            decided = await self.chooser.choose(self.headers.get(":path", ""), self.headers, bytes(self.body),
+                                                self.subset)
         out = self._answer(decided, body=bytes(self.body), end_of_stream=end_of_stream)
         self.metrics.epp_pick_seconds.observe(self.fleet.clock() - started)
         return out
+
+    async def _traced_choice(self, started: float) -> Routed | Refusal:
+        """The choice in its span (docs/tracing.md): the trace context from the gateway's request headers, and
+        the span's own into the header mutation, so the guard's (or the router pod's) spans are its children."""
+        path = self.headers.get(":path", "").split("?", 1)[0]
+        trace = self.p.tracing.begin(names.EPP_PICK_SPAN, self.headers, {names.HTTP_ROUTE: path}, start=started)
+        token = bind(trace)
+        try:
+            decided = await self.chooser.choose(path, self.headers, bytes(self.body), self.subset)
+        except Exception as e:
+            trace.keep("error")
+            trace.end({names.ERROR_TYPE: type(e).__name__}, error=str(e)[:300])
+            raise
+        finally:
+            unbind(token)
+        if isinstance(decided, Refusal):
+            spans.finished(trace, decided.status)
+            trace.end({names.HTTP_STATUS: decided.status, names.GEN_AI_REQUEST_MODEL: decided.model})
+            return decided
+        replica = decided.in_flight.pod if decided.in_flight is not None else decided.router_endpoint or ""
+        trace.end({names.GEN_AI_REQUEST_MODEL: decided.model, names.PICK_REASON: decided.reason,
+                   names.REPLICA: replica, names.PICK_CANDIDATES: list(decided.destinations)})
+        trace.inject(decided.set_headers)
+        return decided
 
     def _answer(self, decided: Routed | Refusal, body: bytes | None,
                 end_of_stream: bool = True) -> list[pb.ProcessingResponse]:
