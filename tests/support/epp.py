@@ -14,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from gpufleet_kit.body_budget import BodyBudget
+from gpufleet_kit.tracing import Tracing
 from gpufleet_router.epp import protocol
 from gpufleet_router.epp.server import EppServer
 from gpufleet_router.server import Fleet
@@ -127,9 +128,11 @@ def streamed_body(answers: Iterable[pb.ProcessingResponse]) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def epp(fleet: Fleet, budget: BodyBudget | None = None) -> AsyncIterator[tuple[EppServer, str]]:
+async def epp(fleet: Fleet, budget: BodyBudget | None = None,
+              tracing: Tracing | None = None) -> AsyncIterator[tuple[EppServer, str]]:
     """The picker over ``fleet`` on a free local port (the settings' TLS or not), and its address."""
-    server = EppServer(fleet, budget or BodyBudget(fleet.settings.body_budget_bytes), host="127.0.0.1")
+    server = EppServer(fleet, budget or BodyBudget(fleet.settings.body_budget_bytes), host="127.0.0.1",
+                       tracing=tracing)
     port = await server.start()
     try:
         yield server, f"127.0.0.1:{port}"
