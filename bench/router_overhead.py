@@ -66,9 +66,13 @@ def serve_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def serve_router(port: int, upstream: str, tenancy: tuple[list[dict], list[dict]] | None = None) -> None:
+def serve_router(port: int, upstream: str, tenancy: tuple[list[dict], list[dict]] | None = None,
+                 otlp_endpoint: str = "", sample_ratio: float | None = None) -> None:
     """The router on ``port`` with a fixed route to ``upstream``; ``tenancy``: InferenceTenants and key
-    Secrets for its namespace ("bench"; bench/router_tenancy_overhead.py)."""
+    Secrets for its namespace ("bench"; bench/router_tenancy_overhead.py); ``otlp_endpoint``: its spans go
+    there, at ``sample_ratio`` (default: the default sampling; bench/router_tracing_overhead.py)."""
+    from gpufleet_api.tracing import DEFAULT_SAMPLE_RATIO, ROUTER_SERVICE_NAME, TracingConfig
+    from gpufleet_kit.tracing import Tracing
     from gpufleet_router.metrics import RouterMetrics
     from gpufleet_router.policy.replicas import Replica
     from gpufleet_router.policy.table import Route, Table
@@ -83,7 +87,9 @@ def serve_router(port: int, upstream: str, tenancy: tuple[list[dict], list[dict]
             fleet.update_tenants(*tenancy)
         fleet.listed.set()
         reads = asyncio.create_task(fleet.read(http))
-        runner = web.AppRunner(Router(fleet, http).app(), handler_cancellation=True, access_log=None)
+        tracing = Tracing.start(TracingConfig(otlp_endpoint, sample_ratio=DEFAULT_SAMPLE_RATIO if sample_ratio is None
+                                              else sample_ratio), ROUTER_SERVICE_NAME) if otlp_endpoint else None
+        runner = web.AppRunner(Router(fleet, http, tracing).app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
@@ -179,11 +185,13 @@ def main() -> None:
     ap.add_argument("--serve-upstream", type=int)
     ap.add_argument("--serve-router", type=int)
     ap.add_argument("--upstream")
+    ap.add_argument("--otlp-endpoint", default="", help="with --serve-router: its spans go there")
+    ap.add_argument("--sample-ratio", type=float, help="with --otlp-endpoint: head sampling (default: the default)")
     a = ap.parse_args()
     if a.serve_upstream:
         return serve_upstream(a.serve_upstream)
     if a.serve_router:
-        return serve_router(a.serve_router, a.upstream)
+        return serve_router(a.serve_router, a.upstream, otlp_endpoint=a.otlp_endpoint, sample_ratio=a.sample_ratio)
     results = asyncio.run(run(a.rounds, a.requests))
     for key, row in results.items():
         print(f"{key}:")
