@@ -23,7 +23,11 @@ import click
 def demo(model, real_node, surge_clients, surge_seconds, out) -> None:
     """Run the whole product locally: control plane, operator, a real engine, the same surge against
     vLLM alone and through gpufleet, and a report with both side by side."""
+    from .comparison import MissingSeries
     from .run import run_demo
     from .surge import SurgePlan
     plan = SurgePlan(clients=surge_clients, surge_seconds=float(surge_seconds))
-    asyncio.run(run_demo(model, plan, Path(out), real_node=real_node))
+    try:
+        asyncio.run(run_demo(model, plan, Path(out), real_node=real_node))
+    except MissingSeries as e:
+        raise click.ClickException(f"no report: {e}") from e

@@ -48,26 +48,27 @@ def _range(w: RunWindow) -> str:
     return f"{max(1, math.ceil(w.end - w.start))}s"
 
 
-def _increase(metric: str, w: RunWindow) -> str:
+def _increase(metric: str, w: RunWindow, endpoint: str) -> str:
     # Counters that start at zero with their process: the last value less the first within the
     # window, per series (a replica that joins mid-run counts from its first scrape), summed.
-    sel, r = f'{metric}{{run="{w.run}"}}', _range(w)
+    sel, r = f'{metric}{{run="{w.run}",endpoint="{endpoint}"}}', _range(w)
     return f"sum(max_over_time({sel}[{r}]) - min_over_time({sel}[{r}]))"
 
 
 def engine_queries(w: RunWindow) -> dict[str, str]:
-    """The PromQL of each Prometheus figure of a run, evaluated at ``w.end``."""
+    """The PromQL of each Prometheus figure of a run, evaluated at ``w.end``: vLLM's series from its
+    scrape endpoint ("vllm"), the guard's from its own ("http"), as prometheus.py labels them."""
     r = _range(w)
-    kv = '{__name__=~"' + "|".join(KV_USAGE_NAMES) + f'",run="{w.run}"}}'
+    kv = '{__name__=~"' + "|".join(KV_USAGE_NAMES) + f'",run="{w.run}",endpoint="vllm"}}'
     serving = f'count(up{{run="{w.run}",endpoint="vllm"}} == 1)'
     queries = {
-        "preemptions": _increase(PREEMPTIONS, w),
+        "preemptions": _increase(PREEMPTIONS, w, "vllm"),
         "kv_peak": f"max(max_over_time({kv}[{r}]))",
         "replicas_min": f"min_over_time({serving}[{r}:2s])",
         "replicas_max": f"max_over_time({serving}[{r}:2s])",
     }
     if w.guarded:
-        queries["guard_refusals"] = _increase(GUARD_REFUSALS, w)
+        queries["guard_refusals"] = _increase(GUARD_REFUSALS, w, "http")
     return queries
 
 

@@ -17,7 +17,7 @@ BIN_SECONDS = 5.0
 
 
 def timeline_queries(w: RunWindow) -> dict[str, str]:
-    kv = '{__name__=~"' + "|".join(KV_USAGE_NAMES) + f'",run="{w.run}"}}'
+    kv = '{__name__=~"' + "|".join(KV_USAGE_NAMES) + f'",run="{w.run}",endpoint="vllm"}}'
     return {"kv_percent": f"100 * max({kv})", "replicas": f'count(up{{run="{w.run}",endpoint="vllm"}} == 1)'}
 
 

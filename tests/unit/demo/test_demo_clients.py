@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gpufleet_dev.demo.comparison import fate
 from gpufleet_dev.demo.load import ClientPolicy, EndpointLoad, retry_delay
-from gpufleet_dev.demo.surge import SurgePlan
+from gpufleet_dev.demo.surge import SurgePlan, drive
 
 HINT = 0.2  # seconds of Retry-After
 
@@ -127,3 +127,36 @@ def test_the_surge_plan_phases_and_its_impatient_share():
         ("warm-up", 2), ("warm-up", 2), ("surge", 10), ("surge", 10), ("finish", 0)]
     impatient = [i for i in range(10) if plan.policy_of(i).patience is not None]
     assert impatient == [2, 5, 8] and plan.policy_of(0).max_retries == 2
+
+
+async def test_a_surge_counts_the_requests_it_started_and_its_in_flight_ones_finish_first():
+    """surge.drive over the real client and server: the surge's requests (all finished before it
+    ends), then the next phase's, apart."""
+    server = Server(refusals=3, stall_after_first_token=0.05)
+    runner, url = await serve(server)
+    load = EndpointLoad(kube=None, namespace="demo", service="chat", model="m", prompt_tokens=4, max_tokens=2)
+    load.endpoints = [url]
+
+    async def no_pods():
+        return load.endpoints
+    load.refresh_endpoints = no_pods  # type: ignore[method-assign]
+    plan = SurgePlan(clients=3, warmup_clients=1, warmup_seconds=0.2, surge_seconds=0.6, tick_seconds=0.1)
+    ticks: list[tuple[str, int]] = []
+
+    async def tick(t: float, phase: str, clients: int) -> None:
+        ticks.append((phase, clients))
+
+    async def after(phase: dict) -> None:
+        phase.update(name="lull", clients=1)
+        while not any(r.started >= plan.load_seconds for r in load.results):
+            await asyncio.sleep(0.05)
+    try:
+        run = await drive(load, plan, tick, after=after)
+    finally:
+        server.released.set()
+        await runner.cleanup()
+    assert run.results and all(r.started < plan.load_seconds for r in run.results)
+    assert all(r.finished <= (run.ended_at - run.started_at) + 0.01 for r in run.results)
+    assert run.later and all(r.started >= plan.load_seconds for r in run.later)
+    assert ("warm-up", 1) in ticks and ("surge", 3) in ticks
+    assert sum(r.refusals for r in run.results) == 3 and all(fate(r) == "completed" for r in run.results)

@@ -96,10 +96,11 @@ def test_every_cell_comes_from_the_clients_records_or_its_prometheus_query():
 
 def test_the_counter_queries_take_the_rise_within_the_run_per_series():
     q = engine_queries(FLEET)
-    assert q["preemptions"] == ('sum(max_over_time(vllm:num_preemptions_total{run="gpufleet"}[100s]) - '
-                                'min_over_time(vllm:num_preemptions_total{run="gpufleet"}[100s]))')
+    vllm = 'vllm:num_preemptions_total{run="gpufleet",endpoint="vllm"}'
+    assert q["preemptions"] == f"sum(max_over_time({vllm}[100s]) - min_over_time({vllm}[100s]))"
     assert q["kv_peak"] == ('max(max_over_time({__name__=~"vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc",'
-                            'run="gpufleet"}[100s]))')
+                            'run="gpufleet",endpoint="vllm"}[100s]))')
+    assert 'gpufleet_guard_rejections_total{run="gpufleet",endpoint="http"}' in q["guard_refusals"]
 
 
 @pytest.mark.parametrize("missing", ["preemptions", "kv_peak", "replicas_max"])
