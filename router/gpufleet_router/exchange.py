@@ -48,6 +48,7 @@ class Relay:
     stream: resume.Stream
     response: web.StreamResponse | None = None   # the client's, once prepared
     broke_at: float | None = None                 # the last break, until the next replica's first event
+    first_sent: bool = False                      # the answer's first event went to the client (its TTFT counted)
 
 
 @dataclasses.dataclass

@@ -254,7 +254,12 @@ class Forwarder:
                 # A JSON answer's usage is read as it passes (bounded): what its tenant is charged.
                 tap = metering.BodyTap() if upstream.content_type == "application/json" and \
                     upstream.headers.get("Content-Encoding", "identity") == "identity" else None
+                first = is_sse(upstream)   # a stream not relayed event by event: its first bytes are its TTFT
                 async for chunk in upstream.content.iter_any():
+                    if first:
+                        first = False
+                        self.metrics.ttft_seconds.labels(model).observe(self.fleet.clock() - call.arrived,
+                                                                        current().exemplar())
                     if tap is not None:
                         tap.feed(chunk)
                     await response.write(chunk)

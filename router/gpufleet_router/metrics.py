@@ -124,6 +124,9 @@ class RouterMetrics:
                                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10), registry=r)
         self.request_seconds = Histogram(PREFIX + "request_seconds", "From arrival to the answer's last byte.",
                                          ["model"], buckets=_SECONDS, registry=r)
+        self.ttft_seconds = Histogram(PREFIX + "ttft_seconds", "Streamed answers: from arrival to the answer's first "
+                                      "event sent to the client (holds, retries and a prefill included).",
+                                      ["model"], buckets=_SECONDS, registry=r)
         self.replicas = Gauge(PREFIX + "replicas", "Replicas the router may send to (serving and ready by its "
                               "guard's last reading), by pool.", ["model", "role"], registry=r)
         # By service, not model: the operator reads this to scale a service up from zero.
@@ -200,7 +203,7 @@ class RouterMetrics:
         stays."""
         keep_models = models | {""}
         by_model = (self.requests, self.picks, self.prefix_affinity_hits, self.prefix_keyed, self.retries,
-                    self.request_seconds, self.replicas, self.prefill_seconds, self.handoffs,
+                    self.request_seconds, self.ttft_seconds, self.replicas, self.prefill_seconds, self.handoffs,
                     self.prefill_fallbacks, self.revision_requests, self.readings_failed)
         for metric in by_model:
             for model in _label_values(metric, "model") - keep_models:

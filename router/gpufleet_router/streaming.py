@@ -71,6 +71,10 @@ class Streams:
             if stream.done and before_end is not None:
                 before_end()
                 before_end = None
+            if events and not relay.first_sent:
+                relay.first_sent = True
+                self.metrics.ttft_seconds.labels(call.model).observe(self.fleet.clock() - call.arrived,
+                                                                     current().exemplar())
             for event in events:
                 if relay.broke_at is not None:
                     gap = self.fleet.clock() - relay.broke_at

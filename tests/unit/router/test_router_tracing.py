@@ -141,9 +141,9 @@ async def test_the_router_s_own_refusal_is_kept():
         assert root.attributes[names.KEPT] == "refused" and root.attributes[names.HTTP_STATUS] == 404
 
 
-async def test_the_request_latency_histogram_names_a_sampled_trace_in_openmetrics_only():
+async def test_the_latency_histograms_name_a_sampled_trace_in_openmetrics_only():
     async with traced_router(ratio=1.0) as (h, exporter):
-        async with h.post(chat(), "/v1/chat/completions") as r:
+        async with h.post(chat(stream=True), "/v1/chat/completions") as r:
             await r.read()
         [root] = by_name(exporter)[names.ROUTER_REQUEST_SPAN]
         async with h.client.get(h.url + "/metrics",
@@ -153,10 +153,13 @@ async def test_the_request_latency_histogram_names_a_sampled_trace_in_openmetric
         async with h.client.get(h.url + "/metrics") as r:
             assert r.headers["Content-Type"].startswith("text/plain")
             plain = await r.text()
-    found = {sample.exemplar.labels["trace_id"] for family in text_string_to_metric_families(openmetrics)
-             if family.name == "gpufleet_router_request_seconds" for sample in family.samples
-             if sample.exemplar is not None}
-    assert found == {f"{root.context.trace_id:032x}"}
+    found: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(openmetrics):
+        for sample in family.samples:
+            if sample.exemplar is not None:
+                found.setdefault(family.name, set()).add(sample.exemplar.labels["trace_id"])
+    trace_id = f"{root.context.trace_id:032x}"
+    assert found == {"gpufleet_router_request_seconds": {trace_id}, "gpufleet_router_ttft_seconds": {trace_id}}
     assert "trace_id" not in plain
 
 

@@ -1,0 +1,64 @@
+"""One trace across the router and the guard on a real engine: a streamed chat sent to gpufleet's router in front of
+a guard over the session's vLLM is the router's request and its send, the guard's request as the send's child, and
+the guard's admission and exchange with vLLM, all under the client's traceparent. Read back from a real Jaeger
+(tests/support/jaeger.py) where it is built, else from an in-memory exporter both processes' spans go to
+(test_guard_traces.store). vLLM's own spans: see test_guard_traces' docstring."""
+from __future__ import annotations
+
+import aiohttp
+
+from gpufleet_api import tracing as names
+from gpufleet_api.guard import guard_config
+from gpufleet_api.tracing import TracingConfig
+from gpufleet_engine.serving.server import GuardServer
+from gpufleet_kit.tracing import Tracing
+from gpufleet_router.policy.replicas import Replica
+from gpufleet_router.policy.table import Route
+from gpufleet_router.settings import RouterSettings
+from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN
+from tests.engine.test_guard_traces import store
+from tests.support.router import static_router
+from tests.support.waiting import wait_for
+
+CLIENT_TRACE = "5cf92f3577b34da6a3ce929d0e0e4737"
+CLIENT_SPAN = "10f067aa0ba902b8"
+
+
+async def test_a_streamed_chat_through_the_router_and_the_guard_is_one_trace(engine, tokenizer):
+    with store() as (found, guard_tracing, endpoint):
+        raw = {"servedModelName": "tiny", "tokenizer": "unused", "engineUrl": engine.vllm_url,
+               "listenHost": "127.0.0.1", "listenPort": 0, "maxContextTokens": MAX_MODEL_LEN,
+               "blockSize": BLOCK_SIZE, "ttftControl": "Off", "service": "chat",
+               "tracing": {"endpoint": endpoint, "sampleRatio": 0.0}}
+        guard = GuardServer(guard_config.parse(raw), tokenizer=tokenizer, tracing=guard_tracing)
+        config = TracingConfig(endpoint, sample_ratio=0.0)
+        router_tracing = Tracing.start(config, names.ROUTER_SERVICE_NAME, exporter=found.memory, batch=False) \
+            if found.memory is not None else Tracing.start(config, names.ROUTER_SERVICE_NAME)
+        await guard.start()
+        try:
+            await guard.wait_ready(30)
+            address = guard.url.removeprefix("http://")
+            route = Route("ml", "chat", "tiny", BLOCK_SIZE, 1, 1, (Replica("chat-0", address),))
+            async with static_router(route, settings=RouterSettings(prefix_blocks=0), tracing=router_tracing) \
+                    as (url, _), aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/chat/completions",
+                                  headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+                                  json={"model": "tiny", "messages": [{"role": "user", "content": "Say hi"}],
+                                        "max_tokens": 8, "stream": True}) as r:
+                    assert r.status == 200
+                    body = await r.read()
+                    assert body.endswith(b"data: [DONE]\n\n")
+        finally:
+            await guard.stop()
+            router_tracing.shutdown()   # the spans still batched go out
+
+        def chat_spans() -> list[dict] | None:
+            spans = found.spans(CLIENT_TRACE)
+            return spans if len(spans) == 5 else None
+        spans = {s["name"]: s for s in await wait_for(chat_spans, timeout=30, what="the chat's five spans")}
+    root, send = spans[names.ROUTER_REQUEST_SPAN], spans[names.ROUTER_REPLICA_SPAN]
+    assert root["parent_id"] == CLIENT_SPAN and send["parent_id"] == root["span_id"]
+    assert spans[names.GUARD_REQUEST_SPAN]["parent_id"] == send["span_id"]
+    for step in (names.GUARD_ADMISSION_SPAN, names.GUARD_ENGINE_SPAN):
+        assert spans[step]["parent_id"] == spans[names.GUARD_REQUEST_SPAN]["span_id"]
+    assert send["attributes"][names.REPLICA] == "chat-0" and root["attributes"][names.GEN_AI_REQUEST_MODEL] == "tiny"
