@@ -16,9 +16,9 @@ from typing import Callable
 
 from aiohttp import web
 
+from gpufleet_api import tracing as names
 from gpufleet_api.guard.guard_config import GuardConfig, QueueClass
 from gpufleet_api.guard.guard_metrics import Reason
-from gpufleet_api import tracing as names
 from gpufleet_api.tenants.usage import GUARD_TENANT_HEADER, GUARD_WEIGHT_HEADER
 from gpufleet_engine.admission import context
 from gpufleet_engine.admission.context import ContextTooLong, InvalidRequest
