@@ -4,6 +4,7 @@ every refusal on a refused request's trace (kept by the tail rule though head sa
 a resumed stream, and the request-latency histogram's exemplar in OpenMetrics only."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -19,8 +20,9 @@ from gpufleet_kit.tracing import Tracing
 from gpufleet_router.policy.replicas import Replica
 from gpufleet_router.server import Router, RouterSettings
 from tests.support import epp as envoy
+from tests.unit.router.test_disaggregated import PD, FakePrefill
 from tests.unit.router.test_resume_relay import PROMPT, WORDS, FakeEngine, Rig, text_of
-from tests.unit.router.test_server import MODEL, FakeGuard, Harness
+from tests.unit.router.test_server import MODEL, FakeGuard, Harness, completion, wait_held
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -229,3 +231,48 @@ async def test_the_endpoint_pickers_pick_is_a_span_whose_context_the_gateway_sen
     [kept] = [s for s in picks if s is not routed]
     assert kept.attributes[names.KEPT] == "refused" and kept.attributes[names.HTTP_STATUS] == 404
     no_text(exporter)
+
+
+async def test_a_held_request_whose_prefill_fell_back_shows_the_hold_and_the_refused_prefills_and_is_kept():
+    tracing, exporter = traced(ratio=0.0)
+    prefill = [await FakePrefill(n).start() for n in ("p1", "p2")]
+    decode = [await FakeGuard(n).start() for n in ("d1", "d2")]
+    h = Harness(prefill + decode, RouterSettings(prefix_blocks=4, prefill_timeout=5.0))
+    h.router = Router(h.fleet, h.http, tracing)
+    h.server = TestServer(h.router.app(), host="127.0.0.1")
+    await h.server.start_server()
+    pd = PD(h, prefill, decode)
+    try:
+        for g in prefill:
+            g.refuse_with = (429, 2)
+        pd.publish(pd.route(serving={"d1": False, "d2": False}))
+        await h.fleet.read_once(h.http)
+
+        async def send() -> int:
+            async with h.post(completion("held")) as r:
+                await r.read()
+                return r.status
+        held = asyncio.create_task(send())
+        await wait_held(h, 1)
+        pd.publish(pd.route())
+        assert await asyncio.wait_for(held, 10) == 200
+    finally:
+        await h.client.close()
+        await h.http.close()
+        await h.server.close()
+        for g in prefill + decode:
+            await g.server.close()
+        tracing.shutdown()
+    spans = by_name(exporter)
+    [root], [hold], [step] = (spans[names.ROUTER_REQUEST_SPAN], spans[names.ROUTER_HOLD_SPAN],
+                              spans[names.ROUTER_PREFILL_SPAN])
+    assert root.attributes[names.KEPT] == "fallback"
+    assert hold.attributes[names.HOLD_SECONDS] > 0 and hold.status.status_code != StatusCode.ERROR
+    assert step.attributes[names.FALLBACK_REASON] == "refused" and step.status.status_code == StatusCode.ERROR
+    sends = spans[names.ROUTER_REPLICA_SPAN]
+    prefills = [s for s in sends if s.attributes[names.ROLE] == "prefill"]
+    assert len(prefills) == 2 and all(s.attributes[names.REFUSAL_REASON] == "kv_watermark" for s in prefills)
+    [decoded] = [s for s in sends if s.attributes[names.ROLE] == "decode"]
+    assert decoded.attributes[names.HTTP_STATUS] == 200
+    assert hold.end_time <= step.start_time <= decoded.start_time
+    assert all(s.parent.span_id == root.context.span_id for s in (hold, step, *sends))
