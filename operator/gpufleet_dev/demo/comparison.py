@@ -181,13 +181,13 @@ def table_rows(runs: list[RunFigures], slo_ttft_seconds: float) -> list[tuple[st
         row(f"completed with TTFT within the SLO ({slo})",
             lambda r: _share(r.clients.within_slo, r.clients.requests), CLIENTS),
         row("refused with 429 + Retry-After (users)", lambda r: str(r.clients.refused), CLIENTS),
-        row("  then served on a retry", lambda r: str(r.clients.refused_then_served), CLIENTS),
-        row("  never served", lambda r: str(r.clients.refused_never_served), CLIENTS),
+        row("  of them, served on a later try", lambda r: str(r.clients.refused_then_served), CLIENTS),
+        row("  of them, never served", lambda r: str(r.clients.refused_never_served), CLIENTS),
         row("gave up waiting for a first token", lambda r: str(r.clients.gave_up), CLIENTS),
         row("failed or timed out", lambda r: str(r.clients.failed), CLIENTS),
         row("TTFT p50 of completions (from first ask)", lambda r: _ms(r.clients.ttft_p50), CLIENTS),
         row("TTFT p99 of completions (from first ask)", lambda r: _ms(r.clients.ttft_p99), CLIENTS),
-        row("output tokens/s delivered", lambda r: f"{r.clients.tokens_per_second:.0f}", CLIENTS),
+        row("output tokens/s of completed streams", lambda r: f"{r.clients.tokens_per_second:.0f}", CLIENTS),
         row("vLLM preemptions", lambda r: f"{r.engine.preemptions:.0f}", f"Prometheus: {PREEMPTIONS}"),
         row("vLLM KV usage peak", lambda r: f"{r.engine.kv_peak_percent:.0f}%", f"Prometheus: {KV_USAGE_NAMES[0]}"),
         row("guard refusals (its counter)",
@@ -231,8 +231,10 @@ def guarantees(alone: RunFigures, fleet: RunFigures, slo_ttft_seconds: float, kv
         verdict = ("within" if p99 <= slo_ttft_seconds else "above")
         lines.append(f"TTFT p99 of completions, counted from the user's first try (waits for Retry-After "
                      f"included): {_ms(a.ttft_p99)} alone, {_ms(p99)} through gpufleet, {verdict} the "
-                     f"{_ms(slo_ttft_seconds)} objective. The guard keeps queue time within the objective for "
-                     "what it admits; it does not guarantee the objective to a user it asks to come back.")
+                     f"{_ms(slo_ttft_seconds)} objective. Under overload the guard admits fewer requests "
+                     "while more would miss the objective (admission.ttftControl), and refuses those that "
+                     "would wait too long; it does not promise the objective, least of all to a user it "
+                     "asks to come back.")
     never = f.requests - f.completed
     if never:
         lines.append(f"Not guaranteed: that every user is served. Through gpufleet {never} of {f.requests} were "

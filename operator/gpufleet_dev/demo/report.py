@@ -116,8 +116,8 @@ def render_comparison(runs: list[RunFigures], slo_ttft_seconds: float, kv_waterm
                       surge: str) -> str:
     """The side-by-side table, what the guard guarantees and does not (from the figures), and the
     PromQL behind each Prometheus cell."""
-    titles = " and ".join(r.window.title for r in runs)
-    lines = [f"The same surge, {titles} (same engine image, same node; {surge}).",
+    titles = ", then ".join(r.window.title for r in runs)
+    lines = [f"The same surge: {titles} (same engine image, same node; {surge}).",
              "User requests counted once each, whatever their retries; TTFT from the user's first try.", "",
              render_table(runs, slo_ttft_seconds), ""]
     if len(runs) == 2:

@@ -74,14 +74,14 @@ def test_every_cell_comes_from_the_clients_records_or_its_prometheus_query():
     assert c["completed"][0] == ["3 (60%)", "4 (67%)"]
     assert c["completed with TTFT within the SLO (2000 ms)"][0] == ["1 (20%)", "3 (50%)"]
     assert c["refused with 429 + Retry-After (users)"][0] == ["0", "4"]
-    assert c["then served on a retry"][0] == ["0", "2"]
-    assert c["never served"][0] == ["0", "2"]
+    assert c["of them, served on a later try"][0] == ["0", "2"]
+    assert c["of them, never served"][0] == ["0", "2"]
     assert c["gave up waiting for a first token"][0] == ["1", "1"]
     assert c["failed or timed out"][0] == ["1", "0"]
     assert c["TTFT p50 of completions (from first ask)"][0] == ["3000 ms", "400 ms"]
     assert c["TTFT p99 of completions (from first ask)"][0] == ["9000 ms", "2500 ms"]
     # Tokens of completed streams only (not the timed-out one's 10), over each run's 100 s.
-    assert c["output tokens/s delivered"][0] == ["2", "3"]
+    assert c["output tokens/s of completed streams"][0] == ["2", "3"]
     # vLLM's and the guard's counters, through Prometheus.
     assert c["vLLM preemptions"] == (["37", "0"], "Prometheus: vllm:num_preemptions_total")
     assert c["vLLM KV usage peak"] == (["100%", "83%"], "Prometheus: vllm:kv_cache_usage_perc")
