@@ -63,6 +63,7 @@ def build(isvc: dict) -> tuple[dict, dict]:
                                 "failureThreshold": 2, "timeoutSeconds": 2}
     pod_spec["containers"] = [engine]
     pod_spec["terminationGracePeriodSeconds"] = 5
+    pod_spec["restartPolicy"] = "Never"  # a vLLM that exits fails the demo with its log, not a crash loop
     for volume in pod_spec["volumes"]:
         if "configMap" in volume:
             volume["configMap"] = {"name": name}
@@ -93,15 +94,17 @@ async def start(kube: KubeClient, isvc: dict, timeout: float = 600) -> dict:
         if live and is_serving(live):
             return live
         if live and (live.get("status") or {}).get("phase") == "Failed":
-            break
+            raise RuntimeError(f"vLLM alone exited in the baseline pod {namespace}/{name}; see "
+                               f"`kubectl -n {namespace} logs {name}`")
         await asyncio.sleep(1)
     raise RuntimeError(f"the baseline pod {namespace}/{name} (vLLM alone) did not become ready in {timeout:.0f}s; "
-                       f"see `kubectl -n {namespace} logs {name}`")
+                       f"see `kubectl -n {namespace} describe pod {name}` and its logs")
 
 
 async def stop(kube: KubeClient, namespace: str, name: str, timeout: float = 120) -> None:
     """Delete the baseline Pod and ConfigMap and wait until the Pod is gone (its CPU is the next run's)."""
-    await kube.delete("v1", "Pod", name, namespace, grace_period_seconds=0)
+    # The pod's own 5 s grace, not 0: the object goes only once the kubelet has stopped vLLM.
+    await kube.delete("v1", "Pod", name, namespace)
     await kube.delete("v1", "ConfigMap", name, namespace)
     deadline = time.monotonic() + timeout
     while await kube.get_or_none("v1", "Pod", name, namespace):

@@ -29,6 +29,7 @@ def test_the_baseline_runs_the_operators_engine_container_with_vllm_on_its_own_p
     assert engine["ports"] == [{"name": "vllm", "containerPort": names.ENGINE_PORT}]
     assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": "vllm"}
     assert "lifecycle" not in engine  # no guard to drain
+    assert pod["spec"]["restartPolicy"] == "Never"  # start() sees a failed vLLM as the pod's phase
     # Its own ConfigMap: the operator's guard.json but for the address vLLM listens on.
     assert {"name": "guard-config", "configMap": {"name": "chat-vllm-alone"}} in pod["spec"]["volumes"]
     path = tmp_path / "guard.json"
