@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gpufleet.manifests import children, names
 from gpufleet_api import parse_spec
 from gpufleet_api.guard import guard_config
@@ -52,3 +54,49 @@ def test_nothing_of_the_product_selects_the_baseline():
     assert names.LABEL_NAME not in labels and names.LABEL_SERVICE not in labels
     assert "ownerReferences" not in pod["metadata"]
     assert vllm_alone.selector() == "gpufleet.dev/demo-run=vllm-alone"
+
+
+class FakeKube:
+    """An API server's objects by (kind, namespace, name); a created Pod is Ready at once, or Failed."""
+
+    def __init__(self, fail: bool = False):
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.fail = fail
+        self.calls: list[tuple[str, str]] = []
+
+    def _key(self, kind, name, namespace):
+        return kind, namespace, name
+
+    async def apply(self, obj, field_manager):
+        self.calls.append(("apply", obj["kind"]))
+        self.objects[self._key(obj["kind"], obj["metadata"]["name"], obj["metadata"]["namespace"])] = obj
+
+    async def create(self, obj):
+        self.calls.append(("create", obj["kind"]))
+        status = ({"phase": "Failed"} if self.fail else
+                  {"phase": "Running", "podIP": "10.88.0.7", "conditions": [{"type": "Ready", "status": "True"}]})
+        self.objects[self._key(obj["kind"], obj["metadata"]["name"], obj["metadata"]["namespace"])] = {
+            **obj, "status": status}
+
+    async def get_or_none(self, api_version, kind, name, namespace=None):
+        return self.objects.get(self._key(kind, name, namespace))
+
+    async def delete(self, api_version, kind, name, namespace=None, **_):
+        self.calls.append(("delete", kind))
+        return self.objects.pop(self._key(kind, name, namespace), None) is not None
+
+
+async def test_start_waits_for_vllm_and_stop_removes_the_pod_and_its_config():
+    kube = FakeKube()
+    svc = demo_service("smollm2", STATE)
+    pod = await vllm_alone.start(kube, svc)
+    assert vllm_alone.endpoint(pod) == "http://10.88.0.7:8000"
+    assert ("ConfigMap", "demo", "chat-vllm-alone") in kube.objects
+    await vllm_alone.stop(kube, "demo", "chat-vllm-alone")
+    assert kube.objects == {}
+
+
+async def test_a_vllm_that_exits_fails_the_start_with_where_to_look():
+    kube = FakeKube(fail=True)
+    with pytest.raises(RuntimeError, match="kubectl -n demo logs chat-vllm-alone"):
+        await vllm_alone.start(kube, demo_service("smollm2", STATE))
