@@ -34,6 +34,12 @@ class ClientPolicy:
     timeout: float = 90.0              # the whole request, retries included
 
 
+# A client that takes a refusal as its answer (no retry) and waits as long as the old load did:
+# what the end-to-end autoscale test drives (tests/e2e/test_autoscale_e2e.py); the demo's clients
+# are ``SurgePlan.policy_of``'s.
+ONE_TRY = ClientPolicy(max_retries=0, timeout=300.0)
+
+
 @dataclasses.dataclass
 class RequestResult:
     started: float          # seconds since the load began: when the user asked
@@ -113,7 +119,7 @@ class EndpointLoad:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def one(self, http: httpx.AsyncClient, policy: ClientPolicy = ClientPolicy()) -> RequestResult:
+    async def one(self, http: httpx.AsyncClient, policy: ClientPolicy = ONE_TRY) -> RequestResult:
         """One user's request, retried as the openai SDK retries, until it is served, refused for the
         last time, fails, or the user gives up."""
         start = self.now()
@@ -200,7 +206,7 @@ class EndpointLoad:
             return "done"
 
     async def run(self, concurrency_at, stop: asyncio.Event, *, max_clients: int,
-                  policy_of: Callable[[int], ClientPolicy] = lambda _i: ClientPolicy(),
+                  policy_of: Callable[[int], ClientPolicy] = lambda _i: ONE_TRY,
                   on_result=None) -> list[RequestResult]:
         """Keep ``concurrency_at(t)`` (at most ``max_clients``) clients busy until ``stop`` is set;
         client ``i`` behaves as ``policy_of(i)``. A user whose last answer was a refusal comes back
