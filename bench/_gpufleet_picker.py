@@ -36,14 +36,13 @@ def gpufleet_picker_missing() -> str | None:
 
 class GpufleetPicker:
     def __init__(self, work: Path, port: int, hosts: list[str], guard_port: int, model: str, block_size: int,
-                 adapters: list[str], events: list[str]):
+                 adapters: list[str]):
         from _peer_pickers import PickerProcess
 
         argv = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--model", model,
                 "--block-size", str(block_size), "--replicas", ",".join(f"{h}:{guard_port}" for h in hosts),
                 "--adapters", ",".join(adapters)]
         self.process = PickerProcess("gpufleet-epp", argv, work, None)
-        self.events = events  # vLLM's KV events, for when the picker reads them
 
     def start(self) -> "GpufleetPicker":
         self.process.start()

@@ -225,7 +225,7 @@ def pickers(args, work: Path, apiserver: StandaloneApiserver, port: int, grpc: d
                 skipped[arm] = why
             else:
                 ready[arm] = Picker(arm, GpufleetPicker(work, grpc[key], HOSTS[:args.replicas], port, MODEL,
-                                                       BLOCK_SIZE, adapters, events))
+                                                       BLOCK_SIZE, adapters))
         elif key == "b":
             why = peers.missing_binary(peers.GIE_BINARY, "GIE's reference EPP")
             if why:
