@@ -24,6 +24,7 @@ SUITE = [
     ("Guard overhead vs a plain pass-through proxy and direct vLLM", ["bench/guard_overhead.py"]),
     ("Tracing in the guard: on at the default sampling vs off", ["bench/guard_tracing_overhead.py"]),
     ("Tracing's cost a request by sampling design (no engine)", ["bench/tracing_cost.py"]),
+    ("Tracing in the router: on at the default sampling vs off (no engine)", ["bench/router_tracing_overhead.py"]),
     ("Overload protection: guard vs unguarded vLLM vs vLLM's own shedding", ["bench/guard_overload.py"]),
     ("Real traffic: answers that end early, guard vs vLLM alone", ["bench/guard_realistic.py"]),
     ("Recovery: a surge, a lull, then a burst from clients that do not retry", ["bench/guard_recovery.py"]),
