@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Mapping, MutableMapping, Optional
 
 from gpufleet_api.tracing import KEPT, TracingConfig, http_traces_url
 
+from .errors import KitError
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -359,7 +361,7 @@ def extract(headers: Mapping[str, str]) -> Any:
     return TraceContextTextMapPropagator().extract(carrier)
 
 
-class TracingUnavailable(RuntimeError):
+class TracingUnavailable(KitError):
     """Tracing is configured and this build cannot export spans."""
 
 

@@ -293,10 +293,7 @@ def restart_document(config: GuardConfig) -> dict:
     """The part of the document a running pod cannot take without a restart: vLLM's ``engine``
     section and the guard's layout (addresses, model, tokenizer). The operator hashes only this
     into the pod template; the ``live`` fields the guard re-reads from the mounted file."""
-    # Tracing left out while off: the hash of a pod that never traced stays what it was before
-    # tracing existed, so an operator upgrade rolls no engine pod.
-    return {k: v for k, v in to_document(config).items()
-            if k not in _LIVE_KEYS and not (k == "tracing" and v is None)}
+    return {k: v for k, v in to_document(config).items() if k not in _LIVE_KEYS}
 
 
 def restart_changes(running: GuardConfig, new: GuardConfig) -> list[str]:

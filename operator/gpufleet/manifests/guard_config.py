@@ -169,7 +169,11 @@ def config_hash(config: GuardConfig) -> str:
     """The hash of what only a pod restart applies (vLLM's engine section, the guard's layout): the
     pod template carries it, so those changes roll the pods and the live ones (admission, queues,
     limits) reach the running guards through the ConfigMap alone (docs/guard-config.md)."""
-    rendered = json.dumps(restart_document(config), sort_keys=True)
+    document = restart_document(config)
+    if document.get("tracing") is None:
+        # Hashed as before tracing existed: upgrading the operator rolls no pod that does not trace.
+        document.pop("tracing", None)
+    rendered = json.dumps(document, sort_keys=True)
     return hashlib.sha256(rendered.encode()).hexdigest()[:16]
 
 
