@@ -304,7 +304,8 @@ class Tracing:
         # Every span that reaches the SDK is sampled: ``begin`` decided before.
         provider = TracerProvider(sampler=ALWAYS_ON, resource=resource)
         ids = PresetIds()
-        replaying = TracerProvider(sampler=ALWAYS_ON, resource=resource, id_generator=ids)
+        # Its processor is the main provider's, which shuts it down (at exit too).
+        replaying = TracerProvider(sampler=ALWAYS_ON, resource=resource, id_generator=ids, shutdown_on_exit=False)
         if exporter is None:
             problem = otlp_problem()
             if problem is not None:
