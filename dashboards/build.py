@@ -404,6 +404,14 @@ def fleet_overview() -> dict[str, Any]:
                       target("histogram_quantile(0.9, sum by (le, namespace, service) (rate("
                              f"gpufleet_router_cold_start_seconds_bucket{{{sel}}}[$__rate_interval])))",
                              "cold start p90 (s): {{namespace}}/{{service}}")], unit="none"), 6)
+    router_exemplars = (" The points are exemplars: a traced request in that bucket, its trace (the router's "
+                        "spans, then the guard's) one click away (docs/tracing.md).")
+    g.add(timeseries("Router time to first token", "Streamed answers through the router: arrival to the first "
+                     "event sent to the client, holds, retries and a prefill included." + router_exemplars,
+                     _quantiles("gpufleet_router_ttft_seconds", "", exemplars=True), unit="s"), 12)
+    g.add(timeseries("Router request latency", "Arrival to the answer's last byte, through the router."
+                     + router_exemplars, _quantiles("gpufleet_router_request_seconds", "", exemplars=True),
+                     unit="s"), 12)
 
     _tenants_row(g, sel)
 

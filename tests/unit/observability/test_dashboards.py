@@ -26,7 +26,8 @@ SERVICE = "gpufleet-service.json"
 # Series without namespace/service labels: most of the router's are per served model (docs/router.md).
 FLEET_WIDE = {"gpufleet_stranded_gpus", "gpufleet_reconcile_duration_seconds_bucket",
               "gpufleet_router_requests_total", "gpufleet_router_picks_total",
-              "gpufleet_router_prefix_affinity_hits_total", "gpufleet_router_prefix_keyed_requests_total"}
+              "gpufleet_router_prefix_affinity_hits_total", "gpufleet_router_prefix_keyed_requests_total",
+              "gpufleet_router_ttft_seconds_bucket", "gpufleet_router_request_seconds_bucket"}
 # A namespace's, not a service's: the tenants' limits are declared per namespace.
 NAMESPACE_WIDE = {"gpufleet_tenant_limit_used_ratio"}
 
