@@ -276,3 +276,10 @@ async def test_a_held_request_whose_prefill_fell_back_shows_the_hold_and_the_ref
     assert decoded.attributes[names.HTTP_STATUS] == 200
     assert hold.end_time <= step.start_time <= decoded.start_time
     assert all(s.parent.span_id == root.context.span_id for s in (hold, step, *sends))
+
+
+def test_the_router_flags_make_its_tracing_and_none_without_an_endpoint():
+    from gpufleet_router.cli import tracing_of
+    assert tracing_of("", "http/protobuf", 10) is None
+    config = tracing_of(" http://jaeger:4318 ", "grpc", 50)
+    assert config == TracingConfig("http://jaeger:4318", protocol="grpc", sample_ratio=0.05)
