@@ -275,7 +275,9 @@ def prometheus_view(prom: LocalPrometheus) -> dict:
         "guard requests by outcome (last 5m)": 'sum by (outcome) (increase(gpufleet_guard_requests_total[5m]))',
         "guard TTFT p99 (last 5m)":
             'histogram_quantile(0.99, sum by (le) (rate(gpufleet_guard_ttft_seconds_bucket[5m])))',
-        "vLLM preemptions (last 10m)": 'sum(increase(vllm:num_preemptions_total[10m]))',
+        # gpufleet's replicas only: vLLM alone's series are in the same Prometheus.
+        "vLLM preemptions behind the guard (last 10m)":
+            f'sum(increase(vllm:num_preemptions_total{{run="{RUN_GPUFLEET}"}}[10m]))',
         "autoscaler decisions": 'sum by (direction) (gpufleet_autoscaler_decisions_total)',
     }
     out = {}
