@@ -142,8 +142,7 @@ class Router:
                 return await self._handle(request, route, claim)
             # The request's server span: a client's W3C traceparent honoured; the steps (holds, sends to
             # replicas, the prefill, a resumption) written to it where they happen (spans.py).
-            trace = self.tracing.begin(names.ROUTER_REQUEST_SPAN, request.headers, {names.HTTP_ROUTE: route},
-                                       start=self.fleet.clock())
+            trace = self.tracing.begin(names.ROUTER_REQUEST_SPAN, request.headers, {names.HTTP_ROUTE: route})
             token = bind(trace)
             status = 0
             try:

@@ -128,7 +128,7 @@ class Exchange:
                 f"gateway's subset hint (GIE's endpoint-picker protocol).", "server_error",
                 code="bad_subset_hint"), None, Outcome.ERROR), body=None)
         if self.p.tracing.on:
-            decided = await self._traced_choice(started)
+            decided = await self._traced_choice()
         else:
             decided = await self.chooser.choose(self.headers.get(":path", ""), self.headers, bytes(self.body),
                                                 self.subset)
@@ -136,11 +136,11 @@ class Exchange:
         self.metrics.epp_pick_seconds.observe(self.fleet.clock() - started)
         return out
 
-    async def _traced_choice(self, started: float) -> Routed | Refusal:
+    async def _traced_choice(self) -> Routed | Refusal:
         """The choice in its span (docs/tracing.md): the trace context from the gateway's request headers, and
         the span's own into the header mutation, so the guard's (or the router pod's) spans are its children."""
         path = self.headers.get(":path", "").split("?", 1)[0]
-        trace = self.p.tracing.begin(names.EPP_PICK_SPAN, self.headers, {names.HTTP_ROUTE: path}, start=started)
+        trace = self.p.tracing.begin(names.EPP_PICK_SPAN, self.headers, {names.HTTP_ROUTE: path})
         token = bind(trace)
         try:
             decided = await self.chooser.choose(path, self.headers, bytes(self.body), self.subset)
