@@ -181,7 +181,11 @@ async def drive_load(kube: KubeClient, model: str, plan: SurgePlan,
     seen: set[str] = set()
     async with httpx.AsyncClient(trust_env=False) as http:
         async def tick(t: float, phase: str, clients: int) -> None:
-            obj = await kube.get(API, "InferenceService", "chat", NAMESPACE)
+            try:
+                obj = await kube.get(API, "InferenceService", "chat", NAMESPACE)
+            except Exception as e:  # one missed status read must not end the run
+                say(f"(status not read at t={t:.0f}s: {e})")
+                return
             st = obj.get("status") or {}
             ticks.append(rep.Tick(t, st.get("desiredReplicas", 0), st.get("readyReplicas", 0),
                                   await operator_kv_percent(http, operator_metrics_url), clients))
@@ -199,7 +203,7 @@ async def drive_load(kube: KubeClient, model: str, plan: SurgePlan,
             lull_at = load.now()
             while True:
                 await tick(load.now(), "lull", 1)
-                scaled_in = ticks[-1].desired == 1 and ticks[-1].ready == 1 and any(
+                scaled_in = bool(ticks) and ticks[-1].desired == 1 and ticks[-1].ready == 1 and any(
                     d["to"] < d["from"] for d in decisions)
                 if (scaled_in and load.now() - lull_at > 5) or load.now() - lull_at > 120:
                     return
