@@ -30,7 +30,8 @@ from typing import Any
 
 import httpx
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
+from gpufleet_api.gateway_api import DESTINATION_HEADER
+
 EXT_PROC = "envoy.filters.http.ext_proc"
 LOG_FIELDS = {
     "start": "%START_TIME%",

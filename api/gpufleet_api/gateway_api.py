@@ -27,6 +27,15 @@ EPP_SERVICE = "gpufleet-router-epp"
 # The port of that Service that reaches the routers' OpenAI API: a pool of data path Router targets it.
 EPP_SERVICE_HTTP_PORT_NAME = "http"
 
+# The Endpoint Picker protocol (GIE's docs/proposals/004-endpoint-picker-protocol): the header and the
+# envoy.lb dynamic metadata that name the picked endpoint(s), the subset hint the gateway may send in its
+# filter metadata, and the key under which the gateway reports the endpoint that served.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+
 # Set by a GIE gateway: the flow (tenant) a request is fair-shared under, and the InferenceObjective it
 # asks for (its priority), read by the picker (docs/gateway-api.md, "Fairness and objectives").
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"

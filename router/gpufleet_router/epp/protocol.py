@@ -21,18 +21,19 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import json_format, struct_pb2
 
+# GIE's protocol names, defined once in the API; the picker's modules and tests read them from here too.
+from gpufleet_api.gateway_api import DESTINATION_HEADER as DESTINATION_HEADER
+from gpufleet_api.gateway_api import DESTINATION_NAMESPACE as DESTINATION_NAMESPACE
+from gpufleet_api.gateway_api import OBJECTIVE_HEADER as OBJECTIVE_HEADER
+from gpufleet_api.gateway_api import SERVED_KEY as SERVED_KEY
+from gpufleet_api.gateway_api import SUBSET_KEY as SUBSET_KEY
+from gpufleet_api.gateway_api import SUBSET_NAMESPACE as SUBSET_NAMESPACE
 from gpufleet_api.guard.guard_config import CLASS_HEADER
 from gpufleet_api.tenants.declaration import FAIRNESS_ID_HEADERS
 from gpufleet_api.tenants.usage import GUARD_TENANT_HEADER
 
 from ..errors import RouterError
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-DESTINATION_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
 # GIE's pkg/common/envoy/chunking.go: Envoy takes at most 64 KiB per streamed chunk; 62000 leaves a margin.
 BODY_CHUNK_BYTES = 62000
 # The service the gateway's gRPC health check names (GIE's envoy.yaml), besides the server's "".
