@@ -5,9 +5,9 @@ setup:
 	scripts/setup.sh
 
 # The demo needs the CPU engine image only (its operator runs as a local process); setup builds
-# it while the Go builds still run.
+# it while the Go builds still run. No trace store: Jaeger's build would lengthen a fresh demo by minutes.
 demo:
-	scripts/setup.sh --images engine-cpu
+	scripts/setup.sh --images engine-cpu --no-traces
 	.venv/bin/gpufleet demo
 
 # The operator and CPU engine images (docs/dev-cluster.md): built offline, cached

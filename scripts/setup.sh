@@ -4,8 +4,10 @@
 # and promtool, Helm, and the control-plane binaries (built once, cached
 # outside the clone under ~/.cache/gpufleet). Idempotent: a second run takes seconds.
 #
-#   scripts/setup.sh [--images all|engine-cpu] [--meanwhile COMMAND]
+#   scripts/setup.sh [--images all|engine-cpu] [--meanwhile COMMAND] [--no-traces]
 #
+# --no-traces leaves out the trace store's build (Jaeger, several minutes of both cores): `make demo`
+# does without it; `make test` and `gpufleet dev up` with traces need it.
 # --images also builds the images (`gpufleet dev images`) while the Go builds still run.
 # --meanwhile runs COMMAND (through bash) once the virtualenv and the images are ready and before
 # waiting for the Go builds: `make test` runs the linters and the unit tests there, which need
@@ -20,16 +22,18 @@ WHEELS=${GPUFLEET_WHEELS:-$ROOT/../shared/wheels}
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 IMAGES=
 MEANWHILE=
+TRACES=
 while [ $# -gt 0 ]; do
   case "$1" in
     --images) IMAGES=${2:?--images needs all or engine-cpu}; shift 2 ;;
     --meanwhile) MEANWHILE=${2:?--meanwhile needs a command}; shift 2 ;;
-    *) echo "usage: scripts/setup.sh [--images all|engine-cpu] [--meanwhile COMMAND]" >&2; exit 2 ;;
+    --no-traces) TRACES=--no-traces; shift ;;
+    *) echo "usage: scripts/setup.sh [--images all|engine-cpu] [--meanwhile COMMAND] [--no-traces]" >&2; exit 2 ;;
   esac
 done
 
 command -v go >/dev/null || { echo "Go >= 1.24 is needed to build the local control plane" >&2; exit 1; }
-PYTHONPATH=operator python3 -m gpufleet_dev.devcluster.binaries \
+PYTHONPATH=operator python3 -m gpufleet_dev.devcluster.binaries $TRACES \
   > >(grep --line-buffered -v '^go: downloading' >&2) 2>&1 &
 GO_PID=$!
 trap 'kill $GO_PID 2>/dev/null || true' EXIT
@@ -90,7 +94,7 @@ if [ -n "$MEANWHILE" ]; then
   bash -c "$MEANWHILE" || { echo "failed: $MEANWHILE" >&2; exit 1; }
 fi
 
-say "waiting for the Go builds (the control plane, Helm, the real node's kubelet, kube-proxy, kube-network-policies, CoreDNS and Jaeger)"
+say "waiting for the Go builds (the control plane, Helm, the real node's kubelet, kube-proxy, kube-network-policies, CoreDNS and, without --no-traces, Jaeger)"
 wait $GO_PID || { echo "the Go builds failed (their output is above)" >&2; exit 1; }
 trap - EXIT
 say "ready"

@@ -246,20 +246,22 @@ def ensure_node_agents(progress: Progress = print) -> dict[str, Path]:
     return {name: c.binary(name) for c in (KUBERNETES_NODE, *NODE_SERVICES) for name in c.outputs}
 
 
-def ensure_all(progress: Progress = print) -> None:
-    """Every Go binary the tests and the demo use: the control plane, Helm, the real node's agents and
-    the trace store (last: only `gpufleet dev up` and the tracing tests need it)."""
+def ensure_all(progress: Progress = print, traces: bool = True) -> None:
+    """Every Go binary the tests and the demo use: the control plane, Helm, the real node's agents and,
+    with ``traces``, the trace store (last: only `gpufleet dev up` and the tracing tests need it, and its
+    build is the longest after Kubernetes'; `make demo` goes without it)."""
     ensure_control_plane(progress)
     ensure_helm(progress)
     ensure_node_agents(progress)
-    build(JAEGER, progress)
+    if traces:
+        build(JAEGER, progress)
 
 
 if __name__ == "__main__":
     # scripts/setup.sh runs this with the system Python before the virtualenv exists (this module
     # needs nothing beyond the standard library and Go), so the builds overlap the Python installs.
     try:
-        ensure_all(lambda m: print(f"[go builds] {m}", flush=True))
+        ensure_all(lambda m: print(f"[go builds] {m}", flush=True), traces="--no-traces" not in sys.argv[1:])
     except (RuntimeError, subprocess.CalledProcessError) as e:
         print(f"[go builds] failed: {e}", flush=True)
         sys.exit(1)

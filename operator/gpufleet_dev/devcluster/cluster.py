@@ -29,7 +29,7 @@ Progress = Callable[[str], None]
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "containerd",
               "kubelet", "kube-proxy", "kube-network-policies", "coredns", "jaeger", "engine-backer")
 # The engine backer runs only with --engine-nodes, the real node's agents only with --real-node.
-OPTIONAL = {"engine-backer", "containerd", "kubelet", "kube-proxy", "kube-network-policies", "coredns"}
+OPTIONAL = {"engine-backer", "containerd", "kubelet", "kube-proxy", "kube-network-policies", "coredns", "jaeger"}
 
 
 class AlreadyRunning(ClusterError):
@@ -191,7 +191,9 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
                              f"use `gpufleet dev status`, or `gpufleet dev down` first")
     started = time.monotonic()
     bins = binaries.ensure_control_plane(progress)
-    jaeger = binaries.build(binaries.JAEGER, progress) / "jaeger"
+    # The trace store when it is built (scripts/setup.sh builds it unless --no-traces: `make demo` does
+    # without, so a fresh machine's demo does not wait for Jaeger's long build); otherwise no traces.
+    jaeger = binaries.JAEGER.binary("jaeger") if binaries.JAEGER.is_cached() else None
     host = "127.0.0.1"
     if fleet.real_node:
         from . import node
@@ -301,13 +303,16 @@ def up(fleet: FleetSpec | None = None, progress: Progress = print) -> dict:
 
         # The trace store (docs/tracing.md): OTLP on OpenTelemetry's ports, the query API on Jaeger's, on the
         # address the pods reach the host on (a real node's pods reach it there; simulated pods are local).
-        progress("starting Jaeger (traces: OTLP on 4317/4318, query API and UI on 16686)")
-        jaeger_ports = traces.JaegerPorts()
-        procs["jaeger"] = _spawn("jaeger", traces.argv(jaeger, traces.write_config(
-            root / "jaeger.yaml", jaeger_ports, host)), logs)
-        state["traces"] = traces.state(jaeger_ports, host)
-        record()
-        _wait("Jaeger's query API", lambda: traces.ready(jaeger_ports, host), 60, state, ("jaeger",))
+        if jaeger is None:
+            progress("no trace store: Jaeger is not built (scripts/setup.sh without --no-traces builds it)")
+        else:
+            progress("starting Jaeger (traces: OTLP on 4317/4318, query API and UI on 16686)")
+            jaeger_ports = traces.JaegerPorts()
+            procs["jaeger"] = _spawn("jaeger", traces.argv(jaeger, traces.write_config(
+                root / "jaeger.yaml", jaeger_ports, host)), logs)
+            state["traces"] = traces.state(jaeger_ports, host)
+            record()
+            _wait("Jaeger's query API", lambda: traces.ready(jaeger_ports, host), 60, state, ("jaeger",))
 
         from . import fleet as fleet_mod
         progress(f"registering {fleet.nodes} simulated GPU nodes x {fleet.gpus_per_node} nvidia.com/gpu "
