@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import httpx
 
 from gpufleet_api.gateway_api import DESTINATION_HEADER
+from gpufleet_engine.launch.processes import ManagedProcess
 
 EXT_PROC = "envoy.filters.http.ext_proc"
 LOG_FIELDS = {
@@ -176,8 +176,8 @@ class Envoy:
                 "--file-flush-interval-msec", "200"]  # access log lines reach the file within 0.2 s
         if self.cpu_cores:
             argv = ["taskset", "-c", self.cpu_cores, *argv]
-        self.log = open(self.work / "envoy.log", "ab")  # noqa: SIM115 - open for the process's life
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = ManagedProcess("envoy", argv, log_path=self.work / "envoy.log")
+        self.proc.start()
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -195,9 +195,4 @@ class Envoy:
                    for line in text.splitlines())
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        self.proc.stop(10)

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpufleet_engine.launch.processes import ManagedProcess
+
 CACHE = Path(os.environ.get("GPUFLEET_CACHE", Path.home() / ".cache" / "gpufleet"))
 GIE_VERSION = "v1.5.0"
 LLMD_VERSION = "v0.4.0"
@@ -147,13 +149,12 @@ class PickerProcess:
     def start(self) -> "PickerProcess":
         argv = ["taskset", "-c", self.cpu_cores, *self.argv] if self.cpu_cores else self.argv
         self.log_path = self.work / f"{self.name}.log"
-        self.log = open(self.log_path, "ab")  # noqa: SIM115 - open for the process's life
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env, cwd=self.work)
+        self.proc = ManagedProcess(self.name, argv, self.env, log_path=self.log_path, cwd=self.work)
+        self.proc.start()
         return self
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.running
 
     def metrics(self, port: int) -> str:
         """Its Prometheus text (controller-runtime's registry: the scheduler's and plugins' own figures)."""
@@ -168,12 +169,7 @@ class PickerProcess:
         return self.log_path.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        self.proc.stop(10)
 
 
 def missing_binary(path: Path, what: str) -> str | None:

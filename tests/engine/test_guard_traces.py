@@ -62,14 +62,20 @@ def store() -> Iterator[tuple[Store, Tracing | None, str]]:
     yield Store(None, memory), tracing, "http://unused:4318"
 
 
+def traced_guard_json(vllm_url: str, endpoint: str) -> dict:
+    """guard.json of an in-process guard "chat" before the session's vLLM, exporting to ``endpoint`` with
+    head sampling off (only a sampled parent or the tail rule keeps a trace)."""
+    return {"servedModelName": "tiny", "tokenizer": "unused", "engineUrl": vllm_url,
+            "listenHost": "127.0.0.1", "listenPort": 0, "maxContextTokens": MAX_MODEL_LEN,
+            "blockSize": BLOCK_SIZE, "ttftControl": "Off", "service": "chat",
+            "tracing": {"endpoint": endpoint, "sampleRatio": 0.0}}
+
+
 async def test_a_streamed_chat_and_a_refusal_are_traces_the_store_has(engine, tokenizer):
     with store() as (found, tracing, endpoint):
-        raw = {"servedModelName": "tiny", "tokenizer": "unused", "engineUrl": engine.vllm_url,
-               "listenHost": "127.0.0.1", "listenPort": 0, "maxContextTokens": MAX_MODEL_LEN,
-               "blockSize": BLOCK_SIZE, "ttftControl": "Off", "service": "chat",
-               # Head sampling keeps nothing: the chat is traced for its client's sampled traceparent,
-               # the refusal by the tail rule alone.
-               "tracing": {"endpoint": endpoint, "sampleRatio": 0.0}}
+        # Head sampling keeps nothing: the chat is traced for its client's sampled traceparent,
+        # the refusal by the tail rule alone.
+        raw = traced_guard_json(engine.vllm_url, endpoint)
         guard = GuardServer(guard_config.parse(raw), tokenizer=tokenizer, tracing=tracing)
         await guard.start()
         try:

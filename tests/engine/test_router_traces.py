@@ -15,8 +15,8 @@ from gpufleet_kit.tracing import Tracing
 from gpufleet_router.policy.replicas import Replica
 from gpufleet_router.policy.table import Route
 from gpufleet_router.settings import RouterSettings
-from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN
-from tests.engine.test_guard_traces import store
+from tests.engine.conftest import BLOCK_SIZE
+from tests.engine.test_guard_traces import store, traced_guard_json
 from tests.support.router import static_router
 from tests.support.waiting import wait_for
 
@@ -26,10 +26,7 @@ CLIENT_SPAN = "10f067aa0ba902b8"
 
 async def test_a_streamed_chat_through_the_router_and_the_guard_is_one_trace(engine, tokenizer):
     with store() as (found, guard_tracing, endpoint):
-        raw = {"servedModelName": "tiny", "tokenizer": "unused", "engineUrl": engine.vllm_url,
-               "listenHost": "127.0.0.1", "listenPort": 0, "maxContextTokens": MAX_MODEL_LEN,
-               "blockSize": BLOCK_SIZE, "ttftControl": "Off", "service": "chat",
-               "tracing": {"endpoint": endpoint, "sampleRatio": 0.0}}
+        raw = traced_guard_json(engine.vllm_url, endpoint)
         guard = GuardServer(guard_config.parse(raw), tokenizer=tokenizer, tracing=guard_tracing)
         config = TracingConfig(endpoint, sample_ratio=0.0)
         router_tracing = Tracing.start(config, names.ROUTER_SERVICE_NAME, exporter=found.memory, batch=False) \

@@ -17,11 +17,12 @@ from typing import IO, Mapping, Sequence
 
 class ManagedProcess:
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, cwd: Path | None = None):
         self.name = name
         self.argv = list(argv)
         self.env = dict(env or {})
         self.log_path = log_path
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
@@ -32,7 +33,7 @@ class ManagedProcess:
             self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=self.cwd)
 
     @property
     def pid(self) -> int | None:
