@@ -9,9 +9,11 @@ sampling, its metrics) can collide with another component.
 from __future__ import annotations
 
 import json
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 # The ports a guard, the router and the tests reach Jaeger on: OpenTelemetry's and Jaeger's defaults.
 OTLP_GRPC_PORT = 4317
@@ -40,7 +42,9 @@ def config(ports: JaegerPorts, host: str = "127.0.0.1") -> dict:
             "telemetry": {"metrics": {"level": "none"}, "logs": {"level": "warn"}},
         },
         "extensions": {
-            "jaeger_query": {"storage": {"traces": "memstore"},
+            # Not Jaeger's own traces: they would go to an OTLP endpoint of its default, which nothing
+            # serves, and its stop would wait 10 s for that exporter to give up.
+            "jaeger_query": {"storage": {"traces": "memstore"}, "enable_tracing": False,
                              "http": {"endpoint": f"{host}:{ports.query}"},
                              "grpc": {"endpoint": f"{host}:{ports.query_grpc}"}},
             "jaeger_storage": {"backends": {"memstore": {"memory": {"max_traces": MAX_TRACES}}}},
@@ -96,10 +100,13 @@ def state(ports: JaegerPorts, host: str = "127.0.0.1") -> dict:
     return {"ports": asdict(ports), "otlpHttp": otlp_http_endpoint(ports, host), "query": query_url(ports, host)}
 
 
-def search(ports: JaegerPorts, service: str, limit: int = 100, host: str = "127.0.0.1") -> list[dict]:
-    """The latest traces with a span of ``service`` (Jaeger's ``/api/traces?service=``)."""
+def search(ports: JaegerPorts, service: str, limit: int = 100, host: str = "127.0.0.1",
+           tags: Mapping[str, str] | None = None) -> list[dict]:
+    """The latest traces with a span of ``service`` (Jaeger's ``/api/traces?service=``), only those with a
+    span carrying each of ``tags``."""
+    query = {"service": service, "limit": str(limit), **({"tags": json.dumps(dict(tags))} if tags else {})}
     try:
-        with urllib.request.urlopen(f"{query_url(ports, host)}/api/traces?service={service}&limit={limit}",
+        with urllib.request.urlopen(f"{query_url(ports, host)}/api/traces?{urllib.parse.urlencode(query)}",
                                     timeout=5) as r:
             return json.loads(r.read()).get("data") or []
     except OSError:
