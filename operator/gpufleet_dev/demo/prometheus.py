@@ -70,6 +70,23 @@ def vllm_alone_targets(pods: list[dict]) -> list[dict]:
             for p in filter(is_serving, pods)]
 
 
+def argv(binary: str, config_file: Path, tsdb: Path, port: int) -> list[str]:
+    """Prometheus' command line. Exemplar storage on: the guards' and the router's latency buckets carry the
+    trace id of a traced request (docs/tracing.md), which Prometheus keeps only with this feature."""
+    return [binary, f"--config.file={config_file}", f"--storage.tsdb.path={tsdb}",
+            f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage"]
+
+
+def exemplars(url: str, expr: str, start: float, end: float) -> list[dict]:
+    """Prometheus' stored exemplars of the series ``expr`` selects between unix times ``start`` and ``end``
+    (``/api/v1/query_exemplars``): each series' labels and its exemplars' labels, values and times."""
+    doc = httpx.get(f"{url}/api/v1/query_exemplars", params={"query": expr, "start": f"{start:.3f}",
+                                                             "end": f"{end:.3f}"}, timeout=10, trust_env=False).json()
+    if doc.get("status") != "success":
+        raise RuntimeError(f"exemplar query failed: {expr}: {doc}")
+    return doc["data"]
+
+
 class LocalPrometheus:
     def __init__(self, work_dir: Path, operator_target: str):
         self.work_dir = work_dir.resolve()  # Prometheus resolves relative paths against its config's dir
@@ -91,8 +108,7 @@ class LocalPrometheus:
         self.targets_file.write_text("[]")
         cfg.write_text(yaml.safe_dump(config(self.targets_file, self.operator_target)))
         self._log = open(self.work_dir / "prometheus.log", "ab")
-        self.proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.work_dir / 'tsdb'}",
-                                      f"--web.listen-address=127.0.0.1:{self.port}"],
+        self.proc = subprocess.Popen(argv(binary, cfg, self.work_dir / "tsdb", self.port),
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

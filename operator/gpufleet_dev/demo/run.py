@@ -126,13 +126,19 @@ def operator_kubeconfig(state: dict, work: Path) -> str:
     return str(path)
 
 
-def start_operator(kubeconfig: str, work: Path, port: int, guard_token_file: Path) -> subprocess.Popen:
+def operator_argv(kubeconfig: str, port: int, guard_token_file: Path, state: dict) -> list[str]:
+    """The operator's command line: the demo's namespace only (services of other work on the same local
+    cluster are not its own), and the fleet's OTLP endpoint when the local cluster runs a trace store."""
+    traces = state.get("traces") or {}
+    return [sys.executable, "-m", "gpufleet.cli", "run", "--kubeconfig", kubeconfig,
+            "--namespace", NAMESPACE, "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
+            "--audit-interval-seconds", "10", "--guard-token-file", str(guard_token_file),
+            *(["--otlp-endpoint", traces["otlpHttp"]] if traces.get("otlpHttp") else [])]
+
+
+def start_operator(argv: list[str], work: Path) -> subprocess.Popen:
     log = open(work / "operator.log", "ab")
-    # The demo's namespace only: services of other work on the same local cluster are not its own.
-    return subprocess.Popen([sys.executable, "-m", "gpufleet.cli", "run", "--kubeconfig", kubeconfig,
-                             "--namespace", NAMESPACE, "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
-                             "--audit-interval-seconds", "10", "--guard-token-file", str(guard_token_file)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
 
 async def wait_ready(kube: KubeClient, replicas: int, timeout: float) -> None:
@@ -307,7 +313,7 @@ async def run_demo(model: str, plan: SurgePlan, out_dir: Path, real_node: bool =
     # token only: the chart's ServiceAccount's, for the guards' audience, as the chart projects it.
     token = guard_token.mint(state["kubeconfig"], work / "guard-token", namespace="gpufleet-system",
                              service_account="gpufleet-operator")
-    operator = start_operator(operator_kubeconfig(state, work), work, port, token)
+    operator = start_operator(operator_argv(operator_kubeconfig(state, work), port, token, state), work)
     say(f"operator running under the chart's ServiceAccount (log {work / 'operator.log'})")
     prom = LocalPrometheus(work / "prometheus", f"127.0.0.1:{port}").start()
     say(f"Prometheus at {prom.url} with gpufleet's alert and recording rules")
