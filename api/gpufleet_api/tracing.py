@@ -58,6 +58,16 @@ ROUTER_PREFILL_SPAN = "router.prefill"    # a disaggregated request's prefill st
 ROUTER_RESUME_SPAN = "router.resume"      # a stream continued after its replica broke off mid-answer
 EPP_PICK_SPAN = "router.epp.pick"         # the endpoint picker's decision for a gateway's request: the guard's
 #                                           spans are its children (its context in the gateway's header mutation)
+# vLLM's own (engineSpans On): its request span, a child of the guard's exchange span, and the service name the
+# entrypoint gives its spans (OTEL_SERVICE_NAME; vLLM sets none of its own).
+ENGINE_REQUEST_SPAN = "llm_request"
+ENGINE_SERVICE_NAME = "vllm"
+# Attributes of vLLM's request span (vLLM's SpanAttributes), in seconds: where the time inside vLLM went.
+ENGINE_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
+ENGINE_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
+ENGINE_PREFILL_SECONDS = "gen_ai.latency.time_in_model_prefill"
+ENGINE_DECODE_SECONDS = "gen_ai.latency.time_in_model_decode"
+ENGINE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
 
 # OpenTelemetry GenAI semantic conventions.
 GEN_AI_OPERATION = "gen_ai.operation.name"        # chat, text_completion, embeddings

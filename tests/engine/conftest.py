@@ -56,17 +56,36 @@ def _port_open(url: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def engine():
-    """`gpufleet engine local --model tiny` with 64 KV blocks of 32 tokens."""
-    cmd = [sys.executable, "-m", "gpufleet_engine", "local", "--model", "tiny", "--port", "0",
+def trace_store():
+    """The tier's Jaeger (tests/support/jaeger.py) where it is built, else None: the session's vLLM exports its
+    own spans there (only children of a sampled traceparent: launch/flags.py's sampler), and the traces tests'
+    guards and router theirs, so one trace holds every hop's spans."""
+    from gpufleet_kit.tracing import otlp_problem
+    from tests.support import jaeger
+
+    if not jaeger.built() or otlp_problem() is not None:
+        yield None
+        return
+    with jaeger.running_jaeger() as ports:
+        yield ports
+
+
+@pytest.fixture(scope="session")
+def engine(trace_store):
+    """`gpufleet engine local --model tiny` with 64 KV blocks of 32 tokens; vLLM's spans to the tier's Jaeger."""
+    from gpufleet_dev.devcluster import traces
+
+    engine_traces = ["--engine-traces", traces.otlp_http_endpoint(trace_store)] if trace_store else []
+    cmd = [sys.executable, "-m", "gpufleet_engine", "local", "--model", "tiny", "--port", "0", *engine_traces,
            "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK_SIZE),
            "--max-model-len", str(MAX_MODEL_LEN), "--set", "drainTimeoutSeconds=60",
            # The tier tests admission by KV blocks, queues and limits, and asserts their refusal codes.
            # The TTFT control (tests/unit/engine/test_ttft_limit.py, bench/guard_realistic.py) reacts to
            # the machine's speed: on a loaded runner it would add ttft_limit refusals of its own.
            "--set", "ttftControl=Off", "--set", "controlAuth=" + json.dumps(OPERATOR.control_auth())]
+    # vLLM's span processor sends its batch every 5 s by default: the traces tests would wait that long for it.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"})
     urls: dict[str, str] = {}
     output: list[str] = []
     deadline = time.monotonic() + 600

@@ -1,12 +1,10 @@
 """Traces on a real engine: a streamed chat through the guard to the session's vLLM is one trace
-(the guard's request, admission and exchange spans, parented under the client's traceparent), a
-refused request's trace shows the refusal and its reason though head sampling dropped it, and the
-exemplar on the guard's TTFT histogram names a trace the store has. Read back from a real Jaeger
-(v1.75.0, tests/support/jaeger.py) where it is built, else from an in-memory exporter.
-
-vLLM's own spans are not here: vLLM exports them only when started with --otlp-traces-endpoint,
-and the session's vLLM is shared by the tier; a vLLM of its own for this test would cost the tier
-another minute of start-up (flags.py renders the flag; tests/unit/test_tracing_config.py pins it).
+(the guard's request, admission and exchange spans, parented under the client's traceparent, and
+vLLM's own request span under the exchange), a refused request's trace shows the refusal and its
+reason though head sampling dropped it, and the exemplar on the guard's TTFT histogram names a trace
+the store has. Read back from the tier's Jaeger (v1.75.0, conftest's trace_store) where it is built,
+else from an in-memory exporter: vLLM, another process, exports only to Jaeger, so its span is
+checked only there.
 """
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ from gpufleet_api import tracing as names
 from gpufleet_api.guard import guard_config
 from gpufleet_dev.devcluster import traces
 from gpufleet_engine.serving.server import GuardServer
-from gpufleet_kit.tracing import Tracing, otlp_problem
+from gpufleet_kit.tracing import Tracing
 from tests.engine.conftest import BLOCK_SIZE, MAX_MODEL_LEN
-from tests.support import jaeger
 from tests.support.waiting import wait_for
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -49,12 +46,18 @@ class Store:
                  "attributes": {t["key"]: t["value"] for t in s.get("tags", [])}} for s in found["spans"]]
 
 
+    @property
+    def engine_spans(self) -> bool:
+        """vLLM's spans are here: the session's vLLM exports to the tier's Jaeger (conftest's engine)."""
+        return self.ports is not None
+
+
 @contextlib.contextmanager
-def store() -> Iterator[tuple[Store, Tracing | None, str]]:
-    """A store, the tracing to pass a guard (None: from guard.json) and the endpoint for guard.json."""
-    if jaeger.built() and otlp_problem() is None:
-        with jaeger.running_jaeger() as ports:
-            yield Store(ports, None), None, traces.otlp_http_endpoint(ports)
+def store(ports: traces.JaegerPorts | None) -> Iterator[tuple[Store, Tracing | None, str]]:
+    """A store (the tier's Jaeger ``ports``, else in memory), the tracing to pass a guard (None: from
+    guard.json) and the endpoint for guard.json."""
+    if ports is not None:
+        yield Store(ports, None), None, traces.otlp_http_endpoint(ports)
         return
     memory = InMemorySpanExporter()
     tracing = Tracing.start(guard_config.TracingConfig("http://unused:4318", sample_ratio=0.0), "gpufleet-guard",
@@ -71,8 +74,15 @@ def traced_guard_json(vllm_url: str, endpoint: str) -> dict:
             "tracing": {"endpoint": endpoint, "sampleRatio": 0.0}}
 
 
-async def test_a_streamed_chat_and_a_refusal_are_traces_the_store_has(engine, tokenizer):
-    with store() as (found, tracing, endpoint):
+def engine_span(spans: dict[str, dict], exchange: dict) -> dict:
+    """vLLM's request span, checked to be the guard's exchange's child (the traceparent the guard sends)."""
+    span = spans[names.ENGINE_REQUEST_SPAN]
+    assert span["parent_id"] == exchange["span_id"], "vLLM's span is not under the guard's exchange with it"
+    return span
+
+
+async def test_a_streamed_chat_and_a_refusal_are_traces_the_store_has(engine, tokenizer, trace_store):
+    with store(trace_store) as (found, tracing, endpoint):
         # Head sampling keeps nothing: the chat is traced for its client's sampled traceparent,
         # the refusal by the tail rule alone.
         raw = traced_guard_json(engine.vllm_url, endpoint)
@@ -95,10 +105,12 @@ async def test_a_streamed_chat_and_a_refusal_are_traces_the_store_has(engine, to
         finally:
             await guard.stop()   # the spans still batched go out
 
+        expected = 4 if found.engine_spans else 3   # the guard's three, and vLLM's
+
         def chat_spans() -> list[dict] | None:
             spans = found.spans(CLIENT_TRACE)
-            return spans if len(spans) == 3 else None
-        spans = {s["name"]: s for s in await wait_for(chat_spans, timeout=30, what="the chat's three spans")}
+            return spans if len(spans) >= expected else None
+        spans = {s["name"]: s for s in await wait_for(chat_spans, timeout=30, what=f"the chat's {expected} spans")}
         root = spans[names.GUARD_REQUEST_SPAN]
         assert root["parent_id"] == "00f067aa0ba902b7"        # under the client's span
         for step in (names.GUARD_ADMISSION_SPAN, names.GUARD_ENGINE_SPAN):
@@ -107,6 +119,11 @@ async def test_a_streamed_chat_and_a_refusal_are_traces_the_store_has(engine, to
         assert a[names.GEN_AI_OPERATION] == "chat" and a[names.GEN_AI_REQUEST_MODEL] == "tiny"
         assert a[names.GEN_AI_INPUT_TOKENS] > 0 and 0 < a[names.GEN_AI_OUTPUT_TOKENS] <= 8
         assert a[names.TTFT_SECONDS] > 0 and a[names.HTTP_STATUS] == 200
+        if found.engine_spans:
+            vllm = engine_span(spans, spans[names.GUARD_ENGINE_SPAN])["attributes"]
+            assert vllm[names.ENGINE_COMPLETION_TOKENS] == a[names.GEN_AI_OUTPUT_TOKENS]
+            assert vllm[names.ENGINE_TIME_TO_FIRST_TOKEN] <= a[names.TTFT_SECONDS]
+        assert len(spans) == expected
 
         exemplars = {sample.exemplar.labels["trace_id"] for family in text_string_to_metric_families(openmetrics)
                      if family.name == "gpufleet_guard_ttft_seconds" for sample in family.samples if sample.exemplar}
@@ -118,7 +135,8 @@ async def test_a_streamed_chat_and_a_refusal_are_traces_the_store_has(engine, to
         else:
             def refused_trace() -> set[str] | None:
                 assert found.ports is not None
-                ids = {t["traceID"] for t in traces.search(found.ports, "gpufleet-guard")} - {CLIENT_TRACE}
+                ids = {t["traceID"] for t in traces.search(found.ports, names.GUARD_SERVICE_NAME,
+                                                             tags={names.KEPT: "refused"})}
                 return ids or None
             trace_ids = await wait_for(refused_trace, timeout=30, what="the refusal's trace in Jaeger")
         (refused,) = trace_ids

@@ -10,6 +10,7 @@ import pytest
 from gpufleet.cli.run import settings_from_flags
 from gpufleet.manifests import children, guard_config
 from gpufleet_api import parse_spec
+from gpufleet_api import tracing as names
 from gpufleet_api.guard import guard_config as contract
 from gpufleet_api.tracing import TracingConfig
 from gpufleet_engine.launch import entrypoint
@@ -66,6 +67,31 @@ def test_engine_spans_give_vllm_the_traces_endpoint_and_protocol():
     assert grpc.argv[grpc.argv.index("--otlp-traces-endpoint") + 1] == "jaeger:4317"
     guard_only = vllm_launch(engine, tracing=TracingConfig("http://jaeger:4318"))
     assert "--otlp-traces-endpoint" not in guard_only.argv
+
+
+def test_vllm_traces_only_what_a_sampled_parent_asks_for(monkeypatch):
+    """vLLM 0.32's TracerProvider takes its sampler from the environment: with flags.py's, a request without a
+    traceparent (vLLM would start a root) and one under an unsampled parent record nothing; a sampled parent's
+    child records, under the service name the trace store shows."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    launch = vllm_launch(contract.EngineConfig(model="org/m"),
+                         tracing=TracingConfig("http://jaeger:4318", engine_spans=True))
+    for key, value in launch.env.items():
+        monkeypatch.setenv(key, value)
+    provider = TracerProvider(resource=Resource.create({}))   # as vLLM's init_otel_tracer builds it
+    tracer = provider.get_tracer("vllm")
+    assert provider.resource.attributes["service.name"] == names.ENGINE_SERVICE_NAME
+
+    def recorded(traceparent: str | None) -> bool:
+        context = TraceContextTextMapPropagator().extract({"traceparent": traceparent} if traceparent else {})
+        return tracer.start_span(names.ENGINE_REQUEST_SPAN, context=context).is_recording()
+
+    assert not recorded(None)
+    assert not recorded("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00")
+    assert recorded("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
 
 
 def test_an_image_whose_vllm_cannot_export_is_refused_naming_the_field(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from gpufleet_api.guard.engine_flags import RUNTIME_LORA_ENV
 from gpufleet_api.guard.guard_config import EngineConfig, KVTransferConfig, LoraConfig
-from gpufleet_api.tracing import TracingConfig, http_traces_url
+from gpufleet_api.tracing import ENGINE_SERVICE_NAME, TracingConfig, http_traces_url
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -73,7 +73,7 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
     if tracing is not None and tracing.engine_spans:
         # vLLM's own request spans, parented by the guard's traceparent (docs/tracing.md).
         argv += ["--otlp-traces-endpoint", tracing_endpoint(tracing)]
-        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = tracing.protocol
+        env.update(engine_tracing_env(tracing))
     if cpu:
         env.update(_cpu_env(engine, cpu_count, cpu_cores))
     if engine.lora:
@@ -81,6 +81,16 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
         # which vLLM serves only with this set.
         env[RUNTIME_LORA_ENV] = "True"
     return EngineLaunch(tuple(argv), env)
+
+
+def engine_tracing_env(tracing: TracingConfig) -> dict[str, str]:
+    """vLLM's OpenTelemetry settings beside its flag. The sampler: vLLM 0.32 starts a trace of its own
+    for a request that came without a ``traceparent`` (the SDK's default samples every root), so every
+    request a guard without tracing passed on would be exported; following the parent only, vLLM's
+    spans exist exactly where the guard's sampled (or a client's sampled) context asked for them."""
+    return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": tracing.protocol,
+            "OTEL_SERVICE_NAME": ENGINE_SERVICE_NAME,
+            "OTEL_TRACES_SAMPLER": "parentbased_always_off"}
 
 
 def tracing_endpoint(tracing: TracingConfig) -> str:

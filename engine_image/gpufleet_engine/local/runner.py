@@ -21,6 +21,7 @@ from typing import Any
 
 from gpufleet_api.guard import gpu_memory, guard_config
 from gpufleet_api.guard.adapters import ADAPTER_DIR_ENV
+from gpufleet_api.tracing import TracingConfig
 from gpufleet_engine.launch.flags import vllm_launch
 from gpufleet_engine.launch.processes import ManagedProcess, wait_until
 from gpufleet_engine.local.models import prepare
@@ -61,8 +62,11 @@ class LocalEngine:
                  max_model_len: int | None = None, cpu_threads: int | None = None,
                  cpu_cores: str | None = None, lora: dict[str, Any] | None = None,
                  guard: dict[str, Any] | None = None, work_dir: Path | None = None,
-                 startup_timeout: float = 600.0, python: str = sys.executable):
+                 startup_timeout: float = 600.0, python: str = sys.executable,
+                 engine_traces: str | None = None):
         """``guard`` overrides fields of the generated guard.json (``engine`` merges key by key).
+        ``engine_traces``: an OTLP/HTTP endpoint vLLM exports its own spans to (as with ``engineSpans``
+        On), whatever guard.json's tracing says: the guard's own tracing stays guard.json's.
         ``lora``: engine.lora (e.g. ``{"maxLoras": 2, "maxLoraRank": 8, "maxCpuLoras": 2}``): vLLM
         serves LoRA adapters, which ``PUT /adapters`` on the guard loads."""
         self.model = prepare(model)
@@ -84,6 +88,7 @@ class LocalEngine:
         self.python = python
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="gpufleet-local-"))
         self.lora = lora
+        self.engine_traces = TracingConfig(engine_traces, engine_spans=True) if engine_traces else None
         self.config_dict = self._config(guard or {})
         # Validate before starting anything: a bad override fails in a second, not after vLLM's start.
         self.config = guard_config.parse(self.config_dict)
@@ -148,7 +153,7 @@ class LocalEngine:
         self.config_path.write_text(json.dumps(self.config_dict, indent=2))
         assert self.config.engine is not None  # _base_config always writes the engine section
         launch = vllm_launch(self.config.engine, python=self.python, cpu_count=self.cpu_threads,
-                             cpu_cores=self.cpu_cores, tracing=self.config.tracing)
+                             cpu_cores=self.cpu_cores, tracing=self.engine_traces or self.config.tracing)
         self.engine_proc = ManagedProcess("vllm", launch.argv, {**launch.env, **self._shared_env()},
                                           self.work_dir / "vllm.log")
         self.engine_proc.start()
