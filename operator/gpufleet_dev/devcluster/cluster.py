@@ -351,6 +351,7 @@ def down(progress: Progress = print) -> list[str]:
     if "containerd" in procs:
         from . import node
         stopped += node.stop(state, state_dir(), _stop_process)
+    terminated = []
     for name in reversed(COMPONENTS):
         if name in stopped:
             continue
@@ -360,15 +361,18 @@ def down(progress: Progress = print) -> list[str]:
                 os.killpg(proc["pid"], signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            stopped.append(name)
-    for name in stopped:
+            terminated.append(name)
+    for name in terminated:
         proc = procs[name]
-        # The engine backer drains its engines first (up to a minute); the rest stop at once.
-        deadline = time.monotonic() + (75 if name == "engine-backer" else 15)
+        # The engine backer stops its engines first (up to a minute). The rest hold nothing a later cluster
+        # reads (etcd's data goes below), so they get a short grace: after the real node's stop, the API
+        # server's graceful shutdown did not finish in 15 s and it was killed then, on every down.
+        deadline = time.monotonic() + (75 if name == "engine-backer" else 3)
         while _alive(proc["pid"], proc["binary"]) and time.monotonic() < deadline:
             time.sleep(0.1)
         if _alive(proc["pid"], proc["binary"]):
             os.killpg(proc["pid"], signal.SIGKILL)
+    stopped += terminated
     for name in stopped:
         progress(f"stopped {name}")
     (state_dir() / "state.json").unlink(missing_ok=True)

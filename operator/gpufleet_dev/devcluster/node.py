@@ -317,14 +317,17 @@ def stop_pods() -> None:
     """Kill every container containerd runs for the node (``down`` is not a drain)."""
     if not SOCKET.exists():
         return
-    tasks = ctr("tasks", "ls", "-q", capture_output=True, text=True)
-    for task in tasks.stdout.split():
+    tasks = set(ctr("tasks", "ls", "-q", capture_output=True, text=True).stdout.split())
+    for task in tasks:
         ctr("tasks", "kill", "-s", "SIGKILL", task, capture_output=True)
+    # Deleted here or gone already: the shim of a killed task may clean it up first, and deleting a task that
+    # no longer exists fails (this loop once spent its whole 15 s retrying such a one on every down).
     deadline = time.monotonic() + 15
-    for task in tasks.stdout.split():
-        while time.monotonic() < deadline:
-            if ctr("tasks", "delete", task, capture_output=True).returncode == 0:
-                break
+    while tasks and time.monotonic() < deadline:
+        tasks = {task for task in tasks if ctr("tasks", "delete", task, capture_output=True).returncode != 0}
+        if tasks:
+            tasks &= set(ctr("tasks", "ls", "-q", capture_output=True, text=True).stdout.split())
+        if tasks:
             time.sleep(0.2)
     for container in ctr("containers", "ls", "-q", capture_output=True, text=True).stdout.split():
         ctr("containers", "delete", container, capture_output=True)
