@@ -20,6 +20,7 @@ import yaml
 
 from gpufleet.manifests import names
 from gpufleet.manifests.children import RUN_AS_USER
+from gpufleet.manifests.model_cache import FETCH_CONTAINER
 from gpufleet_dev.devcluster import node
 from gpufleet_engine.local.models import prepare
 from tests.realnode.load import answered_after, model_listed, streaming
@@ -206,7 +207,11 @@ async def test_missing_secret_is_a_clear_condition(install, kube, control_plane,
 
 async def test_weights_download_once_into_a_node_cache(install, kube, control_plane, built_images):
     """A Hub model with a node-local cache: the first replica's model-fetch init container downloads
-    (from a local Hub mirror, spec.model.source.huggingFace.endpoint), the second finds it all on disk."""
+    (from a local Hub mirror, spec.model.source.huggingFace.endpoint) and its vLLM serves from the cache
+    asking the Hub nothing more; the second replica's model-fetch finds it all on disk. The second replica
+    is judged when its model-fetch has finished, not when it is Ready: its vLLM would load what the first
+    one's did, from the same cache, and its start (about half a minute on two cores) would prove nothing
+    the first one's did not."""
     # Dedicated isolation keeps other models off the one real node: the earlier services go first.
     control_plane.kubectl("-n", install.work_ns, "delete", "inferenceservice", "--all", "--wait=true", timeout=180)
     await wait_for(lambda: _no_engine_pods(kube, install.work_ns), timeout=180, what="the earlier engine pods gone")
@@ -221,28 +226,48 @@ async def test_weights_download_once_into_a_node_cache(install, kube, control_pl
         started = time.monotonic()
         control_plane.kubectl("apply", "-n", install.work_ns, "-f", "-", input=yaml.safe_dump(sample))
         describe = lambda: control_plane.kubectl("-n", install.work_ns, "describe", "pods", check=False).stdout[-4000:]  # noqa: E731
+        (first,) = await wait_for(lambda: _fetched(kube, install.work_ns, set()), timeout=300,
+                                  what="the first replica's model-fetch finished", describe=describe)
+        first_bytes = hub.sent_bytes
+        weights = sum(len(b) for f, b in hub.files.items() if f.endswith(".safetensors"))
+        assert first_bytes >= weights > 0
+        assert _cached_weights(cache)
         await wait_for(lambda: _service_ready(kube, install.work_ns, 1, "hub"), timeout=420,
                        what="the first replica Ready", describe=describe)
         first_ready = time.monotonic() - started
-        weights = sum(len(b) for f, b in hub.files.items() if f.endswith(".safetensors"))
-        first_bytes = hub.sent_bytes
-        assert first_bytes >= weights > 0
-        assert _cached_weights(cache)
+        assert hub.sent_bytes == first_bytes, "the first replica's vLLM asked the Hub after model-fetch"
 
         started = time.monotonic()
         await kube.merge_patch(API, "InferenceService", "hub", {"spec": {"autoscaling": {"minReplicas": 2}}},
                                install.work_ns)
-        await wait_for(lambda: _service_ready(kube, install.work_ns, 2, "hub"), timeout=600,
-                       what="the second replica Ready", describe=describe)
-        second_ready = time.monotonic() - started
+        await wait_for(lambda: _fetched(kube, install.work_ns, {first}), timeout=300,
+                       what="the second replica's model-fetch finished", describe=describe)
+        second_fetched = time.monotonic() - started
         print(f"\n[weights] first replica: {first_bytes} bytes from the Hub, Ready in {first_ready:.0f}s; "
-              f"second: {hub.sent_bytes - first_bytes} bytes, Ready in {second_ready:.0f}s", flush=True)
+              f"second: {hub.sent_bytes - first_bytes} bytes, its model-fetch done in {second_fetched:.0f}s",
+              flush=True)
         assert hub.sent_bytes == first_bytes, "the second replica downloaded again"
     finally:
         control_plane.kubectl("-n", install.work_ns, "delete", "inferenceservice", "hub", "--wait=true",
                               check=False, timeout=180)
         await hub.stop()
         shutil.rmtree(cache, ignore_errors=True)
+
+
+async def _fetched(kube, ns: str, known: set[str]) -> list[str] | None:
+    """The names of the service's pods not in ``known`` whose model-fetch init container exited 0 (one
+    that failed fails the test with its exit code), or None while there are none."""
+    done = []
+    for pod in await _pods(kube, ns, names.selector_string("hub")):
+        name = pod["metadata"]["name"]
+        if name in known or pod["metadata"].get("deletionTimestamp"):
+            continue
+        for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            ended = (status.get("state") or {}).get("terminated")
+            if status["name"] == FETCH_CONTAINER and ended:
+                assert ended.get("exitCode") == 0, f"{name}'s {FETCH_CONTAINER} failed: {ended}"
+                done.append(name)
+    return done or None
 
 
 def _node_cache_dir(path: str) -> Path:
