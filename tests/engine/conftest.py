@@ -160,7 +160,7 @@ def own_context_engine_shared():
         engine.start()
         return engine
 
-    shared = SharedEngine(start, lambda engine: engine.stop())
+    shared = SharedEngine(start, lambda engine: engine.stop(drain=False))
     yield shared
     shared.release()
 
@@ -195,7 +195,7 @@ async def relayed_replicas_shared():
 
     async def stop(running) -> None:
         engines, relays = running
-        await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
+        await asyncio.gather(*(asyncio.to_thread(e.stop, drain=False) for e in engines))
         for relay in relays:
             await relay.close()
 

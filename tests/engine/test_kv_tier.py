@@ -34,7 +34,7 @@ async def replicas():
         await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines))
         yield engines
     finally:
-        await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
+        await asyncio.gather(*(asyncio.to_thread(e.stop, drain=False) for e in engines))
         shutil.rmtree(store, ignore_errors=True)
 
 

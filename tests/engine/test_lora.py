@@ -42,7 +42,7 @@ def lora_engine(adapters):
                          guard={"ttftControl": "Off", "controlAuth": OPERATOR.control_auth()})
     engine.start()
     yield engine
-    engine.stop()
+    engine.stop(drain=False)
 
 
 def put(engine: LocalEngine, adapters: dict[str, Path], names: list[str]) -> int:

@@ -98,7 +98,7 @@ async def pools():
         print(f"\nprefill and decode engines started side by side in {time.monotonic() - started:.0f}s")
         yield engines
     finally:
-        await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines[:2]))
+        await asyncio.gather(*(asyncio.to_thread(e.stop, drain=False) for e in engines[:2]))
         shutil.rmtree(kv, ignore_errors=True)
 
 

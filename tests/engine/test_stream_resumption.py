@@ -144,7 +144,7 @@ class Interrupted:
 
 
 async def restart(engine: LocalEngine) -> None:
-    await asyncio.to_thread(engine.stop, 5.0)
+    await asyncio.to_thread(engine.stop, drain=False)
     await asyncio.to_thread(engine.start)
 
 

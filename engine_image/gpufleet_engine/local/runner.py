@@ -206,10 +206,12 @@ class LocalEngine:
         staged.write_text(text)
         os.replace(staged, self.config_path.with_name(name))
 
-    def stop(self, drain_seconds: float = 30.0) -> None:
-        """Guard first (it drains in-flight requests), then vLLM."""
+    def stop(self, drain_seconds: float = 30.0, *, drain: bool = True) -> None:
+        """Guard first (it drains in-flight requests), then vLLM. ``drain=False`` kills the guard at once:
+        for an engine nothing is sent to any more (a test's teardown), where the drain's endpoint grace
+        (serving/drain.py: 5 s of admitting while a Service's endpoints catch up) is time for nobody."""
         if self.guard_proc is not None:
-            self.guard_proc.stop(drain_seconds + 5)
+            self.guard_proc.stop(drain_seconds + 5 if drain else 0)
         if self.engine_proc is not None:
             self.engine_proc.stop(30)
 
