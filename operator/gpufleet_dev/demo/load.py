@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import secrets
 import time
 from typing import Callable
 
@@ -79,14 +80,16 @@ def prompt_of(tokens: int, rng: random.Random) -> str:
 class EndpointLoad:
     def __init__(self, kube: KubeClient | None, namespace: str, service: str, model: str, *, prompt_tokens: int = 200,
                  max_tokens: int = 64, request_class: str | None = None, seed: int = 7,
-                 selector: str | None = None, port: int = names.GUARD_PORT):
+                 selector: str | None = None, port: int = names.GUARD_PORT, traced: bool = False):
         """``selector`` and ``port``: the pods to balance over and their port (default: the service's
-        engine pods, on the guard's port)."""
+        engine pods, on the guard's port). ``traced``: each request carries a sampled W3C ``traceparent`` of its
+        own, the same on each retry, so the guards trace every request and its attempts are one trace."""
         self.kube, self.namespace, self.service, self.model = kube, namespace, service, model
         self.selector = selector or names.selector_string(service)
         self.port = port
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.request_class = request_class
+        self.traced = traced
         self.rng = random.Random(seed)
         self.endpoints: list[str] = []
         self.results: list[RequestResult] = []
@@ -134,7 +137,7 @@ class EndpointLoad:
             async with asyncio.timeout_at(first_deadline) as scope:
                 def first_token() -> None:
                     scope.reschedule(began + policy.timeout)
-                await self._attempts(http, body, result, policy, first_token)
+                await self._attempts(http, body, result, policy, first_token, self._trace_headers())
         except TimeoutError:
             result.gave_up = result.ttft is None and policy.patience is not None and policy.patience < policy.timeout
             result.timed_out = not result.gave_up
@@ -143,8 +146,13 @@ class EndpointLoad:
         result.finished = self.now()
         return result
 
+    def _trace_headers(self) -> dict[str, str]:
+        """A new trace, sampled: the client decides for its request (docs/tracing.md); random ids, not the
+        seeded prompts' generator, so two demo runs do not write the same traces."""
+        return {"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"} if self.traced else {}
+
     async def _attempts(self, http: httpx.AsyncClient, body: dict, result: RequestResult, policy: ClientPolicy,
-                        first_token: Callable[[], None]) -> None:
+                        first_token: Callable[[], None], trace_headers: dict[str, str]) -> None:
         retries = reroutes = 0
         while True:
             ep = self._pick()
@@ -154,7 +162,7 @@ class EndpointLoad:
             else:
                 result.endpoint = ep
                 result.attempts += 1
-                verdict = await self._send(http, ep, body, result, first_token)
+                verdict = await self._send(http, ep, body, result, first_token, trace_headers)
             if result.status == 429:
                 if result.retry_after is not None:
                     result.refusals += 1
@@ -172,10 +180,10 @@ class EndpointLoad:
             retries += 1
 
     async def _send(self, http: httpx.AsyncClient, ep: str, body: dict, result: RequestResult,
-                    first_token: Callable[[], None]) -> str:
+                    first_token: Callable[[], None], trace_headers: dict[str, str]) -> str:
         """"done", "retry" (the openai SDK would try again) or "reroute" (a draining replica refused
         it before any work: an ingress sends it to another)."""
-        headers = {"x-gpufleet-class": self.request_class} if self.request_class else {}
+        headers = {**trace_headers, **({"x-gpufleet-class": self.request_class} if self.request_class else {})}
         result.status, result.error, result.retry_after = 0, "", None
         try:
             async with http.stream("POST", f"{ep}/v1/completions", json=body, headers=headers) as resp:

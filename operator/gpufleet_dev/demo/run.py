@@ -29,7 +29,7 @@ from gpufleet_kit.kube.client import KubeClient
 from gpufleet_kit.kube.config import KubeConfig
 
 from ..devcluster import binaries, cluster, guard_token
-from . import comparison, surge, vllm_alone
+from . import comparison, slowest_trace, surge, vllm_alone
 from . import comparison_chart as chart
 from . import report as rep
 from .load import EndpointLoad
@@ -60,6 +60,9 @@ def demo_service(model: str, state: dict) -> dict:
     if real:
         doc["spec"]["model"]["source"] = {"uri": IMAGE_MODEL_PATHS[model]}
         doc["spec"]["engine"]["image"] = state["images"]["engine-cpu"]
+    if state.get("traces"):
+        # vLLM's own spans join the guards' (its queue, prefill and decode in the report's slowest trace).
+        doc["spec"].setdefault("observability", {})["tracing"] = {"engineSpans": "On"}
     return doc
 
 
@@ -178,10 +181,10 @@ def live_line(t: float, phase: str, clients: int, results: list) -> str:
 
 
 async def drive_load(kube: KubeClient, model: str, plan: SurgePlan,
-                     operator_metrics_url: str) -> tuple[list, SurgeRun, list]:
+                     operator_metrics_url: str, traced: bool) -> tuple[list, SurgeRun, list]:
     """The surge through gpufleet, then a lull long enough for the scale-in window. Replicas and
-    decisions from status, KV usage from the operator's gauge."""
-    load = EndpointLoad(kube, NAMESPACE, "chat", MODELS[model], prompt_tokens=200, max_tokens=64)
+    decisions from status, KV usage from the operator's gauge. ``traced``: every request traced."""
+    load = EndpointLoad(kube, NAMESPACE, "chat", MODELS[model], prompt_tokens=200, max_tokens=64, traced=traced)
     ticks: list[rep.Tick] = []
     decisions: list[dict] = []
     seen: set[str] = set()
@@ -343,7 +346,8 @@ async def run_demo(model: str, plan: SurgePlan, out_dir: Path, real_node: bool =
         await wait_ready(kube, 1, timeout=600)
         operator_metrics = f"http://127.0.0.1:{port}/metrics"
         say("run 2 of 2: the same surge through gpufleet (guard and operator), then a lull for the scale-in")
-        ticks, fleet, decisions = await drive_load(kube, model, plan, operator_metrics)
+        trace_query = (state.get("traces") or {}).get("query")
+        ticks, fleet, decisions = await drive_load(kube, model, plan, operator_metrics, traced=bool(trace_query))
         (work / "results.json").write_text(json.dumps([r.__dict__ for r in fleet.results + fleet.later]))
         f, s = await read_figures(prom, comparison.RunWindow(RUN_GPUFLEET, "gpufleet", fleet.started_at,
                                                              fleet.ended_at, guarded=True), fleet, slo_seconds)
@@ -364,6 +368,9 @@ async def run_demo(model: str, plan: SurgePlan, out_dir: Path, real_node: bool =
                                prometheus=promview)
         text += "\n" + rep.render_comparison(figures, slo_seconds, spec.admission.kv_watermark_percent,
                                              plan.describe())
+        slowest = (await asyncio.to_thread(slowest_trace.read, trace_query, (fleet.started_at, fleet.ended_at))
+                   if trace_query else slowest_trace.no_store_lines())
+        text += "\n" + "\n".join(slowest) + "\n"
         (work / "report.txt").write_text(text)
         (work / "comparison.md").write_text(comparison.render_table(figures, slo_seconds) + "\n")
         rep.render_png(work / "report.png", ticks, fleet.results + fleet.later,

@@ -86,8 +86,13 @@ def ready(ports: JaegerPorts, host: str = "127.0.0.1") -> bool:
 def trace(ports: JaegerPorts, trace_id: str, host: str = "127.0.0.1") -> dict | None:
     """One trace from Jaeger's query API (``/api/traces/<id>``): its spans and processes, None when
     Jaeger has none by that id."""
+    return read_trace(query_url(ports, host), trace_id)
+
+
+def read_trace(query: str, trace_id: str) -> dict | None:
+    """``trace`` from the query API at ``query`` (``http://host:16686``)."""
     try:
-        with urllib.request.urlopen(f"{query_url(ports, host)}/api/traces/{trace_id}", timeout=5) as r:
+        with urllib.request.urlopen(f"{query}/api/traces/{trace_id}", timeout=5) as r:
             data = json.loads(r.read()).get("data") or []
     except OSError:
         return None
@@ -104,10 +109,19 @@ def search(ports: JaegerPorts, service: str, limit: int = 100, host: str = "127.
            tags: Mapping[str, str] | None = None) -> list[dict]:
     """The latest traces with a span of ``service`` (Jaeger's ``/api/traces?service=``), only those with a
     span carrying each of ``tags``."""
-    query = {"service": service, "limit": str(limit), **({"tags": json.dumps(dict(tags))} if tags else {})}
+    return find_traces(query_url(ports, host), service, limit=limit, tags=tags)
+
+
+def find_traces(query: str, service: str, *, limit: int = 100, tags: Mapping[str, str] | None = None,
+                operation: str | None = None, window: tuple[float, float] | None = None) -> list[dict]:
+    """``search`` from the query API at ``query``; ``operation``: only traces with a span of that name;
+    ``window``: only traces with a span that began between these unix times. Empty when Jaeger does not
+    answer."""
+    params = {"service": service, "limit": str(limit), **({"tags": json.dumps(dict(tags))} if tags else {}),
+              **({"operation": operation} if operation else {}),
+              **({"start": str(int(window[0] * 1e6)), "end": str(int(window[1] * 1e6))} if window else {})}
     try:
-        with urllib.request.urlopen(f"{query_url(ports, host)}/api/traces?{urllib.parse.urlencode(query)}",
-                                    timeout=5) as r:
+        with urllib.request.urlopen(f"{query}/api/traces?{urllib.parse.urlencode(params)}", timeout=30) as r:
             return json.loads(r.read()).get("data") or []
     except OSError:
         return []
