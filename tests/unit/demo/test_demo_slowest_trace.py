@@ -122,3 +122,12 @@ async def test_a_traced_load_sends_each_request_one_sampled_traceparent_on_every
         assert [host for host, _ in seen] == ["10.0.0.2", "10.0.0.1"] * 2
         assert headers[0] == headers[1] != headers[2] == headers[3]
         assert all(re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", h or "") for h in headers)
+
+
+def test_with_a_trace_store_the_demos_service_asks_for_vllms_spans():
+    from gpufleet_api import parse_spec
+    from gpufleet_dev.demo.run import demo_service
+
+    traced = parse_spec(demo_service("tiny", {"traces": {"otlpHttp": "http://127.0.0.1:4318"}})["spec"])
+    assert traced.observability.tracing.engine_spans == "On" and traced.observability.tracing.mode == "On"
+    assert parse_spec(demo_service("tiny", {})["spec"]).observability.tracing.engine_spans == "Off"
