@@ -45,7 +45,6 @@ class Store:
                  "parent_id": next((r["spanID"] for r in s.get("references", []) if r["refType"] == "CHILD_OF"), ""),
                  "attributes": {t["key"]: t["value"] for t in s.get("tags", [])}} for s in found["spans"]]
 
-
     @property
     def engine_spans(self) -> bool:
         """vLLM's spans are here: the session's vLLM exports to the tier's Jaeger (conftest's engine)."""
