@@ -148,11 +148,11 @@ def start_engines(args: argparse.Namespace, work: Path, port: int, events: list[
     return [LocalEngine(MODEL, host=h, guard_port=port, kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE,
                         max_model_len=MAX_MODEL_LEN, cpu_cores=str(i % args.cores), work_dir=work / f"replica-{i}",
                         guard={"ttftControl": "Off", "controlAuth": OPERATOR.control_auth(), "engine": {
-                            "lora": lora, "extraArgs": [
+                            # The guard follows these for gpufleet's picker; llm-d's relay forwards them too.
+                            "lora": lora, "kvEvents": {"endpoint": events[i], "topic": f"kv@{h}@{MODEL}"},
+                            "extraArgs": [
                                 *(["--trust-request-chat-template"] if args.template_in_body else []),
-                                "--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config", json.dumps({
-                                    "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[i],
-                                    "topic": f"kv@{h}@{MODEL}"})]}})
+                                "--prefix-caching-hash-algo", "sha256_cbor"]}})
             for i, h in enumerate(HOSTS[:args.replicas])]
 
 

@@ -40,6 +40,7 @@ from gpufleet_router.server import Fleet, Router, RouterSettings, client_session
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _peer_pickers import EventRelay  # noqa: E402
 from vllm_router_process import ROUTER, VllmRouterProcess  # noqa: E402
 
 MODEL = "tiny"
@@ -206,10 +207,13 @@ async def run(args: argparse.Namespace) -> dict:
     for i in range(2):
         (work / f"replica-{i}").mkdir()
     engines = [LocalEngine(MODEL, host="127.0.0.1", kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, max_model_len=1024,
-                           cpu_cores=str(i), work_dir=work / f"replica-{i}", guard={"engine": {"extraArgs": [
-                               "--enable-scale-out", "--kv-events-config", json.dumps({
-                                   "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[i]})]}})
+                           cpu_cores=str(i), work_dir=work / f"replica-{i}",
+                           guard={"engine": {"extraArgs": ["--enable-scale-out"]}})
                for i in range(2)]
+    # vLLM publishes its KV events on a socket file its guard follows (LocalEngine's default, as the operator
+    # renders them); a relay forwards them to the address vllm-router's kv_aware binds, as vLLM would.
+    relays = [EventRelay([e.config.engine.kv_events.endpoint], events[i]).start()
+              for i, e in enumerate(engines) if e.config.engine and e.config.engine.kv_events]
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(engines[0].model.path))
     try:
@@ -237,6 +241,8 @@ async def run(args: argparse.Namespace) -> dict:
                       + (f", picks {done['picks']}" if "picks" in done else ""), flush=True)
         results = {front: summary(r, args.ttft_slo_ms / 1000) for front, r in runs.items()}
     finally:
+        for relay in relays:
+            relay.stop()
         await asyncio.gather(*(asyncio.to_thread(e.stop, 5.0) for e in engines))
     return {"prompts": args.prompts, "requests": args.requests, "clients": args.clients, "rounds": args.rounds,
             "ttft_slo_ms": args.ttft_slo_ms, "results": results}

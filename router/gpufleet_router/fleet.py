@@ -8,7 +8,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import aiohttp
 
@@ -25,6 +25,7 @@ from gpufleet_kit.kube.errors import NotFound
 from gpufleet_kit.kube.pods import is_serving
 from gpufleet_kit.tracing import current
 
+from . import cache_feed
 from .loop_lag import LoopLag
 from .metrics import RouterMetrics
 from .policy import adapters, tenancy
@@ -34,6 +35,7 @@ from .policy.cold_start import ColdStarts
 from .policy.replicas import Reading
 from .policy.signals import parse_guard
 from .policy.table import Route, Table, build_table
+from .prompt_tokens import PromptTokens
 from .settings import RouterSettings
 
 log = logging.getLogger("gpufleet_router")
@@ -72,6 +74,10 @@ class Fleet:
         self.held: dict[str, collections.deque[asyncio.Future]] = {}
         self.cold_since: dict[str, float] = {}   # model -> when its first request found no replica
         self.cold_starts: dict[str, ColdStarts] = {}
+        # model -> its tokenizer, from one of its guards (cache_feed.py): the prompts' token blocks, which
+        # the guards' feeds of their prefix caches are looked up by.
+        self.tokenizers: dict[str, PromptTokens] = {}
+        self._tokenizer_asked: set[str] = set()   # models whose tokenizer is being fetched now
 
     def update(self, table: Table, catalog: adapters.Catalog = adapters.EMPTY) -> None:
         problems = table.problems + catalog.problems
@@ -117,7 +123,7 @@ class Fleet:
         requests held for it (they time out where they wait), its cold-start clock and history, and its
         metrics' label sets (the series of a service that is gone end, as a pod's do)."""
         models = set(table.routes)
-        for state in (self.held, self.cold_since, self.cold_starts):
+        for state in (self.held, self.cold_since, self.cold_starts, self.tokenizers):
             for model in [m for m in state if m not in models]:
                 del state[model]
         self.metrics.prune(models=models, adapters=set(catalog.adapters),
@@ -229,12 +235,28 @@ class Fleet:
                 self.metrics.readings_failed.labels(model).inc()
                 reading = None
             picker.observe(pod, reading)
+            if reading is not None and reading.ready:
+                feeds = await cache_feed.read_feed(http, picker, pod, address, timeout, taken_at)
+                if feeds and model not in self.tokenizers and model not in self._tokenizer_asked:
+                    self._tokenizer_asked.add(model)
+                    try:
+                        tokenizer = await cache_feed.read_tokenizer(http, address, timeout)
+                    finally:
+                        self._tokenizer_asked.discard(model)
+                    if tokenizer is not None:
+                        self.tokenizers[model] = tokenizer
 
         await asyncio.gather(*(read(model, picker, r.pod, r.address)
                                for (model, _role), picker in list(self.pickers.items())
                                for r in picker.replicas.values() if r.serving))
         self._count_replicas()
         self.release_held()
+
+    def tokenize(self, doc: dict, route: str, target: Route) -> Sequence[int] | None:
+        """The prompt's token ids as the service's vLLM tokenizes them (placement.Tokenize); None without a
+        tokenizer from its guards."""
+        tokenizer = self.tokenizers.get(target.model)
+        return tokenizer.ids(doc, route) if tokenizer is not None else None
 
     # --- requests held through a cold start ------------------------------------------
 

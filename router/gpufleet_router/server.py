@@ -162,7 +162,8 @@ class Router:
         arrived = self.fleet.clock()
         try:
             body = await self._read_body(request, claim)
-            placement = place(body, route, self.fleet.table, self.fleet.catalog, self.settings.prefix_blocks)
+            placement = place(body, route, self.fleet.table, self.fleet.catalog, self.settings.prefix_blocks,
+                              self.fleet.tokenize)
         except UnknownModel as e:
             self.metrics.unknown_model_requests.inc()
             return refuse(self.metrics, "", Outcome.INVALID, e.status, e.body())

@@ -45,6 +45,8 @@ MANAGED_FLAGS: dict[str, str] = {
     "-sc": "set spec.engine.speculative",
     "--num-gpu-blocks-override": "set spec.engine.kvCache.numBlocksOverride",
     "--kv-transfer-config": "set spec.engine.kvTransfer",
+    "--kv-events-config": "leave it to gpufleet: vLLM's KV events are on wherever spec.engine.prefixCaching "
+                          "is Enabled (the guard follows them for the router)",
     "--enable-lora": "set spec.engine.lora",
     "--max-loras": "set spec.engine.lora.maxAdaptersPerBatch",
     "--max-lora-rank": "set spec.engine.lora.maxRank",

@@ -27,6 +27,7 @@ from ..errors import ContractError
 from ..tracing import TracingConfig
 from .control_auth import ControlAuthConfig
 from .engine_flags import extra_args_problems
+from .kv_blocks import KV_EVENTS_ENDPOINT
 
 OverLengthPolicy = Literal["Reject", "TruncateLeft"]
 OVER_LENGTH_POLICIES = typing.get_args(OverLengthPolicy)
@@ -123,6 +124,14 @@ class KVTransferConfig(_Section, frozen=True):
     shared_storage_limit_bytes: Annotated[int, Meta(ge=1)] = DEFAULT_SHARED_STORAGE_LIMIT_BYTES
 
 
+class KVEventsConfig(_Section, frozen=True):
+    """vLLM's KV events (``--kv-events-config``), which the guard follows to tell the router what the
+    prefix cache holds (kv_blocks.py). ``endpoint``: vLLM's ZMQ publisher address (the guard binds it,
+    or connects where vLLM binds: ipc:// and wildcard addresses); ``topic``: vLLM's topic."""
+    endpoint: str = KV_EVENTS_ENDPOINT
+    topic: str = ""
+
+
 class LoraConfig(_Section, frozen=True):
     """LoRA adapters on this engine (spec.engine.lora): vLLM's ``--enable-lora`` and its capacity.
     Adapters themselves are not listed here: the operator places them on replicas at run time
@@ -178,6 +187,7 @@ class EngineConfig(_Section, frozen=True):
     cpu_kv_cache_space_gib: Optional[Annotated[int, Meta(ge=1)]] = msgspec.field(default=None,
                                                                                  name="cpuKvCacheSpaceGiB")
     kv_transfer: Optional[KVTransferConfig] = None
+    kv_events: Optional[KVEventsConfig] = None   # None: vLLM publishes no KV events
     lora: Optional[LoraConfig] = None
     extra_args: Annotated[tuple[str, ...], Meta(examples=['["--enforce-eager"]'])] = ()
 
@@ -385,6 +395,13 @@ def _engine_problems(e: EngineConfig, where: str) -> list[str]:
         # vLLM refuses to start: its CPU cache holds every adapter of a batch.
         problems.append(f"{where}.lora.maxCpuLoras: {lora.max_cpu_loras} is below maxLoras {lora.max_loras}; "
                         f"vLLM's CPU-side cache must hold at least the adapters of one batch")
+    if e.kv_events is not None and not e.enable_prefix_caching:
+        # vLLM publishes block events only from its prefix cache.
+        problems.append(f"{where}.kvEvents: set, but enablePrefixCaching is false: vLLM publishes no block "
+                        f"events without its prefix cache; remove kvEvents or enable prefix caching")
+    if e.kv_events is not None and not e.kv_events.endpoint.startswith(("tcp://", "ipc://")):
+        problems.append(f"{where}.kvEvents.endpoint: {e.kv_events.endpoint!r} is not a ZMQ tcp:// or ipc:// "
+                        f"address; use {KV_EVENTS_ENDPOINT!r}")
     kv = e.kv_transfer
     if kv is not None and kv.connector == SHARED_STORAGE_CONNECTOR:
         path = kv.extra_config.get(SHARED_STORAGE_PATH_KEY, "")

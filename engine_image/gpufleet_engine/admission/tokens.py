@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from gpufleet_api.guard import kv_blocks
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]:
@@ -28,6 +30,7 @@ class HfTokenizer:
 
     def __init__(self, hf_tokenizer: Any):
         self._tok = hf_tokenizer
+        self._portable: kv_blocks.TokenizerFiles | None = None
 
     @classmethod
     def load(cls, name_or_path: str, revision: str | None = None) -> "HfTokenizer":
@@ -48,6 +51,17 @@ class HfTokenizer:
     def chat_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
         text = self._tok.apply_chat_template(messages, tokenize=False, **template_kwargs)
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def portable(self) -> kv_blocks.TokenizerFiles | None:
+        """The tokenizer as the router loads it (the ``tokenizers`` library's JSON, the chat template and the
+        special tokens the template names); None for a slow tokenizer, which has no such file."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if self._portable is None and backend is not None:
+            template = getattr(self._tok, "chat_template", None)
+            special = {k: v for k, v in self._tok.special_tokens_map.items() if isinstance(v, str)}
+            self._portable = kv_blocks.TokenizerFiles(backend.to_str(), template if isinstance(template, str)
+                                                      else None, special)
+        return self._portable
 
 
 def keep_last(ids: Sequence[int], keep: int) -> list[int]:

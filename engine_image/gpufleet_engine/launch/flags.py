@@ -65,6 +65,11 @@ def vllm_launch(engine: EngineConfig, *, python: str = "python3", cpu_count: int
         argv += ["--num-gpu-blocks-override", str(engine.num_gpu_blocks_override)]
     if engine.kv_transfer:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_document(engine.kv_transfer), sort_keys=True)]
+    if engine.kv_events:
+        # The guard follows these to tell the router what the prefix cache holds (serving/kv_subscriber.py).
+        argv += ["--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": engine.kv_events.endpoint,
+             "topic": engine.kv_events.topic}, sort_keys=True)]
     if engine.lora:
         argv += lora_flags(engine.lora)
     argv += list(engine.extra_args)

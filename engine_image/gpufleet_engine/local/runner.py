@@ -110,6 +110,11 @@ class LocalEngine:
             # object has no attribute 'finalize_loading'"), so every start traced the model again:
             # 7-10 s of a start for no faster decode (measured: eager decoded the tiny model faster).
             engine["extraArgs"] = ["--enforce-eager", *engine.get("extraArgs", ())]
+        if engine.get("enablePrefixCaching", True) and "kvEvents" not in engine:
+            # As the operator renders it wherever the prefix cache is on: the guard follows vLLM's KV events
+            # and feeds what the cache holds to a router. Over a socket file in the work directory (vLLM
+            # binds it), so engines on one host need no ports; ``{"engine": {"kvEvents": None}}``: off.
+            engine["kvEvents"] = {"endpoint": f"ipc://{self.work_dir}/kv-events.sock"}
         return config
 
     def _base_config(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gpufleet_api.guard import demand_prior
+from gpufleet_api.guard import demand_prior, kv_blocks
 from gpufleet_api.guard.endpoints import ENGINE_METRICS_PATH, GUARD_METRICS_PATH
 from gpufleet_api.guard.guard_config import GuardConfig
 from gpufleet_api.tracing import GUARD_SERVICE_NAME, SERVICE
@@ -22,6 +22,7 @@ from gpufleet_engine.admission.tokens import HfTokenizer, Tokenizer, generation_
 from gpufleet_engine.serving import (
     adapters,
     kv_storage,
+    kv_subscriber,
     memory_report,
     reload,
     served_context,
@@ -44,9 +45,11 @@ DRAIN_READ_LIMIT_BYTES = 1 << 20
 
 
 def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None,
-              tokens: OperatorTokens | None = None) -> web.Application:
+              tokens: OperatorTokens | None = None,
+              kv_events: kv_subscriber.KVEventsFollower | None = None) -> web.Application:
     """The guard's port. Its control routes take the operator's token (``tokens``, by default
-    guard.json's ``controlAuth``); POST /drain is on the admin socket only (``build_admin_app``)."""
+    guard.json's ``controlAuth``); POST /drain is on the admin socket only (``build_admin_app``).
+    ``kv_events``: what vLLM's prefix cache holds, for the router (kv_subscriber.py; None: not followed)."""
     tokens = tokens if tokens is not None else OperatorTokens(guard.config.control_auth)
     # Bodies are bounded before they are parsed (docs/guard-config.md).
     # The proxied routes and vLLM's other routes read their bodies themselves, bounded by the guard's current
@@ -119,6 +122,11 @@ def build_app(guard: Guard, adapter_agent: adapters.AdapterAgent | None = None,
     app.router.add_get("/audit", operator_only(tokens, audit_report))
     app.router.add_get(demand_prior.DEMAND_PATH, operator_only(tokens, demand))
     adapters.register(app, adapter_agent, lambda handler: operator_only(tokens, handler))
+    if kv_events is not None:
+        # What vLLM's prefix cache holds, and the tokenizer to look a request up in it with: the router's.
+        app.router.add_get(kv_blocks.KV_BLOCKS_PATH, kv_subscriber.blocks_route(kv_events))
+        app.router.add_get(kv_blocks.KV_TOKENIZER_PATH,
+                           kv_subscriber.tokenizer_route(lambda: guard.admission.tokenizer))
     # vLLM's own API (vllm/routes.py): admitted, answered with the guard's state, or passed through.
     vllm_endpoints.register(app, guard, tokens)
     return app
@@ -190,6 +198,7 @@ class GuardServer:
         self._tokenizer_task: asyncio.Task | None = None
         self._side_tasks: list[asyncio.Task] = []
         self.adapters: adapters.AdapterAgent | None = None
+        self.kv_events: kv_subscriber.KVEventsFollower | None = None
         self.port: int | None = None
 
     @property
@@ -225,6 +234,9 @@ class GuardServer:
             guard.on_engine_up = agent.poke
             self.adapters = agent
             self._side_tasks.append(asyncio.create_task(agent.run(), name="adapters"))
+        if engine is not None and engine.kv_events is not None:
+            self.kv_events = kv_subscriber.KVEventsFollower(engine.kv_events)
+            self._side_tasks.append(asyncio.create_task(self.kv_events.run(), name="kv-events"))
         storage = shared_storage.bounded_directory(self.config.engine)
         if storage is not None:
             # The shared-storage connector never removes its files; the pods that write them do.
@@ -242,7 +254,8 @@ class GuardServer:
             self._side_tasks.append(asyncio.create_task(self.watcher.run(), name="config-reload"))
         # handler_cancellation: a client that disconnects cancels its handler,
         # which closes the upstream connection and makes vLLM abort the work.
-        self._runner = web.AppRunner(build_app(guard, self.adapters, self.tokens), handler_cancellation=True,
+        self._runner = web.AppRunner(build_app(guard, self.adapters, self.tokens, self.kv_events),
+                                     handler_cancellation=True,
                                      access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)

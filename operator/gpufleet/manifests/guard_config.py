@@ -16,6 +16,7 @@ from gpufleet_api.guard.guard_config import (
     ConfigError,
     EngineConfig,
     GuardConfig,
+    KVEventsConfig,
     KVTransferConfig,
     LoraConfig,
     QueueClass,
@@ -127,6 +128,9 @@ def build_guard_config(service: str, namespace: str, spec: InferenceServiceSpec,
         num_gpu_blocks_override=engine.kv_cache.num_blocks_override,
         cpu_kv_cache_space_gib=engine.kv_cache.cpu_kv_cache_space_gib,
         kv_transfer=kv_transfer(spec, role),
+        # On wherever the prefix cache is: the guard follows vLLM's block events on the pod's loopback and tells
+        # the router what the cache holds (docs/gateway-epp.md); vLLM's publisher thread costs little.
+        kv_events=KVEventsConfig() if engine.prefix_caching == "Enabled" else None,
         lora=lora(spec),
         extra_args=tuple(engine.extra_args),
     )

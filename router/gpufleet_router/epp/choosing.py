@@ -87,7 +87,8 @@ class Chooser:
                 "invalid_request_error", code="not_found"))
         arrived = self.fleet.clock()
         try:
-            placed = placement.place(body, route, self.fleet.table, self.fleet.catalog, self.settings.prefix_blocks)
+            placed = placement.place(body, route, self.fleet.table, self.fleet.catalog, self.settings.prefix_blocks,
+                                     self.fleet.tokenize)
         except placement.UnknownModel as e:
             self.metrics.unknown_model_requests.inc()
             return Refusal(e.status, e.body())

@@ -14,6 +14,18 @@ Three signals, in this order:
    covers at least half of its chain (as SGLang's and vllm-router's
    cache_aware do with their prefix trees); equal runs are ordered by the
    consistent-hash ring from the prompt's key (below).
+
+   Where the replica's guard feeds what vLLM's prefix cache really holds
+   (its KV events, cached.py) and the router tokenized the prompt as vLLM
+   does, the held run is the longer of the cache's own (the prompt's token
+   blocks cached, in order) and what the router sent there in the last
+   ``FEED_LAG_SECONDS`` before the feed was read (a prompt whose prefill has
+   not yet reached the feed): the feed corrects what the learned LRU gets
+   wrong (an eviction it guessed too late or too early, a prompt another
+   router sent), the recent sends cover the feed's lag; such a run (in
+   token blocks) is followed from one block, as vLLM reuses any cached run.
+   Without a feed (events off, an older guard, no tokenizer yet) the
+   learned run alone.
 2. Placement of a prefix no replica holds. Walking the consistent-hash ring
    from the hash of the prompt's leading blocks, the first replica whose
    learned footprint (distinct prompt keys remembered) is at most
@@ -57,6 +69,7 @@ import dataclasses
 import math
 from typing import Iterable, Sequence
 
+from .cached import CacheView
 from .prefixes import DEFAULT_POOL_BLOCKS, LEARNED_PER_POOL_BLOCK, Learned, Prefix, Ring
 from .replicas import Reading, Replica
 
@@ -66,6 +79,9 @@ AFFINITY_SLACK = 1     # requests over the bounded-load capacity a prefix's repl
 # the mean (bench/router_placement_sim.py: slack 0 is best for one router, 1 keeps two routers near the ring).
 FOOTPRINT_SLACK = 1
 FOOTPRINT_FACTOR = 0.1
+# How long after a send the prompt's blocks may still be missing from the guard's feed: its queue and prefill
+# on a busy replica, vLLM's publishing, the router's next read. Sends this recent count as held.
+FEED_LAG_SECONDS = 5.0
 
 
 class Reason:
@@ -140,6 +156,7 @@ class Picker:
         self.readings: dict[str, Reading] = {}
         self.in_flight: dict[str, int] = {}
         self.learned: dict[str, Learned] = {}
+        self.cached: dict[str, CacheView] = {}   # pod -> its prefix cache, as its guard's feed says
         # pod -> the LoRA adapters its last successful reading said it holds loaded. Kept through failed reads
         # (a guard too busy to answer /metrics in time, on a node starting another engine, still holds them:
         # an adapter goes only by an unload, which a reading shows, or with its engine, which its pod shows).
@@ -164,7 +181,8 @@ class Picker:
                 # and says "not ready" until the next read; its pod's readiness is the newer word.
                 self.readings.pop(pod, None)
                 self.adapters.pop(pod, None)   # its engine restarted: adapters are loaded again, and read
-        for table in (self.readings, self._sent, self.learned, self.adapters):
+                self.cached.pop(pod, None)
+        for table in (self.readings, self._sent, self.learned, self.adapters, self.cached):
             for pod in list(table):
                 if pod not in self.replicas:
                     del table[pod]
@@ -185,8 +203,19 @@ class Picker:
         self._sent[pod] = [x for x in self._sent.get(pod, []) if x.at >= reading.taken_at]
         if not reading.ready:
             self.learned.pop(pod, None)   # draining or its engine down: its cache will not be there
+            self.cached.pop(pod, None)
         elif reading.total_blocks > 0:
             self._learned(pod).resize(LEARNED_PER_POOL_BLOCK * reading.total_blocks)
+
+    def cache_view(self, pod: str) -> CacheView | None:
+        """The replica's feed state to apply the next answer to (created on first use); None: not a replica."""
+        if pod not in self.replicas:
+            return None
+        return self.cached.setdefault(pod, CacheView())
+
+    def no_cache_feed(self, pod: str) -> None:
+        """The replica's guard feeds nothing (events off, an older guard) or its feed failed: learned only."""
+        self.cached.pop(pod, None)
 
     def _learned(self, pod: str) -> Learned:
         learned = self.learned.get(pod)
@@ -202,7 +231,7 @@ class Picker:
         self._sent.setdefault(pod, []).append(ticket)
         self.in_flight[pod] = self.in_flight.get(pod, 0) + 1
         if prefix is not None and pod in self.replicas:
-            self._learned(pod).add(prefix)
+            self._learned(pod).add(prefix, now)
         return ticket
 
     def finished(self, pod: str, ticket: Sent | None = None) -> None:
@@ -253,9 +282,22 @@ class Picker:
         return reading.free_blocks - sum(x.blocks for x in self._sent.get(pod, []))
 
     def match(self, pod: str, prefix: Prefix) -> int:
-        """Leading blocks of the prompt this router sent to ``pod`` and still remembers."""
+        """Leading blocks of the prompt ``pod`` holds: with its feed and the prompt's tokens, the cache's run
+        or the run sent there lately, whichever is longer; else what this router sent there and remembers.
+        Counted in the prompt's token blocks where it has them (``depth``), else in its text blocks."""
         learned = self.learned.get(pod)
-        return learned.match(prefix.chain) if learned else 0
+        view = self.cached.get(pod)
+        if not prefix.tokens:
+            return learned.match(prefix.chain) if learned else 0
+        if view is None or view.block_size != prefix.block_size or view.epoch is None:
+            return self._in_tokens(prefix, learned.match(prefix.chain) if learned else 0)
+        recent = learned.match(prefix.chain, since=view.taken_at - FEED_LAG_SECONDS) if learned else 0
+        return max(view.match(prefix.tokens), self._in_tokens(prefix, recent))
+
+    @staticmethod
+    def _in_tokens(prefix: Prefix, text_blocks: int) -> int:
+        """A run of the prompt's text blocks as a run of its token blocks (the same share of the prompt)."""
+        return min(len(prefix.tokens), -(-text_blocks * len(prefix.tokens) // len(prefix.chain)))
 
     def pick(self, cost_blocks: int, prefix: Prefix | None, exclude: Iterable[str] = (),
              adapter: str | None = None, revision: str | None = None, strict: bool = False) -> Pick | None:
@@ -301,8 +343,12 @@ class Picker:
 
     @staticmethod
     def _holds(prefix: Prefix | None, matched: int) -> bool:
-        """A match long enough to follow: at least half of the prompt's chain (and a block)."""
-        return prefix is not None and matched > 0 and 2 * matched >= len(prefix.chain)
+        """A match long enough to follow: at least half of the prompt's text chain (and a block), a guess from
+        what this router sent; counted in token blocks (the caches' feeds read), any block, as vLLM reuses
+        any cached run: a prompt whose tail was evicted is still cheaper where its head is."""
+        if prefix is None or matched <= 0:
+            return False
+        return bool(prefix.tokens) or 2 * matched >= len(prefix.chain)
 
     def _ring_of(self, pods: Iterable[str]) -> Ring:
         wanted = frozenset(self.replicas)

@@ -6,12 +6,14 @@ a retry would get (the same revision first, as the router's own retries)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
+
+from gpufleet_api.guard import kv_blocks
 
 from . import adapters
 from . import requests as rq
 from .choice import Pick, Picker
-from .prefixes import Prefix, prefix_of
+from .prefixes import MATCH_BLOCKS, Prefix, prefix_of
 from .table import Route, Table
 
 
@@ -30,12 +32,19 @@ class Placement:
         return self.adapter.name if self.adapter is not None else None
 
 
+# The prompt's token ids as vLLM will see them (the body, its route, the service), or None where the router
+# cannot tokenize it as vLLM does (no tokenizer from the service's guards yet, a multimodal prompt).
+Tokenize = Callable[[dict, str, Route], Sequence[int] | None]
+
+
 class UnknownModel(rq.BadRequest):
     """``model`` names nothing served here (vLLM's 404, naming what is)."""
 
 
-def place(body: bytes, route: str, table: Table, catalog: adapters.Catalog, prefix_blocks: int) -> Placement:
-    """The request's placement; rq.BadRequest (UnknownModel for a name nothing serves) naming the field."""
+def place(body: bytes, route: str, table: Table, catalog: adapters.Catalog, prefix_blocks: int,
+          tokenize: Tokenize | None = None) -> Placement:
+    """The request's placement; rq.BadRequest (UnknownModel for a name nothing serves) naming the field.
+    ``tokenize``: the prefix also carries its token blocks' chain, which the guards' feeds are looked up by."""
     parsed = rq.parse(body, route)
     resolved = adapters.resolve(parsed.model, table, catalog)
     if resolved is None:
@@ -43,9 +52,17 @@ def place(body: bytes, route: str, table: Table, catalog: adapters.Catalog, pref
         raise UnknownModel(404, adapters.not_found_message(parsed.model, table, catalog), param="model", code=404,
                            kind="NotFoundError")
     target, adapter = resolved.route, resolved.adapter
-    prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, prefix_blocks,
-                       adapter=adapter.name if adapter else None)
-    return Placement(route, parsed, target, adapter, prefix, parsed.cost_blocks(target.block_size, route))
+    adapter_name = adapter.name if adapter else None
+    prefix = prefix_of(parsed.prompt, target.block_size * rq.CHARS_PER_TOKEN, prefix_blocks, adapter=adapter_name)
+    ids = tokenize(parsed.doc, route, target) if tokenize is not None and prefix is not None else None
+    if prefix is not None and ids:
+        tokens = kv_blocks.chain(ids, target.block_size, adapter_name, limit=max(MATCH_BLOCKS, prefix_blocks))
+        if tokens:
+            prefix = dataclasses.replace(prefix, tokens=tokens, block_size=target.block_size)
+    # Counted where tokenized: the characters' estimate runs up to 1.5x over, and a replica holding the prompt's
+    # blocks needs room for the rest only (choice.py), which the estimate would overstate by as much.
+    cost = parsed.cost_blocks(target.block_size, route, len(ids) if ids else None)
+    return Placement(route, parsed, target, adapter, prefix, cost)
 
 
 def ranked(picker: Picker, placement: Placement, limit: int, exclude: Iterable[str] = (),

@@ -25,9 +25,13 @@ LEARNED_PER_POOL_BLOCK = 2
 @dataclasses.dataclass(frozen=True)
 class Prefix:
     """A prompt's leading whole blocks: ``key`` (the first ``prefix_blocks`` of them, for the ring)
-    and ``chain``, one cumulative hash per block (the i-th names the first i + 1 blocks)."""
+    and ``chain``, one cumulative hash per block (the i-th names the first i + 1 blocks). ``tokens``: the
+    chain over the prompt's token ids in blocks of ``block_size`` (gpufleet_api.guard.kv_blocks), where the
+    router could tokenize it as vLLM does: what the guards' feeds name cached blocks by (cached.py)."""
     key: str
     chain: tuple[bytes, ...]
+    tokens: tuple[bytes, ...] = ()
+    block_size: int = 0
 
 
 def prefix_of(text: str, block_chars: int, blocks: int, match_blocks: int = MATCH_BLOCKS,
@@ -81,33 +85,37 @@ class Learned:
     def __init__(self, capacity: int = DEFAULT_POOL_BLOCKS):
         self.capacity = max(1, capacity)
         self.prefixes = 0
-        self._blocks: collections.OrderedDict[bytes, bool] = collections.OrderedDict()  # block -> is a key
+        # block -> (is a key, when last sent)
+        self._blocks: collections.OrderedDict[bytes, tuple[bool, float]] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, chain: Sequence[bytes]) -> int:
+    def match(self, chain: Sequence[bytes], since: float | None = None) -> int:
         """How many of the chain's leading blocks are held (a block's hash names its whole prefix; tails
-        go before heads, so the longest held block ends the held run)."""
+        go before heads, so the longest held block ends the held run); with ``since``, sent since then."""
         for depth in range(len(chain), 0, -1):
-            if chain[depth - 1] in self._blocks:
+            held = self._blocks.get(chain[depth - 1])
+            if held is not None and (since is None or held[1] >= since):
                 return depth
         return 0
 
-    def add(self, prefix: Prefix) -> None:
+    def add(self, prefix: Prefix, at: float = 0.0) -> None:
         # Last block first, so the chain's tail is older than its head and goes first (as vLLM frees a
         # request's blocks tail first, evicting the ends of prefixes before their shared starts).
         key = bytes.fromhex(prefix.key)
         for block in reversed(prefix.chain):
-            if block in self._blocks:
+            held = self._blocks.get(block)
+            if held is not None:
+                self._blocks[block] = (held[0], at)
                 self._blocks.move_to_end(block)
             else:
                 is_key = block == key
-                self._blocks[block] = is_key
+                self._blocks[block] = (is_key, at)
                 self.prefixes += is_key
         self.resize(self.capacity)
 
     def resize(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         while len(self._blocks) > self.capacity:
-            self.prefixes -= self._blocks.popitem(last=False)[1]
+            self.prefixes -= self._blocks.popitem(last=False)[1][0]

@@ -53,16 +53,19 @@ class Parsed:
     prompt: str          # the prompt's text as the prefix cache would see its start
     max_tokens: int | None
     stream: bool
+    # The body as parsed, for the router's tokenizer (prompt_tokens.py); not part of the request's identity.
+    doc: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def cost_blocks(self, block_size: int, route: str) -> int:
-        """KV blocks the request will hold at most, estimated from characters."""
-        return max(1, math.ceil(self.estimated_tokens(route) / max(1, block_size)))
+    def cost_blocks(self, block_size: int, route: str, prompt_tokens: int | None = None) -> int:
+        """KV blocks the request will hold at most, estimated from characters (``prompt_tokens``: counted)."""
+        return max(1, math.ceil(self.estimated_tokens(route, prompt_tokens) / max(1, block_size)))
 
-    def estimated_tokens(self, route: str) -> int:
-        """The prompt's tokens estimated from characters, plus the answer's limit (``max_tokens`` or
-        ``max_completion_tokens``; DEFAULT_OUTPUT_TOKENS where it names none). Embeddings have no answer.
-        What a tenant's tokens-per-minute budget is charged at admission, until the real count."""
-        tokens = math.ceil(len(self.prompt) / CHARS_PER_TOKEN)
+    def estimated_tokens(self, route: str, prompt_tokens: int | None = None) -> int:
+        """The prompt's tokens estimated from characters (or ``prompt_tokens`` where the router tokenized it),
+        plus the answer's limit (``max_tokens`` or ``max_completion_tokens``; DEFAULT_OUTPUT_TOKENS where it
+        names none). Embeddings have no answer. What a tenant's tokens-per-minute budget is charged at
+        admission, until the real count."""
+        tokens = prompt_tokens if prompt_tokens is not None else math.ceil(len(self.prompt) / CHARS_PER_TOKEN)
         if route != EMBEDDINGS:
             tokens += self.max_tokens if self.max_tokens is not None else DEFAULT_OUTPUT_TOKENS
         return tokens
@@ -90,7 +93,7 @@ def parse(body: bytes, route: str) -> Parsed:
         raise BadRequest(400, f"`max_tokens` must be an integer, not {json.dumps(max_tokens)[:80]}.",
                          param="max_tokens")
     return Parsed(model=model, prompt=prompt_text(doc, route), max_tokens=max_tokens,
-                  stream=doc.get("stream") is True)
+                  stream=doc.get("stream") is True, doc=doc)
 
 
 def prompt_text(doc: dict, route: str) -> str:
