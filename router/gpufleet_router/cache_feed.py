@@ -27,7 +27,8 @@ TOKENIZER_REPLY_CAP = 64 << 20    # a tokenizer.json with a large vocabulary and
 
 async def read_feed(http: aiohttp.ClientSession, picker: Picker, pod: str, address: str,
                     timeout: aiohttp.ClientTimeout, taken_at: float) -> bool:
-    """Apply the guard's answer to the replica's view; False where it has no feed."""
+    """Apply the guard's answer to the replica's view. True where the guard follows vLLM's events, fed or not
+    yet (503 before vLLM's first batch: no view, but the service's tokenizer is worth loading)."""
     view = picker.cache_view(pod)
     if view is None:
         return False
@@ -36,7 +37,7 @@ async def read_feed(http: aiohttp.ClientSession, picker: Picker, pod: str, addre
         async with http.get(f"http://{address}{kv_blocks.KV_BLOCKS_PATH}", params=params, timeout=timeout) as r:
             if r.status != 200:
                 picker.no_cache_feed(pod)
-                return False
+                return r.status == 503
             feed = msgspec.json.decode(await read_capped(r, FEED_REPLY_CAP, f"{pod} ({address})"),
                                        type=kv_blocks.BlocksFeed)
         view.apply(feed, taken_at)

@@ -236,8 +236,8 @@ class Fleet:
                 reading = None
             picker.observe(pod, reading)
             if reading is not None and reading.ready:
-                feeds = await cache_feed.read_feed(http, picker, pod, address, timeout, taken_at)
-                if feeds and model not in self.tokenizers and model not in self._tokenizer_asked:
+                follows = await cache_feed.read_feed(http, picker, pod, address, timeout, taken_at)
+                if follows and model not in self.tokenizers and model not in self._tokenizer_asked:
                     self._tokenizer_asked.add(model)
                     try:
                         tokenizer = await cache_feed.read_tokenizer(http, address, timeout)
