@@ -73,6 +73,7 @@ class _Waiter:
     future: asyncio.Future
     tenant: str
     prompt_tokens: int
+    arrived: float = 0.0   # when this request came (its queue entry may count from its class's first refusal)
 
 
 class Scheduler(OverloadGate):
@@ -270,7 +271,7 @@ class Scheduler(OverloadGate):
             arrived = self._refused_since[queue_class.name]
 
         waiter = _Waiter(cost, variance, start_tokens, asyncio.get_running_loop().create_future(), tenant,
-                         prompt_tokens)
+                         prompt_tokens, self._clock())
         try:
             entry = self.queue.push(waiter, queue_class.name, arrived, tenant)
         except QueueFull as e:
@@ -337,8 +338,10 @@ class Scheduler(OverloadGate):
                 self._start_held = True
                 break  # a request starting returns its first token soon: the head waits for it
             self.queue.pop(now)
+            # The wait reported (the queue histogram, the admission span) is this request's own: its entry's
+            # age counts from its class's first refusal when aging promoted it.
             waiter.future.set_result(self._grant(waiter.cost, waiter.variance, waiter.start_tokens,
-                                                 entry.queue_class, entry.waited(now), waiter.tenant,
+                                                 entry.queue_class, now - waiter.arrived, waiter.tenant,
                                                  waiter.prompt_tokens))
         self._shed_late()
 

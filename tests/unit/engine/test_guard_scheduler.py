@@ -207,18 +207,22 @@ def ticking_scheduler(ticks: Ticks, aging: float = 5.0) -> Scheduler:
 
 
 async def closed_loop_clients(s: Scheduler, ticks: Ticks, first: int, cls: QueueClass, cost: int, clients: int,
-                              stop: asyncio.Event, admitted: list) -> None:
+                              stop: asyncio.Event, admitted: list, waits: list | None = None) -> None:
     """``clients`` clients of one class asking again and again: a refused client retries at the
-    next tick, an admitted one holds its blocks for one tick."""
+    next tick, an admitted one holds its blocks for one tick. ``waits``: (the wait its grant reports, the
+    time the request itself was in acquire) of each admission."""
     async def client(i: int):
         try:
             while not stop.is_set():
+                asked = ticks.now
                 try:
                     grant = await s.acquire(cost, cls)
                 except Rejection:
                     await ticks.wait(i)
                     continue
                 admitted.append((cls.name, ticks.now))
+                if waits is not None:
+                    waits.append((grant.queued_seconds, ticks.now - asked))
                 await ticks.wait(i)
                 s.release(grant)
         finally:
@@ -261,8 +265,10 @@ async def test_no_class_starves_when_a_higher_one_keeps_the_pool_full():
     s = ticking_scheduler(ticks, aging=aging)
     stop = asyncio.Event()
     admitted: list = []
+    background_waits: list = []
     tasks = [asyncio.create_task(closed_loop_clients(s, ticks, 0, L1, 6, 12, stop, admitted)),
-             asyncio.create_task(closed_loop_clients(s, ticks, 12, L3_PATIENT, 6, 2, stop, admitted))]
+             asyncio.create_task(closed_loop_clients(s, ticks, 12, L3_PATIENT, 6, 2, stop, admitted,
+                                                     background_waits))]
     await wait_for(lambda: ticks.settled(s, 14), timeout=5, interval=0, what="fourteen clients")
     for _ in range(100):                                # a second of the fake clock
         await ticks.advance(s, 14)
@@ -275,6 +281,10 @@ async def test_no_class_starves_when_a_higher_one_keeps_the_pool_full():
     gaps = [b - a for a, b in zip([0.0, *times["background"]], times["background"], strict=False)]
     assert max(gaps) < 2 * aging + 0.1, gaps          # (3 - 1) x aging, plus one running request
     assert s.running == 0 and s.ledger.reserved_blocks == 0
+    # An aged request's queue entry counts from its class's first refusal; the wait its grant reports (the
+    # queue histogram, the admission span) is its own, no longer than it was in acquire.
+    queued = [w for w in background_waits if w[1] > 0]
+    assert queued and all(reported <= own + 1e-9 for reported, own in queued), background_waits
 
 
 L3_PATIENT = QueueClass("background", 3, 60.0)
