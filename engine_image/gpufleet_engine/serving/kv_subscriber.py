@@ -99,7 +99,8 @@ def blocks_route(follower: KVEventsFollower):
 def tokenizer_route(tokenizer: Callable[[], Tokenizer | None]):
     async def handler(request: web.Request) -> web.Response:
         tok = tokenizer()
-        files = tok.portable() if isinstance(tok, HfTokenizer) else None
+        # Serializing a large vocabulary takes a while, once: off the event loop.
+        files = await asyncio.to_thread(tok.portable) if isinstance(tok, HfTokenizer) else None
         if files is None:
             return web.json_response({"error": "the tokenizer is not loaded (yet), or has no tokenizer.json"},
                                      status=503)
