@@ -1,17 +1,23 @@
 """A request's prompt tokenized as vLLM's OpenAI server tokenizes it, from the files a guard serves.
 
-vLLM renders a chat with the model's chat template (or the request's ``chat_template``, which the bench and
-some gateways send) through transformers' sandboxed Jinja environment, the generation prompt added, and
-tokenizes the text without adding special tokens again; a completions prompt is tokenized with them. This
-does the same with the ``tokenizers`` library and Jinja2 (no transformers or torch in the router): the token
-ids only have to match vLLM's for the prompt's leading blocks to be found in what its prefix cache holds, and
-a request this cannot render (images, a template that fails) returns None and is placed by what the router
-learned instead.
+vLLM renders a chat with the model's chat template (or the request's ``chat_template`` where it is told to
+trust one; here only where it is the model's own, which the bench and some gateways send) through
+transformers' sandboxed Jinja environment, the generation prompt added, and tokenizes the text without adding
+special tokens again; a completions prompt is tokenized with them. This does the same with the ``tokenizers``
+library and Jinja2 (no transformers or torch in the router): the token ids only have to match vLLM's for the
+prompt's leading blocks to be found in what its prefix cache holds, and a request this cannot render (images,
+a template that fails) returns None and is placed by what the router learned instead.
+
+The template and the tokenizer come from the service's model and run on the router's event loop: a service
+whose prompt took longer than ``SLOW_SECONDS`` is not tokenized again by this router. One slow render still
+holds the loop for its length; running them out of the router's process, with a deadline, is not built.
 """
 from __future__ import annotations
 
 import collections
 import datetime
+import logging
+import time
 from typing import Any, Sequence
 
 import jinja2
@@ -23,7 +29,13 @@ from gpufleet_api.guard.kv_blocks import TokenizerFiles
 
 from .policy import requests as rq
 
-TEMPLATES_KEPT = 16   # compiled chat templates (a request's own template is compiled once, then reused)
+log = logging.getLogger(__name__)
+
+TEMPLATES_KEPT = 16   # compiled chat templates
+# A prompt whose template and tokenizer took longer than this turns the service's tokenizing off in this router
+# (its prompts are placed by what the router learned): the template and the tokenizer come from the service's
+# model, and they run on the router's event loop, which every tenant's requests share.
+SLOW_SECONDS = 0.25
 
 
 def _raise(message: str) -> None:
@@ -45,9 +57,24 @@ class PromptTokens:
         self._env.globals["raise_exception"] = _raise
         self._env.globals["strftime_now"] = _strftime_now
         self._templates: collections.OrderedDict[str, jinja2.Template] = collections.OrderedDict()
+        self.off_because = ""   # why this router no longer tokenizes the service's prompts (SLOW_SECONDS)
 
     def ids(self, doc: dict, route: str) -> Sequence[int] | None:
         """The prompt's token ids, or None where they cannot be known here."""
+        if self.off_because:
+            return None
+        started = time.monotonic()
+        try:
+            return self._ids(doc, route)
+        finally:
+            took = time.monotonic() - started
+            if took > SLOW_SECONDS:
+                self.off_because = f"one prompt took {took:.2f}s to render and tokenize"
+                log.warning("stopped tokenizing this service's prompts: %s (its chat template or tokenizer is "
+                            "too slow to run on the router's event loop); they are placed by what the router "
+                            "learned", self.off_because)
+
+    def _ids(self, doc: dict, route: str) -> Sequence[int] | None:
         try:
             if route == rq.CHAT:
                 return self._chat(doc)
@@ -63,7 +90,13 @@ class PromptTokens:
 
     def _chat(self, doc: dict) -> Sequence[int] | None:
         messages = doc.get("messages")
-        template_text = doc.get("chat_template") or self.chat_template
+        # A request's own template only where it is the model's: any client may send one, and it would run on
+        # the router every tenant shares (vLLM itself refuses one unless started with
+        # --trust-request-chat-template). Any other is left to the learned placement.
+        own = doc.get("chat_template")
+        if own is not None and own != self.chat_template:
+            return None
+        template_text = self.chat_template
         if not isinstance(messages, list) or not isinstance(template_text, str):
             return None
         conversation = []

@@ -4,6 +4,7 @@ guard's (prompt_tokens.py: the same token ids as transformers renders and tokeni
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgspec
 import pytest
@@ -179,10 +180,38 @@ def test_the_routers_token_ids_are_the_guards(guard_tokenizer):
         [{"role": "user", "content": "hello\nthere"}], {"add_generation_prompt": True})
     assert list(router.ids({"prompt": "hello there"}, "/v1/completions") or []) == guard_tokenizer.encode(
         "hello there")
-    # The request's own template is the one vLLM renders (where told to trust it).
-    own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    assert list(router.ids({"messages": messages, "chat_template": own}, "/v1/chat/completions") or []) == \
-        router.tokenizer.encode("you are a helpful bothello there", add_special_tokens=False).ids
+    # The request may carry the model's own template (the bench and some gateways send it): rendered as vLLM does.
+    assert list(router.ids({"messages": messages, "chat_template": files.chat_template}, "/v1/chat/completions")
+                or []) == want
+
+
+def test_a_request_carrying_another_template_is_not_rendered_on_the_router(guard_tokenizer):
+    """Any client may send a chat_template; rendering it would run the client's code on the router that every
+    tenant shares (a loop of loops holds its event loop). Only the model's own is rendered."""
+    files = guard_tokenizer.portable()
+    assert files is not None
+    router = PromptTokens(files)
+    messages = [{"role": "user", "content": "hello"}]
+    bomb = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    started = time.monotonic()
+    assert router.ids({"messages": messages, "chat_template": bomb}, "/v1/chat/completions") is None
+    assert time.monotonic() - started < 0.1 and not router.off_because
+
+
+def test_a_service_whose_template_is_too_slow_is_no_longer_tokenized(guard_tokenizer, monkeypatch):
+    """The model's own template and tokenizer run on the router's event loop: one that took longer than
+    SLOW_SECONDS for a prompt turns that service's tokenizing off (its prompts go to the learned placement)."""
+    from gpufleet_router import prompt_tokens
+
+    files = guard_tokenizer.portable()
+    assert files is not None
+    slow = "{% for i in range(3000) %}{% for j in range(300) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+    router = PromptTokens(msgspec.structs.replace(files, chat_template=slow))
+    monkeypatch.setattr(prompt_tokens, "SLOW_SECONDS", 0.0)
+    messages = [{"role": "user", "content": "hello"}]
+    assert router.ids({"messages": messages}, "/v1/chat/completions")   # rendered, and found slow
+    assert router.off_because
+    assert router.ids({"messages": messages}, "/v1/chat/completions") is None
 
 
 def test_what_the_router_cannot_tokenize_as_vllm_does_is_left_to_the_learned_placement(guard_tokenizer):
