@@ -7,7 +7,10 @@ no error, one id, a finish_reason, and usage counting the original prompt and ev
 The kill lands mid-answer by construction, not by the machine's speed: each guard reaches its vLLM through a
 relay (tests/support/stream_hold.py) that lets the answer's first events through and keeps the rest back, and
 vLLM is killed only once the relay holds and the client has some of the text. Every run resumes exactly one
-stream; `scripts/repeat-fault-tests.sh` runs these tests many times in a row (docs/dev-cluster.md)."""
+stream; `scripts/repeat-fault-tests.sh` runs these tests many times in a row (docs/dev-cluster.md).
+
+The router traces with head sampling off: the completion's trace (its client's traceparent not sampled) is kept by
+the tail rule because it resumed, and shows both replicas (docs/tracing.md)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +20,13 @@ import signal
 import openai
 import pytest
 import pytest_asyncio
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
+from gpufleet_api import tracing as names
+from gpufleet_api.tracing import TracingConfig
 from gpufleet_engine.local.runner import LocalEngine
+from gpufleet_kit.tracing import Tracing
 from gpufleet_router.policy.replicas import Replica
 from gpufleet_router.policy.table import Route
 from tests.support.router import static_router
@@ -29,6 +37,8 @@ from tests.support.waiting import wait_for
 pytestmark = [pytest.mark.asyncio(loop_scope="session")]
 
 MODEL = "tiny"
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-00"   # the client's trace, not sampled
 BLOCK_SIZE = 32
 ANSWER_TOKENS = 400
 # vLLM's events let through to the first replica's guard before the rest is held back and its vLLM killed:
@@ -47,13 +57,25 @@ async def replicas(relayed_replicas_shared):
     await relayed_replicas_shared.release()
 
 
+@pytest.fixture(scope="module")
+def router_spans() -> InMemorySpanExporter:
+    """The router's spans. Head sampling is off: a resumed stream's trace is there only because the tail rule
+    kept it (docs/tracing.md)."""
+    return InMemorySpanExporter()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def router(replicas):
+async def router(replicas, router_spans):
     engines, _ = replicas
     route = Route("local", MODEL, MODEL, BLOCK_SIZE, 1, 2, tuple(
         Replica(f"replica-{i}", e.guard_url.removeprefix("http://")) for i, e in enumerate(engines)))
-    async with static_router(route) as served:
-        yield served
+    tracing = Tracing.start(TracingConfig("http://unused:4318", sample_ratio=0.0), names.ROUTER_SERVICE_NAME,
+                            exporter=router_spans, batch=False)
+    try:
+        async with static_router(route, tracing=tracing) as served:
+            yield served
+    finally:
+        tracing.shutdown()
 
 
 def resumed(fleet) -> float:
@@ -226,12 +248,28 @@ def check_one_whole_answer(interrupted: Interrupted, reference: tuple[str, objec
     return text
 
 
-async def test_a_completion_goes_on_when_its_replicas_vllm_is_killed(router, replicas, references):
-    interrupted, before = await interrupt(router, replicas, lambda api: api.completions.create, COMPLETION)
+async def test_a_completion_goes_on_when_its_replicas_vllm_is_killed(router, replicas, references, router_spans):
+    router_spans.clear()
+    interrupted, before = await interrupt(router, replicas, lambda api: api.completions.create,
+                                          {**COMPLETION, "extra_headers": {"traceparent": TRACEPARENT}})
     text = check_one_whole_answer(interrupted, references["completion"], before)
     # Greedy on the same weights: the continuation from the text sent is the rest of the same answer
     # (when re-tokenizing the text sent gives back the tokens that were sampled).
     assert text == references["completion"][0], interrupted.describe()
+    # Its trace, under the client's traceparent (not sampled: kept by the tail rule because it resumed), shows
+    # both replicas: the send to the killed one, failed, and the resumption on the other.
+    spans: dict[str, list] = {}
+    for span in router_spans.get_finished_spans():
+        if format(span.context.trace_id, "032x") == CLIENT_TRACE:
+            spans.setdefault(span.name, []).append(span)
+    killed, other = f"replica-{interrupted.killed}", f"replica-{1 - interrupted.killed}"
+    wanted = (names.ROUTER_REQUEST_SPAN, names.ROUTER_REPLICA_SPAN, names.ROUTER_RESUME_SPAN)
+    assert all(len(spans.get(name, ())) == 1 for name in wanted), {k: len(v) for k, v in spans.items()}
+    root, first, resumed = (spans[name][0] for name in wanted)
+    assert root.attributes[names.KEPT] == "resumed" and root.attributes[names.BROKEN_REPLICA] == killed
+    assert first.attributes[names.REPLICA] == killed and first.status.status_code == StatusCode.ERROR
+    assert resumed.attributes[names.REPLICA] == other and resumed.attributes[names.BROKEN_REPLICA] == killed
+    assert resumed.parent.span_id == root.context.span_id and first.end_time <= resumed.start_time
 
 
 async def test_a_chat_goes_on_when_its_replicas_vllm_is_killed(router, replicas, references):
