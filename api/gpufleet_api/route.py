@@ -51,6 +51,9 @@ class RouteView:
     # rather than to an engine pod: the prefill/decode hand-off and stream resumption need the router in the
     # data path (docs/gateway-epp.md). ``gateway_via_router`` computes it.
     via_router: bool = False
+    # spec.slo.ttftP99Milliseconds in seconds: a request whose first token came later has its trace kept by the
+    # router's tail rule (docs/tracing.md), as the guard keeps its own.
+    ttft_objective_seconds: float = 0.0
 
 
 def route_view(isvc: dict) -> RouteView:
@@ -68,7 +71,8 @@ def route_view(isvc: dict) -> RouteView:
         canary_revision=canary_revision, canary_weight=canary_weight,
         gateway=spec.gateway is not None,
         created=meta.get("creationTimestamp") or "", deleting=bool(meta.get("deletionTimestamp")),
-        queue_classes=tuple(c.name for c in spec.admission.queue_classes), via_router=gateway_via_router(spec))
+        queue_classes=tuple(c.name for c in spec.admission.queue_classes), via_router=gateway_via_router(spec),
+        ttft_objective_seconds=spec.slo.ttft_p99_milliseconds / 1000)
 
 
 def gateway_via_router(spec: InferenceServiceSpec) -> bool:

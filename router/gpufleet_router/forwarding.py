@@ -258,8 +258,9 @@ class Forwarder:
                 async for chunk in upstream.content.iter_any():
                     if first:
                         first = False
-                        self.metrics.ttft_seconds.labels(model).observe(self.fleet.clock() - call.arrived,
-                                                                        current().exemplar())
+                        ttft = self.fleet.clock() - call.arrived
+                        spans.first_token(current(), call.target, ttft)
+                        self.metrics.ttft_seconds.labels(model).observe(ttft, current().exemplar())
                     if tap is not None:
                         tap.feed(chunk)
                     await response.write(chunk)

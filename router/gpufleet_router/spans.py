@@ -87,3 +87,12 @@ def finished(trace: RequestTrace, status: int) -> None:
         trace.keep("error")
     elif status >= 400:
         trace.keep("refused")
+
+
+def first_token(trace: RequestTrace, target: Route, ttft: float) -> None:
+    """The request's first token went out ``ttft`` seconds after it came: past its service's TTFT objective,
+    its trace is kept (before the TTFT histogram's exemplar is written, so the slow bucket names a kept trace)."""
+    if target.ttft_objective_seconds and ttft > target.ttft_objective_seconds:
+        if trace.on:
+            trace.set(names.TTFT_SECONDS, ttft)
+        trace.keep("slo")

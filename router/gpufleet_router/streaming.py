@@ -73,8 +73,9 @@ class Streams:
                 before_end = None
             if events and not relay.first_sent:
                 relay.first_sent = True
-                self.metrics.ttft_seconds.labels(call.model).observe(self.fleet.clock() - call.arrived,
-                                                                     current().exemplar())
+                ttft = self.fleet.clock() - call.arrived
+                spans.first_token(current(), call.target, ttft)
+                self.metrics.ttft_seconds.labels(call.model).observe(ttft, current().exemplar())
             for event in events:
                 if relay.broke_at is not None:
                     gap = self.fleet.clock() - relay.broke_at

@@ -50,6 +50,7 @@ class Route:
     # the router (RouteView.via_router).
     queue_classes: tuple[str, ...] = ()
     via_router: bool = False
+    ttft_objective_seconds: float = 0.0   # RouteView's: 0, none
 
     @property
     def root(self) -> str:
@@ -127,5 +128,6 @@ def build_table(services: Iterable[dict], pods: Iterable[dict], serving: Callabl
                                    replicas=pools[UNIFIED], pool_max=view.pool_max, kv_tier=view.kv_tier,
                                    prefill=pools[PREFILL], decode=pools[DECODE], model_root=view.model_root,
                                    canary_revision=view.canary_revision, canary_weight=view.canary_weight,
-                                   queue_classes=view.queue_classes, via_router=view.via_router)
+                                   queue_classes=view.queue_classes, via_router=view.via_router,
+                                   ttft_objective_seconds=view.ttft_objective_seconds)
     return Table(routes, tuple(problems), claims)

@@ -22,6 +22,11 @@ def test_the_view_names_the_served_model_and_the_bounds():
     assert view.created == "2026-01-01T00:00:00Z" and not view.deleting and not view.kv_tier
 
 
+def test_the_ttft_objective_the_routers_tail_rule_keeps_by_is_the_services():
+    assert route_view(service(slo={"ttftP99Milliseconds": 750})).ttft_objective_seconds == 0.75
+    assert route_view(service()).ttft_objective_seconds == 2.0   # spec.slo's default
+
+
 def test_a_disaggregated_services_pool_bounds_are_the_ones_its_autoscaler_keeps():
     isvc = service(engine={"kvTransfer": {"connector": "Nixl"}},
                    disaggregation={"prefill": {"maxReplicas": 2}, "decode": {"maxReplicas": 6}})

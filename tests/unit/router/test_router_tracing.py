@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import Any
 
 import pytest
@@ -97,6 +98,27 @@ async def test_a_streamed_chat_is_one_trace_under_the_clients_traceparent_and_th
         # The guard's server span will be the send's child: its traceparent names the send, sampled.
         assert h.guards["b"].headers[0]["traceparent"] == \
             f"00-{CLIENT_TRACE}-{send.context.span_id:016x}-01"
+        no_text(exporter)
+
+
+@pytest.mark.parametrize("objective, kept", [(1e-9, True), (3600.0, False), (0.0, False)])
+async def test_a_stream_past_its_services_ttft_objective_is_kept_though_head_dropped(objective, kept):
+    """The route carries spec.slo.ttftP99Milliseconds (RouteView): a stream whose first token went out later is
+    kept by the router's tail rule, as the guard keeps its own; one within it, or a service without one, is not.
+    (The objectives are far below and far above any TTFT, so the outcome does not depend on the machine.)"""
+    async with traced_router(ratio=0.0) as (h, exporter):
+        route = h.fleet.table.routes[MODEL]
+        h.publish([dataclasses.replace(route, ttft_objective_seconds=objective)])
+        await h.fleet.read_once(h.http)
+        async with h.post(chat(stream=True), "/v1/chat/completions") as r:
+            assert r.status == 200
+            await r.read()
+        spans = by_name(exporter)
+        if not kept:
+            assert names.ROUTER_REQUEST_SPAN not in spans
+            return
+        [root] = spans[names.ROUTER_REQUEST_SPAN]
+        assert root.attributes[names.KEPT] == "slo" and root.attributes[names.TTFT_SECONDS] > objective
         no_text(exporter)
 
 
