@@ -4,28 +4,16 @@ it on as the operator does."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from gpufleet.manifests import guard_config as operator_guard_config
 from gpufleet_api import parse_spec
-from gpufleet_api.guard import guard_config, kv_blocks
+from gpufleet_api.guard import kv_blocks
 from gpufleet_api.guard.guard_config import ConfigError
 from gpufleet_engine.launch.flags import vllm_launch
 from gpufleet_engine.local.runner import LocalEngine
-
-FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "guard.json"
-
-
-def engine_cfg(**engine_overrides):
-    raw = json.loads(FIXTURE.read_text())
-    raw["engine"].update(engine_overrides)
-    return guard_config.parse(raw)
-
-
-def flag(argv, name):
-    return argv[argv.index(name) + 1]
+from tests.unit.engine.test_guard_flags import engine_cfg, flag
 
 
 def test_kv_events_become_vllms_flag():
